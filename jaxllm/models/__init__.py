@@ -1,0 +1,22 @@
+"""Model families. Each family file states only what differs: config mapping, tensor names, and the
+few functions whose math differs. Detection reads config.json's model_type / architectures."""
+from __future__ import annotations
+
+from ..errors import ModelError
+from . import gemma3, qwen3
+
+FAMILIES = (qwen3, gemma3)
+
+
+def family_for(hf: dict):
+    mt = hf.get("model_type")
+    for fam in FAMILIES:
+        if mt in fam.MODEL_TYPES:
+            return fam
+    for arch in hf.get("architectures") or []:
+        for fam in FAMILIES:
+            if arch in fam.ARCHITECTURES:
+                return fam
+    supported = ", ".join(t for f in FAMILIES for t in f.MODEL_TYPES)
+    what = mt or (hf.get("architectures") or ["<none>"])[0]
+    raise ModelError(f"unsupported model architecture {what!r} (supported model_type: {supported})")

@@ -1,0 +1,39 @@
+"""KV caches: one stack per attention kind, [n_layers_of_kind, B, S, K, hd], in the compute dtype.
+
+Slot s of a linear cache holds absolute position s; tokens are written at their positions, so a
+right-padded prefill leaves junk only in slots past each row's length, which the causal mask never
+reads before the decode loop has overwritten them.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .config import KIND_NAMES, ModelConfig
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int, dtype, n_layers=None) -> dict:
+    """Zeroed cache for `batch` rows of `length` positions. `n_layers` (kind -> count) lets a family
+    that shares KV between layers allocate fewer stacks than it has layers."""
+    cache = {}
+    for kind in cfg.kinds_used:
+        a = cfg.attn[kind]
+        n = cfg.layers_of_kind(kind) if n_layers is None else n_layers[kind]
+        shape = (n, batch, length, a.num_kv_heads, a.head_dim)
+        cache[KIND_NAMES[kind]] = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    return cache
+
+
+def cache_length(cache: dict) -> int:
+    return next(iter(cache.values()))["k"].shape[2]
+
+
+def write(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """Write new [B, T, K, hd] into buf [B, S, K, hd] at row-wise start offsets start [B]."""
+    def one(b, n, s):
+        return jax.lax.dynamic_update_slice(b, n.astype(b.dtype), (s, 0, 0))
+    return jax.vmap(one)(buf, new, start)
+
+
+def slot_positions(batch: int, length: int) -> jax.Array:
+    return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))

@@ -1,0 +1,72 @@
+"""Model configuration shared by every family.
+
+A family file maps its config.json onto `ModelConfig`; everything downstream (weights, caches, the
+layer scan) reads only this. Attention comes in at most two kinds, sliding and global, each with its
+own `AttnSpec`, because Gemma 4 gives them different head counts and head sizes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+SLIDING, GLOBAL = 0, 1
+KIND_NAMES = ("sliding", "global")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    theta: float = 10_000.0
+    kind: str = "default"          # default | linear | proportional
+    factor: float = 1.0            # linear: positions are divided by it
+    partial: float = 1.0           # fraction of head_dim that rotates
+
+
+@dataclass(frozen=True)
+class AttnSpec:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope: RopeSpec = RopeSpec()
+    window: int | None = None      # sliding window (keys with pos > q_pos - window); None = global
+    k_eq_v: bool = False           # Gemma 4 global layers: V is the raw K projection
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    layer_kinds: tuple[int, ...]            # SLIDING or GLOBAL per layer
+    attn: tuple[AttnSpec | None, AttnSpec | None]   # indexed by kind; None where unused
+    norm_eps: float = 1e-6
+    norm_offset: float = 0.0                # Gemma scales by (1 + w)
+    sandwich_norms: bool = False            # Gemma: post-attention and post-MLP norms
+    qk_norm: bool = True
+    v_norm: bool = False                    # Gemma 4: parameter-free RMS norm on V
+    activation: str = "silu"                # silu | gelu_tanh
+    embed_scale: float | None = None        # Gemma: sqrt(hidden_size), in the compute dtype
+    query_scale: float = 1.0                # multiplies q before q.k
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    tie_embeddings: bool = True
+    max_position: int = 8192
+    bos_id: int | None = None
+    eos_ids: tuple[int, ...] = ()
+    pad_id: int = 0
+    extras: tuple[tuple[str, object], ...] = field(default=())   # family-specific static values
+
+    # -- derived -------------------------------------------------------------------------------
+    @property
+    def kinds_used(self) -> tuple[int, ...]:
+        return tuple(k for k in (SLIDING, GLOBAL) if k in self.layer_kinds)
+
+    def layers_of_kind(self, kind: int) -> int:
+        return sum(1 for k in self.layer_kinds if k == kind)
+
+    def extra(self, name: str, default=None):
+        return dict(self.extras).get(name, default)
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)

@@ -1,0 +1,169 @@
+"""The engine: a loaded model plus the compiled prefill / decode-loop / forward functions."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import generate as gen
+from .cache import init_cache
+from .config import ModelConfig
+from .errors import RequestError
+from .model import forward, logits_from_hidden
+from .sampling import SamplingParams
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str                 # "stop" (EOS or a stop string) | "length"
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class GenerateStats:
+    batch: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    steps: int = 0
+
+
+def bucket(n: int, lo: int = 16) -> int:
+    """Next power of two >= n: prompt and cache lengths come in few shapes, so few compiles."""
+    return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+def check_sampling(max_tokens, temperature, top_k, top_p):
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise RequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    if temperature is None or not np.isfinite(temperature) or temperature < 0:
+        raise RequestError(f"temperature must be >= 0, got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 0):
+        raise RequestError(f"top_k must be a non-negative integer, got {top_k!r}")
+    if top_p is not None and not (0 < top_p <= 1):
+        raise RequestError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
+class Engine:
+    def __init__(self, cfg: ModelConfig, weights, tokenizer, *, dtype="bfloat16", max_ctx=8192,
+                 name="model", quant="none"):
+        self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
+        self.dtype_name, self.dtype = dtype, DTYPES[dtype]
+        self.max_ctx, self.name, self.quant = max_ctx, name, quant
+        self.stats = GenerateStats()
+        d = self.dtype
+        self._prefill = jax.jit(partial(gen.prefill, cfg, dtype=d), static_argnames=("n_out",),
+                                donate_argnames=("cache",))
+        self._loop = jax.jit(partial(gen.decode_loop, cfg, dtype=d), donate_argnames=("state",))
+        self._step = jax.jit(partial(gen.decode_step, cfg, dtype=d), donate_argnames=("cache",))
+        self._forward = jax.jit(self._forward_logits)
+
+    # -- full forward ----------------------------------------------------------------------------
+    def _forward_logits(self, weights, tokens):
+        B, T = tokens.shape
+        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        h, _ = forward(self.cfg, weights, tokens, pos, init_cache(self.cfg, B, T, self.dtype), self.dtype)
+        return logits_from_hidden(self.cfg, weights, h)
+
+    def logits(self, token_ids, lengths=None) -> np.ndarray:
+        """Causal logits [B, T, vocab] (float32) of right-padded rows; past lengths[b] undefined."""
+        ids = np.asarray(token_ids, np.int32)
+        if ids.ndim != 2:
+            raise RequestError(f"token_ids must be 2-D (batch, time), got shape {ids.shape}")
+        B, T = ids.shape
+        if T > self.max_ctx:
+            raise RequestError(f"sequence of {T} tokens is longer than max_ctx {self.max_ctx}")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.cfg.vocab_size):
+            raise RequestError(f"token ids must lie in [0, {self.cfg.vocab_size})")
+        Tb = min(bucket(T), max(self.max_ctx, T))
+        padded = np.full((B, Tb), self.cfg.pad_id, np.int32)
+        padded[:, :T] = ids
+        return np.asarray(self._forward(self.weights, jnp.asarray(padded)))[:, :T]
+
+    # -- generation ------------------------------------------------------------------------------
+    def encode_prompt(self, prompt, chat: bool) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError("this model directory has no tokenizer.json; pass token ids instead")
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+            return self.tokenizer.encode_chat(list(prompt))
+        if not isinstance(prompt, str):
+            raise RequestError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+        if chat and self.tokenizer.chat_template:
+            return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    def generate(self, prompts, max_tokens=64, temperature=0.0, top_k=None, top_p=None, seed=0,
+                 stop=None, chat=True) -> list[Completion]:
+        check_sampling(max_tokens, temperature, top_k, top_p)
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not prompts:
+            raise RequestError("no prompts given")
+        ids = [self.encode_prompt(p, chat) for p in prompts]
+        return self.generate_ids(ids, max_tokens, temperature, top_k, top_p, seed, stop)
+
+    def generate_ids(self, ids: list[list[int]], max_tokens=64, temperature=0.0, top_k=None,
+                     top_p=None, seed=0, stop=None) -> list[Completion]:
+        check_sampling(max_tokens, temperature, top_k, top_p)
+        lens = [len(x) for x in ids]
+        if min(lens) == 0:
+            raise RequestError("a prompt encoded to no tokens")
+        if max(lens) > self.max_ctx - 1:
+            raise RequestError(f"prompt of {max(lens)} tokens does not fit max_ctx {self.max_ctx} "
+                               f"(it needs room for at least one new token)")
+        B, T = len(ids), min(bucket(max(lens)), self.max_ctx)
+        S = min(bucket(max(lens) + max_tokens), self.max_ctx)
+        row_max = np.array([min(max_tokens, S - n) for n in lens], np.int32)
+        n_out = min(bucket(int(row_max.max()), 1), S)
+        tokens = np.full((B, T), self.cfg.pad_id, np.int32)
+        for b, x in enumerate(ids):
+            tokens[b, :len(x)] = x
+        params = SamplingParams.make(B, temperature, top_k, top_p, seed)
+        t0 = time.perf_counter()
+        cache = init_cache(self.cfg, B, S, self.dtype)
+        state, _ = self._prefill(self.weights, jnp.asarray(tokens), jnp.asarray(lens, dtype=jnp.int32),
+                                 cache, params, jnp.asarray(row_max), n_out=n_out)
+        state.tokens.block_until_ready()
+        t1 = time.perf_counter()
+        state = self._loop(self.weights, state, params)
+        out, n_new = jax.device_get((state.tokens, state.n_new))
+        t2 = time.perf_counter()
+        self.stats = GenerateStats(B, sum(lens), int(n_new.sum()), t1 - t0, t2 - t1, int(state.step))
+        return [self._finish(ids[b], out[b, :n_new[b]].tolist(), int(row_max[b]), stop) for b in range(B)]
+
+    def _finish(self, prompt_ids, new_ids, limit, stop) -> Completion:
+        reason = "length"
+        if new_ids and new_ids[-1] in self.cfg.eos_ids:
+            new_ids, reason = new_ids[:-1], "stop"
+        text = self.tokenizer.decode(new_ids) if self.tokenizer is not None else ""
+        for s in ([stop] if isinstance(stop, str) else stop or []):
+            i = text.find(s) if s else -1
+            if i >= 0:
+                text, reason = text[:i], "stop"
+                new_ids = _ids_covering(self.tokenizer, new_ids, text)
+        return Completion(text, new_ids, reason, list(prompt_ids))
+
+    # -- one step at a time (tests, and the server's continuous batching) ------------------------
+    def new_cache(self, batch: int, length: int):
+        return init_cache(self.cfg, batch, length, self.dtype)
+
+    def step(self, tokens, positions, cache):
+        """One decode step for every row: tokens/positions [B] -> (logits [B, V], cache)."""
+        return self._step(self.weights, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32), cache)
+
+
+def _ids_covering(tok, ids, text):
+    """The shortest prefix of ids whose decoding covers `text` (stop strings cut mid-token)."""
+    for n in range(len(ids) + 1):
+        if len(tok.decode(ids[:n])) >= len(text):
+            return ids[:n]
+    return ids

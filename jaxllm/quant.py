@@ -1,0 +1,60 @@
+"""int8 weights with one scale per output channel, as a pytree the matmul helpers understand."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+
+@struct.dataclass
+class QuantArray:
+    """Symmetric int8 values and a float scale over the weight's output (non-contracted) dims."""
+    q: jax.Array                 # int8, the weight's shape
+    scale: jax.Array             # float32, shape = q.shape[n_contract:]
+    n_contract: int = struct.field(pytree_node=False, default=1)
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+    @property
+    def dtype(self):
+        return self.q.dtype
+
+
+def quantize_np(w: np.ndarray, n_contract: int = 1, stack_dims: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Per-output-channel symmetric int8 of a (possibly layer-stacked) weight.
+
+    `stack_dims` leading axes (e.g. the layer axis) are kept apart; the next `n_contract` axes are
+    the contracted input axes over which one scale is shared.
+    """
+    w = np.asarray(w, np.float32)
+    axes = tuple(range(stack_dims, stack_dims + n_contract))
+    amax = np.max(np.abs(w), axis=axes, keepdims=True)
+    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+    return q, np.squeeze(scale, axis=axes)
+
+
+def linear(x: jax.Array, w, n_contract: int = 1) -> jax.Array:
+    """Contract the last `n_contract` dims of x with the first `n_contract` dims of w.
+
+    The output is x's leading dims followed by w's remaining dims, so a per-output-channel scale
+    broadcasts on the trailing dims and XLA fuses the dequantization into the dot's epilogue.
+    """
+    xa = tuple(range(x.ndim - n_contract, x.ndim))
+    wa = tuple(range(n_contract))
+    if isinstance(w, QuantArray):
+        y = jax.lax.dot_general(x, w.q.astype(x.dtype), ((xa, wa), ((), ())),
+                                preferred_element_type=jnp.float32)
+        return (y * w.scale).astype(x.dtype)
+    return jax.lax.dot_general(x, w.astype(x.dtype), ((xa, wa), ((), ())),
+                               preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def dequantize(w) -> jax.Array:
+    if isinstance(w, QuantArray):
+        s = w.scale.reshape((1,) * w.n_contract + w.scale.shape)
+        return w.q.astype(jnp.float32) * s
+    return w

@@ -1,0 +1,102 @@
+"""Tokenizer (the `tokenizers` library) plus the chat template, rendered with jinja2."""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .errors import ModelError, RequestError
+
+
+def _token_text(v) -> str | None:
+    if isinstance(v, dict):            # AddedToken serialised as a dict
+        return v.get("content")
+    return v
+
+
+class Tokenizer:
+    def __init__(self, tok, *, bos_id=None, eos_ids=(), add_bos=False, chat_template=None,
+                 bos_token=None, eos_token=None):
+        self.tok = tok
+        self.bos_id = bos_id
+        self.eos_ids = tuple(eos_ids)
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self._template = None
+
+    # -- construction ----------------------------------------------------------------------------
+    @classmethod
+    def from_hf_dir(cls, d: Path, fallback_template: str | None = None) -> "Tokenizer | None":
+        from tokenizers import Tokenizer as HFTokenizer
+        path = d / "tokenizer.json"
+        if not path.exists():
+            return None
+        try:
+            tok = HFTokenizer.from_file(str(path))
+        except Exception as e:
+            raise ModelError(f"{path}: unreadable tokenizer ({str(e).splitlines()[0]})") from None
+        tc = _read_json(d / "tokenizer_config.json")
+        template = tc.get("chat_template")
+        if (d / "chat_template.jinja").exists():     # transformers >= 4.43 writes it apart
+            template = (d / "chat_template.jinja").read_text()
+        elif (d / "chat_template.json").exists():
+            template = _read_json(d / "chat_template.json").get("chat_template")
+        if isinstance(template, list):               # named templates: take "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        bos, eos = _token_text(tc.get("bos_token")), _token_text(tc.get("eos_token"))
+        gen = _read_json(d / "generation_config.json")
+        eos_ids = []
+        for v in [gen.get("eos_token_id"), tok.token_to_id(eos) if eos else None]:
+            for i in (v if isinstance(v, list) else [v]):
+                if i is not None and i not in eos_ids:
+                    eos_ids.append(i)
+        return cls(tok, bos_id=tok.token_to_id(bos) if bos else None, eos_ids=eos_ids,
+                   add_bos=bool(tc.get("add_bos_token", False)), chat_template=template or fallback_template,
+                   bos_token=bos, eos_token=eos)
+
+    # -- use -------------------------------------------------------------------------------------
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=add_special).ids
+        if add_special and self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise RequestError("this model has no chat template; send a raw prompt instead")
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            env.filters["tojson"] = lambda x, indent=None, **k: json.dumps(x, indent=indent, ensure_ascii=False)
+            self._template = env.from_string(self.chat_template)
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.TemplateError as e:
+            raise RequestError(f"chat template rejected the messages: {e}") from None
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        # The template writes BOS itself, as transformers' apply_chat_template does.
+        return self.encode(self.render_chat(messages), add_special=False)
+
+
+def _raise(msg):
+    raise jinja2.TemplateError(msg)
+
+
+def _read_json(p: Path) -> dict:
+    if not p.exists():
+        return {}
+    try:
+        return json.loads(p.read_text())
+    except ValueError as e:
+        raise ModelError(f"{p}: malformed JSON ({e})") from None
