@@ -52,6 +52,9 @@ def attention_block(cfg, kind, w, h, positions, layer_cache, start):
     """Project, write this step's K/V into the layer's cache, attend over the cache, project out."""
     a = cfg.attn[kind]
     q, k, v = project_qkv(cfg, a, w, h, positions, inv_frequencies(a.rope, a.head_dim))
+    if not isinstance(layer_cache, dict):          # split cache (ring buffer / blockwise global)
+        o, layer_cache = layer_cache.update_and_attend(cfg, a, w, q, k, v, positions)
+        return linear(o, w["o"], 2), layer_cache
     ck = kv.write(layer_cache["k"], k, start)
     cv = kv.write(layer_cache["v"], v, start)
     B, S = ck.shape[0], ck.shape[1]
