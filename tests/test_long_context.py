@@ -16,7 +16,7 @@ from jaxllm.errors import ModelError, RequestError
 from jaxllm.kv_plan import check_fits, plan_cache
 from jaxllm.sampling import SamplingParams
 from jaxllm.split_cache import BlockKV, KVLayout, KVOptions, RingKV, cache_axes, cache_shapes, make_cache
-from tiny import random_weights, tiny_gemma3, tiny_gemma4_like
+from kv_tiny_models import random_weights, tiny_gemma3, tiny_gemma4_like
 
 WINDOW = 16
 # Lowered so that max_ctx 256 is "long"; blocks of 16 and chunks of 24 (> the window) make every
@@ -156,3 +156,83 @@ def test_kv_options_and_context_checks():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not Engine(cfg, w, None, dtype="float32", max_ctx=64, kv_options=SPLIT).kv_layout.split
+
+
+# -- the embedded Gemma 3 270M ----------------------------------------------------------------------
+GPL = "/usr/share/common-licenses/GPL-3"
+PPL_WINDOW, PPL_STRIDE, PPL_CHUNK = 1536, 768, 768
+# Sized for CI on two CPU cores (an 8192-token window costs minutes per pass there): two windows;
+# chunks of 768 exceed the model's 512-token sliding window, and blocks of 256 give the int8
+# global layers six blocks per window.
+PPL_TEXT_TOKENS = PPL_WINDOW - 1 + PPL_STRIDE
+INT8_PPL_OPTIONS = KVOptions(block=256, prefill_chunk=PPL_CHUNK)
+
+
+@pytest.fixture(scope="module")
+def gemma270m():
+    return jaxllm.load(max_ctx=PPL_WINDOW, kv_quant="none")
+
+
+def perplexity(eng, ids: list[int]) -> float:
+    """Sliding-window perplexity (windows of W tokens: a fresh BOS + W-1 text tokens, advancing by
+    the stride; only tokens no earlier window scored count), through `eng`'s KV cache in chunks."""
+    cfg = eng.cfg
+    step = jax.jit(partial(chunked.logits_chunk, cfg, dtype=eng.dtype), static_argnames=("mark_padding",),
+                   donate_argnames=("cache",))
+
+    @jax.jit
+    def nll(logits, targets):
+        lp = jax.nn.log_softmax(logits[0], axis=-1)
+        got = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
+        return -jnp.sum(jnp.where(targets >= 0, got, 0.0))
+
+    total, count, scored_to = 0.0, 0, 0
+    for begin in range(0, len(ids), PPL_STRIDE):
+        end = min(begin + PPL_WINDOW - 1, len(ids))
+        window = np.array([cfg.bos_id] + ids[begin:end], np.int32)
+        targets = np.full(PPL_WINDOW, -1, np.int32)            # targets[t] = the token after t
+        first = max(scored_to, begin) - begin                  # window index of the first new token
+        targets[first:len(window) - 1] = window[first + 1:]
+        tokens = chunked.pad_rows([window.tolist()], PPL_WINDOW, cfg.pad_id)
+        out, _ = chunked.run_logits(step, eng.weights, tokens, [len(window)], eng.new_cache(1, PPL_WINDOW),
+                                    PPL_CHUNK, eng.kv_layout.split,
+                                    consume=lambda s, lg: nll(lg, jnp.asarray(targets[s:s + PPL_CHUNK])))
+        total += float(sum(out))
+        count += int((targets >= 0).sum())
+        scored_to = end
+        if end == len(ids):
+            break
+    return float(np.exp(total / count))
+
+
+@pytest.mark.slow
+def test_gemma270m_int8_kv_perplexity(gemma270m):
+    eng = gemma270m
+    ids = eng.tokenizer.encode(open(GPL).read())
+    ids = [t for t in ids if t != eng.cfg.bos_id][:PPL_TEXT_TOKENS]
+    int8 = Engine(eng.cfg, eng.weights, eng.tokenizer, max_ctx=PPL_WINDOW, kv_quant="int8",
+                  kv_options=INT8_PPL_OPTIONS)
+    assert not eng.kv_layout.split and int8.kv_layout == KVLayout(split=True, int8=True)
+    p_ref, p_int8 = perplexity(eng, ids), perplexity(int8, ids)
+    print(f"GPL-3, {len(ids)} tokens, window {PPL_WINDOW} stride {PPL_STRIDE}: "
+          f"ppl bf16 KV {p_ref:.4f}, int8 KV {p_int8:.4f} ({100 * (p_int8 / p_ref - 1):+.3f}%)")
+    assert 1.0 < p_ref < 100
+    assert abs(p_int8 / p_ref - 1) < 0.01
+
+
+@pytest.mark.slow
+def test_gemma270m_answers_at_128k_context(gemma270m, capsys):
+    eng = gemma270m
+    with pytest.warns(UserWarning, match=f"max_ctx 131072 .* {eng.cfg.max_position}"):
+        long = Engine(eng.cfg, eng.weights, eng.tokenizer, max_ctx=131072, kv_options=KVOptions(prefill_chunk=1024))
+    assert long.kv_layout == KVLayout(split=True, int8=True)
+    plan = long.kv_plan(1)
+    print(plan.describe())
+    assert plan.total < 400 * 2**20          # 3 int8 global layers + 15 rings of 512, for 128K tokens
+    text = open(GPL).read()
+    body = eng.tokenizer.decode(eng.tokenizer.encode(text)[1:2900])
+    prompt = body + "\n\nWhat is the name of the license above?"
+    out = long.generate([prompt], max_tokens=24)[0]
+    print(f"{len(out.prompt_token_ids)} prompt tokens -> {out.text!r}")
+    assert len(out.prompt_token_ids) > 2900 and out.token_ids
+    assert "GNU" in out.text or "General Public" in out.text
