@@ -52,13 +52,6 @@ def hf_dir_name(gguf_path):
 
 
 @pytest.fixture(scope="module")
-def hf_config(hf_dir_name):
-    transformers = pytest.importorskip("transformers")
-    d, name = hf_dir_name
-    return transformers.AutoConfig.from_pretrained(d, gguf_file=name)
-
-
-@pytest.fixture(scope="module")
 def hf_tokenizer(hf_dir_name):
     transformers = pytest.importorskip("transformers")
     d, name = hf_dir_name
@@ -66,12 +59,13 @@ def hf_tokenizer(hf_dir_name):
 
 
 @pytest.fixture(scope="module")
-def hf_state_dict(hf_dir_name):
+def hf_model(hf_dir_name):
+    """(config, float32 numpy state dict) from transformers' GGUF loader; loaded once (~40 s)."""
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     d, name = hf_dir_name
     model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
-    return {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    return model.config, {k: v.detach().numpy() for k, v in model.state_dict().items()}
 
 
 @pytest.fixture(scope="module")
@@ -95,11 +89,11 @@ def test_config_shape(gguf_path):
 
 
 @pytest.mark.slow
-def test_config_matches_transformers(gguf_path, hf_config):
+def test_config_matches_transformers(gguf_path, hf_model):
     import transformers
 
     ours = read_gguf_config(gguf_path)
-    theirs = hf_config.to_dict()
+    theirs = hf_model[0].to_dict()
     for field in MATH_FIELDS:
         assert ours[field] == theirs[field], field
     # and transformers builds the same config from our dict
@@ -108,13 +102,37 @@ def test_config_matches_transformers(gguf_path, hf_config):
         assert rebuilt[field] == theirs[field], field
 
 
+def test_config_from_metadata(tmp_path):
+    """What llama.cpp writes for bigger Gemma 3s: linear RoPE scaling on global layers only."""
+    import gguf
+
+    path = tmp_path / "scaled.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    _gemma3_metadata(w, n_layers=12)
+    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    w.add_rope_scaling_factor(8.0)
+    w.add_tensor("output_norm.weight", np.ones(256, np.float32))
+    w.add_tensor("output.weight", np.ones((5, 256), np.float32))
+    _write(w)
+    cfg = read_gguf_config(path)
+    assert cfg["rope_parameters"] == {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "linear", "rope_theta": 10_000.0, "factor": 8.0},
+    }
+    assert cfg["layer_types"] == (["sliding_attention"] * 5 + ["full_attention"]) * 2
+    assert cfg["tie_word_embeddings"] is False and cfg["vocab_size"] == 5
+    assert cfg["query_pre_attn_scalar"] == 256 and cfg["sliding_window"] == 64
+    assert dict(iter_gguf_tensors(path))["lm_head.weight"].shape == (5, 256)
+
+
 # ---------------------------------------------------------------------------------------------
 # Tensors
 # ---------------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
-def test_tensors_match_transformers(gguf_path, hf_state_dict):
+def test_tensors_match_transformers(gguf_path, hf_model):
+    hf_state_dict = hf_model[1]
     it = iter_gguf_tensors(gguf_path)
     assert iter(it) is it  # a generator: one tensor at a time
     seen = set()
@@ -231,8 +249,8 @@ def test_tokenizer_round_trip(tok_info):
 # ---------------------------------------------------------------------------------------------
 
 
-def _gemma3_metadata(w, arch="gemma3"):
-    w.add_block_count(1)
+def _gemma3_metadata(w, arch="gemma3", n_layers=1):
+    w.add_block_count(n_layers)
     w.add_context_length(128)
     w.add_embedding_length(256)
     w.add_feed_forward_length(512)
@@ -276,12 +294,27 @@ def test_not_a_gguf(tmp_path, fn):
 
 
 def test_truncated_gguf(tmp_path, gguf_path):
-    data = gguf_path.read_bytes()
-    for n in (100, 4096, len(data) - 1000):
+    # the real file cut in its header, its metadata, and inside the vocabulary strings
+    with open(gguf_path, "rb") as f:
+        head = f.read(3_000_000)
+    for n in (100, 4096, len(head)):
         cut = tmp_path / f"cut{n}.gguf"
-        cut.write_bytes(data[:n])
+        cut.write_bytes(head[:n])
         assert "truncated" in _one_line_model_error(read_gguf_config, cut)
-        cut.unlink()
+    # a (small) file cut inside its tensor data, as an interrupted download leaves it
+    import gguf
+
+    whole = tmp_path / "whole.gguf"
+    w = gguf.GGUFWriter(str(whole), "gemma3")
+    _gemma3_metadata(w)
+    w.add_tensor("token_embd.weight", np.ones((5, 256), np.float32))
+    w.add_tensor("output_norm.weight", np.ones(256, np.float32))
+    _write(w)
+    data = whole.read_bytes()
+    cut = tmp_path / "cut_data.gguf"
+    cut.write_bytes(data[:-100])
+    for fn in (read_gguf_config, load_gguf_tokenizer, lambda p: list(iter_gguf_tensors(p))):
+        assert "truncated" in _one_line_model_error(fn, cut)
 
 
 def test_other_architecture(tmp_path):
