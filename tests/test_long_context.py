@@ -1,5 +1,8 @@
 """The split KV cache (sliding ring buffer + int8 global layers) against the full-length cache, with
 the threshold lowered so tiny models take the long-context path on the CPU."""
+import os
+import subprocess
+import sys
 import warnings
 from functools import lru_cache, partial
 
@@ -156,6 +159,19 @@ def test_kv_options_and_context_checks():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not Engine(cfg, w, None, dtype="float32", max_ctx=64, kv_options=SPLIT).kv_layout.split
+
+
+def test_cli_refuses_a_cache_that_cannot_fit(tmp_path):
+    import tiny
+    tiny.make("gemma3", tmp_path)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "jaxllm.infer", "--model-dir", str(tmp_path), "--max-ctx",
+                        str(10 ** 12), "--kv-quant", "none", "--quant", "none"], capture_output=True, text=True,
+                       timeout=300, cwd=root, env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root})
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert err[0].startswith("warning: max_ctx 1000000000000 is beyond the model's trained context of 512")
+    assert err[-1].startswith("jaxllm.infer: error: the KV cache for 1 x 1,000,000,000,000 tokens needs"), err
 
 
 # -- the embedded Gemma 3 270M ----------------------------------------------------------------------
