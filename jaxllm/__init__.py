@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from .engine import Completion, Engine
 from .errors import JaxllmError, ModelError, RequestError
+from .split_cache import KVOptions
 
-__all__ = ["load", "Engine", "Completion", "JaxllmError", "ModelError", "RequestError"]
+__all__ = ["load", "Engine", "Completion", "KVOptions", "JaxllmError", "ModelError", "RequestError"]
 __version__ = "0.1.0"
 
 

@@ -222,7 +222,8 @@ CACHE_AXES = {
 
 
 def cache_axes(cache) -> dict:
-    """A pytree like `cache` (arrays or shape structs) holding each leaf's logical axis names."""
+    """A pytree like `cache` (arrays or shape structs) holding each leaf's logical axis names, as
+    tuples: `jax.tree_util.tree_map(fn, cache, cache_axes(cache))` pairs every leaf with its axes."""
     def kind_axes(c):
         if isinstance(c, RingKV):
             return RingKV(CACHE_AXES["kv"], CACHE_AXES["kv"], CACHE_AXES["pos"])
