@@ -42,6 +42,16 @@ def engines(make_cfg):
         mk(kv_quant="none", kv_options=SPLIT)
 
 
+def test_long_prompt_prefilled_in_chunks_on_the_full_cache():
+    cfg, full, _, _ = engines(tiny_gemma3)
+    chunks = Engine(cfg, full.weights, None, dtype="float32", max_ctx=256,
+                    kv_options=KVOptions(threshold=1024, prefill_chunk=24))
+    assert not chunks.kv_layout.split
+    ps = prompts(cfg)
+    assert [c.token_ids for c in chunks.generate_ids(ps, max_tokens=6)] == \
+        [c.token_ids for c in full.generate_ids(ps, max_tokens=6)]
+
+
 def prompts(cfg, seed=1):
     r = np.random.default_rng(seed)
     return [r.integers(3, cfg.vocab_size, n).tolist() for n in (50, 33)]
