@@ -2,6 +2,7 @@
 configs with their distinguishing features kept, every parameter randomized."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 S, G = "sliding_attention", "full_attention"
@@ -51,14 +52,28 @@ def randomize(model, seed: int = 0):
     return model
 
 
+def forced_router(E: int, D: int, rng) -> np.ndarray:
+    """Router rows c_e * v: tokens with h.v > 0 pick experts 0-2, the others 5-7; 3 and 4 get none,
+    and every chosen expert serves several tokens."""
+    v = rng.standard_normal(D).astype(np.float32)
+    c = np.array([5.0, 4.0, 3.0, 0.2, 0.1, -3.0, -4.0, -5.0], np.float32)[:E]
+    return c[:, None] * v[None, :]
+
+
 def build(variant: str, seed: int = 0, **overrides):
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
     cfg = Gemma4TextConfig(**{**BASE, **VARIANTS[variant], **overrides}, architectures=["Gemma4ForCausalLM"])
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
-    return randomize(Gemma4ForCausalLM(cfg).eval(), seed)
+    model = randomize(Gemma4ForCausalLM(cfg).eval(), seed)
+    if cfg.enable_moe_block:        # half the layers route unevenly on purpose
+        rng = np.random.default_rng(seed)
+        with torch.no_grad():
+            for layer in model.model.layers[::2]:
+                layer.router.proj.weight.copy_(torch.from_numpy(forced_router(cfg.num_experts, cfg.hidden_size, rng)))
+    return model
 
 
-def hf_logits(model, ids) -> "np.ndarray":
+def hf_logits(model, ids) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float().numpy()
