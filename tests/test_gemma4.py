@@ -15,6 +15,7 @@ import jaxllm
 from jaxllm import ModelError
 from jaxllm.models import gemma4
 from jaxllm.moe import moe_ffn
+from jaxllm.params import is_spec
 from jaxllm.quant import QuantArray, quantize_np
 
 from gemma4_refs import VARIANTS, build, forced_router, hf_logits
@@ -109,6 +110,36 @@ def test_fused_loop_matches_python_stepping(variant, tmp_path_factory):
     case = get_case(variant, tmp_path_factory)
     out = case.engine.generate_ids(case.rows, max_tokens=6, temperature=0.0)
     assert [c.token_ids for c in out] == step_greedy(case.engine, case.rows, 6)
+
+
+def dequantized(cfg, family, weights):
+    """The int8 tree as float32 arrays (each scale broadcast back over its contracted dims)."""
+    def one(spec, w):
+        if not isinstance(w, QuantArray):
+            return w
+        lead = (1 if spec.axes[0] == "layers" else 0) + spec.n_batch
+        scale = w.scale.reshape(w.scale.shape[:lead] + (1,) * w.n_contract + w.scale.shape[lead:])
+        return w.q.astype(jnp.float32) * scale
+    return jax.tree_util.tree_map(one, family.abstract(cfg), weights, is_leaf=is_spec)
+
+
+def test_int8_checkpoint_equals_its_dequantized_weights(tmp_path_factory):
+    """int8 weights (experts per expert and output channel) compute what their float values do."""
+    case = get_case("26b-a4b", tmp_path_factory)
+    eng = jaxllm.load(case.dir, quant="int8", dtype="float32", max_ctx=64)
+    experts = eng.weights["layers"]["sliding"]["experts_down"]
+    assert isinstance(experts, QuantArray) and experts.scale.shape == (6, 8, 64)
+    got = eng.logits(case.ids, lengths=list(LENS))
+    ref_engine = case.engine
+    float_weights = ref_engine.weights
+    try:                                   # the float engine's compiled forward, on dequantized weights
+        ref_engine.weights = dequantized(eng.cfg, gemma4, eng.weights)
+        ref = ref_engine.logits(case.ids, lengths=list(LENS))
+    finally:
+        ref_engine.weights = float_weights
+    for b, n in enumerate(LENS):
+        assert rel_err(got[b, :n], ref[b, :n]) < TOL
+        assert rel_err(got[b, :1], case.hf[b][:1]) < 5e-2     # and quantization error is small
 
 
 # -- MoE -----------------------------------------------------------------------------------------

@@ -58,7 +58,8 @@ def _random_leaf(spec: ParamSpec, key, dtype, quant: str):
         # uniform integers in [-127, 127] have std 127/sqrt(3)
         scale = jnp.full(scale_shape, np.sqrt(3.0) / (127.0 * np.sqrt(fan_in)), jnp.float32)
         return QuantArray(q, scale, spec.n_contract)
-    return (jax.random.normal(key, spec.shape, jnp.float32) / np.sqrt(fan_in)).astype(dtype)
+    # drawn in the target dtype: a float32 temporary of the largest stack would not fit beside the model
+    return jax.random.normal(key, spec.shape, dtype) * jnp.asarray(1.0 / np.sqrt(fan_in), dtype)
 
 
 def random_weights(cfg: ModelConfig, family, dtype=jnp.bfloat16, quant: str = "int8", seed: int = 0) -> dict:
