@@ -225,3 +225,32 @@ def test_refuses_kv_sharing_without_a_producer(tmp_path):
           "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "full_attention"]}
     with pytest.raises(ModelError, match="no earlier global layer"):
         gemma4.config_from_hf(hf)
+
+
+# -- checkpoint layouts and chat template ----------------------------------------------------------
+def test_multimodal_checkpoint_loads_its_text_tower(tmp_path, tmp_path_factory):
+    """Gemma4ForConditionalGeneration: config under text_config, tensors under model.language_model."""
+    import json
+    case = get_case("e2b", tmp_path_factory)
+    text = json.loads((case.dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "text_config": text,
+         "vision_config": {"hidden_size": 8}, "eos_token_id": [1, 106]}))
+    tensors = {k.replace("model.", "model.language_model.", 1): v
+               for k, v in load_file(case.dir / "model.safetensors").items()}
+    tensors["model.vision_tower.patch_embedder.weight"] = torch.zeros(4, 4)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    eng = jaxllm.load(tmp_path, quant="none", dtype="float32", max_ctx=64)
+    assert eng.cfg.replace(eos_ids=()) == case.engine.cfg.replace(eos_ids=()), "text config differs"
+    assert eng.cfg.eos_ids == (1, 106)
+    same = jax.tree_util.tree_map(lambda a, b: bool(np.array_equal(a, b)), eng.weights, case.engine.weights)
+    assert all(jax.tree_util.tree_leaves(same))
+
+
+def test_fallback_chat_template_uses_gemma4_turns():
+    from jaxllm.tokenizer import Tokenizer
+    tok = Tokenizer(None, chat_template=gemma4.CHAT_TEMPLATE, bos_token="<bos>")
+    text = tok.render_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}])
+    assert text == ("<bos><|turn>system\nBe brief.<turn|>\n<|turn>user\nHi<turn|>\n"
+                    "<|turn>model\nHello.<turn|>\n<|turn>user\nBye<turn|>\n<|turn>model\n")

@@ -93,7 +93,8 @@ def _kv_sources(kinds, n_shared: int) -> tuple[int, ...]:
 
 def config_from_hf(hf: dict, generation: dict | None = None) -> ModelConfig:
     if "text_config" in hf:                       # multimodal checkpoint: the text tower's config
-        hf = {**hf["text_config"], "eos_token_id": hf["text_config"].get("eos_token_id", hf.get("eos_token_id"))}
+        text = hf["text_config"]
+        hf = {**text, "eos_token_id": list(eos_ids(text.get("eos_token_id"), hf.get("eos_token_id")))}
     if hf.get("use_bidirectional_attention") == "all":
         raise ModelError("bidirectional Gemma 4 text models (use_bidirectional_attention='all') are not supported")
     n = int(need(hf, "num_hidden_layers"))
