@@ -155,33 +155,37 @@ def dense_moe_reference(x, top_i, top_w, gate_up, down):
     return out
 
 
-def test_moe_grouping_matches_dense_reference_with_uneven_routing():
+@pytest.mark.parametrize("n_tokens", [12, 2])     # grouped by expert (12*3 > 8) and gathered (2*3 <= 8)
+def test_moe_matches_dense_reference_with_uneven_routing(n_tokens):
     rng = np.random.default_rng(1)
-    N, D, F, E, k = 12, 16, 8, 8, 3
+    N, D, F, E, k = n_tokens, 16, 8, 8, 3
     cfg = gemma4.config_from_hf({"num_hidden_layers": 1, "num_attention_heads": 2, "hidden_size": D,
                                  "intermediate_size": 8, "vocab_size": 32, "enable_moe_block": True,
                                  "num_experts": E, "top_k_experts": k, "moe_intermediate_size": F})
     w = {"router": jnp.asarray(forced_router(E, D, rng)), "router_scale": jnp.ones(D),
          "expert_scale": jnp.asarray(rng.uniform(0.5, 1.5, E).astype(np.float32))}
     x = rng.standard_normal((N, D)).astype(np.float32)
+    x[0] = np.abs(x[0]) * np.sign(np.asarray(w["router"])[0])        # token 0 picks experts 0-2
     top_i, top_w = gemma4.route(cfg, w, jnp.asarray(x))
     top_i, top_w = np.asarray(top_i), np.asarray(top_w)
     used = np.bincount(top_i.ravel(), minlength=E)
-    assert used[3] == used[4] == 0 and used.max() >= 3, used
+    assert used[3] == used[4] == 0 and sorted(top_i[0]) == [0, 1, 2], used
+    if N > 2:
+        assert used.max() >= 3, used          # several tokens share an expert
     gate_up = rng.standard_normal((E, D, 2, F)).astype(np.float32) * 0.3
     down = rng.standard_normal((E, F, D)).astype(np.float32) * 0.3
-    ref = dense_moe_reference(x, top_i, top_w, gate_up, down)
     moe = jax.jit(moe_ffn, static_argnames="act")
+    ref = dense_moe_reference(x, top_i, top_w, gate_up, down)
     got = moe(jnp.asarray(x), jnp.asarray(top_i), jnp.asarray(top_w), jnp.asarray(gate_up),
-                  jnp.asarray(down), act="gelu_tanh")
+              jnp.asarray(down), act="gelu_tanh")
     assert rel_err(np.asarray(got), ref) < 1e-5
     # int8: per expert, per output channel scales; compare with the dequantized weights
     qs = [quantize_np(a, 1, stack_dims=1) for a in (gate_up, down)]
     deq = [q.astype(np.float32) * np.expand_dims(s, 1) for q, s in qs]
     ref8 = dense_moe_reference(x, top_i, top_w, *deq)
     got8 = moe(jnp.asarray(x), jnp.asarray(top_i), jnp.asarray(top_w),
-                   QuantArray(jnp.asarray(qs[0][0]), jnp.asarray(qs[0][1]), 1),
-                   QuantArray(jnp.asarray(qs[1][0]), jnp.asarray(qs[1][1]), 1), act="gelu_tanh")
+               QuantArray(jnp.asarray(qs[0][0]), jnp.asarray(qs[0][1]), 1),
+               QuantArray(jnp.asarray(qs[1][0]), jnp.asarray(qs[1][1]), 1), act="gelu_tanh")
     assert rel_err(np.asarray(got8), ref8) < 1e-5
 
 

@@ -53,9 +53,9 @@ def _random_leaf(spec: ParamSpec, key, dtype, quant: str):
     n = max(spec.n_contract, 1)
     fan_in = int(np.prod(spec.shape[lead:lead + n]))
     if quant == "int8" and spec.n_contract:
-        q = jax.random.randint(key, spec.shape, -127, 128, jnp.int8)
+        q = jnp.maximum(jax.lax.bitcast_convert_type(jax.random.bits(key, spec.shape, jnp.uint8), jnp.int8), -127)
         scale_shape = spec.shape[:lead] + spec.shape[lead + n:]
-        # uniform integers in [-127, 127] have std 127/sqrt(3)
+        # uniform integers in [-127, 127] have std about 127/sqrt(3)
         scale = jnp.full(scale_shape, np.sqrt(3.0) / (127.0 * np.sqrt(fan_in)), jnp.float32)
         return QuantArray(q, scale, spec.n_contract)
     # drawn in the target dtype: a float32 temporary of the largest stack would not fit beside the model
@@ -64,8 +64,12 @@ def _random_leaf(spec: ParamSpec, key, dtype, quant: str):
 
 def random_weights(cfg: ModelConfig, family, dtype=jnp.bfloat16, quant: str = "int8", seed: int = 0) -> dict:
     leaves, treedef = jax.tree_util.tree_flatten(family.abstract(cfg), is_leaf=is_spec)
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-    return jax.tree_util.tree_unflatten(treedef, [_random_leaf(s, k, dtype, quant) for s, k in zip(leaves, keys)])
+
+    @jax.jit            # one compile for the whole tree, rather than one per distinct leaf shape
+    def make(key):
+        keys = jax.random.split(key, len(leaves))
+        return [_random_leaf(s, k, dtype, quant) for s, k in zip(leaves, keys)]
+    return jax.tree_util.tree_unflatten(treedef, make(jax.random.PRNGKey(seed)))
 
 
 def random_engine(name: str, *, dtype: str = "bfloat16", quant: str = "int8", max_ctx: int = 4096,
