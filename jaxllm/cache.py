@@ -1,4 +1,5 @@
-"""KV caches: one stack per attention kind, [n_layers_of_kind, B, S, K, hd], in the compute dtype.
+"""KV caches: one stack per attention kind, [n_layers_of_kind, B, S, K, hd], in the compute dtype
+(layers that attend over an earlier layer's cache, `ModelConfig.kv_sources`, get no stack).
 
 Slot s of a linear cache holds absolute position s; tokens are written at their positions, so a
 right-padded prefill leaves junk only in slots past each row's length, which the causal mask never

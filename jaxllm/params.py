@@ -5,7 +5,9 @@ The weights pytree is a plain nested dict:
     {"embed": [V, D], "final_norm": [D], ("lm_head": [D, V] when untied),
      "layers": {"sliding": {name: [n_sliding, ...]}, "global": {name: [n_global, ...]}}}
 Layer tensors are stacked on a leading axis per attention kind, so one `lax.scan` covers all layers
-even when sliding and global layers have different shapes (Gemma 4).
+even when sliding and global layers have different shapes (Gemma 4). A family may split a kind into
+further groups (`ModelConfig.layer_groups`, e.g. Gemma 4's KV-sharing layers, which have no K/V
+weights and a wider MLP); each group is then its own stack.
 """
 from __future__ import annotations
 
