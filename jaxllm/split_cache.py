@@ -3,8 +3,8 @@ global layers in a linear cache (int8 with a scale per token and head, or the co
 blockwise with an online softmax.
 
 Both cache types are pytrees whose leaves carry the layer axis first, like the core's cache dicts, so
-the layer scan indexes them the same way; `model.attention_block` hands a layer's view of one to its
-`update_and_attend`. Tokens at a negative position are padding: they are never written, so a
+the layer scan indexes them the same way; `model.attention_block` hands a layer's view of one to
+`split_attention`. Tokens at a negative position are padding: they are never written, so a
 right-padded batch cannot push real keys out of a row's ring.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from .attention_blockwise import blockwise_attend, linear_loader, quantize_kv
 from .cache import init_cache
 from .config import KIND_NAMES, AttnSpec, ModelConfig
 from .errors import ModelError
-from .layers import apply_rope, attend, attention_mask, inv_frequencies, rms_norm
+from .layers import apply_rope, attend, attention_mask, inv_frequencies, project_q, project_qkv, rms_norm
 
 KV_QUANT_MODES = ("auto", "int8", "none")
 
@@ -94,6 +94,12 @@ class RingKV:
         o = attend(q, keys, vals, mask, cfg.query_scale, cfg.attn_softcap)
         return o, self.write(k, v, positions)
 
+    def attend_written(self, cfg: ModelConfig, a: AttnSpec, w, q, positions):
+        """For a layer reading a ring an earlier layer of this forward already wrote: correct while
+        the ring holds window + T - 1 slots, which `make_cache` gives kinds that have such readers."""
+        mask = attention_mask(positions, self.pos, a.window)
+        return attend(q, self.k, self.v, mask, cfg.query_scale, cfg.attn_softcap)
+
     def write(self, k, v, positions) -> "RingKV":
         """Keep each row's last `window` real tokens of the chunk (distinct slots, so the scatter
         has no duplicate targets)."""
@@ -164,20 +170,40 @@ class BlockKV:
 
     def update_and_attend(self, cfg: ModelConfig, a: AttnSpec, w, q, k, v, positions):
         new = self.write(k, v, positions)
-        o = blockwise_attend(q, positions, new.loader(cfg, a, w, q.dtype), n_slots=new.v.shape[1],
-                             block=self.block, scale=cfg.query_scale, softcap=cfg.attn_softcap,
-                             window=a.window)
-        return o, new
+        return new.attend_written(cfg, a, w, q, positions), new
+
+    def attend_written(self, cfg: ModelConfig, a: AttnSpec, w, q, positions):
+        return blockwise_attend(q, positions, self.loader(cfg, a, w, q.dtype), n_slots=self.v.shape[1],
+                                block=self.block, scale=cfg.query_scale, softcap=cfg.attn_softcap,
+                                window=a.window)
+
+
+def split_attention(cfg: ModelConfig, a: AttnSpec, w, h, positions, cache, inv_freq, own_kv: bool):
+    """One layer's attention over its split cache -> (output [B, T, H, hd], the layer's cache).
+    A layer without KV of its own (`own_kv=False`) reads what its source layer wrote."""
+    if not own_kv:
+        return cache.attend_written(cfg, a, w, project_q(cfg, w, h, positions, inv_freq), positions), cache
+    q, k, v = project_qkv(cfg, a, w, h, positions, inv_freq)
+    return cache.update_and_attend(cfg, a, w, q, k, v, positions)
 
 
 def is_split(cache) -> bool:
     return any(isinstance(c, (RingKV, BlockKV)) for c in cache.values())
 
 
-def check_shared_kv(cfg: ModelConfig, a: AttnSpec):
+def has_kv_readers(cfg: ModelConfig, kind: int) -> bool:
+    """Whether some layer of `kind` attends over another layer's cache instead of its own."""
+    return any(k == kind and cfg.kv_source(i) != i for i, k in enumerate(cfg.layer_kinds))
+
+
+def check_shared_kv(cfg: ModelConfig, kind: int):
+    a = cfg.attn[kind]
     if a.k_eq_v and cfg.v_norm and not cfg.qk_norm:
         raise ModelError("k_eq_v with a V norm but no K norm: keys cannot be rebuilt from the stored "
                          "values; use kv_quant='none' with max_ctx at or below the threshold")
+    if a.k_eq_v and has_kv_readers(cfg, kind):
+        raise ModelError("k_eq_v layers whose KV cache other layers read are not supported by the split "
+                         "KV cache; use kv_quant='none' with max_ctx at or below the threshold")
 
 
 def global_length(length: int, block: int) -> tuple[int, int]:
@@ -196,11 +222,14 @@ def make_cache(cfg: ModelConfig, layout: KVLayout, opts: KVOptions, batch: int, 
     cache = {}
     for kind in cfg.kinds_used:
         a = cfg.attn[kind]
-        n = cfg.layers_of_kind(kind) if n_layers is None else n_layers[kind]
+        n = cfg.cache_layers(kind) if n_layers is None else n_layers[kind]
         if a.window is not None:
-            cache[KIND_NAMES[kind]] = RingKV.zeros(n, batch, min(a.window, length), a, dtype)
+            # Layers reading another layer's ring see it after this forward's write, so the ring
+            # must still hold the window before a whole prefill chunk: window + chunk - 1 slots.
+            extra = opts.prefill_chunk - 1 if has_kv_readers(cfg, kind) else 0
+            cache[KIND_NAMES[kind]] = RingKV.zeros(n, batch, min(a.window + extra, length), a, dtype)
         else:
-            check_shared_kv(cfg, a)
+            check_shared_kv(cfg, kind)
             S, block = global_length(length, opts.block)
             cache[KIND_NAMES[kind]] = BlockKV.zeros(n, batch, S, a, dtype, layout.int8, block, a.k_eq_v)
     return cache

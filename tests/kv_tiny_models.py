@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import GLOBAL, SLIDING, AttnSpec, ModelConfig, RopeSpec
+from jaxllm.models import family_named, gemma4
 from jaxllm.params import abstract_weights, init_random
 
 
@@ -30,13 +31,39 @@ def tiny_gemma4_like(window: int = 16, layers: int = 4, vocab: int = 97) -> Mode
                                                    k_eq_v=True)))
 
 
+def gemma4_variant(name: str, window: int = 16) -> ModelConfig:
+    """The Gemma 4 family's own config mapping of a shrunk real variant (see gemma4_refs): "31b" has
+    k_eq_v global layers, "e2b" per-layer inputs and layers that read another layer's KV cache."""
+    from gemma4_refs import BASE, VARIANTS
+    hf = {**BASE, **VARIANTS[name], "sliding_window": window, "model_type": "gemma4_text"}
+    return gemma4.config_from_hf(hf)
+
+
+def gemma4_31b(window: int = 16) -> ModelConfig:
+    return gemma4_variant("31b", window)
+
+
+def gemma4_e2b(window: int = 16) -> ModelConfig:
+    return gemma4_variant("e2b", window)
+
+
 def random_weights(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32) -> dict:
     """Every tensor random, norms included (zero-initialized Gemma norms would hide bugs)."""
-    w = init_random(abstract_weights(cfg), seed, jnp.float32)
+    fam = family_named(cfg.family)
+    tree = fam.abstract(cfg) if fam is not None else abstract_weights(cfg)
+    w = init_random(tree, seed, jnp.float32)
     rng = np.random.default_rng(seed + 1)
 
+    # Without a 1/sqrt(head_dim) query scale (Gemma 4) the q/k norm weights set the scale of the
+    # attention scores; unit weights would make random attention nearly argmax, where any rounding
+    # of the keys flips near-tied choices, so they are damped to give scores of unit scale.
+    qk_gain = 0.4 if cfg.query_scale == 1.0 else 1.0
+
     def perturb(path, a):
-        if "norm" in jax.tree_util.keystr(path):
+        name = jax.tree_util.keystr(path)
+        if "norm" in name:
             a = a + 0.3 * rng.standard_normal(a.shape).astype(np.float32)
+        if "q_norm" in name or "k_norm" in name:
+            a = a * qk_gain
         return jnp.asarray(a, dtype)
     return jax.tree_util.tree_map_with_path(perturb, w)

@@ -19,18 +19,26 @@ from jaxllm.errors import ModelError, RequestError
 from jaxllm.kv_plan import check_fits, plan_cache
 from jaxllm.sampling import SamplingParams
 from jaxllm.split_cache import BlockKV, KVLayout, KVOptions, RingKV, cache_axes, cache_shapes, make_cache
-from kv_tiny_models import random_weights, tiny_gemma3, tiny_gemma4_like
+from jaxllm.split_cache import has_kv_readers
+from kv_tiny_models import gemma4_31b, gemma4_e2b, random_weights, tiny_gemma3, tiny_gemma4_like
 
 WINDOW = 16
 # Lowered so that max_ctx 256 is "long"; blocks of 16 and chunks of 24 (> the window) make every
 # prompt below cross block and chunk boundaries and wrap the ring several times.
 SPLIT = KVOptions(threshold=64, block=16, prefill_chunk=24)
 FULL = KVOptions(threshold=1024, block=16, prefill_chunk=1024)
-# int8 K/V (a scale per token and head) moves the tiny models' float32 logits (|logit| up to ~4)
-# by ~1e-2 at most; measured 8e-3.
-INT8_LOGIT_TOL = 5e-2
+# int8 K/V (a scale per token and head) moves the tiny models' float32 logits by at most ~1% of
+# their largest magnitude (measured 0.2% on Gemma 3, up to 1% on the E2B-like model, whose error is
+# exactly that of the full cache with int8-rounded K/V); allowed: 3%.
+INT8_LOGIT_TOL = 3e-2
 
-MODELS = [tiny_gemma3, tiny_gemma4_like]   # + the Gemma 4 family's own tiny config, once it is in models/
+
+def logit_err(got, ref) -> float:
+    return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+# Gemma 3; Gemma 4 with k_eq_v global layers (31B-like); Gemma 4 with per-layer inputs and layers
+# that read another layer's cache (E2B-like).
+MODELS = [tiny_gemma3, gemma4_31b, gemma4_e2b]
 
 
 @lru_cache(maxsize=None)          # shared by the tests below, so each engine compiles once
@@ -71,8 +79,8 @@ def test_split_int8_generates_like_full_cache(make_cfg):
     seqs = [p + r.token_ids for p, r in zip(ps, ref)]
     n = len(seqs[1])
     ids = np.array([s[:n] for s in seqs], np.int32)
-    err = np.abs(full.logits(ids) - int8.logits(ids)).max()
-    print(f"{cfg.family}{' k_eq_v' if cfg.attn[1].k_eq_v else ''}: int8 split vs full logits max err {err:.2e}")
+    err = logit_err(int8.logits(ids), full.logits(ids))
+    print(f"{make_cfg.__name__}: int8 split vs full logits, max err / max |logit| {err:.2e}")
     assert err < INT8_LOGIT_TOL
 
 
@@ -82,17 +90,18 @@ def test_decode_steps_through_ring_wraps(make_cfg):
     cfg, full, int8, plain = engines(make_cfg)
     seq = np.array(prompts(cfg, seed=4)[0] + prompts(cfg, seed=5)[1], np.int32)[None]   # 83 > 5 windows
     ref = full.logits(seq)[0]
-    for eng, tol in ((plain, 1e-4), (int8, INT8_LOGIT_TOL)):
+    for eng, tol in ((plain, 1e-5), (int8, INT8_LOGIT_TOL)):
         cache = eng.new_cache(1, 96)
         rows = []
         for t in range(seq.shape[1]):
             logits, cache = eng.step(seq[:, t], np.array([t]), cache)
             rows.append(np.asarray(logits)[0])
         ring = cache["sliding"]
-        assert ring.k.shape[2] == WINDOW
-        assert sorted(np.asarray(ring.pos[0, 0]).tolist()) == list(range(seq.shape[1] - WINDOW, seq.shape[1]))
-        err = np.abs(np.stack(rows) - ref).max()
-        print(f"step-by-step {eng.kv_layout.name}: max logit err {err:.2e}")
+        R = WINDOW + (SPLIT.prefill_chunk - 1 if has_kv_readers(cfg, 0) else 0)
+        assert ring.k.shape[2] == R < seq.shape[1]
+        assert sorted(np.asarray(ring.pos[0, 0]).tolist()) == list(range(seq.shape[1] - R, seq.shape[1]))
+        err = logit_err(np.stack(rows), ref)
+        print(f"{make_cfg.__name__} step by step, {eng.kv_layout.name}: max err / max |logit| {err:.2e}")
         assert err < tol
 
 
