@@ -73,7 +73,8 @@ def _scatter_rows(buf: jax.Array, idx: jax.Array, new: jax.Array) -> jax.Array:
 
 @struct.dataclass
 class RingKV:
-    """Sliding-window layers: slot = position % window; `pos` holds each slot's absolute position."""
+    """Sliding-window layers: slot = position % W, with W the window (plus a prefill chunk where
+    other layers read the ring); `pos` holds each slot's absolute position."""
     k: jax.Array          # [n, B, W, K, hd] (one layer's view: [B, W, K, hd])
     v: jax.Array
     pos: jax.Array        # [n, B, W] int32, -1 = empty
@@ -101,8 +102,8 @@ class RingKV:
         return attend(q, self.k, self.v, mask, cfg.query_scale, cfg.attn_softcap)
 
     def write(self, k, v, positions) -> "RingKV":
-        """Keep each row's last `window` real tokens of the chunk (distinct slots, so the scatter
-        has no duplicate targets)."""
+        """Keep each row's last W real tokens of the chunk (distinct slots, so the scatter has no
+        duplicate targets)."""
         W = self.k.shape[1]
         last = jnp.max(positions, axis=1, keepdims=True)
         idx = _drop_index(positions, positions % W, positions > last - W, W)
