@@ -1,6 +1,8 @@
 """jaxllm: a pure-JAX LLM inference engine for Gemma 4, Gemma 3 and Qwen3."""
 from __future__ import annotations
 
+import numbers
+
 from .engine import Completion, Engine
 from .errors import JaxllmError, ModelError, RequestError
 from .split_cache import KVOptions
@@ -26,7 +28,7 @@ def load(model_dir=None, max_ctx=8192, quant="int8", kv_quant="auto", tp=None, d
         raise ModelError(f"quant must be 'int8' or 'none', got {quant!r}")
     if kv_quant not in KV_QUANT_MODES:
         raise ModelError(f"kv_quant must be one of {', '.join(KV_QUANT_MODES)}, got {kv_quant!r}")
-    if max_ctx is not None and (not isinstance(max_ctx, int) or max_ctx < 2):
+    if max_ctx is not None and (not isinstance(max_ctx, numbers.Integral) or max_ctx < 2):
         raise ModelError(f"max_ctx must be an integer of at least 2, got {max_ctx!r}")
     cfg, fam, weights, tok, name = load_model(model_dir, DTYPES[dtype], quant, progress)
     if max_ctx is None:
