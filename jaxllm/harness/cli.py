@@ -62,7 +62,7 @@ def load_engine(args, quiet: bool = False):
             bar.close()
         for w in caught:
             sys.stderr.write(f"warning: {w.message}\n")
-    if not quiet:
+    if not quiet and (eng.kv_layout.split or sys.stderr.isatty()):
         from ..kv_plan import report
         report(eng.kv_plan(1))
     return eng
