@@ -32,6 +32,7 @@ class Slots:
     step: jax.Array            # [B] tokens sampled so far (the sampling step of the next token)
     remaining: jax.Array       # [B] tokens the slot may still sample
     active: jax.Array          # [B] slot holds a request that is still generating
+    ignore_eos: jax.Array      # [B] EOS does not end this slot (benchmarks ask for exact lengths)
 
 
 def init_slots(cfg: ModelConfig, batch: int, length: int, dtype) -> Slots:
@@ -39,7 +40,7 @@ def init_slots(cfg: ModelConfig, batch: int, length: int, dtype) -> Slots:
         return jnp.zeros((batch,), dtype)
     params = jax.tree_util.tree_map(jnp.array, SamplingParams.make(batch))
     return Slots(cache=init_cache(cfg, batch, length, dtype), params=params, last=zeros(), pos=zeros(),
-                 step=zeros(), remaining=zeros(), active=zeros(bool))
+                 step=zeros(), remaining=zeros(), active=zeros(bool), ignore_eos=zeros(bool))
 
 
 def _row(tree, b):
@@ -61,7 +62,7 @@ def _set_cache_row(cache, b, row):
 
 
 def prefill_slot(cfg: ModelConfig, weights, slots: Slots, b, tokens, length, params: SamplingParams,
-                 max_new, dtype=jnp.bfloat16):
+                 max_new, ignore_eos, dtype=jnp.bfloat16):
     """Prefill one right-padded prompt tokens [1, T] (real length `length`) into slot b and sample
     its first token. -> (slots, first token [1])."""
     T = tokens.shape[1]
@@ -69,14 +70,15 @@ def prefill_slot(cfg: ModelConfig, weights, slots: Slots, b, tokens, length, par
     h, row_cache = forward(cfg, weights, tokens, positions, _cache_row(slots.cache, b), dtype)
     h_last = jax.lax.dynamic_slice_in_dim(h, length - 1, 1, axis=1)[:, 0]
     tok = sample(logits_from_hidden(cfg, weights, h_last), params, jnp.int32(0))
-    live = ~is_eos(tok, cfg.eos_ids) & (max_new > 1)
+    ignore = jnp.full((1,), ignore_eos, bool)
+    live = (ignore | ~is_eos(tok, cfg.eos_ids)) & (max_new > 1)
     one = jnp.ones((1,), jnp.int32)
     slots = slots.replace(
         cache=_set_cache_row(slots.cache, b, row_cache),
         params=_set_row(slots.params, b, params),
         last=_set_row(slots.last, b, tok), pos=_set_row(slots.pos, b, length * one),
         step=_set_row(slots.step, b, one), remaining=_set_row(slots.remaining, b, (max_new - 1) * one),
-        active=_set_row(slots.active, b, live))
+        active=_set_row(slots.active, b, live), ignore_eos=_set_row(slots.ignore_eos, b, ignore))
     return slots, tok
 
 
@@ -93,7 +95,7 @@ def decode_block(cfg: ModelConfig, weights, slots: Slots, n_steps: int, dtype=jn
         live = s.active
         inc = live.astype(jnp.int32)
         remaining = s.remaining - inc
-        active = live & ~is_eos(tok, cfg.eos_ids) & (remaining > 0)
+        active = live & (s.ignore_eos | ~is_eos(tok, cfg.eos_ids)) & (remaining > 0)
         s = s.replace(cache=cache, last=jnp.where(live, tok, s.last), pos=s.pos + inc,
                       step=s.step + inc, remaining=remaining, active=active)
         return s, (tok, live)
@@ -129,7 +131,7 @@ class SlotBatch:
         return cls(engine.cfg, engine.weights, engine.dtype, batch, length, n_steps)
 
     def prefill(self, b: int, prompt_ids: list[int], max_new: int, temperature=0.0, top_k=None,
-                top_p=None, seed=0) -> int:
+                top_p=None, seed=0, ignore_eos=False) -> int:
         """Start a request in slot b; returns its first sampled token."""
         n = len(prompt_ids)
         T = min(bucket(n), self.length)
@@ -137,7 +139,7 @@ class SlotBatch:
         tokens[0, :n] = prompt_ids
         params = SamplingParams.make(1, temperature, top_k, top_p, seed)
         self.slots, tok = self._prefill(self.weights, self.slots, jnp.int32(b), jnp.asarray(tokens),
-                                        jnp.int32(n), params, jnp.int32(max_new))
+                                        jnp.int32(n), params, jnp.int32(max_new), jnp.bool_(ignore_eos))
         return int(tok[0])
 
     def decode(self) -> tuple[np.ndarray, np.ndarray]:

@@ -48,6 +48,7 @@ class GenRequest:
     top_p: float | None = None
     seed: int = 0
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
     stream: bool = False
     include_usage: bool = False
     id: str = ""
@@ -102,7 +103,7 @@ def _neutral(body, name, ok) -> None:
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stream",
                  "stream_options", "user", "presence_penalty", "frequency_penalty", "logit_bias",
-                 "logprobs"}
+                 "logprobs", "ignore_eos"}     # ignore_eos: vLLM's extension, for benchmarks
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format",
                                "tools", "tool_choice", "parallel_tool_calls"}
@@ -254,6 +255,7 @@ def parse_request(kind: str, body, engine, served_name: str, max_model_len: int)
                        param="model", code="model_not_found")
     _check_unsupported(body)
     stream = _bool(body, "stream")
+    ignore_eos = _bool(body, "ignore_eos")
     include_usage = _stream_options(body, stream)
     stop = _stop(body)
     sampling = _sampling(body)
@@ -264,7 +266,7 @@ def parse_request(kind: str, body, engine, served_name: str, max_model_len: int)
     ids = completion_prompt_ids(body, engine) if kind == "completion" else chat_prompt_ids(body, engine)
     max_tokens = _fit_context(len(ids), max_tokens, max_model_len, default=16 if kind == "completion" else None)
     rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
-    return GenRequest(kind, served_name, ids, max_tokens, stop=stop, stream=stream,
+    return GenRequest(kind, served_name, ids, max_tokens, stop=stop, ignore_eos=ignore_eos, stream=stream,
                       include_usage=include_usage, id=rid, created=int(time.time()), **sampling)
 
 

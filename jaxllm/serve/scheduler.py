@@ -134,7 +134,8 @@ class Scheduler:
             r = job.req
             job.text = TextStream(self.engine.tokenizer, r.stop)
             self.slots[b] = job
-            tok = self.batch.prefill(b, r.prompt_ids, r.max_tokens, r.temperature, r.top_k, r.top_p, r.seed)
+            tok = self.batch.prefill(b, r.prompt_ids, r.max_tokens, r.temperature, r.top_k, r.top_p, r.seed,
+                                     r.ignore_eos)
             self._take(b, tok)
 
     def _next_waiting(self) -> Job | None:
@@ -159,7 +160,7 @@ class Scheduler:
         job = self.slots[b]
         job.n_tokens += 1
         self.generated += 1
-        if tok in self.eos:
+        if tok in self.eos and not job.req.ignore_eos:
             return self._finish(b, "stop")
         delta = job.text.push(tok)
         if delta:
