@@ -120,7 +120,7 @@ class SlotBatch:
     n_steps: int = 4
 
     def __post_init__(self):
-        self.slots = init_slots(self.cfg, self.batch, self.length, self.dtype)
+        self.reset()
         self._prefill = jax.jit(partial(prefill_slot, self.cfg, dtype=self.dtype), donate_argnames=("slots",))
         self._decode = jax.jit(partial(decode_block, self.cfg, dtype=self.dtype),
                                static_argnames=("n_steps",), donate_argnames=("slots",))
@@ -146,6 +146,10 @@ class SlotBatch:
         """One block of decode steps -> (tokens [B, n_steps], emitted [B, n_steps]) on the host."""
         self.slots, toks, emitted = self._decode(self.weights, self.slots, n_steps=self.n_steps)
         return jax.device_get((toks, emitted))
+
+    def reset(self):
+        """Fresh device state (also after a failed call left the donated state unusable)."""
+        self.slots = init_slots(self.cfg, self.batch, self.length, self.dtype)
 
     def release(self, b: int):
         self.slots = self._release(self.slots, jnp.int32(b))

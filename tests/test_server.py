@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -194,22 +195,22 @@ def test_chat_and_completion_match_engine(engine, client, model_name):
 
 
 def test_stop_strings_match_engine(engine, client, model_name):
-    full = engine.generate([PROMPT], max_tokens=40, chat=False)[0].text
+    full = engine.generate([PROMPT], max_tokens=24, chat=False)[0].text
     stop = full[len(full) // 2:len(full) // 2 + 3]          # a string the greedy text surely contains
-    ref = engine.generate([PROMPT], max_tokens=40, chat=False, stop=[stop, "never-there"])[0]
+    ref = engine.generate([PROMPT], max_tokens=24, chat=False, stop=[stop, "never-there"])[0]
     assert ref.finish_reason == "stop" and stop not in ref.text
 
-    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=40, temperature=0,
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=24, temperature=0,
                                   stop=[stop, "never-there"])
     assert (r.choices[0].text, r.choices[0].finish_reason) == (ref.text, "stop")
     pieces = [c.choices[0].text for c in client.completions.create(
-        model=model_name, prompt=PROMPT, max_tokens=40, temperature=0, stop=stop, stream=True)]
+        model=model_name, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop, stream=True)]
     assert "".join(pieces) == ref.text
     assert all(stop not in "".join(pieces[:i + 1]) for i in range(len(pieces)))
 
 
 def test_seeded_sampling_matches_engine(engine, client, model_name):
-    kw = dict(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234)
+    kw = dict(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234)
     ref = engine.generate([PROMPT], chat=False, top_k=50, **kw)[0]
     a = client.completions.create(model=model_name, prompt=PROMPT, extra_body={"top_k": 50}, **kw)
     b = client.completions.create(model=model_name, prompt=PROMPT, extra_body={"top_k": 50}, stream=True, **kw)
@@ -227,6 +228,20 @@ def test_text_stream_never_splits_a_character(engine):
     ts = TextStream(engine.tokenizer)
     deltas = [ts.push(t) for t in ids] + [ts.finish()]
     assert "".join(deltas) == text and not any("\ufffd" in d for d in deltas)
+
+    rng = random.Random(0)                          # random ids: invalid byte runs, stops anywhere
+    for _ in range(300):
+        rand = [rng.randrange(engine.cfg.vocab_size) for _ in range(rng.randrange(1, 24))]
+        stop = [engine.tokenizer.decode(rand[2:4]) or "x", "ab"]
+        ts = TextStream(engine.tokenizer, stop)
+        deltas = []
+        for t in rand:
+            deltas.append(ts.push(t))
+            if ts.stopped:
+                break
+        full = engine.tokenizer.decode(rand)
+        cut = min([i for i in (full.find(s) for s in stop) if i >= 0], default=len(full))
+        assert "".join(deltas) + ts.finish() == full[:cut]
 
     ts = TextStream(engine.tokenizer, stop=["東京 🙂"])
     deltas = [ts.push(t) for t in ids]
@@ -388,7 +403,7 @@ def test_request_timeout(engine):
     from starlette.testclient import TestClient
 
     from jaxllm.serve.app import ServeOptions, build_app
-    opts = ServeOptions(served_name="m", max_model_len=256, max_num_seqs=2, request_timeout=0.05)
+    opts = ServeOptions(served_name="m", max_model_len=256, max_num_seqs=2, request_timeout=0.001)
     with TestClient(build_app(engine, opts)) as tc:
         body = {"prompt": "Hi", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
         r = tc.post("/v1/completions", json=body)

@@ -116,8 +116,7 @@ class Scheduler:
             except Exception:                      # a device failure: fail the batch, keep serving
                 log.exception("engine step failed")
                 self._fail_all(500, "internal error while generating; see the server log")
-                self.batch = SlotBatch.for_engine(self.engine, len(self.slots), self.batch.length,
-                                                  self.batch.n_steps)
+                self.batch.reset()
         self._fail_all(503, "the server is shutting down")
 
     def _busy(self) -> bool:
@@ -173,6 +172,8 @@ class Scheduler:
     def _finish(self, b: int, reason: str):
         job = self.slots[b]
         rest = job.text.finish()           # held-back text is final now (empty after a stop string)
+        if job.text.stopped:
+            reason = "stop"
         if rest:
             job.emit(Delta(rest))
         job.emit(Finished(reason, job.n_tokens))
