@@ -249,6 +249,33 @@ def test_text_stream_never_splits_a_character(engine):
     assert not any("東" in d for d in deltas)      # the stop string's start was held back, never sent
 
 
+def test_slots_joining_mid_decode_match_engine(engine):
+    """Slot mechanics without HTTP: requests join while others decode, greedy and sampled rows mix,
+    and every request's tokens equal Engine.generate_ids for it."""
+    from jaxllm.batching import SlotBatch
+    prompts = [engine.tokenizer.encode(p) for p in ("Hello world", "Once upon a time there was a", "café 東京")]
+    jobs = [(p, 0.0) for p in prompts[:2]] + [(p, 0.8) for p in prompts[1:]]    # (ids, temperature)
+    refs = {0.0: engine.generate_ids(prompts[:2], max_tokens=12),
+            0.8: engine.generate_ids(prompts[1:], max_tokens=12, temperature=0.8, top_k=20, seed=3)}
+    expected = [refs[0.0][0], refs[0.0][1], refs[0.8][0], refs[0.8][1]]
+    sb = SlotBatch.for_engine(engine, batch=3, length=64, n_steps=3)
+    out, slot_of, waiting = {}, {}, list(range(len(jobs)))
+    while waiting or slot_of:
+        for b in [b for b in range(3) if b not in slot_of.values()][:1]:      # one joins per block
+            if waiting:
+                j = waiting.pop(0)
+                ids, temp = jobs[j]
+                out[j], slot_of[j] = [sb.prefill(b, ids, 12, temp, 20, None, 3)], b
+        toks, emitted = sb.decode()
+        for j, b in list(slot_of.items()):
+            out[j] += [int(t) for t, e in zip(toks[b], emitted[b]) if e]
+            if len(out[j]) >= 12 or out[j][-1] in engine.cfg.eos_ids:
+                del slot_of[j]
+    for j, ref in enumerate(expected):
+        got = out[j][:-1] if out[j][-1] in engine.cfg.eos_ids else out[j]
+        assert got == ref.token_ids, (j, got, ref.token_ids)
+
+
 # -- 2. load: many clients, mixed lengths, streaming and not -------------------------------------
 SPECS = [  # (endpoint, prompt or messages, max_tokens, stream)
     ("completions", "Hello world", 8, False),
