@@ -371,6 +371,12 @@ BAD = [  # (id, path, raw body or JSON, headers, status, words the message must 
     ("wrong_key", "/v1/completions", {"prompt": "x"}, headers("nope"), 401, "API key"),
     ("oversized_body", "/v1/completions", {"prompt": "y" * 300_000}, None, 413, "limit"),
     ("no_route", "/v1/embeddings", {"input": "x"}, None, 404, "no route"),
+    ("lone_surrogate", "/v1/completions", b'{"prompt": "a\\ud800b"}', None, 400, "surrogate"),
+    ("deep_nesting", "/v1/completions", b"[" * 50_000 + b"]" * 50_000, None, 400, "nested"),
+    ("temperature_nan", "/v1/completions", b'{"prompt": "x", "temperature": NaN}', None, 400, "'temperature'"),
+    ("stop_too_long", "/v1/completions", {"prompt": "x", "stop": "z" * 600}, None, 400, "at most"),
+    ("logprobs", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
+     None, 400, "not supported"),
 ]
 
 
@@ -389,6 +395,13 @@ def test_bad_request_gets_4xx_and_server_keeps_serving(server, case):
     ok = httpx.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0},
                     headers=headers(), timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_extreme_but_valid_values_are_served(server):
+    body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0.5, "top_k": 10 ** 12, "seed": -5,
+            "top_p": 1, "stop": [], "n": 1, "user": "u", "presence_penalty": 0}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=headers(), timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
 def test_wrong_method_and_open_health(server):

@@ -112,9 +112,16 @@ class Server:
         if not raw.strip():
             raise bad("the request body is empty; send a JSON object")
         try:
-            return json.loads(raw)
+            body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise bad(f"the request body is not valid JSON ({e})") from None
+        except RecursionError:
+            raise bad("the request body is nested too deeply") from None
+        try:                          # "\ud800" escapes parse, but no tokenizer can take them
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad("the request body holds an unpaired UTF-16 surrogate escape") from None
+        return body
 
     def deadline(self) -> float:
         t = self.opts.request_timeout

@@ -72,9 +72,10 @@ class TextStream:
     def _partial_stop(self, text: str) -> int:
         """Length of the longest tail of `text` that is a proper prefix of some stop string."""
         best = 0
+        last = text[-1:]
         for s in self.stop:
             for n in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:n]):
+                if s[n - 1] == last and text.endswith(s[:n]):     # cheap test first
                     best = n
                     break
         return best

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from ..errors import JaxllmError
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512
 SEED_MOD = 2 ** 32
 CHAT_ROLES = ("system", "user", "assistant", "developer")
 
@@ -142,10 +143,12 @@ def _stop(body) -> list[str]:
         raise bad(f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(items)}", "stop")
     if any(s == "" for s in items):
         raise bad("'stop' strings must not be empty", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in items):
+        raise bad(f"'stop' strings may have at most {MAX_STOP_CHARS} characters", "stop")
     return list(dict.fromkeys(items))
 
 
-def _sampling(body) -> dict:
+def _sampling(body, vocab_size: int) -> dict:
     temperature = _num(body, "temperature")
     if temperature is not None and temperature < 0:
         raise bad(f"'temperature' must be >= 0, got {temperature}", "temperature")
@@ -157,8 +160,9 @@ def _sampling(body) -> dict:
     temperature = 1.0 if temperature is None else temperature     # OpenAI's default
     if seed is None:
         seed = secrets.randbelow(SEED_MOD)
-    return {"temperature": temperature, "top_p": top_p, "top_k": top_k if top_k and top_k > 0 else None,
-            "seed": seed % SEED_MOD}
+    if top_k is not None and not 0 < top_k < vocab_size:
+        top_k = None                  # -1, 0 and anything >= the vocabulary all mean "no top-k"
+    return {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed % SEED_MOD}
 
 
 def _stream_options(body, stream: bool) -> bool:
@@ -258,7 +262,7 @@ def parse_request(kind: str, body, engine, served_name: str, max_model_len: int)
     ignore_eos = _bool(body, "ignore_eos")
     include_usage = _stream_options(body, stream)
     stop = _stop(body)
-    sampling = _sampling(body)
+    sampling = _sampling(body, engine.cfg.vocab_size)
     max_tokens = _int(body, "max_tokens", lo=1)
     if kind == "chat":
         mct = _int(body, "max_completion_tokens", lo=1)

@@ -72,6 +72,8 @@ class Scheduler:
         with self.cond:
             if self.stopping:
                 raise QueueFull("the server is shutting down")
+            if len(self.waiting) >= self.max_queue:      # clients that left give their place back
+                self.waiting = collections.deque(j for j in self.waiting if not j.cancelled.is_set())
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
             self.waiting.append(job)
@@ -115,9 +117,13 @@ class Scheduler:
                     self._decode()
             except Exception:                      # a device failure: fail the batch, keep serving
                 log.exception("engine step failed")
-                self._fail_all(500, "internal error while generating; see the server log")
+                self._fail_running(500, "internal error while generating; see the server log")
                 self.batch.reset()
-        self._fail_all(503, "the server is shutting down")
+        self._fail_running(503, "the server is shutting down")
+        with self.cond:
+            waiting, self.waiting = list(self.waiting), collections.deque()
+        for job in waiting:
+            job.emit(Failed(503, "the server is shutting down"))
 
     def _busy(self) -> bool:
         return any(j is not None for j in self.slots)
@@ -190,10 +196,8 @@ class Scheduler:
             if job is not None and job.cancelled.is_set():
                 self._free(b)
 
-    def _fail_all(self, status: int, message: str):
-        with self.cond:
-            jobs = [j for j in self.slots if j is not None] + list(self.waiting)
-            self.waiting.clear()
+    def _fail_running(self, status: int, message: str):
+        jobs = [j for j in self.slots if j is not None]
         self.slots = [None] * len(self.slots)
         for job in jobs:
             job.emit(Failed(status, message))
