@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from .cache import init_cache
+from .cache import cache_length, init_cache
 from .config import ModelConfig
 from .engine import bucket
 from .generate import is_eos
@@ -82,13 +82,19 @@ def prefill_slot(cfg: ModelConfig, weights, slots: Slots, b, tokens, length, par
     return slots, tok
 
 
-def decode_block(cfg: ModelConfig, weights, slots: Slots, n_steps: int, dtype=jnp.bfloat16):
-    """n_steps decode steps over every slot on the device.
+def decode_block(cfg: ModelConfig, weights, slots: Slots, n_steps: int, span: int, dtype=jnp.bfloat16):
+    """n_steps decode steps over every slot on the device, attending over the first `span` cache
+    positions only (the caller keeps every active slot's positions below it): short requests then
+    do not pay for reading the whole --max-model-len cache at every step.
 
     -> (slots, tokens [B, n_steps], emitted [B, n_steps]); emitted marks the tokens an active slot
     sampled. A slot stops on EOS or when its token budget is spent; idle slots compute garbage that
-    lands only in their own cache rows, above any position a later request reads before writing.
+    lands only in their own cache rows, at positions a later request writes before it reads them.
     """
+    full = slots.cache
+    if span < cache_length(full):
+        slots = slots.replace(cache=jax.tree_util.tree_map(lambda a: a[:, :, :span], full))
+
     def body(s: Slots, _):
         h, cache = forward(cfg, weights, s.last[:, None], s.pos[:, None], s.cache, dtype)
         tok = sample(logits_from_hidden(cfg, weights, h[:, 0]), s.params, s.step)
@@ -101,6 +107,9 @@ def decode_block(cfg: ModelConfig, weights, slots: Slots, n_steps: int, dtype=jn
         return s, (tok, live)
 
     slots, (toks, emitted) = jax.lax.scan(body, slots, None, length=n_steps)
+    if span < cache_length(full):
+        slots = slots.replace(cache=jax.tree_util.tree_map(
+            lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v, 0, axis=2), full, slots.cache))
     return slots, toks.T, emitted.T
 
 
@@ -123,7 +132,7 @@ class SlotBatch:
         self.reset()
         self._prefill = jax.jit(partial(prefill_slot, self.cfg, dtype=self.dtype), donate_argnames=("slots",))
         self._decode = jax.jit(partial(decode_block, self.cfg, dtype=self.dtype),
-                               static_argnames=("n_steps",), donate_argnames=("slots",))
+                               static_argnames=("n_steps", "span"), donate_argnames=("slots",))
         self._release = jax.jit(release_slot, donate_argnames=("slots",))
 
     @classmethod
@@ -140,17 +149,43 @@ class SlotBatch:
         params = SamplingParams.make(1, temperature, top_k, top_p, seed)
         self.slots, tok = self._prefill(self.weights, self.slots, jnp.int32(b), jnp.asarray(tokens),
                                         jnp.int32(n), params, jnp.int32(max_new), jnp.bool_(ignore_eos))
+        self.next_pos[b], self.busy[b] = n, True
         return int(tok[0])
 
     def decode(self) -> tuple[np.ndarray, np.ndarray]:
         """One block of decode steps -> (tokens [B, n_steps], emitted [B, n_steps]) on the host."""
-        self.slots, toks, emitted = self._decode(self.weights, self.slots, n_steps=self.n_steps)
-        return jax.device_get((toks, emitted))
+        self.slots, toks, emitted = self._decode(self.weights, self.slots, n_steps=self.n_steps,
+                                                 span=self.span())
+        toks, emitted = jax.device_get((toks, emitted))
+        self.next_pos += emitted.sum(axis=1)
+        return toks, emitted
+
+    def span(self) -> int:
+        """Cache positions the next block must see: past every busy slot's last write, bucketed so
+        that few spans get compiled."""
+        need = int(self.next_pos[self.busy].max(initial=0)) + self.n_steps
+        return min(bucket(need, lo=64), self.length)
+
+    def warmup(self):
+        """Compile the smallest prefill and the decode block of every span before serving, so that
+        no request waits for a compile of the decode step."""
+        self.prefill(0, [self.cfg.pad_id], 1)
+        self.release(0)
+        span = min(64, self.length)
+        while True:
+            self.slots, _, _ = self._decode(self.weights, self.slots, n_steps=self.n_steps, span=span)
+            if span >= self.length:
+                break
+            span = min(2 * span, self.length)
+        jax.block_until_ready(self.slots)
 
     def reset(self):
         """Fresh device state (also after a failed call left the donated state unusable)."""
         self.slots = init_slots(self.cfg, self.batch, self.length, self.dtype)
+        self.next_pos = np.zeros(self.batch, np.int64)     # host mirror: each slot's next position
+        self.busy = np.zeros(self.batch, bool)
 
     def release(self, b: int):
         self.slots = self._release(self.slots, jnp.int32(b))
+        self.busy[b] = False
 

@@ -87,7 +87,7 @@ class Scheduler:
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self, warmup: bool = True):
         if warmup:
-            self._warmup()
+            self.batch.warmup()
         self.thread.start()
 
     def shutdown(self, timeout: float = 10.0):
@@ -96,11 +96,6 @@ class Scheduler:
             self.stopping = True
             self.cond.notify()
         self.thread.join(timeout)
-
-    def _warmup(self):
-        """Compile the decode block and the smallest prefill before the server reports ready."""
-        self.batch.prefill(0, [self.engine.cfg.pad_id], 1)
-        self.batch.decode()
 
     # -- the engine thread -----------------------------------------------------------------------
     def _run(self):
