@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -178,8 +179,9 @@ class Server:
                            headers={"Retry-After": "1"}) from None
         deadline = self.deadline()
         if req.stream:
+            # the background cancel also covers a client gone before the stream's first chunk
             return StreamingResponse(self.stream(req, job, inbox, deadline), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+                                     headers={"Cache-Control": "no-cache"}, background=BackgroundTask(job.cancel))
         try:
             return await self.collect(request, req, inbox, deadline)
         except ClientGone:
