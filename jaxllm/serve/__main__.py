@@ -5,6 +5,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 
 
@@ -48,8 +49,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """Claim the address before the model loads, so that a busy port fails at once, not minutes later."""
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(info[0], socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(info[4])
+    return sock
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 1
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     import uvicorn
 
@@ -82,7 +97,8 @@ def main(argv=None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     server = uvicorn.Server(config)
-    server.run()
+    logging.getLogger("jaxllm.serve").info("listening on http://%s:%d", args.host, args.port)
+    server.run(sockets=[sock])
     return 0 if server.started else 1
 
 
