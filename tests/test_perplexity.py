@@ -14,8 +14,8 @@ import torch
 
 import jaxllm
 from jaxllm.errors import RequestError
-from jaxllm.harness.perplexity import (add_perplexity_args, plan_windows, read_ppl_text,
-                                       run_perplexity)
+from jaxllm.harness.perplexity import (add_perplexity_args, check_perplexity_args, plan_windows,
+                                       read_ppl_text, run_perplexity)
 
 TEXT = ("The quick brown fox jumps over the lazy dog. " * 3 +
         "Pack my box with five dozen liquor jugs! How vexingly quick daft zebras jump; "
@@ -144,6 +144,7 @@ def test_cli_json_record(tiny_gemma, tmp_path, capsys):
     add_perplexity_args(p)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(["--perplexity", "--ppl-file", str(f), "--ppl-window", "24", "--ppl-stride", "24", "--json"])
+    check_perplexity_args(args)
     run_perplexity(args, jaxllm.load(str(d), quant="none", dtype="float32"))
     rec = json.loads(capsys.readouterr().out.strip())
     assert set(rec) == {"ppl", "nll", "num_scored_tokens", "window", "stride"}

@@ -256,8 +256,12 @@ def table(rep: dict) -> str:
     return "\n".join([head, fmt(cols), *map(fmt, rows)])
 
 
-def plot(rep: dict, path: str) -> None:
-    import matplotlib
+def plot(rep: dict, path: str) -> bool:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot written", file=sys.stderr)
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     pts = [p for p in rep["points"] if not p["skipped"]]
@@ -266,6 +270,9 @@ def plot(rep: dict, path: str) -> None:
     ax1.plot(b, [p["tok_s"] for p in pts], "o-", label="measured")
     ax1.plot(b, [p["ceiling_tok_s"] for p in pts], "--", label="roofline ceiling")
     ax1.set(xscale="log", yscale="log", xlabel="batch", ylabel="decode tok/s", title="throughput")
+    for ax in (ax1, ax2):
+        ax.set_xticks(b, [str(x) for x in b])
+        ax.minorticks_off()
     ax1.legend()
     ax2.plot(b, [100 * p["roofline_fraction"] for p in pts], "o-")
     ax2.set(xscale="log", xlabel="batch", ylabel="% of HBM roofline", title="bytes/step over measured bandwidth")
@@ -276,6 +283,7 @@ def plot(rep: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -289,20 +297,27 @@ def main(argv=None) -> int:
         return 2
 
 
+def progress(items):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc="bench", unit="point", file=sys.stderr)
+
+
 def sweep(a) -> int:
-    from tqdm import tqdm
     cfg, fam, weights, subject = load_subject(a)
     device = jax.devices()[0]
     ceilings = ceil.measure(a.probe_mib << 20 if a.probe_mib else None, a.matmul_n, device)
     mem = device_memory(device)
     points = []
-    for batch in tqdm(a.batches, desc="bench", unit="point", file=sys.stderr):
+    for batch in progress(a.batches):
         points.append(run_point(cfg, fam, weights, batch, a, ceilings, mem))
     rep = report(a, cfg, weights, subject, ceilings, points)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(rep, indent=2))
     plot_path = a.plot or str(Path(a.out).with_suffix(".png"))
-    plot(rep, plot_path)
-    print(f"wrote {a.out} and {plot_path}", file=sys.stderr)
+    wrote = [a.out] + ([plot_path] if plot(rep, plot_path) else [])
+    print(f"wrote {' and '.join(wrote)}", file=sys.stderr)
     print(table(rep), flush=True)
     return 0

@@ -201,7 +201,7 @@ def add_perplexity_args(parser) -> None:
 
 
 def read_ppl_text(args) -> str:
-    """The text to score; call it before loading a model so that bad flags fail fast."""
+    """The text to score, after checking the window flags."""
     check_window(args.ppl_window, args.ppl_stride)
     if not args.ppl_file:
         raise RequestError("--perplexity needs --ppl-file F (the text to score)")
@@ -220,11 +220,16 @@ def read_ppl_text(args) -> str:
     return text
 
 
+def check_perplexity_args(args) -> None:
+    """Fail on bad flags or an unreadable file before a model is loaded; keeps the text on args."""
+    args.ppl_text = read_ppl_text(args)
+
+
 def run_perplexity(args, engine, text: str | None = None) -> PerplexityResult:
     """Score the file named by args and print the result: one JSON line with --json, else a summary."""
     import json
     if text is None:
-        text = read_ppl_text(args)
+        text = getattr(args, "ppl_text", None) or read_ppl_text(args)
     as_json = bool(getattr(args, "json", False))
     bar = None
     if not as_json:

@@ -1,11 +1,12 @@
 """What one decode step must move and compute, counted from the weights and the config.
 
 Bytes per step (the HBM roofline): every weight byte once (int8 values plus their scales, or the
-bf16/f32 arrays, exactly as the pytree holds them), except that an untied embedding table is only
-gathered (batch rows), while a tied one is read whole as the output projection; plus each layer's
+bf16/f32 arrays, exactly as the pytree holds them), except that lookup tables (an untied token
+embedding, per-layer input embeddings: a leading "vocab" axis and no matmul use) are only gathered,
+batch rows of them, while a tied embedding is read whole as the output projection; plus each layer's
 K and V over the positions it attends at that context: global layers over ctx, sliding layers over
 min(ctx, window), and a layer whose V is its K (k_eq_v) reads one tensor. Mixture-of-experts
-weights (a spec axis named "experts") count only the experts a batch can be expected to touch.
+weights (a spec axis named "expert") count only the experts a batch can be expected to touch.
 
 FLOPs per step (the compute roofline): 2 per multiply-add of every matmul weight (the tied
 embedding as the output projection included) per row, plus QK^T and PV over the attended positions.
@@ -37,8 +38,15 @@ def nbytes(x) -> int:
     return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(x))
 
 
+EXPERT_AXES = ("expert", "experts")
+
+
 def moe_top_k(cfg: ModelConfig) -> int | None:
-    for name in ("top_k_experts", "num_experts_per_tok", "moe_top_k"):
+    """Experts each token is routed to; families state it as extras ("moe": (E, k, F), or a name)."""
+    moe = cfg.extra("moe")
+    if moe:
+        return int(moe[1])
+    for name in ("top_k_experts", "num_experts_per_tok"):
         if cfg.extra(name):
             return int(cfg.extra(name))
     return None
@@ -47,12 +55,11 @@ def moe_top_k(cfg: ModelConfig) -> int | None:
 def expert_fraction(spec, cfg: ModelConfig, batch: int, for_flops: bool) -> float:
     """Share of an expert-stacked weight a step uses: k/E of the FLOPs, and for bytes the expected
     share of experts at least one of batch*k uniform picks lands on."""
-    if spec is None or "experts" not in spec.axes:
-        return 1.0
+    axis = next((i for i, name in enumerate(spec.axes) if name in EXPERT_AXES), None) if spec else None
     k = moe_top_k(cfg)
-    if not k:
+    if axis is None or not k:
         return 1.0
-    E = spec.shape[spec.axes.index("experts")]
+    E = spec.shape[axis]
     if for_flops:
         return k / E
     return 1.0 - (1.0 - k / E) ** batch
@@ -67,15 +74,23 @@ def _spec_at(specs, keys):
     return node if is_spec(node) else None
 
 
+def is_lookup_table(cfg: ModelConfig, keys: list, spec) -> bool:
+    if keys == ["embed"]:
+        return not cfg.tie_embeddings
+    return spec is not None and not spec.n_contract and bool(spec.axes) and spec.axes[0] == "vocab"
+
+
 def weight_bytes_per_step(cfg: ModelConfig, weights, batch: int, specs=None) -> int:
-    """Weight bytes one decode step reads; `weights` may be arrays or ShapeDtypeStructs."""
+    """Weight bytes one decode step reads; `weights` may be arrays or ShapeDtypeStructs, and `specs`
+    (the family's abstract tree) marks lookup tables beyond the token embedding and MoE experts."""
     total = 0.0
     for path, leaf in jax.tree_util.tree_flatten_with_path(weights)[0]:
         keys = [p.key for p in path if isinstance(p, jax.tree_util.DictKey)]
+        spec = _spec_at(specs, keys)
         b = nbytes(leaf)
-        if keys == ["embed"] and not cfg.tie_embeddings:
-            b = min(b, batch * cfg.hidden_size * np.dtype(leaf.dtype).itemsize)
-        total += b * expert_fraction(_spec_at(specs, keys), cfg, batch, for_flops=False)
+        if is_lookup_table(cfg, keys, spec):
+            b = min(b, batch * nbytes(leaf) // leaf.shape[0])
+        total += b * expert_fraction(spec, cfg, batch, for_flops=False)
     return int(round(total))
 
 

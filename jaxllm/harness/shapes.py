@@ -37,6 +37,15 @@ def read_shape(name: str) -> dict:
 
 def resolve_shape(name: str):
     """-> (ModelConfig, family module) for a preset name or a config.json path."""
+    try:
+        from ..presets import load_preset          # the packaged presets, where present
+    except ImportError:
+        load_preset = None
+    if load_preset is not None and (PRESET_DIR / f"{name}.json").is_file():
+        try:
+            return load_preset(name)
+        except ModelError as e:
+            raise ModelError(f"shape {name!r}: {e}") from None
     hf = read_shape(name)
     try:
         fam = family_for(hf)

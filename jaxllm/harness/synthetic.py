@@ -27,8 +27,13 @@ def sliced(fn, key, shape: tuple[int, ...], stacked: bool):
     return jax.lax.map(lambda k: fn(k, part), jax.random.split(key, lead)).reshape(shape)
 
 
+def _lead(spec: ParamSpec, stacked: bool) -> int:
+    """Leading dims outside one matrix: the layer stack and any batch of matrices (MoE experts)."""
+    return (1 if stacked else 0) + getattr(spec, "n_batch", 0)
+
+
 def _fan_in(spec: ParamSpec, stacked: bool) -> int:
-    body = spec.shape[1:] if stacked else spec.shape
+    body = spec.shape[_lead(spec, stacked):]
     return int(np.prod(body[:max(spec.n_contract, 1)])) if body else 1
 
 
@@ -40,7 +45,7 @@ def random_leaf(spec: ParamSpec, quant: str, dtype, key):
     std = _fan_in(spec, stacked) ** -0.5
     if quant == "int8" and spec.n_contract:
         q = sliced(lambda k, s: jax.random.randint(k, s, -127, 128, jnp.int8), key, spec.shape, stacked)
-        lead = 1 if stacked else 0
+        lead = _lead(spec, stacked)
         scale_shape = spec.shape[:lead] + spec.shape[lead + spec.n_contract:]
         # uniform on [-127, 127] has std 127/sqrt(3); scale it to std = 1/sqrt(fan_in)
         scale = jnp.full(scale_shape, std * 3 ** 0.5 / 127, jnp.float32)
