@@ -251,8 +251,11 @@ def table(rep: dict) -> str:
                      f"{p['roofline_ms']:.3f}", f"{p['roofline_fraction']:.1%}", f"{p['compute_ms']:.3f}",
                      f"{p['ceiling_tok_s']:.0f}", f"{p['compile_s']:.1f}"]
                     + [f"{p['ttft_ms'][str(n)]:.1f}" for n in lens])
-    width = [max(len(cols[i]), *(len(r[i]) for r in rows if len(r) > i)) for i in range(len(cols))]
-    fmt = lambda r: "  ".join(x.rjust(w) for x, w in zip(r, width)) if len(r) == len(cols) else "  ".join(r)
+    full = [r for r in rows if len(r) == len(cols)]
+    width = [max(len(cols[i]), *(len(r[i]) for r in full)) for i in range(len(cols))]
+    def fmt(r):
+        return "  ".join(x.rjust(w) for x, w in zip(r, width)) if len(r) == len(cols) else \
+            f"{r[0].rjust(width[0])}  {r[1]}"
     return "\n".join([head, fmt(cols), *map(fmt, rows)])
 
 
