@@ -30,6 +30,7 @@ from ..errors import RequestError
 from ..model import forward, logits_from_hidden
 
 TOKENS_PER_FORWARD = 8192       # windows are batched up to this many tokens per forward
+SCORE_BYTES = 2 << 30           # and while one layer's f32 attention scores stay under this
 LOGIT_ELEMENTS = 1 << 26        # f32 logits materialized at once, at most (256 MiB)
 
 
@@ -136,7 +137,8 @@ def perplexity_ids(engine, ids, window: int = 2048, stride: int | None = None,
     T = max(w.end - w.begin for w in wins) + lead
     if T > cfg.max_position:
         raise RequestError(f"perplexity window {window} exceeds the model's {cfg.max_position} positions")
-    B = max(1, min(len(wins), TOKENS_PER_FORWARD // T))
+    heads = max(a.num_heads for a in cfg.attn if a is not None)
+    B = max(1, min(len(wins), TOKENS_PER_FORWARD // T, SCORE_BYTES // (4 * heads * T * T)))
     total, count = 0.0, 0
     for i in range(0, len(wins), B):
         tokens, scored = pack(wins[i:i + B], ids, B, T, bos, cfg.pad_id)
