@@ -152,6 +152,11 @@ class Engine:
                 new_ids = _ids_covering(self.tokenizer, new_ids, text)
         return Completion(text, new_ids, reason, list(prompt_ids))
 
+    def perplexity(self, text: str, window: int = 2048, stride: int | None = None):
+        """Sliding-window perplexity of `text` -> PerplexityResult (.ppl .nll .num_scored_tokens)."""
+        from .harness.perplexity import perplexity
+        return perplexity(self, text, window, stride)
+
     # -- one step at a time (tests, and the server's continuous batching) ------------------------
     def new_cache(self, batch: int, length: int):
         return init_cache(self.cfg, batch, length, self.dtype)
