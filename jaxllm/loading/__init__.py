@@ -51,7 +51,7 @@ def read_hf_config(d: Path) -> tuple[dict, dict]:
     return rd("config.json"), rd("generation_config.json")
 
 
-def load_model(model_dir, dtype, quant: str, progress=None):
+def load_model(model_dir, dtype, quant: str, progress=None, layout=None):
     """-> (ModelConfig, family module, weights pytree, Tokenizer | None, display name)."""
     from .weights import build_weights
     files = locate(model_dir)
@@ -76,5 +76,5 @@ def load_model(model_dir, dtype, quant: str, progress=None):
         tok = Tokenizer.from_hf_dir(files.path, fam.CHAT_TEMPLATE)
         if tok is not None and tok.eos_ids:
             cfg = cfg.replace(eos_ids=tuple(dict.fromkeys(cfg.eos_ids + tok.eos_ids)))
-    weights = build_weights(cfg, fam, source, dtype, quant, progress)
+    weights = build_weights(cfg, fam, source, dtype, quant, progress, layout)
     return cfg, fam, weights, tok, files.name
