@@ -25,6 +25,7 @@ RULES: dict[str, str | None] = {
     "mlp": "model",
     "vocab": "model",
     "expert": "model",
+    "moe_mlp": "model",            # used only when the experts themselves cannot be split
     "embed": None,
     "head_dim": None,
     "layers": None,
@@ -134,6 +135,7 @@ def scale_shape_axes(spec: ParamSpec) -> tuple[tuple[int, ...], tuple]:
     lead = 1 if spec.axes and spec.axes[0] == "layers" else 0
     if spec.n_contract == 0:       # an embedding table: one scale per row, [V, 1]
         return spec.shape[:lead + 1] + (1,), spec.axes[:lead + 1] + (None,)
+    lead += getattr(spec, "n_batch", 0)      # independent matrices (experts) keep their own scales
     keep = slice(lead + spec.n_contract, None)
     return spec.shape[:lead] + spec.shape[keep], spec.axes[:lead] + spec.axes[keep]
 

@@ -58,9 +58,9 @@ def np_dtype(dtype):
     return ml_dtypes.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(jnp.dtype(dtype).name)
 
 
-def convert_layer(a: np.ndarray, n_contract: int, dtype, int8: bool) -> tuple[np.ndarray, ...]:
+def convert_layer(a: np.ndarray, n_contract: int, dtype, int8: bool, n_batch: int = 0) -> tuple[np.ndarray, ...]:
     if int8:
-        return quantize_np(a, n_contract)
+        return quantize_np(a, n_contract, n_batch)
     return (a.astype(np_dtype(dtype)),)
 
 

@@ -103,8 +103,9 @@ def place_weight(source, names, spec: ParamSpec, stacked: bool, dtype, quant: st
     if stacked:
         shapes = [spec.shape] + ([scale_shape_axes(spec)[0]] if int8 else [])
         dtypes = [jnp.int8, jnp.float32] if int8 else [dtype]
-        pieces = [lambda nm=nm: convert_layer(fetch(source, nm, spec, True, convert), spec.n_contract, dtype, int8)
-                  for nm in names]
+        nb = getattr(spec, "n_batch", 0)
+        pieces = [lambda nm=nm: convert_layer(fetch(source, nm, spec, True, convert), spec.n_contract,
+                                              dtype, int8, nb) for nm in names]
         arrays = place_stacked(pieces, shapes, dtypes, shardings)
     elif len(spec.shape) == 2 and "vocab" in spec.axes and convert is None:
         fetch_check(source, names[0], spec, False)
