@@ -56,3 +56,32 @@ def test_rules_replicate_or_refuse():
     assert tuple(lay.spec((151937, 64), ("vocab", "embed"))) == (None, None)   # odd vocabulary: replicated
     with pytest.raises(ModelError, match=r"^--tp 4 does not divide 90 MLP width$"):
         lay.spec((64, 90), ("embed", "mlp"))
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one(tmp_path):
+    """jax.distributed over gloo: two CPU processes, the model split across them, same greedy tokens."""
+    import jaxllm
+    from tp_models import make
+    make("qwen3", tmp_path / "m")
+    want = [c.token_ids for c in jaxllm.load(tmp_path / "m", dtype="float32", tp=1, max_ctx=32)
+            .generate_ids([[1, 2, 3, 4], [5, 6]], max_tokens=6)]
+    addr = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multiprocess_run.py"), str(tmp_path / "m"),
+                               addr, "2", str(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    records = [[ln for ln in out.splitlines() if ln.startswith("{")] for out, _ in outs]
+    assert len(records[0]) == 1 and records[1] == []          # only process 0 prints
+    got = json.loads(records[0][0])
+    assert got["tokens"] == want
+    assert got["local_q"] == [[3, 64, 4, 16]] and got["global_q"] == [3, 64, 8, 16]
