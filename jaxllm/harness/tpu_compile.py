@@ -161,6 +161,8 @@ def compile_shape(shape: str, tp: int = 4, dp: int = 1, max_ctx: int = 2048, bat
     # this, not used for the prediction.)
     per_step = device_bytes(weights) + device_bytes(cache)
     report["weight_bytes_per_device"] = device_bytes(weights)
+    report["weight_bytes_total"] = sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+                                       for a in jax.tree_util.tree_leaves(weights))
     report["cache_bytes_per_device"] = device_bytes(cache)
     bw, hbm = CHIPS.get(topology.split(":")[0], (None, None))
     report.update(bytes_per_step=per_step, hbm_bandwidth=bw, hbm_per_chip=hbm,
