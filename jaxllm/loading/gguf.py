@@ -55,16 +55,15 @@ _TOKEN_USER_DEFINED = 4
 # Reading the file
 # ----------------------------------------------------------------------------------------------
 
-# Parsing the metadata takes GGUFReader ~10 s on this model (it walks 262k vocabulary strings one
-# by one), and a load asks for config, tensors and tokenizer separately: keep the last few readers
-# (each is a memmap plus parsed metadata, not the tensor data).
+# A load asks for config, tensors and tokenizer separately: keep the last few parsed files (each is
+# a memmap plus parsed metadata, not the tensor data).
 _reader_cache: dict = {}
 _READER_CACHE_SIZE = 4
 
 
 def _reader(path):
-    """A `gguf.GGUFReader` for `path`, or ModelError with a one-line reason."""
-    import gguf
+    """A parsed `GGUFFile` for `path`, or ModelError with a one-line reason."""
+    from .gguf_file import GGUFFile
 
     path = Path(path)
     try:
@@ -79,15 +78,10 @@ def _reader(path):
     if magic != b"GGUF":
         raise ModelError(f"{path}: not a GGUF file (it does not start with the GGUF magic)")
     try:
-        reader = gguf.GGUFReader(path)
-    except Exception as err:  # gguf raises ValueError/IndexError/struct errors on damaged files
+        reader = GGUFFile(path)
+    except Exception as err:  # damaged files surface as ValueError/IndexError/struct errors
         reason = " ".join(str(err).split())[:120] or type(err).__name__  # one line, bounded
-        raise ModelError(f"{path}: truncated or corrupt GGUF file (gguf could not parse it: {reason})") from None
-    # GGUFReader slices tensor data from a memmap without checking the file is long enough: a file
-    # cut inside the tensor data would otherwise show up later as a reshape error or short tensor.
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > stat.st_size:
-            raise ModelError(f"{path}: truncated GGUF file (tensor {t.name!r} runs past its end)")
+        raise ModelError(f"{path}: truncated or corrupt GGUF file ({reason})") from None
     while len(_reader_cache) >= _READER_CACHE_SIZE:
         del _reader_cache[next(iter(_reader_cache))]  # oldest first (dicts keep insertion order)
     _reader_cache[key] = reader
@@ -96,13 +90,7 @@ def _reader(path):
 
 def _metadata(reader) -> dict:
     """All key/value fields as Python values (strings decoded, arrays as lists)."""
-    out = {}
-    for name, field in reader.fields.items():
-        try:
-            out[name] = field.contents()
-        except UnicodeDecodeError:
-            out[name] = None  # a non-UTF-8 string nobody here needs (tokens are decoded separately)
-    return out
+    return reader.meta
 
 
 def _checked_metadata(path) -> tuple[object, dict]:
@@ -117,11 +105,11 @@ def _checked_metadata(path) -> tuple[object, dict]:
     return reader, meta
 
 
-def _token_field(reader, path):
-    field = reader.fields.get("tokenizer.ggml.tokens")
-    if field is None:
+def _token_field(reader, path) -> list[str]:
+    tokens = reader.meta.get("tokenizer.ggml.tokens")
+    if tokens is None:
         raise ModelError(f"{Path(path).name}: GGUF file has no tokenizer.ggml.tokens")
-    return field
+    return tokens
 
 
 def _required(meta: dict, key: str, path):
@@ -178,7 +166,7 @@ def read_gguf_config(path) -> dict:
         "model_type": "gemma3_text",
         "architectures": ["Gemma3ForCausalLM"],
         # as transformers: the file's vocab_size key if any, else the number of tokens
-        "vocab_size": int(meta.get("gemma3.vocab_size") or len(_token_field(reader, path).data)),
+        "vocab_size": int(meta.get("gemma3.vocab_size") or len(_token_field(reader, path))),
         "hidden_size": hidden,
         "intermediate_size": int(key("feed_forward_length")),
         "num_hidden_layers": n_layers,
@@ -294,8 +282,7 @@ def _merges_from_vocab(vocab: dict[str, int], scores: dict[str, float]) -> list[
 
 
 def _token_strings(reader, path) -> list[str]:
-    field = _token_field(reader, path)
-    return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+    return _token_field(reader, path)
 
 
 def load_gguf_tokenizer(path) -> GGUFTokenizerInfo:
