@@ -9,15 +9,20 @@ __version__ = "0.1.0"
 
 
 def load(model_dir=None, max_ctx=8192, quant="int8", kv_quant="auto", tp=None, dtype="bfloat16",
-         progress=None) -> Engine:
-    """Load a model (HF directory, .gguf file, hub id, or the embedded default when None)."""
+         progress=None, dp=1) -> Engine:
+    """Load a model (HF directory, .gguf file, saved jaxllm checkpoint, hub id, or the embedded
+    default when None), sharded over `tp` devices ("model" axis; None = every device) times `dp`
+    ("data" axis, splitting the batch)."""
     from .engine import DTYPES
     from .loading import load_model
     if dtype not in DTYPES:
         raise ModelError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if quant not in ("int8", "none"):
         raise ModelError(f"quant must be 'int8' or 'none', got {quant!r}")
-    cfg, fam, weights, tok, name = load_model(model_dir, DTYPES[dtype], quant, progress)
+    from .sharding import layout_for
+    layout = layout_for(tp, dp)
+    cfg, fam, weights, tok, name = load_model(model_dir, DTYPES[dtype], quant, progress, layout)
     if max_ctx is None:
         max_ctx = min(cfg.max_position, 8192)
-    return Engine(cfg, weights, tok, dtype=dtype, max_ctx=int(max_ctx), name=name, quant=quant)
+    return Engine(cfg, weights, tok, dtype=dtype, max_ctx=int(max_ctx), name=name, quant=quant,
+                  layout=layout)

@@ -15,6 +15,7 @@ from .config import ModelConfig
 from .errors import RequestError
 from .model import forward, logits_from_hidden
 from .sampling import SamplingParams
+from .sharding import single_device_layout
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
@@ -55,8 +56,9 @@ def check_sampling(max_tokens, temperature, top_k, top_p):
 
 class Engine:
     def __init__(self, cfg: ModelConfig, weights, tokenizer, *, dtype="bfloat16", max_ctx=8192,
-                 name="model", quant="none"):
+                 name="model", quant="none", layout=None):
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
+        self.layout = layout or single_device_layout()   # weights must already lie on its mesh
         self.dtype_name, self.dtype = dtype, DTYPES[dtype]
         self.max_ctx, self.name, self.quant = max_ctx, name, quant
         self.stats = GenerateStats()
@@ -87,7 +89,8 @@ class Engine:
         Tb = min(bucket(T), max(self.max_ctx, T))
         padded = np.full((B, Tb), self.cfg.pad_id, np.int32)
         padded[:, :T] = ids
-        return np.asarray(self._forward(self.weights, jnp.asarray(padded)))[:, :T]
+        lay = self.layout
+        return lay.get(self._forward(self.weights, lay.put(padded, lay.batch_sharding(padded.shape))))[:, :T]
 
     # -- generation ------------------------------------------------------------------------------
     def encode_prompt(self, prompt, chat: bool) -> list[int]:
@@ -127,15 +130,16 @@ class Engine:
         tokens = np.full((B, T), self.cfg.pad_id, np.int32)
         for b, x in enumerate(ids):
             tokens[b, :len(x)] = x
-        params = SamplingParams.make(B, temperature, top_k, top_p, seed)
+        put = self._put_rows
+        params = jax.tree_util.tree_map(put, SamplingParams.make(B, temperature, top_k, top_p, seed))
         t0 = time.perf_counter()
-        cache = init_cache(self.cfg, B, S, self.dtype)
-        state, _ = self._prefill(self.weights, jnp.asarray(tokens), jnp.asarray(lens, dtype=jnp.int32),
-                                 cache, params, jnp.asarray(row_max), n_out=n_out)
+        cache = self.new_cache(B, S)
+        state, _ = self._prefill(self.weights, put(tokens), put(np.asarray(lens, np.int32)),
+                                 cache, params, put(row_max), n_out=n_out)
         state.tokens.block_until_ready()
         t1 = time.perf_counter()
         state = self._loop(self.weights, state, params)
-        out, n_new = jax.device_get((state.tokens, state.n_new))
+        out, n_new = self.layout.get(state.tokens), self.layout.get(state.n_new)
         t2 = time.perf_counter()
         self.stats = GenerateStats(B, sum(lens), int(n_new.sum()), t1 - t0, t2 - t1, int(state.step))
         return [self._finish(ids[b], out[b, :n_new[b]].tolist(), int(row_max[b]), stop) for b in range(B)]
@@ -152,13 +156,26 @@ class Engine:
                 new_ids = _ids_covering(self.tokenizer, new_ids, text)
         return Completion(text, new_ids, reason, list(prompt_ids))
 
+    def perplexity(self, text: str, window: int = 2048, stride: int | None = None):
+        """Sliding-window perplexity of `text` -> PerplexityResult (.ppl .nll .num_scored_tokens)."""
+        from .harness.perplexity import perplexity
+        return perplexity(self, text, window, stride)
+
     # -- one step at a time (tests, and the server's continuous batching) ------------------------
     def new_cache(self, batch: int, length: int):
-        return init_cache(self.cfg, batch, length, self.dtype)
+        """A zeroed cache laid out on the mesh: batch over "data", KV heads over "model"."""
+        make = partial(init_cache, self.cfg, batch, length, self.dtype)
+        return jax.jit(make, out_shardings=self.layout.cache_shardings(jax.eval_shape(make)))()
+
+    def _put_rows(self, x):
+        """Per-row host data -> a global array split over the data axis like the cache rows."""
+        x = np.asarray(x)
+        return self.layout.put(x, self.layout.batch_sharding(x.shape))
 
     def step(self, tokens, positions, cache):
         """One decode step for every row: tokens/positions [B] -> (logits [B, V], cache)."""
-        return self._step(self.weights, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32), cache)
+        return self._step(self.weights, self._put_rows(np.asarray(tokens, np.int32)),
+                          self._put_rows(np.asarray(positions, np.int32)), cache)
 
 
 def _ids_covering(tok, ids, text):

@@ -19,7 +19,7 @@ from .config import GLOBAL, KIND_NAMES, SLIDING, ModelConfig
 from .errors import ModelError
 from .layers import (attend, attention_mask, gated_mlp, inv_frequencies, project_q, project_qkv,
                      rms_norm)
-from .quant import linear
+from .quant import linear, matmul_rows, take_rows
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ def family_hooks(cfg: ModelConfig):
 
 
 def embed(cfg: ModelConfig, weights: dict, tokens: jax.Array, dtype) -> jax.Array:
-    x = jnp.take(weights["embed"], tokens, axis=0).astype(dtype)
+    x = take_rows(weights["embed"], tokens, dtype)
     if cfg.embed_scale is not None:
         x = x * jnp.asarray(cfg.embed_scale, dtype)
     return x
@@ -87,8 +87,7 @@ def embed(cfg: ModelConfig, weights: dict, tokens: jax.Array, dtype) -> jax.Arra
 def logits_from_hidden(cfg: ModelConfig, weights: dict, h: jax.Array) -> jax.Array:
     h = rms_norm(h, weights["final_norm"], cfg.norm_eps, cfg.norm_offset)
     if cfg.tie_embeddings:
-        out = jnp.einsum("...d,vd->...v", h, weights["embed"].astype(h.dtype),
-                         preferred_element_type=jnp.float32)
+        out = matmul_rows(h, weights["embed"])
     else:
         out = linear(h, weights["lm_head"]).astype(jnp.float32)
     if cfg.final_softcap is not None:
