@@ -7,6 +7,7 @@ any family-specific groups such as Gemma 4's KV-sharing layers), and the branch 
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import partial
 
@@ -181,5 +182,12 @@ def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.A
             x, caches = jax.lax.switch(s["branch"], [branch(b) for b in brs], x, caches, s)
         return (x, caches), None
 
-    (x, cache), _ = jax.lax.scan(step, (x, cache), xs)
+    (x, cache), _ = jax.lax.scan(step, (x, cache), xs, unroll=scan_unroll(cfg))
     return x, cache
+
+
+def scan_unroll(cfg: ModelConfig) -> int:
+    """Layers per scan iteration. Each iteration of a loop costs a fixed overhead on GPUs, which
+    at batch 1 is of the order of a layer's whole memory time; JAXLLM_SCAN_UNROLL sets it."""
+    n = int(os.environ.get("JAXLLM_SCAN_UNROLL", "1"))
+    return max(1, min(n, cfg.num_layers))

@@ -23,6 +23,8 @@ import numpy as np
 
 from .. import generate as gen
 from ..cache import init_cache
+from ..sharding import check_divisible, layout_for
+from ..split_cache import KVOptions, choose_layout, make_cache
 from ..engine import DTYPES
 from ..errors import JaxllmError, ModelError, RequestError
 from ..sampling import SamplingParams
@@ -77,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-lens", type=int_list, default=[], help="prompt lengths whose TTFT to time")
     p.add_argument("--quant", choices=("int8", "none"), default="int8")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices on the model axis)")
+    p.add_argument("--kv-quant", choices=("auto", "int8", "none"), default="auto",
+                   help="KV-cache format, as in jaxllm.infer (auto: split int8 cache above 32K)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench.json", help="JSON results path")
     p.add_argument("--plot", default=None, help="PNG plot path (default: --out with .png)")
@@ -87,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(a) -> None:
-    if a.tp != 1:
-        raise RequestError(f"--tp {a.tp}: this build benchmarks one device only; use --tp 1")
+    if a.tp < 1 or a.tp > len(jax.devices()):
+        raise RequestError(f"--tp {a.tp}: there are {len(jax.devices())} devices")
     for name in ("ctx", "steps", "repeats"):
         if getattr(a, name) < 1:
             raise RequestError(f"--{name} must be >= 1, got {getattr(a, name)}")
@@ -103,10 +107,13 @@ def load_subject(a):
     if a.shape:
         from .shapes import resolve_shape
         cfg, fam = resolve_shape(a.shape)
-        weights = random_weights(fam.abstract(cfg), a.quant, DTYPES[a.dtype], a.seed)
+        specs = fam.abstract(cfg)
+        check_divisible(a.layout, specs)
+        shardings = a.layout.weight_shardings(specs, lambda s: a.quant == "int8" and bool(s.n_contract))
+        weights = random_weights(specs, a.quant, DTYPES[a.dtype], a.seed, shardings)
         return cfg, fam, weights, {"shape": a.shape}
     import jaxllm
-    eng = jaxllm.load(a.model_dir, quant=a.quant, dtype=a.dtype, max_ctx=None)
+    eng = jaxllm.load(a.model_dir, quant=a.quant, dtype=a.dtype, max_ctx=None, tp=a.tp)
     return eng.cfg, family_for({"model_type": eng.cfg.family}), eng.weights, {"model_dir": str(a.model_dir)}
 
 
@@ -120,10 +127,19 @@ def median_ms(times: list[float]) -> float:
     return float(np.median(times)) * 1e3
 
 
-def decode_state(cfg, batch: int, ctx: int, steps: int, dtype, seed: int) -> gen.DecodeState:
+def cache_shapes(cfg, batch: int, length: int, dtype, kv_quant: str = "none"):
+    """The cache the engine would use for `length` positions under `kv_quant`, as shape structs."""
+    layout = choose_layout(kv_quant, length, KVOptions())
+    return jax.eval_shape(lambda: make_cache(cfg, layout, KVOptions(), batch, length, dtype))
+
+
+def decode_state(cfg, batch: int, ctx: int, steps: int, dtype, seed: int, kv_quant: str = "none",
+                 layout=None) -> gen.DecodeState:
     """A state as if a prompt of ctx tokens had just been prefilled: random KV in slots [0, ctx)."""
-    shapes = jax.eval_shape(lambda: init_cache(cfg, batch, ctx + steps, dtype))
+    shapes = cache_shapes(cfg, batch, ctx + steps, dtype, kv_quant)
     cache = random_like(shapes, seed)
+    if layout is not None:
+        cache = jax.device_put(cache, layout.cache_shardings(shapes))
     last = jax.random.randint(jax.random.key(seed), (batch,), 0, cfg.vocab_size, jnp.int32)
     return gen.DecodeState(cache=cache, tokens=jnp.zeros((batch, steps + 1), jnp.int32), last=last,
                            pos=jnp.full((batch,), ctx, jnp.int32), done=jnp.zeros((batch,), bool),
@@ -136,14 +152,15 @@ def time_decode(cfg, weights, batch, a, dtype) -> tuple[float, list[float]]:
     cfg = cfg.replace(eos_ids=())                   # every row runs every step
     params = SamplingParams.make(batch)
     loop = jax.jit(partial(gen.decode_loop, cfg, dtype=dtype), donate_argnums=(1,))
-    state = jax.block_until_ready(decode_state(cfg, batch, a.ctx, a.steps, dtype, a.seed))
+    state = jax.block_until_ready(decode_state(cfg, batch, a.ctx, a.steps, dtype, a.seed, a.kv_quant, a.layout))
     t0 = time.perf_counter()
     compiled = loop.lower(weights, state, params).compile()
     compile_s = time.perf_counter() - t0
     runs = []
     for i in range(a.warmup + a.repeats):
         if i:
-            state = jax.block_until_ready(decode_state(cfg, batch, a.ctx, a.steps, dtype, a.seed + i))
+            state = jax.block_until_ready(decode_state(cfg, batch, a.ctx, a.steps, dtype, a.seed + i,
+                                                       a.kv_quant, a.layout))
         t0 = time.perf_counter()
         out = compiled(weights, state, params)
         out.tokens.block_until_ready()
@@ -178,15 +195,17 @@ def time_prefill(cfg, weights, batch, prompt_len, a, dtype) -> tuple[float, floa
 
 def run_point(cfg, fam, weights, batch, a, ceilings, mem_limit) -> Point:
     dtype = DTYPES[a.dtype]
-    kv_item = jnp.dtype(dtype).itemsize
+    kv_int8 = choose_layout(a.kv_quant, a.ctx + a.steps, KVOptions()).int8
+    kv_item = 1 if kv_int8 else jnp.dtype(dtype).itemsize     # int8 KV: scales not counted
     cost = step_cost(cfg, weights, fam.abstract(cfg), batch, a.ctx, kv_item)
     p = Point(batch, a.ctx, a.steps, weight_bytes_per_step=cost.weight_bytes, kv_bytes_per_step=cost.kv_bytes,
               bytes_per_step=cost.bytes, flops_per_step=cost.flops)
-    p.roofline_ms = cost.bytes / ceilings.bandwidth * 1e3
-    p.compute_ms = cost.flops / ceilings.matmul_flops * 1e3
+    # tensor parallelism splits the bytes and FLOPs of a step over tp devices, each measured alike
+    p.roofline_ms = cost.bytes / (ceilings.bandwidth * a.tp) * 1e3
+    p.compute_ms = cost.flops / (ceilings.matmul_flops * a.tp) * 1e3
     p.ceiling_tok_s = batch / max(p.roofline_ms, p.compute_ms) * 1e3
-    cache_bytes = nbytes(jax.eval_shape(lambda: init_cache(cfg, batch, a.ctx + a.steps, dtype)))
-    if mem_limit and nbytes(weights) + cache_bytes > 0.9 * mem_limit:
+    cache_bytes = nbytes(cache_shapes(cfg, batch, a.ctx + a.steps, dtype, a.kv_quant)) // a.tp
+    if mem_limit and nbytes(weights) // a.tp + cache_bytes > 0.9 * mem_limit:
         p.skipped = f"KV cache of {cache_bytes / 2**30:.1f} GiB does not fit next to the weights"
         return p
     try:
@@ -195,7 +214,7 @@ def run_point(cfg, fam, weights, batch, a, ceilings, mem_limit) -> Point:
         p.ms_per_step = median_ms(runs) / a.steps
         p.tok_s = batch / p.ms_per_step * 1e3
         p.roofline_fraction = p.roofline_ms / p.ms_per_step
-        for n in a.prompt_lens:
+        for n in (a.prompt_lens if batch == min(a.batches) else []):      # TTFT of one prompt
             c, t = time_prefill(cfg, weights, batch, n, a, dtype)
             p.ttft_compile_s[str(n)], p.ttft_ms[str(n)] = c, t * 1e3
     except Exception as e:                            # out of device memory and the like: note, go on
@@ -250,7 +269,7 @@ def table(rep: dict) -> str:
         rows.append([str(p["batch"]), f"{p['ms_per_step']:.3f}", f"{p['tok_s']:.1f}", f"{p['bytes_per_step'] / 1e6:.1f}",
                      f"{p['roofline_ms']:.3f}", f"{p['roofline_fraction']:.1%}", f"{p['compute_ms']:.3f}",
                      f"{p['ceiling_tok_s']:.0f}", f"{p['compile_s']:.1f}"]
-                    + [f"{p['ttft_ms'][str(n)]:.1f}" for n in lens])
+                    + [f"{p['ttft_ms'][str(n)]:.1f}" if str(n) in p['ttft_ms'] else "" for n in lens])
     full = [r for r in rows if len(r) == len(cols)]
     width = [max(len(cols[i]), *(len(r[i]) for r in full)) for i in range(len(cols))]
     def fmt(r):
@@ -309,6 +328,7 @@ def progress(items):
 
 
 def sweep(a) -> int:
+    a.layout = layout_for(a.tp)
     cfg, fam, weights, subject = load_subject(a)
     device = jax.devices()[0]
     ceilings = ceil.measure(a.probe_mib << 20 if a.probe_mib else None, a.matmul_n, device)

@@ -53,11 +53,16 @@ def random_leaf(spec: ParamSpec, quant: str, dtype, key):
     return sliced(lambda k, s: (jax.random.normal(k, s, jnp.float32) * std).astype(dtype), key, spec.shape, stacked)
 
 
-def random_weights(specs, quant: str, dtype, seed: int = 0):
-    """A weights pytree of the abstract `specs`, int8 QuantArrays for matmuls under quant='int8'."""
+def random_weights(specs, quant: str, dtype, seed: int = 0, shardings=None):
+    """A weights pytree of the abstract `specs`, int8 QuantArrays for matmuls under quant='int8',
+    each leaf moved to its sharding (if given) as soon as it is made."""
     leaves, treedef = jax.tree_util.tree_flatten(specs, is_leaf=is_spec)
+    shards = treedef.flatten_up_to(shardings) if shardings is not None else [None] * len(leaves)
     key = jax.random.key(seed)
-    out = [random_leaf(s, quant, jnp.dtype(dtype).type, jax.random.fold_in(key, i)) for i, s in enumerate(leaves)]
+    out = []
+    for i, (s, sh) in enumerate(zip(leaves, shards)):
+        leaf = random_leaf(s, quant, jnp.dtype(dtype).type, jax.random.fold_in(key, i))
+        out.append(leaf if sh is None else jax.device_put(leaf, sh))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
