@@ -1,4 +1,5 @@
-"""KV caches: one stack per attention kind, [n_layers_of_kind, B, S, K, hd], in the compute dtype.
+"""KV caches: one stack per attention kind, [n_layers_of_kind, B, S, K, hd], in the compute dtype
+(layers that attend over an earlier layer's cache, `ModelConfig.kv_sources`, get no stack).
 
 Slot s of a linear cache holds absolute position s; tokens are written at their positions, so a
 right-padded prefill leaves junk only in slots past each row's length, which the causal mask never
@@ -13,12 +14,12 @@ from .config import KIND_NAMES, ModelConfig
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype, n_layers=None) -> dict:
-    """Zeroed cache for `batch` rows of `length` positions. `n_layers` (kind -> count) lets a family
-    that shares KV between layers allocate fewer stacks than it has layers."""
+    """Zeroed cache for `batch` rows of `length` positions: one stack per layer that keeps its own
+    KV (`cfg.cache_layers`), unless `n_layers` (kind -> count) says otherwise."""
     cache = {}
     for kind in cfg.kinds_used:
         a = cfg.attn[kind]
-        n = cfg.layers_of_kind(kind) if n_layers is None else n_layers[kind]
+        n = cfg.cache_layers(kind) if n_layers is None else n_layers[kind]
         shape = (n, batch, length, a.num_kv_heads, a.head_dim)
         cache[KIND_NAMES[kind]] = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
     return cache

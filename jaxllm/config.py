@@ -56,6 +56,10 @@ class ModelConfig:
     eos_ids: tuple[int, ...] = ()
     pad_id: int = 0
     extras: tuple[tuple[str, object], ...] = field(default=())   # family-specific static values
+    # Layers whose weights differ in shape from others of their kind live in their own stack
+    # ("group"); a layer may also read another layer's KV cache instead of keeping its own.
+    layer_groups: tuple[str, ...] = ()      # weight stack per layer; () = named after its kind
+    kv_sources: tuple[int, ...] = ()        # layer whose KV cache each layer attends over; () = itself
 
     # -- derived -------------------------------------------------------------------------------
     @property
@@ -64,6 +68,16 @@ class ModelConfig:
 
     def layers_of_kind(self, kind: int) -> int:
         return sum(1 for k in self.layer_kinds if k == kind)
+
+    def group_of(self, layer: int) -> str:
+        return self.layer_groups[layer] if self.layer_groups else KIND_NAMES[self.layer_kinds[layer]]
+
+    def kv_source(self, layer: int) -> int:
+        return self.kv_sources[layer] if self.kv_sources else layer
+
+    def cache_layers(self, kind: int) -> int:
+        """How many KV cache stacks this kind needs: layers reading another layer's cache need none."""
+        return sum(1 for i, k in enumerate(self.layer_kinds) if k == kind and self.kv_source(i) == i)
 
     def extra(self, name: str, default=None):
         return dict(self.extras).get(name, default)

@@ -1,11 +1,13 @@
 """The forward pass: embed, one `lax.scan` over all layers, final norm and logits.
 
-Each scan step gets (kind, index): `lax.cond` picks the sliding or global branch, and the branch
-reads its weights and KV cache at `index` in that kind's stack. With a single kind (Qwen3) there is
-no cond at all.
+Each scan step gets its layer's schedule entry: `lax.switch` picks the branch (sliding or global, plus
+any family-specific groups such as Gemma 4's KV-sharing layers), and the branch reads its weights at
+`idx` in its group's stack and its KV cache at `cache_idx` in its kind's stack. With a single branch
+(Qwen3) there is no switch at all.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -14,19 +16,65 @@ import numpy as np
 
 from . import cache as kv
 from .config import GLOBAL, KIND_NAMES, SLIDING, ModelConfig
-from .layers import attend, attention_mask, gated_mlp, inv_frequencies, project_qkv, rms_norm
+from .errors import ModelError
+from .layers import (attend, attention_mask, gated_mlp, inv_frequencies, project_q, project_qkv,
+                     rms_norm)
 from .quant import linear
 
 
+@dataclass(frozen=True)
+class Branch:
+    """One path through a layer: its weight stack (group), attention kind, and whether it keeps a KV
+    cache of its own or attends over another layer's."""
+    group: str
+    kind: int
+    own_kv: bool = True
+
+
+def _branch_of(cfg: ModelConfig, layer: int) -> Branch:
+    return Branch(cfg.group_of(layer), cfg.layer_kinds[layer], cfg.kv_source(layer) == layer)
+
+
+def branches(cfg: ModelConfig) -> tuple[Branch, ...]:
+    out: list[Branch] = []
+    for i in range(cfg.num_layers):
+        b = _branch_of(cfg, i)
+        if b not in out:
+            if any(o.group == b.group for o in out):
+                raise ModelError(f"layer group {b.group!r} mixes attention kinds or KV sharing")
+            out.append(b)
+    return tuple(out)
+
+
 def schedule(cfg: ModelConfig) -> dict:
-    """Per-layer scan inputs: which kind, and the index within that kind's weight/cache stacks."""
-    kinds = np.asarray(cfg.layer_kinds, np.int32)
-    idx = np.zeros_like(kinds)
-    seen = {SLIDING: 0, GLOBAL: 0}
+    """Per-layer scan inputs: the branch, the index in its group's weight stack, and the index of the
+    KV cache it attends over in its kind's cache stack."""
+    brs = branches(cfg)
+    slot: dict[int, int] = {}
+    n_cache = {SLIDING: 0, GLOBAL: 0}
+    n_group: dict[str, int] = {}
+    out = {"kind": [], "branch": [], "idx": [], "cache_idx": []}
     for i, k in enumerate(cfg.layer_kinds):
-        idx[i] = seen[k]
-        seen[k] += 1
-    return {"kind": kinds, "idx": idx}
+        b = _branch_of(cfg, i)
+        if b.own_kv:
+            slot[i] = n_cache[k]
+            n_cache[k] += 1
+        src = cfg.kv_source(i)
+        if src not in slot or cfg.layer_kinds[src] != k:
+            raise ModelError(f"layer {i} reads the KV cache of layer {src}, which is not an earlier "
+                             f"layer of the same attention kind")
+        out["kind"].append(k)
+        out["branch"].append(brs.index(b))
+        out["idx"].append(n_group.get(b.group, 0))
+        n_group[b.group] = out["idx"][-1] + 1
+        out["cache_idx"].append(slot[src])
+    return {k: np.asarray(v, np.int32) for k, v in out.items()}
+
+
+def family_hooks(cfg: ModelConfig):
+    """The family module, for its optional `decoder_layer` and `layer_inputs` overrides."""
+    from .models import family_named
+    return family_named(cfg.family)
 
 
 def embed(cfg: ModelConfig, weights: dict, tokens: jax.Array, dtype) -> jax.Array:
@@ -48,12 +96,17 @@ def logits_from_hidden(cfg: ModelConfig, weights: dict, h: jax.Array) -> jax.Arr
     return out
 
 
-def attention_block(cfg, kind, w, h, positions, layer_cache, start):
-    """Project, write this step's K/V into the layer's cache, attend over the cache, project out."""
+def attention_block(cfg, kind, w, h, positions, layer_cache, start, own_kv: bool = True):
+    """Project, write this step's K/V into the layer's cache, attend over the cache, project out.
+    With `own_kv=False` the layer only projects Q and attends over a cache an earlier layer wrote."""
     a = cfg.attn[kind]
-    q, k, v = project_qkv(cfg, a, w, h, positions, inv_frequencies(a.rope, a.head_dim))
-    ck = kv.write(layer_cache["k"], k, start)
-    cv = kv.write(layer_cache["v"], v, start)
+    inv_freq = inv_frequencies(a.rope, a.head_dim)
+    if own_kv:
+        q, k, v = project_qkv(cfg, a, w, h, positions, inv_freq)
+        ck = kv.write(layer_cache["k"], k, start)
+        cv = kv.write(layer_cache["v"], v, start)
+    else:
+        q, ck, cv = project_q(cfg, w, h, positions, inv_freq), layer_cache["k"], layer_cache["v"]
     B, S = ck.shape[0], ck.shape[1]
     mask = attention_mask(positions, kv.slot_positions(B, S), a.window)
     o = attend(q, ck, cv, mask, cfg.query_scale, cfg.attn_softcap)
@@ -88,28 +141,37 @@ def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.A
     Tokens are written into the cache at their positions (contiguous per row, starting at
     positions[:, 0]) and attend to everything the cache holds at earlier positions.
     """
+    hooks = family_hooks(cfg)
     x = embed(cfg, weights, tokens, dtype)
     start = positions[:, 0]
-    sched = schedule(cfg)
+    xs = jax.tree_util.tree_map(jnp.asarray, schedule(cfg))
+    if getattr(hooks, "layer_inputs", None) is not None:
+        xs["inputs"] = hooks.layer_inputs(cfg, weights, tokens, x)     # leading axis: layers
+    layer_fn = getattr(hooks, "decoder_layer", None)
+    brs = branches(cfg)
 
-    def branch(kind):
-        name = KIND_NAMES[kind]
+    def branch(b: Branch):
+        name = KIND_NAMES[b.kind]
 
-        def run(x, caches, idx):
-            w = take(weights["layers"][name], idx)
-            x, lc = decoder_layer(cfg, kind, w, x, positions, take(caches[name], idx), start)
-            return x, {**caches, name: put(caches[name], idx, lc)}
+        def run(x, caches, s):
+            w = take(weights["layers"][b.group], s["idx"])
+            lc = take(caches[name], s["cache_idx"])
+            if layer_fn is None:
+                x, lc = decoder_layer(cfg, b.kind, w, x, positions, lc, start)
+            else:
+                x, lc = layer_fn(cfg, b, w, x, positions, lc, start, s.get("inputs"))
+            if not b.own_kv:
+                return x, caches
+            return x, {**caches, name: put(caches[name], s["cache_idx"], lc)}
         return run
 
     def step(carry, s):
         x, caches = carry
-        kinds = cfg.kinds_used
-        if len(kinds) == 1:
-            x, caches = branch(kinds[0])(x, caches, s["idx"])
+        if len(brs) == 1:
+            x, caches = branch(brs[0])(x, caches, s)
         else:
-            x, caches = jax.lax.cond(s["kind"] == SLIDING, branch(SLIDING), branch(GLOBAL),
-                                     x, caches, s["idx"])
+            x, caches = jax.lax.switch(s["branch"], [branch(b) for b in brs], x, caches, s)
         return (x, caches), None
 
-    (x, cache), _ = jax.lax.scan(step, (x, cache), jax.tree_util.tree_map(jnp.asarray, sched))
+    (x, cache), _ = jax.lax.scan(step, (x, cache), xs)
     return x, cache

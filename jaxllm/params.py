@@ -5,7 +5,9 @@ The weights pytree is a plain nested dict:
     {"embed": [V, D], "final_norm": [D], ("lm_head": [D, V] when untied),
      "layers": {"sliding": {name: [n_sliding, ...]}, "global": {name: [n_global, ...]}}}
 Layer tensors are stacked on a leading axis per attention kind, so one `lax.scan` covers all layers
-even when sliding and global layers have different shapes (Gemma 4).
+even when sliding and global layers have different shapes (Gemma 4). A family may split a kind into
+further groups (`ModelConfig.layer_groups`, e.g. Gemma 4's KV-sharing layers, which have no K/V
+weights and a wider MLP); each group is then its own stack.
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ class ParamSpec:
     axes: tuple[str | None, ...]          # logical axis names, for sharding rules
     n_contract: int = 0                   # >0: a matmul weight, int8-quantizable over these dims
     init: str = "normal"                  # normal | zeros | ones
+    n_batch: int = 0                      # leading dims of independent matrices (MoE experts), before
+                                          # the contracted ones; each keeps its own int8 scales
 
 
 def attention_params(cfg: ModelConfig, a: AttnSpec) -> dict[str, ParamSpec]:
@@ -64,18 +68,22 @@ def layer_params(cfg: ModelConfig, kind: int) -> dict[str, ParamSpec]:
 
 
 def stack(spec: ParamSpec, n: int) -> ParamSpec:
-    return ParamSpec((n, *spec.shape), ("layers", *spec.axes), spec.n_contract, spec.init)
+    return ParamSpec((n, *spec.shape), ("layers", *spec.axes), spec.n_contract, spec.init, spec.n_batch)
 
 
-def abstract_weights(cfg: ModelConfig, layer_fn: Callable = layer_params, extra_top=None) -> dict:
-    """The full weight description; a family may pass its own `layer_fn` and extra top-level specs."""
+def abstract_weights(cfg: ModelConfig, layer_fn: Callable = layer_params, extra_top=None,
+                     layers: dict | None = None) -> dict:
+    """The full weight description; a family may pass its own `layer_fn` and extra top-level specs,
+    or its own stacked `layers` when it groups layers other than by attention kind."""
     V, D = cfg.vocab_size, cfg.hidden_size
     norm_init = "zeros" if cfg.norm_offset else "ones"
+    if layers is None:
+        layers = {KIND_NAMES[k]: {n: stack(s, cfg.layers_of_kind(k)) for n, s in layer_fn(cfg, k).items()}
+                  for k in cfg.kinds_used}
     tree = {
         "embed": ParamSpec((V, D), ("vocab", "embed")),
         "final_norm": ParamSpec((D,), ("embed",), init=norm_init),
-        "layers": {KIND_NAMES[k]: {n: stack(s, cfg.layers_of_kind(k)) for n, s in layer_fn(cfg, k).items()}
-                   for k in cfg.kinds_used},
+        "layers": layers,
     }
     if not cfg.tie_embeddings:
         tree["lm_head"] = ParamSpec((D, V), ("embed", "vocab"), 1)
@@ -103,7 +111,8 @@ def init_random(tree: dict, seed: int, dtype) -> dict:
         elif s.init == "ones":
             a = np.ones(s.shape, np.float32)
         else:
-            fan_in = int(np.prod(s.shape[1 if s.axes[0] == "layers" else 0:][:max(s.n_contract, 1)]))
+            lead = (1 if s.axes[0] == "layers" else 0) + s.n_batch
+            fan_in = int(np.prod(s.shape[lead:][:max(s.n_contract, 1)]))
             a = rng.standard_normal(s.shape, dtype=np.float32) / np.sqrt(max(fan_in, 1))
         out.append(jnp.asarray(a, dtype))
     return jax.tree_util.tree_unflatten(treedef, out)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import ml_dtypes
 
-from ..config import KIND_NAMES, ModelConfig
+from ..config import ModelConfig
 from ..errors import ModelError
 from ..params import ParamSpec, is_spec
 from ..quant import QuantArray, quantize_np
@@ -29,18 +29,20 @@ def detect_prefix(source, probe: str = "embed_tokens.weight") -> str:
 
 
 def hf_shape(spec: ParamSpec, stacked: bool) -> tuple[int, ...]:
-    """The shape the checkpoint stores: matmul weights as [out, in] (torch Linear), others as is."""
+    """The shape the checkpoint stores: matmul weights as [out, in] (torch Linear; after any batch
+    dims such as experts), others as is."""
     shape = spec.shape[1:] if stacked else spec.shape
     if spec.n_contract:
-        n = spec.n_contract
-        return (int(np.prod(shape[n:])), int(np.prod(shape[:n])))
+        nb, n = spec.n_batch, spec.n_contract
+        mat = shape[nb:]
+        return (*shape[:nb], int(np.prod(mat[n:])), int(np.prod(mat[:n])))
     return shape
 
 
 def to_layout(a: np.ndarray, spec: ParamSpec, stacked: bool) -> np.ndarray:
     shape = spec.shape[1:] if stacked else spec.shape
     if spec.n_contract:
-        return np.ascontiguousarray(a.T).reshape(shape)
+        return np.ascontiguousarray(np.swapaxes(a, -1, -2)).reshape(shape)
     return a.reshape(shape)
 
 
@@ -64,7 +66,7 @@ def fetch(source, name: str, spec: ParamSpec, stacked: bool, convert: Callable |
 def finish(arrays: list[np.ndarray], spec: ParamSpec, stacked: bool, dtype, quant: str):
     """Quantize (matmul weights under int8) or cast each piece, then stack the layers."""
     if quant == "int8" and spec.n_contract:
-        pieces = [quantize_np(a, spec.n_contract) for a in arrays]
+        pieces = [quantize_np(a, spec.n_contract, spec.n_batch) for a in arrays]
         q, s = [p[0] for p in pieces], [p[1] for p in pieces]
         if stacked:
             return QuantArray(jnp.asarray(np.stack(q)), jnp.asarray(np.stack(s)), spec.n_contract)
@@ -85,8 +87,7 @@ def build_weights(cfg: ModelConfig, family, source, dtype, quant: str = "none",
     for n, (path, spec) in enumerate(leaves):
         keys = [p.key for p in path]
         if keys[0] == "layers":
-            kind = KIND_NAMES.index(keys[1])
-            ids = [i for i, k in enumerate(cfg.layer_kinds) if k == kind]
+            ids = [i for i in range(cfg.num_layers) if cfg.group_of(i) == keys[1]]
             names = [prefix + family.hf_name(keys[2], i) for i in ids]
         else:
             names = [prefix_for(prefix, family.hf_name(keys[0], None))]

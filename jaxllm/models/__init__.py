@@ -3,9 +3,9 @@ few functions whose math differs. Detection reads config.json's model_type / arc
 from __future__ import annotations
 
 from ..errors import ModelError
-from . import gemma3, qwen3
+from . import gemma3, gemma4, qwen3
 
-FAMILIES = (qwen3, gemma3)
+FAMILIES = (qwen3, gemma3, gemma4)
 
 
 def family_for(hf: dict):
@@ -20,3 +20,8 @@ def family_for(hf: dict):
     supported = ", ".join(t for f in FAMILIES for t in f.MODEL_TYPES)
     what = mt or (hf.get("architectures") or ["<none>"])[0]
     raise ModelError(f"unsupported model architecture {what!r} (supported model_type: {supported})")
+
+
+def family_named(name: str):
+    """The family module whose name is `name` (a ModelConfig's `family`), or None."""
+    return next((f for f in FAMILIES if f.__name__.rsplit(".", 1)[-1] == name), None)

@@ -46,7 +46,8 @@ def config_from_hf(hf: dict, generation: dict | None = None) -> ModelConfig:
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), norm_offset=1.0, sandwich_norms=True,
         qk_norm=True, activation="gelu_tanh" if "gelu" in act else act, embed_scale=D ** 0.5,
         query_scale=float(hf.get("query_pre_attn_scalar", hd)) ** -0.5,
-        attn_softcap=hf.get("attn_logit_softcapping"), final_softcap=hf.get("final_logit_softcapping"),
+        # Gemma 3 configs carry attn_logit_softcapping, but the reference model never applies it.
+        attn_softcap=None, final_softcap=hf.get("final_logit_softcapping"),
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
         max_position=int(hf.get("max_position_embeddings", 32768)), bos_id=hf.get("bos_token_id", 2),
         eos_ids=eos_ids(hf.get("eos_token_id", 1), (generation or {}).get("eos_token_id")),

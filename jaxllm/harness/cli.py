@@ -1,0 +1,77 @@
+"""What every command-line front end shares: one-line errors, load progress, model flags."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from contextlib import contextmanager
+
+from ..errors import JaxllmError
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line instead of usage + error."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def add_model_args(p: argparse.ArgumentParser):
+    p.add_argument("--model-dir", default=None,
+                   help="HF model directory, .gguf file or hub id (default: the embedded Gemma 3 270M)")
+    p.add_argument("--max-ctx", type=positive_int, default=None,
+                   help="KV-cache length (default: the model's maximum, capped at 8192)")
+    p.add_argument("--quant", choices=("int8", "none"), default="int8", help="weight format on device")
+    p.add_argument("--kv-quant", choices=("auto", "int8", "none"), default="auto",
+                   help="KV-cache format: auto = compute dtype up to 32K, int8 above")
+    p.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel degree (default: all local devices)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="activation/compute dtype")
+
+
+def load_engine(args, quiet: bool = False):
+    import jaxllm
+    bar = None
+    if not quiet and sys.stderr.isatty() or os.environ.get("JAXLLM_PROGRESS") == "1":
+        from tqdm import tqdm
+        bar = tqdm(total=0, desc="loading", unit="tensor", file=sys.stderr, leave=False)
+
+    def progress(n, total):
+        if bar is not None:
+            bar.total = total
+            bar.update(n - bar.n)
+
+    try:
+        return jaxllm.load(args.model_dir, max_ctx=args.max_ctx, quant=args.quant, kv_quant=args.kv_quant,
+                           tp=args.tp, dtype=args.dtype, progress=progress)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+@contextmanager
+def one_line_errors(prog: str):
+    """User errors exit 1 with their message; anything unexpected still gets one line (set
+    JAXLLM_DEBUG=1 for the traceback)."""
+    try:
+        yield
+    except JaxllmError as e:
+        sys.stderr.write(f"{prog}: error: {e}\n")
+        raise SystemExit(1)
+    except KeyboardInterrupt:
+        raise SystemExit(130)
+    except Exception as e:
+        if os.environ.get("JAXLLM_DEBUG"):
+            raise
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        sys.stderr.write(f"{prog}: internal error: {type(e).__name__}: {msg} (JAXLLM_DEBUG=1 shows the traceback)\n")
+        raise SystemExit(70)

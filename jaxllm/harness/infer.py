@@ -1,0 +1,96 @@
+"""`python -m jaxllm.infer`: generate from prompts (or score a text) on any supported model."""
+from __future__ import annotations
+
+import json
+import sys
+
+from ..errors import RequestError
+from .cli import Parser, add_model_args, load_engine, one_line_errors, positive_int
+
+DEFAULT_PROMPT = "Write a haiku about the sea."
+PROG = "jaxllm.infer"
+
+
+def build_parser() -> Parser:
+    p = Parser(prog=PROG, description="Generate text with jaxllm.")
+    add_model_args(p)
+    p.add_argument("--prompt", action="append", help="a prompt; repeat for a batch")
+    p.add_argument("--prompt-file", help="read one prompt from a file")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per sequence")
+    p.add_argument("--batch", type=positive_int, default=None, help="lockstep batch size (prompts repeated)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--raw-prompt", action="store_true", help="no chat template")
+    p.add_argument("--json", action="store_true", help="one JSON object per line on stdout")
+    try:
+        from .perplexity import add_perplexity_args
+        add_perplexity_args(p)
+    except ImportError:
+        pass
+    return p
+
+
+def prompts_from(args) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompt_file:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                prompts.append(f.read())
+        except OSError as e:
+            raise RequestError(f"cannot read --prompt-file {args.prompt_file}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise RequestError(f"--prompt-file {args.prompt_file} is not UTF-8 text") from None
+    prompts = prompts or [DEFAULT_PROMPT]
+    if args.batch is not None:
+        if args.batch < len(prompts):
+            raise RequestError(f"--batch {args.batch} is smaller than the {len(prompts)} prompts given")
+        prompts = [prompts[i % len(prompts)] for i in range(args.batch)]
+    return prompts
+
+
+def check_args(args):
+    from ..engine import check_sampling
+    check_sampling(args.max_tokens, args.temperature, args.top_k, args.top_p)
+
+
+def run_generate(args, eng):
+    prompts = prompts_from(args)
+    outs = eng.generate(prompts, max_tokens=args.max_tokens, temperature=args.temperature,
+                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+                        chat=not args.raw_prompt)
+    st = eng.stats
+    ttft_ms = st.ttft_s * 1000
+    decode_steps = max(st.steps - 1, 0)
+    tok_s = (decode_steps * st.batch / st.decode_s) if st.decode_s > 0 else 0.0
+    for p, c in zip(prompts, outs):
+        if args.json:
+            print(json.dumps({"prompt": p, "text": c.text, "token_ids": c.token_ids,
+                              "num_prompt_tokens": len(c.prompt_token_ids), "num_new_tokens": len(c.token_ids),
+                              "ttft_ms": round(ttft_ms, 3), "decode_tok_s": round(tok_s, 3),
+                              "finish_reason": c.finish_reason}, ensure_ascii=False), flush=True)
+        else:
+            print(c.text if len(outs) == 1 else f"--- {p[:60]!r}\n{c.text}", flush=True)
+    if not args.json:
+        sys.stderr.write(f"[{eng.name}] batch {st.batch}: {st.prompt_tokens} prompt + {st.new_tokens} new tokens, "
+                         f"TTFT {ttft_ms:.1f} ms, decode {tok_s:.1f} tok/s "
+                         f"(first call includes compilation)\n")
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    with one_line_errors(PROG):
+        if getattr(args, "perplexity", False):
+            from .perplexity import check_perplexity_args, run_perplexity
+            check_perplexity_args(args)
+            run_perplexity(args, load_engine(args, quiet=args.json))
+            return
+        check_args(args)
+        prompts_from(args)                 # a bad --prompt-file fails before the model loads
+        run_generate(args, load_engine(args, quiet=args.json))
+
+
+if __name__ == "__main__":
+    main()

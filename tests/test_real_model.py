@@ -1,0 +1,102 @@
+"""The embedded Gemma 3 270M (a real pretrained model) against transformers loading the same GGUF."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import jaxllm
+
+pytestmark = pytest.mark.slow
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPL = "/usr/share/common-licenses/GPL-3"
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+           open(GPL).read()[:2600]]          # about 600 tokens: past the 512-token sliding window
+N_NEW = 32
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    import torch
+    from transformers import AutoModelForCausalLM
+    from jaxllm.loading.default import default_model_path
+    p = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def eng32():
+    return jaxllm.load(quant="none", dtype="float32", max_ctx=1024)
+
+
+def hf_greedy(model, ids, n):
+    import torch
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, top_k=None, top_p=None)
+    return out[0, len(ids):].tolist()
+
+
+def test_long_prompt_is_past_the_window(eng32):
+    assert len(eng32.tokenizer.encode(PROMPTS[2])) > eng32.cfg.attn[0].window
+
+
+def test_float32_greedy_matches_transformers(eng32, hf_model):
+    ids = [eng32.tokenizer.encode(p) for p in PROMPTS]
+    ours = eng32.generate_ids(ids, max_tokens=N_NEW)
+    for p, c in zip(ids, ours):
+        ref = hf_greedy(hf_model, p, N_NEW)
+        if ref and ref[-1] in eng32.cfg.eos_ids:
+            ref = ref[:-1]
+        assert c.token_ids == ref, (eng32.tokenizer.decode(c.token_ids), eng32.tokenizer.decode(ref))
+
+
+def test_bfloat16_first_tokens_match(eng32, hf_model):
+    eng16 = jaxllm.load(quant="none", dtype="bfloat16", max_ctx=1024)
+    ids = [eng16.tokenizer.encode(p) for p in PROMPTS]
+    for p, c in zip(ids, eng16.generate_ids(ids, max_tokens=8)):
+        assert c.token_ids == hf_greedy(hf_model, p, 8)[:len(c.token_ids)]
+        assert len(c.token_ids) == 8
+
+
+def test_logits_match_transformers(eng32, hf_model):
+    import torch
+    ids = np.array([eng32.tokenizer.encode(PROMPTS[1])], np.int32)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    got = eng32.logits(ids)
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4
+
+
+def run_cli(*args):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    return subprocess.run([sys.executable, "-m", "jaxllm.infer", *args], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=ROOT)
+
+
+def test_cli_continuation_and_json():
+    r = run_cli("--raw-prompt", "--prompt", "The capital of France is", "--max-tokens", "16")
+    assert r.returncode == 0, r.stderr
+    words = r.stdout.split()
+    assert len(words) >= 5 and any(w.strip(".,").lower() in ("paris", "france", "capital", "city") for w in words), r.stdout
+    assert "TTFT" in r.stderr
+    r = run_cli("--json", "--raw-prompt", "--prompt", "The capital of France is", "--prompt", "1, 2, 3,",
+                "--max-tokens", "8")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 2
+    keys = {"prompt", "text", "token_ids", "num_prompt_tokens", "num_new_tokens", "ttft_ms", "decode_tok_s",
+            "finish_reason"}
+    for line in lines:
+        rec = json.loads(line)
+        assert set(rec) == keys
+        assert rec["num_new_tokens"] == len(rec["token_ids"]) > 0
+        assert rec["finish_reason"] in ("stop", "length")
+
+
+def test_chat_template_applied_by_default(eng32):
+    ids = eng32.encode_prompt("Hello", chat=True)
+    text = eng32.tokenizer.decode(ids, skip_special=False)
+    assert "<start_of_turn>user" in text and text.rstrip().endswith("<start_of_turn>model")
+    assert eng32.encode_prompt("Hello", chat=False) != ids
