@@ -24,7 +24,7 @@ import numpy as np
 from .. import generate as gen
 from ..cache import init_cache
 from ..engine import DTYPES
-from ..errors import JaxllmError, ModelError, RequestError
+from ..errors import JaxllmError, RequestError
 from ..sampling import SamplingParams
 from . import ceilings as ceil
 from .roofline import nbytes, step_cost
