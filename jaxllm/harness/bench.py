@@ -26,7 +26,7 @@ from ..cache import init_cache
 from ..sharding import check_divisible, layout_for
 from ..split_cache import KVOptions, choose_layout, make_cache
 from ..engine import DTYPES
-from ..errors import JaxllmError, ModelError, RequestError
+from ..errors import JaxllmError, RequestError
 from ..sampling import SamplingParams
 from . import ceilings as ceil
 from .roofline import nbytes, step_cost
