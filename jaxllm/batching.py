@@ -154,16 +154,26 @@ class SlotBatch:
 
     def decode(self) -> tuple[np.ndarray, np.ndarray]:
         """One block of decode steps -> (tokens [B, n_steps], emitted [B, n_steps]) on the host."""
+        return self.collect(self.dispatch())
+
+    def dispatch(self):
+        """Launch one block of decode steps without waiting for it; `collect` reads it back. The
+        host can meanwhile work on the previous block, so the device need not wait for the host."""
         self.slots, toks, emitted = self._decode(self.weights, self.slots, n_steps=self.n_steps,
                                                  span=self.span())
-        toks, emitted = jax.device_get((toks, emitted))
+        self.in_flight += 1
+        return toks, emitted
+
+    def collect(self, block) -> tuple[np.ndarray, np.ndarray]:
+        toks, emitted = jax.device_get(block)
+        self.in_flight -= 1
         self.next_pos += emitted.sum(axis=1)
         return toks, emitted
 
     def span(self) -> int:
-        """Cache positions the next block must see: past every busy slot's last write, bucketed so
-        that few spans get compiled."""
-        need = int(self.next_pos[self.busy].max(initial=0)) + self.n_steps
+        """Cache positions the next block must see: past every busy slot's last write (blocks still
+        in flight included), bucketed so that few spans get compiled."""
+        need = int(self.next_pos[self.busy].max(initial=0)) + (self.in_flight + 1) * self.n_steps
         return min(bucket(need, lo=64), self.length)
 
     def warmup(self):
@@ -184,6 +194,7 @@ class SlotBatch:
         self.slots = init_slots(self.cfg, self.batch, self.length, self.dtype)
         self.next_pos = np.zeros(self.batch, np.int64)     # host mirror: each slot's next position
         self.busy = np.zeros(self.batch, bool)
+        self.in_flight = 0
 
     def release(self, b: int):
         self.slots = self._release(self.slots, jnp.int32(b))

@@ -268,16 +268,18 @@ def parse_request(kind: str, body, engine, served_name: str, max_model_len: int)
         mct = _int(body, "max_completion_tokens", lo=1)
         max_tokens = mct if mct is not None else max_tokens
     ids = completion_prompt_ids(body, engine) if kind == "completion" else chat_prompt_ids(body, engine)
-    max_tokens = _fit_context(len(ids), max_tokens, max_model_len, default=16 if kind == "completion" else None)
+    max_tokens = _fit_context(len(ids), max_tokens, max_model_len, default=16 if kind == "completion" else None,
+                              prompt_param="prompt" if kind == "completion" else "messages")
     rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
     return GenRequest(kind, served_name, ids, max_tokens, stop=stop, ignore_eos=ignore_eos, stream=stream,
                       include_usage=include_usage, id=rid, created=int(time.time()), **sampling)
 
 
-def _fit_context(n_prompt: int, max_tokens: int | None, limit: int, default: int | None) -> int:
+def _fit_context(n_prompt: int, max_tokens: int | None, limit: int, default: int | None,
+                 prompt_param: str) -> int:
     if n_prompt >= limit:
         raise bad(f"This model's maximum context length is {limit} tokens, but the prompt has {n_prompt} "
-                  f"tokens (at least one new token must fit)", "messages")
+                  f"tokens (at least one new token must fit)", prompt_param)
     if max_tokens is None:            # vLLM's defaults: 16 for completions, the rest of the context for chat
         return min(default or limit, limit - n_prompt)
     if n_prompt + max_tokens > limit:

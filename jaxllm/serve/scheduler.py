@@ -99,19 +99,23 @@ class Scheduler:
 
     # -- the engine thread -----------------------------------------------------------------------
     def _run(self):
+        pending = None        # the decode block launched last round, read back after the next launch
         while True:
             with self.cond:
-                while not self.stopping and not self.waiting and not self._busy():
+                while not self.stopping and not self.waiting and not self._busy() and pending is None:
                     self.cond.wait()
                 if self.stopping:
                     break
             try:
                 self._admit()
                 self._reap()
-                if self._busy():
-                    self._decode()
+                launched = (self.batch.dispatch(), list(self.slots)) if self._busy() else None
+                if pending is not None:
+                    self._take_block(*pending)
+                pending = launched
             except Exception:                      # a device failure: fail the batch, keep serving
                 log.exception("engine step failed")
+                pending = None
                 self._fail_running(500, "internal error while generating; see the server log")
                 self.batch.reset()
         self._fail_running(503, "the server is shutting down")
@@ -146,13 +150,13 @@ class Scheduler:
                     return job
         return None
 
-    def _decode(self):
-        toks, emitted = self.batch.decode()
-        for b, job in enumerate(self.slots):
-            if job is None:
-                continue
+    def _take_block(self, block, jobs: list):
+        """Hand a block's tokens to the requests that held the slots when it was launched; a slot
+        freed (and maybe refilled) since then ignores the rest of that block."""
+        toks, emitted = self.batch.collect(block)
+        for b, job in enumerate(jobs):
             for k in range(toks.shape[1]):
-                if emitted[b, k] and self.slots[b] is job:
+                if job is not None and emitted[b, k] and self.slots[b] is job:
                     self._take(b, int(toks[b, k]))
 
     def _take(self, b: int, tok: int):
