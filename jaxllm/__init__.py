@@ -12,8 +12,10 @@ __version__ = "0.1.0"
 
 
 def load(model_dir=None, max_ctx=8192, quant="int8", kv_quant="auto", tp=None, dtype="bfloat16",
-         progress=None, kv_options=None) -> Engine:
-    """Load a model (HF directory, .gguf file, hub id, or the embedded default when None).
+         progress=None, dp=1, kv_options=None) -> Engine:
+    """Load a model (HF directory, .gguf file, saved jaxllm checkpoint, hub id, or the embedded
+    default when None), sharded over `tp` devices ("model" axis; None = every device) times `dp`
+    ("data" axis, splitting the batch).
 
     kv_quant: "auto" keeps a full-length compute-dtype KV cache up to `kv_options.threshold`
     (32768) positions and switches above it to the split cache (sliding layers in a ring buffer,
@@ -30,8 +32,10 @@ def load(model_dir=None, max_ctx=8192, quant="int8", kv_quant="auto", tp=None, d
         raise ModelError(f"kv_quant must be one of {', '.join(KV_QUANT_MODES)}, got {kv_quant!r}")
     if max_ctx is not None and (not isinstance(max_ctx, numbers.Integral) or max_ctx < 2):
         raise ModelError(f"max_ctx must be an integer of at least 2, got {max_ctx!r}")
-    cfg, fam, weights, tok, name = load_model(model_dir, DTYPES[dtype], quant, progress)
+    from .sharding import layout_for
+    layout = layout_for(tp, dp)
+    cfg, fam, weights, tok, name = load_model(model_dir, DTYPES[dtype], quant, progress, layout)
     if max_ctx is None:
         max_ctx = min(cfg.max_position, 8192)
     return Engine(cfg, weights, tok, dtype=dtype, max_ctx=int(max_ctx), name=name, quant=quant,
-                  kv_quant=kv_quant, kv_options=kv_options)
+                  layout=layout, kv_quant=kv_quant, kv_options=kv_options)

@@ -18,6 +18,7 @@ from .errors import RequestError
 from .kv_plan import check_fits, plan_cache
 from .model import forward, logits_from_hidden
 from .sampling import SamplingParams
+from .sharding import single_device_layout
 from .split_cache import KVOptions, choose_layout, make_cache
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -59,8 +60,10 @@ def check_sampling(max_tokens, temperature, top_k, top_p):
 
 class Engine:
     def __init__(self, cfg: ModelConfig, weights, tokenizer, *, dtype="bfloat16", max_ctx=8192,
-                 name="model", quant="none", kv_quant="auto", kv_options: KVOptions | None = None):
+                 name="model", quant="none", layout=None, kv_quant="auto",
+                 kv_options: KVOptions | None = None):
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
+        self.layout = layout or single_device_layout()   # weights must already lie on its mesh
         self.dtype_name, self.dtype = dtype, DTYPES[dtype]
         self.max_ctx, self.name, self.quant = max_ctx, name, quant
         self.kv_options = kv_options or KVOptions()
@@ -104,7 +107,8 @@ class Engine:
         Tb = min(bucket(T), max(self.max_ctx, T))
         padded = np.full((B, Tb), self.cfg.pad_id, np.int32)
         padded[:, :T] = ids
-        return np.asarray(self._forward(self.weights, jnp.asarray(padded)))[:, :T]
+        lay = self.layout
+        return lay.get(self._forward(self.weights, lay.put(padded, lay.batch_sharding(padded.shape))))[:, :T]
 
     # -- generation ------------------------------------------------------------------------------
     def encode_prompt(self, prompt, chat: bool) -> list[int]:
@@ -147,21 +151,22 @@ class Engine:
             C, T = self._chunking(max(lens))
         check_fits(self.kv_plan(B, max(S, T)))
         tokens = chunked.pad_rows(ids, T, self.cfg.pad_id)
-        params = SamplingParams.make(B, temperature, top_k, top_p, seed)
+        put = self._put_rows
+        params = jax.tree_util.tree_map(put, SamplingParams.make(B, temperature, top_k, top_p, seed))
         t0 = time.perf_counter()
         cache = self.new_cache(B, max(S, T))
         if in_chunks:
             cache, h_last = chunked.run_prefill(self._chunk, self.weights, tokens, lens, cache, C,
                                                 self.cfg.hidden_size, self.dtype, self.kv_layout.split)
-            state, _ = self._begin(self.weights, h_last, jnp.asarray(lens, jnp.int32), cache, params,
-                                   jnp.asarray(row_max), n_out=n_out)
+            state, _ = self._begin(self.weights, h_last, put(np.asarray(lens, np.int32)), cache, params,
+                                   put(row_max), n_out=n_out)
         else:
-            state, _ = self._prefill(self.weights, jnp.asarray(tokens), jnp.asarray(lens, dtype=jnp.int32),
-                                     cache, params, jnp.asarray(row_max), n_out=n_out)
+            state, _ = self._prefill(self.weights, put(tokens), put(np.asarray(lens, np.int32)),
+                                     cache, params, put(row_max), n_out=n_out)
         state.tokens.block_until_ready()
         t1 = time.perf_counter()
         state = self._loop(self.weights, state, params)
-        out, n_new = jax.device_get((state.tokens, state.n_new))
+        out, n_new = self.layout.get(state.tokens), self.layout.get(state.n_new)
         t2 = time.perf_counter()
         self.stats = GenerateStats(B, sum(lens), int(n_new.sum()), t1 - t0, t2 - t1, int(state.step))
         return [self._finish(ids[b], out[b, :n_new[b]].tolist(), int(row_max[b]), stop) for b in range(B)]
@@ -178,9 +183,21 @@ class Engine:
                 new_ids = _ids_covering(self.tokenizer, new_ids, text)
         return Completion(text, new_ids, reason, list(prompt_ids))
 
+    def perplexity(self, text: str, window: int = 2048, stride: int | None = None):
+        """Sliding-window perplexity of `text` -> PerplexityResult (.ppl .nll .num_scored_tokens)."""
+        from .harness.perplexity import perplexity
+        return perplexity(self, text, window, stride)
+
     # -- one step at a time (tests, and the server's continuous batching) ------------------------
     def new_cache(self, batch: int, length: int):
-        return make_cache(self.cfg, self.kv_layout, self.kv_options, batch, length, self.dtype)
+        """A zeroed cache laid out on the mesh: batch over "data", KV heads over "model"."""
+        make = partial(make_cache, self.cfg, self.kv_layout, self.kv_options, batch, length, self.dtype)
+        return jax.jit(make, out_shardings=self.layout.cache_shardings(jax.eval_shape(make)))()
+
+    def _put_rows(self, x):
+        """Per-row host data -> a global array split over the data axis like the cache rows."""
+        x = np.asarray(x)
+        return self.layout.put(x, self.layout.batch_sharding(x.shape))
 
     def kv_plan(self, batch: int, length: int | None = None):
         """What a cache of `batch` rows and `length` (default max_ctx) positions takes."""
@@ -190,7 +207,8 @@ class Engine:
     # -- long prompts --------------------------------------------------------------------------
     def _chunking(self, longest: int) -> tuple[int, int]:
         """(chunk size, padded length): short prompts use their power-of-two bucket as the chunk,
-        so they compile one small shape; the padded length is whole chunks."""
+        so they compile one small shape; the padded length is whole chunks. (Rings that other layers
+        read hold window + prefill_chunk - 1 slots, so no chunk is too long for them.)"""
         C = min(self.kv_options.prefill_chunk, bucket(longest))
         return C, -(-longest // C) * C
 
@@ -205,7 +223,8 @@ class Engine:
 
     def step(self, tokens, positions, cache):
         """One decode step for every row: tokens/positions [B] -> (logits [B, V], cache)."""
-        return self._step(self.weights, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32), cache)
+        return self._step(self.weights, self._put_rows(np.asarray(tokens, np.int32)),
+                          self._put_rows(np.asarray(positions, np.int32)), cache)
 
 
 def _ids_covering(tok, ids, text):

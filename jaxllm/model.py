@@ -7,6 +7,7 @@ any family-specific groups such as Gemma 4's KV-sharing layers), and the branch 
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import partial
 
@@ -19,8 +20,7 @@ from .config import GLOBAL, KIND_NAMES, SLIDING, ModelConfig
 from .errors import ModelError
 from .layers import (attend, attention_mask, gated_mlp, inv_frequencies, project_q, project_qkv,
                      rms_norm)
-from .quant import linear
-from .split_cache import split_attention
+from .quant import linear, matmul_rows, take_rows
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def family_hooks(cfg: ModelConfig):
 
 
 def embed(cfg: ModelConfig, weights: dict, tokens: jax.Array, dtype) -> jax.Array:
-    x = jnp.take(weights["embed"], tokens, axis=0).astype(dtype)
+    x = take_rows(weights["embed"], tokens, dtype)
     if cfg.embed_scale is not None:
         x = x * jnp.asarray(cfg.embed_scale, dtype)
     return x
@@ -88,8 +88,7 @@ def embed(cfg: ModelConfig, weights: dict, tokens: jax.Array, dtype) -> jax.Arra
 def logits_from_hidden(cfg: ModelConfig, weights: dict, h: jax.Array) -> jax.Array:
     h = rms_norm(h, weights["final_norm"], cfg.norm_eps, cfg.norm_offset)
     if cfg.tie_embeddings:
-        out = jnp.einsum("...d,vd->...v", h, weights["embed"].astype(h.dtype),
-                         preferred_element_type=jnp.float32)
+        out = matmul_rows(h, weights["embed"])
     else:
         out = linear(h, weights["lm_head"]).astype(jnp.float32)
     if cfg.final_softcap is not None:
@@ -102,15 +101,21 @@ def attention_block(cfg, kind, w, h, positions, layer_cache, start, own_kv: bool
     With `own_kv=False` the layer only projects Q and attends over a cache an earlier layer wrote."""
     a = cfg.attn[kind]
     inv_freq = inv_frequencies(a.rope, a.head_dim)
-    if not isinstance(layer_cache, dict):          # split cache (ring buffer / blockwise global)
-        o, layer_cache = split_attention(cfg, a, w, h, positions, layer_cache, inv_freq, own_kv)
-        return linear(o, w["o"], 2), layer_cache
     if own_kv:
         q, k, v = project_qkv(cfg, a, w, h, positions, inv_freq)
+    else:
+        q = project_q(cfg, w, h, positions, inv_freq)
+    if not isinstance(layer_cache, dict):          # split cache (ring buffer / blockwise global)
+        if own_kv:
+            o, layer_cache = layer_cache.update_and_attend(cfg, a, w, q, k, v, positions)
+        else:
+            o = layer_cache.attend(cfg, a, w, q, positions)
+        return linear(o, w["o"], 2), layer_cache
+    if own_kv:
         ck = kv.write(layer_cache["k"], k, start)
         cv = kv.write(layer_cache["v"], v, start)
     else:
-        q, ck, cv = project_q(cfg, w, h, positions, inv_freq), layer_cache["k"], layer_cache["v"]
+        ck, cv = layer_cache["k"], layer_cache["v"]
     B, S = ck.shape[0], ck.shape[1]
     mask = attention_mask(positions, kv.slot_positions(B, S), a.window)
     o = attend(q, ck, cv, mask, cfg.query_scale, cfg.attn_softcap)
@@ -177,5 +182,12 @@ def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.A
             x, caches = jax.lax.switch(s["branch"], [branch(b) for b in brs], x, caches, s)
         return (x, caches), None
 
-    (x, cache), _ = jax.lax.scan(step, (x, cache), xs)
+    (x, cache), _ = jax.lax.scan(step, (x, cache), xs, unroll=scan_unroll(cfg))
     return x, cache
+
+
+def scan_unroll(cfg: ModelConfig) -> int:
+    """Layers per scan iteration. Each iteration of a loop costs a fixed overhead on GPUs, which
+    at batch 1 is of the order of a layer's whole memory time; JAXLLM_SCAN_UNROLL sets it."""
+    n = int(os.environ.get("JAXLLM_SCAN_UNROLL", "1"))
+    return max(1, min(n, cfg.num_layers))

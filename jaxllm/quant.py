@@ -58,3 +58,28 @@ def dequantize(w) -> jax.Array:
         s = w.scale.reshape((1,) * w.n_contract + w.scale.shape)
         return w.q.astype(jnp.float32) * s
     return w
+
+
+def quantize_rows_np(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row int8 of an embedding table [V, D]: scales [V, 1], so one QuantArray serves both the
+    token lookup (a row times its scale) and the tied output projection (a scale per logit)."""
+    w = np.asarray(w, np.float32)
+    amax = np.max(np.abs(w), axis=-1, keepdims=True)
+    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    return np.clip(np.rint(w / scale), -127, 127).astype(np.int8), scale
+
+
+def take_rows(table, ids: jax.Array, dtype) -> jax.Array:
+    """Embedding lookup from a plain or row-quantized table."""
+    if isinstance(table, QuantArray):
+        rows = jnp.take(table.q, ids, axis=0).astype(jnp.float32)
+        return (rows * jnp.take(table.scale, ids, axis=0)).astype(dtype)
+    return jnp.take(table, ids, axis=0).astype(dtype)
+
+
+def matmul_rows(h: jax.Array, table) -> jax.Array:
+    """h [..., D] against every row of a table [V, D] -> float32 [..., V] (tied output head)."""
+    if isinstance(table, QuantArray):
+        out = jnp.einsum("...d,vd->...v", h, table.q.astype(h.dtype), preferred_element_type=jnp.float32)
+        return out * table.scale[:, 0]
+    return jnp.einsum("...d,vd->...v", h, table.astype(h.dtype), preferred_element_type=jnp.float32)

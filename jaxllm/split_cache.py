@@ -1,10 +1,10 @@
-"""The split KV cache for long contexts: sliding layers in a ring buffer of exactly the window size,
+"""The split KV cache for long contexts: sliding layers in a ring buffer of the window size,
 global layers in a linear cache (int8 with a scale per token and head, or the compute dtype) read
 blockwise with an online softmax.
 
 Both cache types are pytrees whose leaves carry the layer axis first, like the core's cache dicts, so
-the layer scan indexes them the same way; `model.attention_block` hands a layer's view of one to
-`split_attention`. Tokens at a negative position are padding: they are never written, so a
+the layer scan indexes them the same way; `model.attention_block` hands a layer's view of one to its
+`update_and_attend` (or, for a layer reading another layer's cache, its `attend`). Tokens at a negative position are padding: they are never written, so a
 right-padded batch cannot push real keys out of a row's ring.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from .attention_blockwise import blockwise_attend, linear_loader, quantize_kv
 from .cache import init_cache
 from .config import KIND_NAMES, AttnSpec, ModelConfig
 from .errors import ModelError
-from .layers import apply_rope, attend, attention_mask, inv_frequencies, project_q, project_qkv, rms_norm
+from .layers import apply_rope, attend, attention_mask, inv_frequencies, rms_norm
 
 KV_QUANT_MODES = ("auto", "int8", "none")
 
@@ -95,9 +95,10 @@ class RingKV:
         o = attend(q, keys, vals, mask, cfg.query_scale, cfg.attn_softcap)
         return o, self.write(k, v, positions)
 
-    def attend_written(self, cfg: ModelConfig, a: AttnSpec, w, q, positions):
+    def attend(self, cfg: ModelConfig, a: AttnSpec, w, q, positions):
         """For a layer reading a ring an earlier layer of this forward already wrote: correct while
-        the ring holds window + T - 1 slots, which `make_cache` gives kinds that have such readers."""
+        the ring holds window + T - 1 slots, which `make_cache` gives kinds that have such readers
+        (with exactly `window` slots a chunk's early queries would lose keys the chunk overwrote)."""
         mask = attention_mask(positions, self.pos, a.window)
         return attend(q, self.k, self.v, mask, cfg.query_scale, cfg.attn_softcap)
 
@@ -171,21 +172,12 @@ class BlockKV:
 
     def update_and_attend(self, cfg: ModelConfig, a: AttnSpec, w, q, k, v, positions):
         new = self.write(k, v, positions)
-        return new.attend_written(cfg, a, w, q, positions), new
+        return new.attend(cfg, a, w, q, positions), new
 
-    def attend_written(self, cfg: ModelConfig, a: AttnSpec, w, q, positions):
+    def attend(self, cfg: ModelConfig, a: AttnSpec, w, q, positions):
         return blockwise_attend(q, positions, self.loader(cfg, a, w, q.dtype), n_slots=self.v.shape[1],
                                 block=self.block, scale=cfg.query_scale, softcap=cfg.attn_softcap,
                                 window=a.window)
-
-
-def split_attention(cfg: ModelConfig, a: AttnSpec, w, h, positions, cache, inv_freq, own_kv: bool):
-    """One layer's attention over its split cache -> (output [B, T, H, hd], the layer's cache).
-    A layer without KV of its own (`own_kv=False`) reads what its source layer wrote."""
-    if not own_kv:
-        return cache.attend_written(cfg, a, w, project_q(cfg, w, h, positions, inv_freq), positions), cache
-    q, k, v = project_qkv(cfg, a, w, h, positions, inv_freq)
-    return cache.update_and_attend(cfg, a, w, q, k, v, positions)
 
 
 def is_split(cache) -> bool:

@@ -251,6 +251,25 @@ def test_multimodal_checkpoint_loads_its_text_tower(tmp_path, tmp_path_factory):
     assert all(jax.tree_util.tree_leaves(same))
 
 
+def same_engine_model(a, b) -> bool:
+    same = jax.tree_util.tree_map(lambda x, y: bool(np.array_equal(x, y)), a.weights, b.weights)
+    return a.cfg == b.cfg and all(jax.tree_util.tree_leaves(same))
+
+
+def test_unified_text_model_loads_as_the_same_model(tmp_path, tmp_path_factory):
+    """Gemma4UnifiedForCausalLM (the 12B's class) is Gemma 4 text without PLE and MoE."""
+    from transformers import Gemma4UnifiedForCausalLM, Gemma4UnifiedTextConfig
+    from gemma4_refs import BASE
+    case = get_case("31b", tmp_path_factory)
+    kw = {k: v for k, v in {**BASE, **VARIANTS["31b"]}.items() if k != "hidden_size_per_layer_input"}
+    model = Gemma4UnifiedForCausalLM(Gemma4UnifiedTextConfig(**kw, architectures=["Gemma4UnifiedForCausalLM"]))
+    model.load_state_dict(case.model.state_dict(), strict=True)
+    model.config._attn_implementation = "eager"
+    assert rel_err(hf_logits(model.eval(), case.rows[0]), case.hf[0]) < 1e-6
+    model.save_pretrained(tmp_path)
+    assert same_engine_model(jaxllm.load(tmp_path, quant="none", dtype="float32", max_ctx=64), case.engine)
+
+
 def test_fallback_chat_template_uses_gemma4_turns():
     from jaxllm.tokenizer import Tokenizer
     tok = Tokenizer(None, chat_template=gemma4.CHAT_TEMPLATE, bos_token="<bos>")

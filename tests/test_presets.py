@@ -64,7 +64,7 @@ def test_other_families():
 
 
 def test_unknown_preset_is_a_model_error():
-    with pytest.raises(ModelError, match="unknown shape preset"):
+    with pytest.raises(ModelError, match="unknown shape .gemma4-999b. \\(known: "):
         load_preset("gemma4-999b")
 
 

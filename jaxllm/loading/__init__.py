@@ -16,7 +16,7 @@ from ..tokenizer import Tokenizer
 class ModelFiles:
     name: str
     path: Path
-    kind: str          # "hf" | "gguf"
+    kind: str          # "hf" | "gguf" | "saved" (written by jaxllm.convert)
 
 
 def locate(model_dir: str | os.PathLike | None) -> ModelFiles:
@@ -29,7 +29,8 @@ def locate(model_dir: str | os.PathLike | None) -> ModelFiles:
     if p.is_dir():
         if not (p / "config.json").exists():
             raise ModelError(f"{p}: no config.json (not a Hugging Face model directory)")
-        return ModelFiles(p.name, p, "hf")
+        from .saved import is_saved
+        return ModelFiles(p.name, p, "saved" if is_saved(p) else "hf")
     if p.exists():
         raise ModelError(f"{p}: neither a model directory nor a .gguf file")
     s = str(model_dir)
@@ -51,7 +52,7 @@ def read_hf_config(d: Path) -> tuple[dict, dict]:
     return rd("config.json"), rd("generation_config.json")
 
 
-def load_model(model_dir, dtype, quant: str, progress=None):
+def load_model(model_dir, dtype, quant: str, progress=None, layout=None):
     """-> (ModelConfig, family module, weights pytree, Tokenizer | None, display name)."""
     from .weights import build_weights
     files = locate(model_dir)
@@ -72,9 +73,14 @@ def load_model(model_dir, dtype, quant: str, progress=None):
         hf, gen = read_hf_config(files.path)
         fam = family_for(hf)            # refuses unknown architectures before any weight is read
         cfg = fam.config_from_hf(hf, gen)
-        source = SafetensorsSource(files.path)
+        source = SafetensorsSource(files.path) if files.kind == "hf" else None
         tok = Tokenizer.from_hf_dir(files.path, fam.CHAT_TEMPLATE)
         if tok is not None and tok.eos_ids:
             cfg = cfg.replace(eos_ids=tuple(dict.fromkeys(cfg.eos_ids + tok.eos_ids)))
-    weights = build_weights(cfg, fam, source, dtype, quant, progress)
+    if files.kind == "saved":
+        from ..sharding import single_device_layout
+        from .saved import restore_weights
+        weights = restore_weights(files.path, cfg, fam, quant, dtype, layout or single_device_layout())
+    else:
+        weights = build_weights(cfg, fam, source, dtype, quant, progress, layout)
     return cfg, fam, weights, tok, files.name

@@ -24,8 +24,10 @@ from ..params import ParamSpec, abstract_weights, stack
 from ..quant import linear
 from .common import eos_ids, layer_kinds, need, per_kind_rope
 
-MODEL_TYPES = ("gemma4", "gemma4_text", "gemma4_unified_text")
-ARCHITECTURES = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
+# "unified" (Gemma 4 12B) is the same text model without per-layer inputs and MoE
+MODEL_TYPES = ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text")
+ARCHITECTURES = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "Gemma4UnifiedForCausalLM",
+                 "Gemma4UnifiedForConditionalGeneration")
 
 NAMES = {
     "embed": "embed_tokens.weight", "final_norm": "norm.weight", "lm_head": "lm_head.weight",

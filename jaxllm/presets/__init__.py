@@ -28,7 +28,7 @@ def preset_hf_config(name: str, **overrides) -> dict:
     `layer_types` is cut to a smaller `num_hidden_layers`)."""
     path = PRESET_DIR / f"{name}.json"
     if not path.exists():
-        raise ModelError(f"unknown shape preset {name!r} (known: {', '.join(names())})")
+        raise ModelError(f"unknown shape {name!r} (known: {', '.join(names())})")
     hf = json.loads(path.read_text())
     n = overrides.get("num_hidden_layers")
     if n is not None and hf.get("layer_types") and "layer_types" not in overrides:

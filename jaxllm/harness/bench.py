@@ -1,0 +1,346 @@
+"""Batch-throughput sweep: the fused on-device decode loop over batch sizes at a fixed context,
+measured against the device's own memory-bandwidth and matmul ceilings.
+
+Each point times `generate.decode_loop` (EOS disabled, so every row runs every step) from a state
+whose KV cache is already filled to --ctx, so each step attends over ctx positions. Compile time
+is measured apart; the reported step time is the median of --repeats runs.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import generate as gen
+from ..cache import init_cache
+from ..sharding import check_divisible, layout_for
+from ..split_cache import KVOptions, choose_layout, make_cache
+from ..engine import DTYPES
+from ..errors import JaxllmError, RequestError
+from ..sampling import SamplingParams
+from . import ceilings as ceil
+from .roofline import nbytes, step_cost
+from .synthetic import random_like, random_weights
+
+
+@dataclass
+class Point:
+    batch: int
+    ctx: int
+    steps: int
+    ms_per_step: float | None = None
+    tok_s: float | None = None
+    compile_s: float | None = None
+    step_ms_runs: list = field(default_factory=list)
+    weight_bytes_per_step: int = 0
+    kv_bytes_per_step: int = 0
+    bytes_per_step: int = 0
+    roofline_ms: float = 0.0
+    roofline_fraction: float | None = None
+    flops_per_step: int = 0
+    compute_ms: float = 0.0
+    ceiling_tok_s: float = 0.0
+    ttft_ms: dict = field(default_factory=dict)          # prompt length -> ms (batch rows at once)
+    ttft_compile_s: dict = field(default_factory=dict)
+    skipped: str | None = None
+
+
+# -- command line ---------------------------------------------------------------------------------
+def int_list(s: str) -> list[int]:
+    try:
+        out = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if any(x < 1 for x in out):
+        raise argparse.ArgumentTypeError(f"values must be positive, got {s!r}")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jaxllm.bench", description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model-dir", help="HF model directory or .gguf file (real weights)")
+    src.add_argument("--shape", help="preset architecture name (random weights) or a config.json path")
+    p.add_argument("--batches", type=int_list, default=[1, 8, 64], help="comma-separated batch sizes")
+    p.add_argument("--ctx", type=int, default=1024, help="KV positions already filled before decoding")
+    p.add_argument("--steps", type=int, default=64, help="decode steps per timed run")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs after compiling")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs (the median is reported)")
+    p.add_argument("--prompt-lens", type=int_list, default=[], help="prompt lengths whose TTFT to time")
+    p.add_argument("--quant", choices=("int8", "none"), default="int8")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices on the model axis)")
+    p.add_argument("--kv-quant", choices=("auto", "int8", "none"), default="auto",
+                   help="KV-cache format, as in jaxllm.infer (auto: split int8 cache above 32K)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench.json", help="JSON results path")
+    p.add_argument("--plot", default=None, help="PNG plot path (default: --out with .png)")
+    p.add_argument("--probe-mib", type=int, default=None, help="bandwidth probe size (default: by device)")
+    p.add_argument("--matmul-n", type=int, default=None, help="matmul probe size n (n x n x n)")
+    return p
+
+
+def check_args(a) -> None:
+    if a.tp < 1 or a.tp > len(jax.devices()):
+        raise RequestError(f"--tp {a.tp}: there are {len(jax.devices())} devices")
+    for name in ("ctx", "steps", "repeats"):
+        if getattr(a, name) < 1:
+            raise RequestError(f"--{name} must be >= 1, got {getattr(a, name)}")
+    if a.warmup < 0:
+        raise RequestError(f"--warmup must be >= 0, got {a.warmup}")
+
+
+# -- model ----------------------------------------------------------------------------------------
+def load_subject(a):
+    """-> (cfg, family, weights, description) from --shape (random, on device) or --model-dir."""
+    from ..models import family_for
+    if a.shape:
+        from .shapes import resolve_shape
+        cfg, fam = resolve_shape(a.shape)
+        specs = fam.abstract(cfg)
+        check_divisible(a.layout, specs)
+        shardings = a.layout.weight_shardings(specs, lambda s: a.quant == "int8" and bool(s.n_contract))
+        weights = random_weights(specs, a.quant, DTYPES[a.dtype], a.seed, shardings)
+        return cfg, fam, weights, {"shape": a.shape}
+    import jaxllm
+    eng = jaxllm.load(a.model_dir, quant=a.quant, dtype=a.dtype, max_ctx=None, tp=a.tp)
+    return eng.cfg, family_for({"model_type": eng.cfg.family}), eng.weights, {"model_dir": str(a.model_dir)}
+
+
+def device_memory(device) -> int | None:
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    return (stats or {}).get("bytes_limit")
+
+
+# -- timing ---------------------------------------------------------------------------------------
+def median_ms(times: list[float]) -> float:
+    return float(np.median(times)) * 1e3
+
+
+def cache_shapes(cfg, batch: int, length: int, dtype, kv_quant: str = "none"):
+    """The cache the engine would use for `length` positions under `kv_quant`, as shape structs."""
+    layout = choose_layout(kv_quant, length, KVOptions())
+    return jax.eval_shape(lambda: make_cache(cfg, layout, KVOptions(), batch, length, dtype))
+
+
+def decode_state(cfg, batch: int, ctx: int, steps: int, dtype, seed: int, kv_quant: str = "none",
+                 layout=None) -> gen.DecodeState:
+    """A state as if a prompt of ctx tokens had just been prefilled: random KV in slots [0, ctx)."""
+    shapes = cache_shapes(cfg, batch, ctx + steps, dtype, kv_quant)
+    cache = random_like(shapes, seed)
+    if layout is not None:
+        cache = jax.device_put(cache, layout.cache_shardings(shapes))
+    last = jax.random.randint(jax.random.key(seed), (batch,), 0, cfg.vocab_size, jnp.int32)
+    return gen.DecodeState(cache=cache, tokens=jnp.zeros((batch, steps + 1), jnp.int32), last=last,
+                           pos=jnp.full((batch,), ctx, jnp.int32), done=jnp.zeros((batch,), bool),
+                           n_new=jnp.ones((batch,), jnp.int32), max_new=jnp.full((batch,), steps + 1, jnp.int32),
+                           step=jnp.int32(1))
+
+
+def time_decode(cfg, weights, batch, a, dtype) -> tuple[float, list[float]]:
+    """(compile seconds, per-run seconds) of `steps` decode steps from a cache filled to ctx."""
+    cfg = cfg.replace(eos_ids=())                   # every row runs every step
+    params = SamplingParams.make(batch)
+    loop = jax.jit(partial(gen.decode_loop, cfg, dtype=dtype), donate_argnums=(1,))
+    state = jax.block_until_ready(decode_state(cfg, batch, a.ctx, a.steps, dtype, a.seed, a.kv_quant, a.layout))
+    t0 = time.perf_counter()
+    compiled = loop.lower(weights, state, params).compile()
+    compile_s = time.perf_counter() - t0
+    runs = []
+    for i in range(a.warmup + a.repeats):
+        if i:
+            state = jax.block_until_ready(decode_state(cfg, batch, a.ctx, a.steps, dtype, a.seed + i,
+                                                       a.kv_quant, a.layout))
+        t0 = time.perf_counter()
+        out = compiled(weights, state, params)
+        out.tokens.block_until_ready()
+        if i >= a.warmup:
+            runs.append(time.perf_counter() - t0)
+        del out, state
+    return compile_s, runs
+
+
+def time_prefill(cfg, weights, batch, prompt_len, a, dtype) -> tuple[float, float]:
+    """(compile seconds, median seconds) from a batch of prompt_len-token prompts to first tokens."""
+    params = SamplingParams.make(batch)
+    fn = jax.jit(partial(gen.prefill, cfg, n_out=1, dtype=dtype), donate_argnums=(3,))
+    tokens = jax.random.randint(jax.random.key(a.seed), (batch, prompt_len), 0, cfg.vocab_size, jnp.int32)
+    lengths = jnp.full((batch,), prompt_len, jnp.int32)
+    max_new = jnp.ones((batch,), jnp.int32)
+    cache = init_cache(cfg, batch, prompt_len + 1, dtype)
+    t0 = time.perf_counter()
+    compiled = fn.lower(weights, tokens, lengths, cache, params, max_new).compile()
+    compile_s = time.perf_counter() - t0
+    runs = []
+    for i in range(a.warmup + a.repeats):
+        cache = jax.block_until_ready(init_cache(cfg, batch, prompt_len + 1, dtype))
+        t0 = time.perf_counter()
+        state, _ = compiled(weights, tokens, lengths, cache, params, max_new)
+        state.tokens.block_until_ready()
+        if i >= a.warmup:
+            runs.append(time.perf_counter() - t0)
+        del state
+    return compile_s, float(np.median(runs))
+
+
+def run_point(cfg, fam, weights, batch, a, ceilings, mem_limit) -> Point:
+    dtype = DTYPES[a.dtype]
+    kv_int8 = choose_layout(a.kv_quant, a.ctx + a.steps, KVOptions()).int8
+    kv_item = 1 if kv_int8 else jnp.dtype(dtype).itemsize     # int8 KV: scales not counted
+    cost = step_cost(cfg, weights, fam.abstract(cfg), batch, a.ctx, kv_item)
+    p = Point(batch, a.ctx, a.steps, weight_bytes_per_step=cost.weight_bytes, kv_bytes_per_step=cost.kv_bytes,
+              bytes_per_step=cost.bytes, flops_per_step=cost.flops)
+    # tensor parallelism splits the bytes and FLOPs of a step over tp devices, each measured alike
+    p.roofline_ms = cost.bytes / (ceilings.bandwidth * a.tp) * 1e3
+    p.compute_ms = cost.flops / (ceilings.matmul_flops * a.tp) * 1e3
+    p.ceiling_tok_s = batch / max(p.roofline_ms, p.compute_ms) * 1e3
+    cache_bytes = nbytes(cache_shapes(cfg, batch, a.ctx + a.steps, dtype, a.kv_quant)) // a.tp
+    if mem_limit and nbytes(weights) // a.tp + cache_bytes > 0.9 * mem_limit:
+        p.skipped = f"KV cache of {cache_bytes / 2**30:.1f} GiB does not fit next to the weights"
+        return p
+    try:
+        p.compile_s, runs = time_decode(cfg, weights, batch, a, dtype)
+        p.step_ms_runs = [r / a.steps * 1e3 for r in runs]
+        p.ms_per_step = median_ms(runs) / a.steps
+        p.tok_s = batch / p.ms_per_step * 1e3
+        p.roofline_fraction = p.roofline_ms / p.ms_per_step
+        for n in (a.prompt_lens if batch == min(a.batches) else []):      # TTFT of one prompt
+            c, t = time_prefill(cfg, weights, batch, n, a, dtype)
+            p.ttft_compile_s[str(n)], p.ttft_ms[str(n)] = c, t * 1e3
+    except Exception as e:                            # out of device memory and the like: note, go on
+        if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+            raise
+        p.skipped = "out of device memory: " + str(e).splitlines()[0][:160]
+    return p
+
+
+# -- reporting ------------------------------------------------------------------------------------
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def report(a, cfg, weights, subject, ceilings, points) -> dict:
+    d = jax.devices()[0]
+    return {
+        "device": {"kind": d.device_kind, "platform": d.platform, "count": jax.device_count(),
+                   "memory_bytes": device_memory(d)},
+        "jax_version": jax.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(),
+        "model": {**subject, "family": cfg.family, "quant": a.quant, "dtype": a.dtype,
+                  "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+                  "weight_bytes": nbytes(weights)},
+        "settings": {"ctx": a.ctx, "steps": a.steps, "warmup": a.warmup, "repeats": a.repeats, "tp": a.tp,
+                     "batches": a.batches, "prompt_lens": a.prompt_lens},
+        "ceilings": ceilings.to_json(),
+        "points": [asdict(p) for p in points],
+    }
+
+
+def table(rep: dict) -> str:
+    c = rep["ceilings"]
+    head = (f"{rep['model'].get('shape') or rep['model'].get('model_dir')} ({rep['model']['quant']}, "
+            f"{rep['model']['dtype']}) on {rep['device']['kind']}, ctx {rep['settings']['ctx']}; "
+            f"bandwidth {c['bandwidth_GBps']:.1f} GB/s ({c['bandwidth_method']}), "
+            f"bf16 matmul {c['matmul_bf16_TFLOPs']:.2f} TFLOP/s")
+    lens = rep["settings"]["prompt_lens"]
+    cols = ["batch", "ms/step", "tok/s", "MB/step", "roofline ms", "HBM frac", "compute ms", "ceiling tok/s",
+            "compile s"] + [f"TTFT@{n} ms" for n in lens]
+    rows = []
+    for p in rep["points"]:
+        if p["skipped"]:
+            rows.append([str(p["batch"]), "skipped: " + p["skipped"]])
+            continue
+        rows.append([str(p["batch"]), f"{p['ms_per_step']:.3f}", f"{p['tok_s']:.1f}", f"{p['bytes_per_step'] / 1e6:.1f}",
+                     f"{p['roofline_ms']:.3f}", f"{p['roofline_fraction']:.1%}", f"{p['compute_ms']:.3f}",
+                     f"{p['ceiling_tok_s']:.0f}", f"{p['compile_s']:.1f}"]
+                    + [f"{p['ttft_ms'][str(n)]:.1f}" if str(n) in p['ttft_ms'] else "" for n in lens])
+    full = [r for r in rows if len(r) == len(cols)]
+    width = [max(len(cols[i]), *(len(r[i]) for r in full)) for i in range(len(cols))]
+    def fmt(r):
+        return "  ".join(x.rjust(w) for x, w in zip(r, width)) if len(r) == len(cols) else \
+            f"{r[0].rjust(width[0])}  {r[1]}"
+    return "\n".join([head, fmt(cols), *map(fmt, rows)])
+
+
+def plot(rep: dict, path: str) -> bool:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot written", file=sys.stderr)
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    pts = [p for p in rep["points"] if not p["skipped"]]
+    b = [p["batch"] for p in pts]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax1.plot(b, [p["tok_s"] for p in pts], "o-", label="measured")
+    ax1.plot(b, [p["ceiling_tok_s"] for p in pts], "--", label="roofline ceiling")
+    ax1.set(xscale="log", yscale="log", xlabel="batch", ylabel="decode tok/s", title="throughput")
+    for ax in (ax1, ax2):
+        ax.set_xticks(b, [str(x) for x in b])
+        ax.minorticks_off()
+    ax1.legend()
+    ax2.plot(b, [100 * p["roofline_fraction"] for p in pts], "o-")
+    ax2.set(xscale="log", xlabel="batch", ylabel="% of HBM roofline", title="bytes/step over measured bandwidth")
+    ax2.set_ylim(bottom=0)
+    m = rep["model"]
+    fig.suptitle(f"{m.get('shape') or m.get('model_dir')} {m['quant']} on {rep['device']['kind']}, "
+                 f"ctx {rep['settings']['ctx']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# -- main -----------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        check_args(a)
+        return sweep(a)
+    except JaxllmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def progress(items):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc="bench", unit="point", file=sys.stderr)
+
+
+def sweep(a) -> int:
+    a.layout = layout_for(a.tp)
+    cfg, fam, weights, subject = load_subject(a)
+    device = jax.devices()[0]
+    ceilings = ceil.measure(a.probe_mib << 20 if a.probe_mib else None, a.matmul_n, device)
+    mem = device_memory(device)
+    points = []
+    for batch in progress(a.batches):
+        points.append(run_point(cfg, fam, weights, batch, a, ceilings, mem))
+    rep = report(a, cfg, weights, subject, ceilings, points)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(rep, indent=2))
+    plot_path = a.plot or str(Path(a.out).with_suffix(".png"))
+    wrote = [a.out] + ([plot_path] if plot(rep, plot_path) else [])
+    print(f"wrote {' and '.join(wrote)}", file=sys.stderr)
+    print(table(rep), flush=True)
+    return 0

@@ -1,0 +1,255 @@
+"""Sliding-window perplexity, and the `--perplexity` part of the infer command line.
+
+Protocol: the text is tokenized once, without BOS. Windows of W tokens, counting a fresh BOS at the
+front of each, start every S text tokens; a window scores only the tokens no earlier window has
+scored, the rest is context. PPL = exp(mean NLL over all scored tokens). With a BOS every text token
+is scored (the first one from BOS alone), which is Hugging Face's sliding-window recipe with an
+exact token count. A model without any BOS token uses windows of W text tokens and leaves the very
+first token unscored.
+
+A window scores at most W-1 tokens, so a stride above W-1 (S = W, "no overlap") is capped at W-1:
+no token may fall between two windows unscored.
+
+The NLL is computed on the device, in row chunks and only at scored positions, so the
+[tokens, vocab] logits never exist whole and never reach the host.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..cache import init_cache
+from ..errors import RequestError
+from ..model import forward, logits_from_hidden
+
+TOKENS_PER_FORWARD = 8192       # windows are batched up to this many tokens per forward
+SCORE_BYTES = 2 << 30           # and while one layer's f32 attention scores stay under this
+LOGIT_ELEMENTS = 1 << 26        # f32 logits materialized at once, at most (256 MiB)
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    ppl: float
+    nll: float                  # mean NLL per scored token (nats)
+    num_scored_tokens: int
+    window: int
+    stride: int
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Window:
+    begin: int                  # first text token in the window
+    end: int                    # one past the last
+    score_from: int             # text tokens [score_from, end) are scored here
+
+
+def plan_windows(n: int, window: int, stride: int, has_bos: bool) -> list[Window]:
+    """The windows covering n text tokens; every scorable token is scored exactly once."""
+    span = window - 1 if has_bos else window
+    step = min(stride, window - 1)      # without BOS a window's first token is context only
+    out, begin, prev_end = [], 0, 0
+    while True:
+        end = min(begin + span, n)
+        first = begin if has_bos else begin + 1
+        out.append(Window(begin, end, max(prev_end, first)))
+        prev_end = end
+        if end >= n:
+            return out
+        begin += step
+
+
+def check_window(window, stride) -> tuple[int, int]:
+    """Validated (window, stride); stride defaults to window // 2."""
+    if not isinstance(window, int) or isinstance(window, bool) or window < 2:
+        raise RequestError(f"perplexity window must be an integer >= 2, got {window!r}")
+    if stride is None:
+        stride = max(1, window // 2)
+    if not isinstance(stride, int) or isinstance(stride, bool) or not 1 <= stride <= window:
+        raise RequestError(f"perplexity stride must be an integer in [1, window={window}], got {stride!r}")
+    return window, stride
+
+
+# -- on device ------------------------------------------------------------------------------------
+def hidden_states(cfg, dtype, weights, tokens):
+    """Final hidden states [B, T, D] of a batch of windows, each starting at position 0."""
+    B, T = tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    h, _ = forward(cfg, weights, tokens, pos, init_cache(cfg, B, T, dtype), dtype)
+    return h
+
+
+def picked_nll(cfg, rows: int, weights, h, where, targets):
+    """NLL of targets [N] given the hidden states at flat positions where [N] of h [B, T, D].
+
+    Logits are made `rows` at a time, and only for positions that are scored: context positions
+    never pay for the vocabulary projection."""
+    flat = h.reshape(-1, h.shape[-1])
+
+    def chunk(args):
+        w, t = args
+        logits = logits_from_hidden(cfg, weights, flat[w])                  # [rows, V] float32
+        return jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
+
+    n = where.shape[0]
+    return jax.lax.map(chunk, (where.reshape(n // rows, rows), targets.reshape(n // rows, rows))).reshape(n)
+
+
+_hidden = jax.jit(hidden_states, static_argnums=(0, 1))
+_picked_nll = jax.jit(picked_nll, static_argnums=(0, 1))
+
+
+def pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+# -- host side ------------------------------------------------------------------------------------
+def bos_id(engine) -> int | None:
+    tok = engine.tokenizer
+    if tok is not None and tok.bos_id is not None:
+        return int(tok.bos_id)
+    return None if engine.cfg.bos_id is None else int(engine.cfg.bos_id)
+
+
+def perplexity_ids(engine, ids, window: int = 2048, stride: int | None = None,
+                   progress=None) -> PerplexityResult:
+    """Perplexity of a token sequence (no BOS in `ids`) under the protocol above."""
+    window, stride = check_window(window, stride)
+    cfg = engine.cfg
+    ids = np.asarray(ids, np.int32).reshape(-1)
+    bos = bos_id(engine)
+    if ids.size < (1 if bos is not None else 2):
+        raise RequestError("the text is too short to score (it needs at least "
+                           f"{1 if bos is not None else 2} token(s))")
+    if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+        raise RequestError(f"token ids must lie in [0, {cfg.vocab_size})")
+    wins = plan_windows(int(ids.size), window, stride, bos is not None)
+    lead = 1 if bos is not None else 0
+    T = max(w.end - w.begin for w in wins) + lead
+    if T > cfg.max_position:
+        raise RequestError(f"perplexity window {window} exceeds the model's {cfg.max_position} positions")
+    heads = max(a.num_heads for a in cfg.attn if a is not None)
+    B = max(1, min(len(wins), TOKENS_PER_FORWARD // T, SCORE_BYTES // (4 * heads * T * T)))
+    total, count = 0.0, 0
+    for i in range(0, len(wins), B):
+        tokens, scored = pack(wins[i:i + B], ids, B, T, bos, cfg.pad_id)
+        total += window_batch_nll(engine, tokens, scored)
+        count += int(scored.sum())
+        if progress:
+            progress(min(i + B, len(wins)), len(wins))
+    mean = total / count
+    return PerplexityResult(math.exp(mean), mean, count, window, stride)
+
+
+def window_batch_nll(engine, tokens: np.ndarray, scored: np.ndarray) -> float:
+    """Summed NLL of the scored tokens of a [B, T] window batch (token t predicted at t-1)."""
+    cfg = engine.cfg
+    h = _hidden(cfg, engine.dtype, engine.weights, jnp.asarray(tokens))
+    b, t = np.nonzero(scored)
+    n = pow2_at_least(max(len(b), 16))
+    rows = min(n, pow2_at_least(max(1, LOGIT_ELEMENTS // cfg.vocab_size) + 1) // 2)
+    where = np.zeros(n, np.int32)
+    targets = np.zeros(n, np.int32)
+    where[:len(b)] = b * tokens.shape[1] + t - 1
+    targets[:len(b)] = tokens[b, t]
+    nll = _picked_nll(cfg, rows, engine.weights, h, jnp.asarray(where), jnp.asarray(targets))
+    return float(np.asarray(nll, np.float64)[:len(b)].sum())
+
+
+def pack(wins: list[Window], ids: np.ndarray, B: int, T: int, bos, pad_id: int):
+    """Right-padded [B, T] tokens and the scored mask; rows past len(wins) are all padding."""
+    tokens = np.full((B, T), pad_id, np.int32)
+    scored = np.zeros((B, T), bool)
+    lead = 1 if bos is not None else 0
+    for r, w in enumerate(wins):
+        if lead:
+            tokens[r, 0] = bos
+        tokens[r, lead:lead + w.end - w.begin] = ids[w.begin:w.end]
+        scored[r, lead + w.score_from - w.begin:lead + w.end - w.begin] = True
+    return tokens, scored
+
+
+def perplexity(engine, text: str, window: int = 2048, stride: int | None = None,
+               progress=None) -> PerplexityResult:
+    """Perplexity of `text`: tokenized once without BOS, then scored window by window."""
+    if not isinstance(text, str):
+        raise RequestError(f"perplexity text must be a string, got {type(text).__name__}")
+    if engine.tokenizer is None:
+        raise RequestError("this model has no tokenizer, so it cannot score text")
+    if not text.strip():
+        raise RequestError("the perplexity text is empty")
+    ids = engine.tokenizer.encode(text, add_special=False)
+    return perplexity_ids(engine, ids, window, stride, progress)
+
+
+# -- command line ---------------------------------------------------------------------------------
+def add_perplexity_args(parser) -> None:
+    g = parser.add_argument_group("perplexity")
+    g.add_argument("--perplexity", action="store_true", help="score a text file instead of generating")
+    g.add_argument("--ppl-file", metavar="F", help="text file to score ('-' reads stdin)")
+    g.add_argument("--ppl-window", metavar="W", type=int, default=2048,
+                   help="tokens per window, counting the BOS (default 2048)")
+    g.add_argument("--ppl-stride", metavar="S", type=int, default=None,
+                   help="tokens between window starts (default W/2)")
+
+
+def read_ppl_text(args) -> str:
+    """The text to score, after checking the window flags."""
+    check_window(args.ppl_window, args.ppl_stride)
+    if not args.ppl_file:
+        raise RequestError("--perplexity needs --ppl-file F (the text to score)")
+    if args.ppl_file == "-":
+        text = sys.stdin.read()
+    else:
+        p = Path(args.ppl_file)
+        if not p.is_file():
+            raise RequestError(f"--ppl-file {p}: no such file")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise RequestError(f"--ppl-file {p}: unreadable ({e})") from None
+    if not text.strip():
+        raise RequestError(f"--ppl-file {args.ppl_file}: the text is empty")
+    return text
+
+
+def check_perplexity_args(args) -> None:
+    """Fail on bad flags or an unreadable file before a model is loaded; keeps the text on args."""
+    args.ppl_text = read_ppl_text(args)
+
+
+def run_perplexity(args, engine, text: str | None = None) -> PerplexityResult:
+    """Score the file named by args and print the result: one JSON line with --json, else a summary."""
+    import json
+    if text is None:
+        text = getattr(args, "ppl_text", None) or read_ppl_text(args)
+    as_json = bool(getattr(args, "json", False))
+    bar = None
+    if not as_json:
+        from tqdm import tqdm
+        bar = tqdm(total=None, desc="perplexity", unit="window", file=sys.stderr, leave=False)
+    res = perplexity(engine, text, args.ppl_window, args.ppl_stride,
+                     progress=partial(_advance, bar) if bar is not None else None)
+    if bar is not None:
+        bar.close()
+    if as_json:
+        print(json.dumps(res.to_json()), flush=True)
+    else:
+        print(f"perplexity {res.ppl:.4f}  (mean NLL {res.nll:.5f} over {res.num_scored_tokens} tokens, "
+              f"window {res.window}, stride {res.stride})", flush=True)
+    return res
+
+
+def _advance(bar, done: int, total: int) -> None:
+    bar.total = total
+    bar.n = done
+    bar.refresh()

@@ -1,0 +1,127 @@
+"""What one decode step must move and compute, counted from the weights and the config.
+
+Bytes per step (the HBM roofline): every weight byte once (int8 values plus their scales, or the
+bf16/f32 arrays, exactly as the pytree holds them), except that lookup tables (an untied token
+embedding, per-layer input embeddings: a leading "vocab" axis and no matmul use) are only gathered,
+batch rows of them, while a tied embedding is read whole as the output projection; plus each layer's
+K and V over the positions it attends at that context: global layers over ctx, sliding layers over
+min(ctx, window), and a layer whose V is its K (k_eq_v) reads one tensor. Mixture-of-experts
+weights (a spec axis named "expert") count only the experts a batch can be expected to touch.
+
+FLOPs per step (the compute roofline): 2 per multiply-add of every matmul weight (the tied
+embedding as the output projection included) per row, plus QK^T and PV over the attended positions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from ..config import ModelConfig
+from ..params import is_spec
+
+
+@dataclass(frozen=True)
+class StepCost:
+    weight_bytes: int
+    kv_bytes: int
+    flops: int
+
+    @property
+    def bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+
+def nbytes(x) -> int:
+    """Bytes of an array, a ShapeDtypeStruct, or a pytree of them (QuantArray: values + scales)."""
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(x))
+
+
+EXPERT_AXES = ("expert", "experts")
+
+
+def moe_top_k(cfg: ModelConfig) -> int | None:
+    """Experts each token is routed to; families state it as extras ("moe": (E, k, F), or a name)."""
+    moe = cfg.extra("moe")
+    if moe:
+        return int(moe[1])
+    for name in ("top_k_experts", "num_experts_per_tok"):
+        if cfg.extra(name):
+            return int(cfg.extra(name))
+    return None
+
+
+def expert_fraction(spec, cfg: ModelConfig, batch: int, for_flops: bool) -> float:
+    """Share of an expert-stacked weight a step uses: k/E of the FLOPs, and for bytes the expected
+    share of experts at least one of batch*k uniform picks lands on."""
+    axis = next((i for i, name in enumerate(spec.axes) if name in EXPERT_AXES), None) if spec else None
+    k = moe_top_k(cfg)
+    if axis is None or not k:
+        return 1.0
+    E = spec.shape[axis]
+    if for_flops:
+        return k / E
+    return 1.0 - (1.0 - k / E) ** batch
+
+
+def _spec_at(specs, keys):
+    node = specs
+    for k in keys:
+        if not isinstance(node, dict) or k not in node:
+            return None
+        node = node[k]
+    return node if is_spec(node) else None
+
+
+def is_lookup_table(cfg: ModelConfig, keys: list, spec) -> bool:
+    if keys == ["embed"]:
+        return not cfg.tie_embeddings
+    return spec is not None and not spec.n_contract and bool(spec.axes) and spec.axes[0] == "vocab"
+
+
+def weight_bytes_per_step(cfg: ModelConfig, weights, batch: int, specs=None) -> int:
+    """Weight bytes one decode step reads; `weights` may be arrays or ShapeDtypeStructs, and `specs`
+    (the family's abstract tree) marks lookup tables beyond the token embedding and MoE experts."""
+    total = 0.0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(weights)[0]:
+        keys = [p.key for p in path if isinstance(p, jax.tree_util.DictKey)]
+        spec = _spec_at(specs, keys)
+        b = nbytes(leaf)
+        if is_lookup_table(cfg, keys, spec):
+            b = min(b, batch * nbytes(leaf) // leaf.shape[0])
+        total += b * expert_fraction(spec, cfg, batch, for_flops=False)
+    return int(round(total))
+
+
+def attended(cfg: ModelConfig, kind: int, ctx: int) -> int:
+    w = cfg.attn[kind].window
+    return min(ctx, w) if w else ctx
+
+
+def kv_bytes_per_step(cfg: ModelConfig, batch: int, ctx: int, kv_itemsize: float = 2) -> int:
+    """K/V bytes every layer reads at context ctx (kv_itemsize: bytes per cached element)."""
+    total = 0.0
+    for kind in cfg.layer_kinds:
+        a = cfg.attn[kind]
+        tensors = 1 if a.k_eq_v else 2
+        total += batch * attended(cfg, kind, ctx) * a.num_kv_heads * a.head_dim * kv_itemsize * tensors
+    return int(round(total))
+
+
+def flops_per_step(cfg: ModelConfig, specs, batch: int, ctx: int) -> int:
+    """FLOPs of one decode step for `batch` rows at context ctx, from the abstract weight specs."""
+    macs = 0.0
+    for spec in jax.tree_util.tree_leaves(specs, is_leaf=is_spec):
+        if spec.n_contract:
+            macs += np.prod(spec.shape) * expert_fraction(spec, cfg, batch, for_flops=True)
+    if cfg.tie_embeddings:
+        macs += cfg.vocab_size * cfg.hidden_size
+    attn = sum(2 * cfg.attn[k].num_heads * cfg.attn[k].head_dim * attended(cfg, k, ctx) for k in cfg.layer_kinds)
+    return int(round(2 * batch * (macs + attn)))
+
+
+def step_cost(cfg: ModelConfig, weights, specs, batch: int, ctx: int, kv_itemsize: float = 2) -> StepCost:
+    return StepCost(weight_bytes_per_step(cfg, weights, batch, specs),
+                    kv_bytes_per_step(cfg, batch, ctx, kv_itemsize),
+                    flops_per_step(cfg, specs, batch, ctx))

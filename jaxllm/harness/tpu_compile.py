@@ -1,0 +1,216 @@
+"""Compile prefill and the fused decode loop for a TPU slice without having one.
+
+`python -m jaxllm.harness.tpu_compile --shape qwen3-32b --tp 4 --max-ctx 2048 --batch 1`
+
+The TPU compiler (libtpu) builds the real per-device programs from a topology description
+(`jax.experimental.topologies`, e.g. v6e:2x2 = 4 chips) and abstract arguments: int8 weights and KV
+caches as `jax.ShapeDtypeStruct`s carrying the engine's NamedShardings, so no array is ever
+allocated. It reports per-device memory (arguments, temporaries, outputs) and the bytes one decode
+step moves, from which the step time at the chip's HBM bandwidth follows: decode is memory-bound, so
+that is the roofline a real run is measured against. Needs `pip install "jax[tpu]"` (libtpu), which
+also works on machines without a TPU, alongside the CPU backend.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import generate as gen
+from ..cache import init_cache
+from ..errors import JaxllmError, ModelError
+from ..params import is_spec, map_specs
+from ..quant import QuantArray
+from ..sampling import SamplingParams
+from ..sharding import Layout, check_divisible, scale_shape_axes
+
+# HBM bandwidth per chip, bytes/s, and memory per chip, by topology generation.
+CHIPS = {"v6e": (1640e9, 32 * 2**30), "v5e": (819e9, 16 * 2**30), "v5p": (2765e9, 95 * 2**30),
+         "v4": (1200e9, 32 * 2**30)}
+GiB = 2**30
+PROGRAMS = ("prefill", "decode_loop", "decode_step")
+
+# libtpu takes a machine-wide lock file when it loads, which a process that only compiles for a
+# described topology does not need: without this, any other JAX process on the machine that
+# initialised a TPU client (or failed to find a TPU) blocks this one.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def topology_mesh(topology: str, tp: int, dp: int = 1) -> Layout:
+    from jax.experimental import topologies
+    try:
+        topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
+    except Exception as e:      # no libtpu, or an unknown topology name
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"cannot describe TPU topology {topology!r} ({first}); "
+                         f"is libtpu installed (pip install \"jax[tpu]\")?") from None
+    devices = list(topo.devices)
+    if tp * dp != len(devices):
+        raise ModelError(f"--tp {tp} x --dp {dp} must use all {len(devices)} chips of {topology}")
+    from jax.sharding import Mesh
+    return Layout(Mesh(np.asarray(devices, dtype=object).reshape(dp, tp), ("data", "model")))
+
+
+def abstract_weights(cfg, family, layout: Layout, quant: str, dtype) -> dict:
+    """The weights as ShapeDtypeStructs with their shardings (QuantArray for int8 ones)."""
+    from ..loading.weights import is_quantized
+
+    def one(spec):
+        int8 = is_quantized(spec, quant)
+        sh = layout.param_sharding(spec, int8)
+        if not int8:
+            return jax.ShapeDtypeStruct(spec.shape, dtype, sharding=sh)
+        return QuantArray(jax.ShapeDtypeStruct(spec.shape, jnp.int8, sharding=sh.q),
+                          jax.ShapeDtypeStruct(scale_shape_axes(spec)[0], jnp.float32, sharding=sh.scale),
+                          spec.n_contract)
+    tree = family.abstract(cfg)
+    check_divisible(layout, tree)
+    return map_specs(one, tree)
+
+
+def abstract_cache(cfg, layout: Layout, batch: int, length: int, dtype):
+    shapes = jax.eval_shape(partial(init_cache, cfg, batch, length, dtype))
+    shard = layout.cache_shardings(shapes)
+    return jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shard)
+
+
+def rows(layout: Layout, batch: int, dtype, extra=()):
+    shape = (batch, *extra)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=layout.batch_sharding(shape))
+
+
+def abstract_state(cfg, layout, cache, batch: int, n_out: int) -> gen.DecodeState:
+    i32 = jnp.int32
+    return gen.DecodeState(cache=cache, tokens=rows(layout, batch, i32, (n_out,)), last=rows(layout, batch, i32),
+                           pos=rows(layout, batch, i32), done=rows(layout, batch, jnp.bool_),
+                           n_new=rows(layout, batch, i32), max_new=rows(layout, batch, i32),
+                           step=jax.ShapeDtypeStruct((), i32, sharding=layout.replicated))
+
+
+def abstract_sampling(layout, batch: int) -> SamplingParams:
+    return SamplingParams(rows(layout, batch, jnp.float32), rows(layout, batch, jnp.int32),
+                          rows(layout, batch, jnp.float32), rows(layout, batch, jnp.uint32))
+
+
+def device_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard)."""
+    return sum(int(np.prod(a.sharding.shard_shape(a.shape))) * jnp.dtype(a.dtype).itemsize
+               for a in jax.tree_util.tree_leaves(tree))
+
+
+def memory(compiled) -> dict:
+    m = compiled.memory_analysis()
+    out = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias",
+                                                              "generated_code")}
+    out["total"] = out["argument"] + out["temp"] + out["output"]
+    out["peak"] = out["total"] - out["alias"]       # donated inputs are reused by the outputs
+    return out
+
+
+def cost(compiled) -> dict:
+    c = compiled.cost_analysis()
+    c = c[0] if isinstance(c, (list, tuple)) else c
+    return {"flops": float(c.get("flops", 0.0)), "bytes_accessed": float(c.get("bytes accessed", 0.0))}
+
+
+def compile_shape(shape: str, tp: int = 4, dp: int = 1, max_ctx: int = 2048, batch: int = 1,
+                  prompt_len: int | None = None, topology: str = "v6e:2x2", quant: str = "int8",
+                  n_out: int = 128, programs=PROGRAMS) -> dict:
+    """Compile prefill, the decode loop and one decode step (or the named `programs`) for the
+    named architecture; per-device memory and cost of each."""
+    programs = tuple(programs)
+    if not programs or set(programs) - set(PROGRAMS):
+        raise ModelError(f"programs must be among {', '.join(PROGRAMS)}")
+    from ..presets import load_preset
+    cfg, family = load_preset(shape)
+    layout = topology_mesh(topology, tp, dp)
+    dtype = jnp.bfloat16
+    prompt_len = prompt_len or max_ctx // 2
+    if not 0 < prompt_len < max_ctx:
+        raise ModelError(f"--prompt-len must lie in (0, {max_ctx})")
+    weights = abstract_weights(cfg, family, layout, quant, dtype)
+    cache = abstract_cache(cfg, layout, batch, max_ctx, dtype)
+    params = abstract_sampling(layout, batch)
+    report = {"shape": shape, "topology": topology, "tp": tp, "dp": dp, "batch": batch, "max_ctx": max_ctx,
+              "prompt_len": prompt_len, "quant": quant, "devices": tp * dp}
+    i32 = jnp.int32
+    lowering = {
+        "prefill": lambda: jax.jit(partial(gen.prefill, cfg, dtype=dtype), static_argnames=("n_out",),
+                                   donate_argnames=("cache",)).lower(
+            weights, rows(layout, batch, i32, (prompt_len,)), rows(layout, batch, i32), cache, params,
+            rows(layout, batch, i32), n_out=n_out),
+        "decode_loop": lambda: jax.jit(partial(gen.decode_loop, cfg, dtype=dtype), donate_argnames=("state",)).lower(
+            weights, abstract_state(cfg, layout, cache, batch, n_out), params),
+        "decode_step": lambda: jax.jit(partial(gen.decode_step, cfg, dtype=dtype), donate_argnames=("cache",)).lower(
+            weights, rows(layout, batch, i32), rows(layout, batch, i32), cache),
+    }
+    for name in programs:
+        t = time.perf_counter()
+        c = lowering[name]().compile()
+        report[name] = {"memory": memory(c), "cost": cost(c), "compile_s": time.perf_counter() - t}
+
+    # A decode step streams every weight and the whole KV cache once per device. (XLA's own "bytes
+    # accessed" counts the layer scan's body once, not once per layer, so it is reported beside
+    # this, not used for the prediction.)
+    per_step = device_bytes(weights) + device_bytes(cache)
+    report["weight_bytes_per_device"] = device_bytes(weights)
+    report["weight_bytes_total"] = sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+                                       for a in jax.tree_util.tree_leaves(weights))
+    report["cache_bytes_per_device"] = device_bytes(cache)
+    bw, hbm = CHIPS.get(topology.split(":")[0], (None, None))
+    report.update(bytes_per_step=per_step, hbm_bandwidth=bw, hbm_per_chip=hbm,
+                  predicted_step_ms=per_step / bw * 1e3 if bw else None,
+                  predicted_tok_s=batch * bw / per_step if bw else None)
+    return report
+
+
+def format_report(r: dict) -> str:
+    lines = [f"{r['shape']} on {r['topology']}: tp={r['tp']} dp={r['dp']} batch={r['batch']} "
+             f"max_ctx={r['max_ctx']} prompt={r['prompt_len']} weights={r['quant']}",
+             f"{'program':<12} {'args GiB':>9} {'temp GiB':>9} {'out GiB':>9} {'alias GiB':>9} "
+             f"{'total GiB':>9} {'XLA GB':>9} {'TFLOP':>8} {'compile s':>9}   (per device)"]
+    for name in (p for p in PROGRAMS if p in r):
+        m, c = r[name]["memory"], r[name]["cost"]
+        lines.append(f"{name:<12} {m['argument'] / GiB:9.2f} {m['temp'] / GiB:9.2f} {m['output'] / GiB:9.2f} "
+                     f"{m['alias'] / GiB:9.2f} {m['total'] / GiB:9.2f} {c['bytes_accessed'] / 1e9:9.2f} "
+                     f"{c['flops'] / 1e12:8.3f} {r[name]['compile_s']:9.1f}")
+    if r["predicted_step_ms"] is not None:
+        lines.append(f"decode: {r['bytes_per_step'] / 1e9:.2f} GB per step per device (weights + KV cache) -> "
+                     f"{r['predicted_step_ms']:.2f} ms/step at {r['hbm_bandwidth'] / 1e9:.0f} GB/s "
+                     f"({r['predicted_tok_s']:.0f} tok/s for batch {r['batch']})")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jaxllm.harness.tpu_compile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", required=True, help="architecture preset, e.g. qwen3-32b, gemma4-31b")
+    p.add_argument("--tp", type=int, default=4)
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--max-ctx", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=None, help="prefill length (default max_ctx/2)")
+    p.add_argument("--topology", default="v6e:2x2")
+    p.add_argument("--quant", choices=("int8", "none"), default="int8")
+    p.add_argument("--programs", default=",".join(PROGRAMS),
+                   help="comma-separated subset of " + ",".join(PROGRAMS))
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    args = p.parse_args(argv)
+    try:
+        r = compile_shape(args.shape, args.tp, args.dp, args.max_ctx, args.batch, args.prompt_len,
+                          args.topology, args.quant, programs=[x for x in args.programs.split(",") if x])
+    except JaxllmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(r) if args.json else format_report(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Where the time of one decode step goes: trace a few fused-loop steps of a shape preset with random
+weights and sum the device kernels by kind (matmul, attention/softmax, fusions, copies, collectives),
+next to the wall time per step, so the gaps between kernels show too.
+
+    python scripts/profile_decode.py --shape qwen3-4b --batch 1 --ctx 2048 --steps 32 --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import time
+from collections import defaultdict
+from functools import partial
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+
+from jaxllm import generate as gen  # noqa: E402
+from jaxllm.engine import DTYPES  # noqa: E402
+from jaxllm.harness.bench import decode_state  # noqa: E402
+from jaxllm.harness.shapes import resolve_shape  # noqa: E402
+from jaxllm.harness.synthetic import random_weights  # noqa: E402
+from jaxllm.sampling import SamplingParams  # noqa: E402
+
+KINDS = [("matmul", r"gemm|cutlass|cublas|dot|matmul|xmma|sm90"), ("collective", r"nccl|all_reduce|all-reduce|allreduce|all_gather"),
+         ("copy/dus", r"copy|memcpy|memset|dynamic.update|dynamic_update"), ("reduce/softmax", r"reduce|softmax"),
+         ("other fusion", r"fusion|loop|input|kernel")]
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, pat in KINDS:
+        if re.search(pat, low):
+            return kind
+    return "other"
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="qwen3-4b")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--ctx", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--quant", default="int8")
+    p.add_argument("--out", default="profile")
+    a = p.parse_args()
+    dtype = DTYPES["bfloat16"]
+    cfg, fam = resolve_shape(a.shape)
+    cfg = cfg.replace(eos_ids=())
+    weights = random_weights(fam.abstract(cfg), a.quant, dtype)
+    params = SamplingParams.make(a.batch)
+    loop = jax.jit(partial(gen.decode_loop, cfg, dtype=dtype))
+    state = decode_state(cfg, a.batch, a.ctx, a.steps, dtype, 0)
+    loop(weights, state, params).tokens.block_until_ready()
+    t0 = time.perf_counter()
+    loop(weights, state, params).tokens.block_until_ready()
+    wall_ms = (time.perf_counter() - t0) / a.steps * 1e3
+    os.makedirs(a.out, exist_ok=True)
+    with jax.profiler.trace(a.out, create_perfetto_trace=True):
+        loop(weights, state, params).tokens.block_until_ready()
+    files = glob.glob(os.path.join(a.out, "**", "*.trace.json.gz"), recursive=True)
+    events = json.load(gzip.open(files[0]))["traceEvents"] if files else []
+    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                and re.search(r"/device:GPU|GPU|stream", str(e.get("args", {}).get("name", "")))}
+    by_kind, by_name, n_kernels = defaultdict(float), defaultdict(float), 0
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e:
+            by_kind[kind_of(e["name"])] += e["dur"]
+            by_name[e["name"]] += e["dur"]
+            n_kernels += 1
+    total = sum(by_kind.values()) / 1e3 / a.steps
+    print(f"{a.shape} B={a.batch} ctx={a.ctx} {a.quant} scan_unroll={os.environ.get('JAXLLM_SCAN_UNROLL', '1')}: "
+          f"wall {wall_ms:.3f} ms/step, device kernels {total:.3f} ms/step "
+          f"({n_kernels / a.steps:.0f} kernels/step), gaps {wall_ms - total:.3f} ms/step")
+    for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"  {k:16s} {v / 1e3 / a.steps:8.3f} ms/step")
+    print("  top kernels:")
+    for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"    {v / 1e3 / a.steps:8.3f} ms  {k[:90]}")
+
+
+if __name__ == "__main__":
+    main()

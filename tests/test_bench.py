@@ -1,0 +1,169 @@
+"""The throughput sweep end to end on small shapes, and the roofline arithmetic against hand counts."""
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+
+from jaxllm.errors import ModelError
+from jaxllm.harness import bench
+from jaxllm.harness.roofline import flops_per_step, kv_bytes_per_step, nbytes, weight_bytes_per_step
+from jaxllm.harness.shapes import preset_names, resolve_shape
+from jaxllm.harness.synthetic import random_weights
+from jaxllm.quant import QuantArray
+
+TINY = {"model_type": "qwen3", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "tie_word_embeddings": True}
+
+
+def shape_file(tmp_path, name="tiny", **over):
+    p = tmp_path / f"{name}.json"
+    p.write_text(json.dumps({**TINY, **over}))
+    return str(p)
+
+
+def abstract_weights(cfg, fam, quant):
+    return jax.eval_shape(lambda: random_weights(fam.abstract(cfg), quant, "bfloat16"))
+
+
+def test_bytes_and_flops_per_step_by_hand(tmp_path):
+    D, F, H, K, hd, V, L = 64, 128, 4, 2, 16, 512, 2
+    cfg, fam = resolve_shape(shape_file(tmp_path))
+    # int8 matmul weights + f32 scale per output channel; bf16 norms
+    int8 = D * H * hd + 2 * D * K * hd + H * hd * D + 3 * D * F
+    scales = 4 * (H * hd + 2 * K * hd + D + 2 * F + D)
+    norms = 2 * (2 * D + 2 * hd)
+    tied_embed = V * D * 2
+    per_layer = int8 + scales + norms
+    w = abstract_weights(cfg, fam, "int8")
+    assert isinstance(w["layers"]["global"]["q"], QuantArray)
+    assert weight_bytes_per_step(cfg, w, batch=1) == L * per_layer + tied_embed + 2 * D == 144128
+    assert nbytes(w) == 144128
+    # untied: the embedding is only gathered (batch rows), the int8 lm_head is read whole
+    cfg_u, fam_u = resolve_shape(shape_file(tmp_path, "untied", tie_word_embeddings=False))
+    wu = abstract_weights(cfg_u, fam_u, "int8")
+    lm_head = D * V + 4 * V
+    assert weight_bytes_per_step(cfg_u, wu, batch=3) == L * per_layer + 3 * D * 2 + 2 * D + lm_head
+    # bf16 weights: every matmul weight 2 bytes, no scales
+    wb = abstract_weights(cfg, fam, "none")
+    assert weight_bytes_per_step(cfg, wb, batch=1) == L * (2 * int8 + norms) + tied_embed + 2 * D
+    # KV: bf16 K and V over ctx for every layer
+    assert kv_bytes_per_step(cfg, batch=2, ctx=32) == L * 2 * (2 * 32 * K * hd * 2) == 16384
+    # FLOPs: 2 per MAC, matmuls + tied output projection + QK^T and PV over ctx
+    macs = L * (D * H * hd + 2 * D * K * hd + H * hd * D + 3 * D * F) + V * D
+    attn = L * 2 * H * hd * 32
+    assert flops_per_step(cfg, fam.abstract(cfg), batch=1, ctx=32) == 2 * (macs + attn) == 229376
+
+
+def test_sliding_layers_read_only_their_window(tmp_path):
+    p = tmp_path / "g3.json"
+    p.write_text(json.dumps({"model_type": "gemma3_text", "vocab_size": 256, "hidden_size": 32,
+                             "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2,
+                             "num_key_value_heads": 1, "head_dim": 16, "sliding_window": 8,
+                             "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}))
+    cfg, _ = resolve_shape(str(p))
+    per_pos = 2 * 1 * 16 * 2                          # K and V, one kv head of 16, bf16
+    assert kv_bytes_per_step(cfg, batch=1, ctx=100) == per_pos * (8 + 100 + 8)
+    assert kv_bytes_per_step(cfg, batch=1, ctx=4) == per_pos * 12
+
+
+def check_report(rep, batches, ctx):
+    for key in ("device", "jax_version", "date", "git_commit", "model", "settings", "ceilings", "points"):
+        assert key in rep
+    assert rep["device"]["kind"] and rep["jax_version"] == jax.__version__
+    c = rep["ceilings"]
+    assert c["bandwidth_GBps"] > 0 and c["matmul_bf16_TFLOPs"] > 0
+    assert c["bandwidth_method"] in c["bandwidth_by_method_GBps"]
+    assert c["bandwidth_GBps"] == max(v for v in c["bandwidth_by_method_GBps"].values() if isinstance(v, float))
+    assert [p["batch"] for p in rep["points"]] == batches
+    for p in rep["points"]:
+        assert p["skipped"] is None and p["ctx"] == ctx
+        assert p["ms_per_step"] > 0 and p["compile_s"] > 0
+        assert p["tok_s"] == pytest.approx(p["batch"] * 1e3 / p["ms_per_step"])
+        assert p["bytes_per_step"] == p["weight_bytes_per_step"] + p["kv_bytes_per_step"]
+        # the roofline is the byte count over the bandwidth measured in this same run
+        assert p["roofline_ms"] == pytest.approx(p["bytes_per_step"] / (c["bandwidth_GBps"] * 1e9) * 1e3)
+        assert p["roofline_fraction"] == pytest.approx(p["roofline_ms"] / p["ms_per_step"])
+        assert p["compute_ms"] == pytest.approx(p["flops_per_step"] / (c["matmul_bf16_TFLOPs"] * 1e12) * 1e3)
+
+
+def run_bench(argv, capsys):
+    assert bench.main(argv) == 0
+    return capsys.readouterr().out
+
+
+def test_sweep_on_tiny_shape_writes_json_png_and_table(tmp_path, capsys):
+    out = tmp_path / "r" / "tiny.json"
+    text = run_bench(["--shape", shape_file(tmp_path), "--batches", "1,2", "--ctx", "24", "--steps", "3",
+                      "--repeats", "2", "--prompt-lens", "8", "--out", str(out), "--probe-mib", "8",
+                      "--matmul-n", "128"], capsys)
+    rep = json.loads(out.read_text())
+    check_report(rep, [1, 2], 24)
+    assert rep["model"]["weight_bytes"] == 144128 and rep["model"]["quant"] == "int8"
+    for p in rep["points"]:
+        assert set(p["ttft_ms"]) == {"8"} and p["ttft_ms"]["8"] > 0 and p["ttft_compile_s"]["8"] > 0
+        assert p["weight_bytes_per_step"] == 144128
+        assert p["kv_bytes_per_step"] == p["batch"] * 2 * 2 * 24 * 2 * 16 * 2
+    png = out.with_suffix(".png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    lines = text.strip().splitlines()
+    assert "TTFT@8 ms" in lines[-3] and lines[-2].split()[0] == "1" and lines[-1].split()[0] == "2"
+
+
+def test_sweep_on_gemma3_270m_shape(tmp_path, capsys):
+    out, png = tmp_path / "g.json", tmp_path / "g.png"
+    run_bench(["--shape", "gemma3-270m", "--batches", "1,2", "--ctx", "16", "--steps", "2", "--warmup", "0",
+               "--repeats", "1", "--out", str(out), "--plot", str(png), "--probe-mib", "8", "--matmul-n", "128"],
+              capsys)
+    rep = json.loads(out.read_text())
+    check_report(rep, [1, 2], 16)
+    m = rep["model"]
+    assert (m["family"], m["num_layers"], m["hidden_size"], m["vocab_size"]) == ("gemma3", 18, 640, 262144)
+    # tied 262144 x 640 bf16 embedding, read whole as the output projection, dominates the bytes
+    assert rep["points"][0]["weight_bytes_per_step"] == m["weight_bytes"] > 262144 * 640 * 2
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_flags_are_one_line_errors(tmp_path, capsys):
+    for argv, msg in [(["--shape", "no-such-model"], "unknown shape 'no-such-model'"),
+                      (["--shape", str(tmp_path / "missing.json")], "no such file"),
+                      (["--shape", shape_file(tmp_path), "--tp", "2"], "--tp 2"),
+                      (["--shape", shape_file(tmp_path), "--ctx", "0"], "--ctx")]:
+        assert bench.main(argv + ["--out", str(tmp_path / "x.json")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error:") and msg in err and "\n" not in err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_every_preset_resolves_or_names_its_architecture():
+    names = preset_names()
+    assert {"qwen3-0.6b", "qwen3-4b", "qwen3-8b", "qwen3-32b", "gemma3-270m", "gemma4-31b"} <= set(names)
+    for name in names:
+        try:
+            cfg, fam = resolve_shape(name)
+        except ModelError as e:                      # a family this build does not include
+            assert str(e).startswith(f"shape {name!r}: unsupported model architecture")
+            continue
+        assert cfg.num_layers == len(cfg.layer_kinds) and fam.abstract(cfg)
+    cfg, _ = resolve_shape("qwen3-32b")
+    assert (cfg.num_layers, cfg.hidden_size, cfg.tie_embeddings) == (64, 5120, False)
+
+
+def test_sweep_on_a_model_directory(tmp_path, capsys):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    cfg = Qwen3Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    out = tmp_path / "m.json"
+    run_bench(["--model-dir", str(tmp_path / "m"), "--batches", "2", "--ctx", "8", "--steps", "2",
+               "--quant", "none", "--out", str(out), "--probe-mib", "8", "--matmul-n", "128"], capsys)
+    rep = json.loads(out.read_text())
+    check_report(rep, [2], 8)
+    p = rep["points"][0]
+    # untied bf16: the 256 x 32 embedding is only gathered (2 rows), the lm_head is read whole
+    assert p["weight_bytes_per_step"] == rep["model"]["weight_bytes"] - 256 * 32 * 2 + 2 * 32 * 2
+    assert rep["model"]["model_dir"] == str(tmp_path / "m")
