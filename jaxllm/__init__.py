@@ -3,26 +3,37 @@ from __future__ import annotations
 
 from .engine import Completion, Engine
 from .errors import JaxllmError, ModelError, RequestError
+from .split_cache import KVOptions
 
-__all__ = ["load", "Engine", "Completion", "JaxllmError", "ModelError", "RequestError"]
+__all__ = ["load", "Engine", "Completion", "KVOptions", "JaxllmError", "ModelError", "RequestError"]
 __version__ = "0.1.0"
 
 
 def load(model_dir=None, max_ctx=8192, quant="int8", kv_quant="auto", tp=None, dtype="bfloat16",
-         progress=None, dp=1) -> Engine:
+         progress=None, dp=1, kv_options=None) -> Engine:
     """Load a model (HF directory, .gguf file, saved jaxllm checkpoint, hub id, or the embedded
     default when None), sharded over `tp` devices ("model" axis; None = every device) times `dp`
-    ("data" axis, splitting the batch)."""
+    ("data" axis, splitting the batch).
+
+    kv_quant: "auto" keeps a full-length compute-dtype KV cache up to `kv_options.threshold`
+    (32768) positions and switches above it to the split cache (sliding layers in a ring buffer,
+    global layers int8); "int8" always uses the split int8 cache; "none" never quantizes KV.
+    """
     from .engine import DTYPES
     from .loading import load_model
+    from .split_cache import KV_QUANT_MODES
     if dtype not in DTYPES:
         raise ModelError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if quant not in ("int8", "none"):
         raise ModelError(f"quant must be 'int8' or 'none', got {quant!r}")
+    if kv_quant not in KV_QUANT_MODES:
+        raise ModelError(f"kv_quant must be one of {', '.join(KV_QUANT_MODES)}, got {kv_quant!r}")
+    if max_ctx is not None and (not isinstance(max_ctx, int) or max_ctx < 2):
+        raise ModelError(f"max_ctx must be an integer of at least 2, got {max_ctx!r}")
     from .sharding import layout_for
     layout = layout_for(tp, dp)
     cfg, fam, weights, tok, name = load_model(model_dir, DTYPES[dtype], quant, progress, layout)
     if max_ctx is None:
         max_ctx = min(cfg.max_position, 8192)
     return Engine(cfg, weights, tok, dtype=dtype, max_ctx=int(max_ctx), name=name, quant=quant,
-                  layout=layout)
+                  layout=layout, kv_quant=kv_quant, kv_options=kv_options)

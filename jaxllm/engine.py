@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -10,12 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import generate as gen
+from . import prefill_chunked as chunked
 from .cache import init_cache
 from .config import ModelConfig
 from .errors import RequestError
+from .kv_plan import check_fits, plan_cache
 from .model import forward, logits_from_hidden
 from .sampling import SamplingParams
 from .sharding import single_device_layout
+from .split_cache import KVOptions, choose_layout, make_cache
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
@@ -56,12 +60,19 @@ def check_sampling(max_tokens, temperature, top_k, top_p):
 
 class Engine:
     def __init__(self, cfg: ModelConfig, weights, tokenizer, *, dtype="bfloat16", max_ctx=8192,
-                 name="model", quant="none", layout=None):
+                 name="model", quant="none", layout=None, kv_quant="auto",
+                 kv_options: KVOptions | None = None):
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
         self.layout = layout or single_device_layout()   # weights must already lie on its mesh
         self._cache_makers = {}
         self.dtype_name, self.dtype = dtype, DTYPES[dtype]
         self.max_ctx, self.name, self.quant = max_ctx, name, quant
+        self.kv_options = kv_options or KVOptions()
+        self.kv_layout = choose_layout(kv_quant, max_ctx, self.kv_options)
+        if max_ctx > cfg.max_position:
+            warnings.warn(f"max_ctx {max_ctx} is beyond the model's trained context of {cfg.max_position} "
+                          f"tokens; output quality past it is not guaranteed", stacklevel=2)
+        check_fits(self.kv_plan(1))
         self.stats = GenerateStats()
         d = self.dtype
         self._prefill = jax.jit(partial(gen.prefill, cfg, dtype=d), static_argnames=("n_out",),
@@ -69,6 +80,11 @@ class Engine:
         self._loop = jax.jit(partial(gen.decode_loop, cfg, dtype=d), donate_argnames=("state",))
         self._step = jax.jit(partial(gen.decode_step, cfg, dtype=d), donate_argnames=("cache",))
         self._forward = jax.jit(self._forward_logits)
+        self._chunk = jax.jit(partial(chunked.prefill_chunk, cfg, dtype=d),
+                              static_argnames=("mark_padding",), donate_argnames=("cache",))
+        self._chunk_logits = jax.jit(partial(chunked.logits_chunk, cfg, dtype=d),
+                                     static_argnames=("mark_padding",), donate_argnames=("cache",))
+        self._begin = jax.jit(partial(gen.begin_decode, cfg), static_argnames=("n_out",))
 
     # -- full forward ----------------------------------------------------------------------------
     def _forward_logits(self, weights, tokens):
@@ -87,6 +103,8 @@ class Engine:
             raise RequestError(f"sequence of {T} tokens is longer than max_ctx {self.max_ctx}")
         if ids.size and (ids.min() < 0 or ids.max() >= self.cfg.vocab_size):
             raise RequestError(f"token ids must lie in [0, {self.cfg.vocab_size})")
+        if self.kv_layout.split or T > self.kv_options.prefill_chunk:
+            return self._chunked_logits(ids, lengths)
         Tb = min(bucket(T), max(self.max_ctx, T))
         padded = np.full((B, Tb), self.cfg.pad_id, np.int32)
         padded[:, :T] = ids
@@ -128,15 +146,24 @@ class Engine:
         S = min(bucket(max(lens) + max_tokens), self.max_ctx)
         row_max = np.array([min(max_tokens, S - n) for n in lens], np.int32)
         n_out = min(bucket(int(row_max.max()), 1), S)
-        tokens = np.full((B, T), self.cfg.pad_id, np.int32)
-        for b, x in enumerate(ids):
-            tokens[b, :len(x)] = x
+        C = self.kv_options.prefill_chunk
+        in_chunks = self.kv_layout.split or max(lens) > C
+        if in_chunks:
+            C, T = self._chunking(max(lens))
+        check_fits(self.kv_plan(B, max(S, T)))
+        tokens = chunked.pad_rows(ids, T, self.cfg.pad_id)
         put = self._put_rows
         params = jax.tree_util.tree_map(put, SamplingParams.make(B, temperature, top_k, top_p, seed))
         t0 = time.perf_counter()
-        cache = self.new_cache(B, S)
-        state, _ = self._prefill(self.weights, put(tokens), put(np.asarray(lens, np.int32)),
-                                 cache, params, put(row_max), n_out=n_out)
+        cache = self.new_cache(B, max(S, T))
+        if in_chunks:
+            cache, h_last = chunked.run_prefill(self._chunk, self.weights, tokens, lens, cache, C,
+                                                self.cfg.hidden_size, self.dtype, self.kv_layout.split)
+            state, _ = self._begin(self.weights, h_last, put(np.asarray(lens, np.int32)), cache, params,
+                                   put(row_max), n_out=n_out)
+        else:
+            state, _ = self._prefill(self.weights, put(tokens), put(np.asarray(lens, np.int32)),
+                                     cache, params, put(row_max), n_out=n_out)
         state.tokens.block_until_ready()
         t1 = time.perf_counter()
         state = self._loop(self.weights, state, params)
@@ -167,7 +194,7 @@ class Engine:
         """A zeroed cache laid out on the mesh: batch over "data", KV heads over "model"."""
         key = (batch, length)
         if key not in self._cache_makers:        # one compiled allocator per cache shape
-            make = partial(init_cache, self.cfg, batch, length, self.dtype)
+            make = partial(make_cache, self.cfg, self.kv_layout, self.kv_options, batch, length, self.dtype)
             self._cache_makers[key] = jax.jit(make, out_shardings=self.layout.cache_shardings(jax.eval_shape(make)))
         return self._cache_makers[key]()
 
@@ -176,10 +203,42 @@ class Engine:
         x = np.asarray(x)
         return self.layout.put(x, self.layout.batch_sharding(x.shape))
 
+    def kv_plan(self, batch: int, length: int | None = None):
+        """What a cache of `batch` rows and `length` (default max_ctx) positions takes."""
+        return plan_cache(self.cfg, self.kv_layout, self.kv_options, batch, length or self.max_ctx,
+                          self.dtype)
+
+    # -- long prompts --------------------------------------------------------------------------
+    def _chunking(self, longest: int) -> tuple[int, int]:
+        """(chunk size, padded length): short prompts use their power-of-two bucket as the chunk,
+        so they compile one small shape; the padded length is whole chunks. Layers that read another
+        layer's ring buffer see only its last `window` keys, so with such layers on the split path a
+        chunk is at most one window."""
+        C = min(self.kv_options.prefill_chunk, bucket(longest))
+        if self.kv_layout.split:
+            C = min(C, shared_ring_limit(self.cfg) or C)
+        return C, -(-longest // C) * C
+
+    def _chunked_logits(self, ids: np.ndarray, lengths=None) -> np.ndarray:
+        B, T = ids.shape
+        C, Tp = self._chunking(T)
+        lens = np.full((B,), T, np.int32) if lengths is None else np.asarray(lengths, np.int32)
+        tokens = chunked.pad_rows(list(ids), Tp, self.cfg.pad_id)
+        out, _ = chunked.run_logits(self._chunk_logits, self.weights, tokens, lens, self.new_cache(B, Tp),
+                                    C, self.kv_layout.split)
+        return np.concatenate(out, axis=1)[:, :T]
+
     def step(self, tokens, positions, cache):
         """One decode step for every row: tokens/positions [B] -> (logits [B, V], cache)."""
         return self._step(self.weights, self._put_rows(np.asarray(tokens, np.int32)),
                           self._put_rows(np.asarray(positions, np.int32)), cache)
+
+
+def shared_ring_limit(cfg: ModelConfig) -> int | None:
+    """The smallest sliding window among layers that attend over another layer's KV, if any."""
+    windows = [cfg.attn[cfg.layer_kinds[i]].window for i in range(cfg.num_layers)
+               if cfg.kv_source(i) != i and cfg.attn[cfg.layer_kinds[i]].window]
+    return min(windows) if windows else None
 
 
 def _ids_covering(tok, ids, text):

@@ -39,6 +39,13 @@ def prefill(cfg: ModelConfig, weights, tokens, lengths, cache, params: SamplingP
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     h, cache = forward(cfg, weights, tokens, positions, cache, dtype)
     h_last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    return begin_decode(cfg, weights, h_last, lengths, cache, params, max_new, n_out)
+
+
+def begin_decode(cfg: ModelConfig, weights, h_last, lengths, cache, params: SamplingParams,
+                 max_new, n_out: int):
+    """Sample each row's first token from the hidden state of its last prompt token [B, D]."""
+    B = h_last.shape[0]
     logits = logits_from_hidden(cfg, weights, h_last)
     tok = sample(logits, params, jnp.int32(0))
     done = is_eos(tok, cfg.eos_ids) | (max_new <= 1)

@@ -102,10 +102,19 @@ def attention_block(cfg, kind, w, h, positions, layer_cache, start, own_kv: bool
     inv_freq = inv_frequencies(a.rope, a.head_dim)
     if own_kv:
         q, k, v = project_qkv(cfg, a, w, h, positions, inv_freq)
+    else:
+        q = project_q(cfg, w, h, positions, inv_freq)
+    if not isinstance(layer_cache, dict):          # split cache (ring buffer / blockwise global)
+        if own_kv:
+            o, layer_cache = layer_cache.update_and_attend(cfg, a, w, q, k, v, positions)
+        else:
+            o = layer_cache.attend(cfg, a, w, q, positions)
+        return linear(o, w["o"], 2), layer_cache
+    if own_kv:
         ck = kv.write(layer_cache["k"], k, start)
         cv = kv.write(layer_cache["v"], v, start)
     else:
-        q, ck, cv = project_q(cfg, w, h, positions, inv_freq), layer_cache["k"], layer_cache["v"]
+        ck, cv = layer_cache["k"], layer_cache["v"]
     B, S = ck.shape[0], ck.shape[1]
     mask = attention_mask(positions, kv.slot_positions(B, S), a.window)
     o = attend(q, ck, cv, mask, cfg.query_scale, cfg.attn_softcap)

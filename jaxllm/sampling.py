@@ -37,12 +37,14 @@ def _sample_rows(logits: jax.Array, p: SamplingParams, step: jax.Array) -> jax.A
     threshold = jnp.min(jnp.where(jnp.isfinite(cut), cut, jnp.inf), axis=-1, keepdims=True)
     scaled = logits / t
     masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
-    keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), step))(p.seed)
+    steps = jnp.broadcast_to(step, p.seed.shape)      # one step for all rows, or one per row
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(p.seed, steps)
     return jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
 
 
 def sample(logits: jax.Array, p: SamplingParams, step: jax.Array) -> jax.Array:
-    """logits [B, V] float32 -> tokens [B]. Sorting is skipped when every row is greedy."""
+    """logits [B, V] float32 -> tokens [B]; step is a scalar or per row [B]. Sorting is skipped when
+    every row is greedy."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     drawn = jax.lax.cond(jnp.any(p.temperature > 0), lambda: _sample_rows(logits, p, step),
                          lambda: greedy)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from contextlib import contextmanager
 
 from ..errors import JaxllmError
@@ -56,12 +57,21 @@ def load_engine(args, quiet: bool = False):
             bar.total = total
             bar.update(n - bar.n)
 
+    caught = []
     try:
-        return jaxllm.load(args.model_dir, max_ctx=args.max_ctx, quant=args.quant, kv_quant=args.kv_quant,
-                           tp=args.tp, dtype=args.dtype, progress=progress)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            eng = jaxllm.load(args.model_dir, max_ctx=args.max_ctx, quant=args.quant, kv_quant=args.kv_quant,
+                              tp=args.tp, dtype=args.dtype, progress=progress)
     finally:
         if bar is not None:
             bar.close()
+        for w in caught:
+            sys.stderr.write(f"warning: {w.message}\n")
+    if not quiet:
+        from ..kv_plan import report
+        report(eng.kv_plan(1))
+    return eng
 
 
 @contextmanager

@@ -1,0 +1,106 @@
+"""`python -m jaxllm.serve`: an OpenAI-compatible HTTP server with continuous batching."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+
+
+def positive(kind=int):
+    def parse(s):
+        try:
+            v = kind(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
+        return v
+    return parse
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m jaxllm.serve", description=__doc__)
+    p.add_argument("--model-dir", help="HF model directory or .gguf file (default: the embedded model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", help="model id clients send (default: the model's name)")
+    p.add_argument("--max-num-seqs", type=positive(), default=8, help="decode slots (requests run together)")
+    p.add_argument("--max-model-len", type=positive(), help="positions per slot: prompt + max_tokens "
+                   "(default: the model's maximum, capped at 8192)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--quant", choices=["int8", "none"], default="int8", help="weight format on device")
+    p.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (or set JAXLLM_API_KEY)")
+    p.add_argument("--max-queue", type=positive(), default=64,
+                   help="requests waiting for a slot before new ones get 429")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may take, queueing included; 0 = no limit")
+    p.add_argument("--max-request-bytes", type=positive(), default=4 << 20, help="request body size limit")
+    p.add_argument("--decode-steps", type=positive(), default=4,
+                   help="decode steps per host round trip (more: higher throughput, later admission)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let running requests finish before ending them")
+    p.add_argument("--no-warmup", action="store_true", help="skip compiling before reporting ready")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p.parse_args(argv)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """Claim the address before the model loads, so that a busy port fails at once, not minutes later."""
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(info[0], socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(info[4])
+    return sock
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
+    import uvicorn
+
+    import jaxllm
+    from jaxllm.errors import JaxllmError
+
+    from .app import ServeOptions, build_app
+
+    try:
+        engine = jaxllm.load(args.model_dir, max_ctx=args.max_model_len, quant=args.quant, dtype=args.dtype)
+    except JaxllmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    limit = engine.cfg.max_position
+    if args.max_model_len is not None and args.max_model_len > limit:
+        print(f"error: --max-model-len {args.max_model_len} exceeds the model's maximum of {limit} positions",
+              file=sys.stderr)
+        return 1
+    opts = ServeOptions(
+        served_name=args.served_model_name or engine.name, max_model_len=engine.max_ctx,
+        max_num_seqs=args.max_num_seqs, max_queue=args.max_queue, api_key=args.api_key or None,
+        max_request_bytes=args.max_request_bytes,
+        request_timeout=args.request_timeout if args.request_timeout > 0 else None,
+        decode_steps=args.decode_steps, warmup=not args.no_warmup)
+    config = uvicorn.Config(build_app(engine, opts), host=args.host, port=args.port,
+                            log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
+                            timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")
+    # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal; ignoring it then makes the
+    # drained shutdown an ordinary exit 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server = uvicorn.Server(config)
+    logging.getLogger("jaxllm.serve").info("listening on http://%s:%d", args.host, args.port)
+    server.run(sockets=[sock])
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

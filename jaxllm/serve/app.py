@@ -1,0 +1,272 @@
+"""The HTTP side: Starlette routes, authentication, body limits, SSE streaming.
+
+Handlers validate a request, hand it to the engine thread as a `Job`, and turn the events that come
+back into an OpenAI response or an SSE stream. Every client error is an `ApiError`, answered with
+OpenAI's error body and never logged as a traceback.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .protocol import ApiError, GenRequest, bad, full_response, parse_request, stream_chunk, usage_chunk
+from .scheduler import Delta, Failed, Finished, Job, QueueFull, Scheduler
+
+log = logging.getLogger("jaxllm.serve")
+
+
+@dataclass
+class ServeOptions:
+    served_name: str
+    max_model_len: int
+    max_num_seqs: int = 8
+    max_queue: int = 64
+    api_key: str | None = None
+    max_request_bytes: int = 4 << 20
+    request_timeout: float | None = 600.0
+    decode_steps: int = 4
+    warmup: bool = True
+
+
+class Inbox:
+    """Events from the engine thread to one handler. Waiting with a timeout never loses an event
+    (the pending get survives the timeout instead of being cancelled)."""
+
+    def __init__(self):
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.pending: asyncio.Future | None = None
+
+    def put(self, event):                       # called from the engine thread
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:                    # the event loop is gone (shutdown)
+            pass
+
+    async def get(self, timeout: float):
+        if self.pending is None:
+            self.pending = asyncio.ensure_future(self.queue.get())
+        done, _ = await asyncio.wait({self.pending}, timeout=max(timeout, 0))
+        if not done:
+            return None
+        fut, self.pending = self.pending, None
+        return fut.result()
+
+    def close(self):
+        if self.pending is not None:
+            self.pending.cancel()
+
+
+class TimedOut(Exception):
+    pass
+
+
+class ClientGone(Exception):
+    pass
+
+
+class Server:
+    def __init__(self, engine, opts: ServeOptions):
+        self.engine, self.opts = engine, opts
+        self.scheduler = Scheduler(engine, opts.max_num_seqs, opts.max_model_len, opts.max_queue,
+                                   opts.decode_steps)
+        self.started = time.time()
+
+    # -- plumbing --------------------------------------------------------------------------------
+    def check_auth(self, request: Request):
+        key = self.opts.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def read_json(self, request: Request):
+        limit = self.opts.max_request_bytes
+        too_big = ApiError(413, f"request body is larger than the limit of {limit} bytes",
+                           code="request_too_large")
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        if not raw.strip():
+            raise bad("the request body is empty; send a JSON object")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise bad(f"the request body is not valid JSON ({e})") from None
+        except RecursionError:
+            raise bad("the request body is nested too deeply") from None
+        try:                          # "\ud800" escapes parse, but no tokenizer can take them
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad("the request body holds an unpaired UTF-16 surrogate escape") from None
+        return body
+
+    def deadline(self) -> float:
+        t = self.opts.request_timeout
+        return float("inf") if t is None else time.monotonic() + t
+
+    async def next_event(self, inbox: Inbox, deadline: float, request: Request | None = None):
+        """The next engine event; raises TimedOut at the deadline. With `request`, also notices a
+        client that went away (streams notice it themselves: Starlette cancels them)."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimedOut
+            ev = await inbox.get(min(left, 0.5))
+            if ev is not None:
+                return ev
+            if request is not None and await request.is_disconnected():
+                raise ClientGone
+
+    def timeout_error(self) -> ApiError:
+        return ApiError(504, f"the request did not finish within {self.opts.request_timeout:g} s",
+                        type="timeout_error", code="timeout")
+
+    # -- routes ----------------------------------------------------------------------------------
+    async def health(self, request: Request):
+        if self.scheduler.stopping:
+            raise ApiError(503, "the server is shutting down", type="server_error")
+        return JSONResponse({"status": "ok", **self.scheduler.load()})
+
+    async def models(self, request: Request):
+        self.check_auth(request)
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.opts.served_name, "object": "model", "created": int(self.started),
+            "owned_by": "jaxllm", "max_model_len": self.opts.max_model_len}]})
+
+    async def completions(self, request: Request):
+        return await self.generate(request, "completion")
+
+    async def chat_completions(self, request: Request):
+        return await self.generate(request, "chat")
+
+    async def generate(self, request: Request, kind: str):
+        self.check_auth(request)
+        body = await self.read_json(request)
+        req = await run_in_threadpool(parse_request, kind, body, self.engine, self.opts.served_name,
+                                      self.opts.max_model_len)
+        inbox = Inbox()
+        job = Job(req, inbox.put)
+        try:
+            self.scheduler.submit(job)
+        except QueueFull as e:
+            if self.scheduler.stopping:
+                raise ApiError(503, str(e), type="server_error") from None
+            raise ApiError(429, f"{e}; retry later", type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": "1"}) from None
+        deadline = self.deadline()
+        if req.stream:
+            # the background cancel also covers a client gone before the stream's first chunk
+            return StreamingResponse(self.stream(req, job, inbox, deadline), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"}, background=BackgroundTask(job.cancel))
+        try:
+            return await self.collect(request, req, inbox, deadline)
+        except ClientGone:
+            return Response(status_code=499)     # nobody reads it; the slot is freed below
+        finally:
+            job.cancel()              # frees the slot if the client left or the deadline passed
+            inbox.close()
+
+    async def collect(self, request: Request, req: GenRequest, inbox: Inbox, deadline: float):
+        parts = []
+        while True:
+            try:
+                ev = await self.next_event(inbox, deadline, request)
+            except TimedOut:
+                raise self.timeout_error() from None
+            if isinstance(ev, Delta):
+                parts.append(ev.text)
+            elif isinstance(ev, Finished):
+                return JSONResponse(full_response(req, "".join(parts), ev.finish_reason, ev.completion_tokens))
+            elif isinstance(ev, Failed):
+                raise ApiError(ev.status, ev.message, type=ev.type)
+
+    async def stream(self, req: GenRequest, job: Job, inbox: Inbox, deadline: float):
+        def sse(obj) -> str:
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+        try:
+            if req.kind == "chat":
+                yield sse(stream_chunk(req, None, role=True))
+            while True:
+                try:
+                    ev = await self.next_event(inbox, deadline)
+                except TimedOut:
+                    yield sse(self.timeout_error().body())
+                    break
+                if isinstance(ev, Delta):
+                    yield sse(stream_chunk(req, ev.text))
+                elif isinstance(ev, Finished):
+                    yield sse(stream_chunk(req, None, ev.finish_reason))
+                    if req.include_usage:
+                        yield sse(usage_chunk(req, ev.completion_tokens))
+                    break
+                elif isinstance(ev, Failed):
+                    yield sse(ApiError(ev.status, ev.message, type=ev.type).body())
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancel()
+            inbox.close()
+
+
+# -- the application ------------------------------------------------------------------------------
+async def _api_error(request: Request, exc: ApiError):
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _http_error(request: Request, exc: HTTPException):
+    msg = {404: f"no route {request.method} {request.url.path}",
+           405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+    return JSONResponse(ApiError(exc.status_code, msg).body(), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
+
+
+async def _internal_error(request: Request, exc: Exception):
+    log.exception("unhandled error in %s %s", request.method, request.url.path)
+    return JSONResponse(ApiError(500, "internal server error", type="server_error").body(), status_code=500)
+
+
+def build_app(engine, opts: ServeOptions) -> Starlette:
+    server = Server(engine, opts)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        server.scheduler.start(warmup=opts.warmup)
+        log.info("serving %s: %d slots x %d positions", opts.served_name, opts.max_num_seqs, opts.max_model_len)
+        yield
+        server.scheduler.shutdown()
+
+    routes = [
+        Route("/health", server.health, methods=["GET"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={ApiError: _api_error, HTTPException: _http_error,
+                                        Exception: _internal_error})
+    app.state.server = server
+    return app

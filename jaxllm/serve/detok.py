@@ -1,0 +1,81 @@
+"""Incremental detokenization with stop strings.
+
+Each new token's text is the difference between decoding a short window of recent ids with and
+without it (the window keeps the previous token as context, so decoders that strip a leading space
+or join byte pieces see what a whole decode would see), which keeps the cost per token constant.
+Text ending in U+FFFD (a character whose bytes have not all arrived) waits for the next token, and a
+tail that could be the start of a stop string is held back, so neither a split character nor part of
+a stop string ever reaches the client. The concatenated deltas equal `Engine.generate`'s text.
+"""
+from __future__ import annotations
+
+REPLACEMENT = "\ufffd"
+
+
+class TextStream:
+    def __init__(self, tokenizer, stop: list[str] | None = None):
+        self.tokenizer = tokenizer
+        self.stop = list(stop or [])
+        self.ids: list[int] = []
+        self.prefix = 0                # ids[prefix:read] were decoded already: the window's context
+        self.read = 0
+        self.text = ""                 # text of ids[:read]
+        self.sent = 0                  # characters of self.text already emitted
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        """Add one generated token; returns the text that is now safe to emit (maybe empty).
+        After a stop string is found, `stopped` is set and the text ends just before it."""
+        if self.stopped:
+            return ""
+        self.ids.append(token)
+        new = self._window_text()
+        if not new or new.endswith(REPLACEMENT):
+            return ""                  # no complete character yet
+        self._extend(new, len(self.ids))
+        if self.stopped:
+            return self._emit(len(self.text))
+        return self._emit(len(self.text) - self._partial_stop(self.text))
+
+    def finish(self) -> str:
+        """The generation ended (EOS, length): everything left is final, held-back text included."""
+        if not self.stopped:
+            self._extend(self._window_text(), len(self.ids))
+        return self._emit(len(self.text))
+
+    def _extend(self, new: str, read: int):
+        self.text += new
+        self.prefix, self.read = self.read, read
+        cut = self._find_stop()
+        if cut is not None:
+            self.text, self.stopped = self.text[:cut], True
+
+    def _window_text(self) -> str:
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        after = self.tokenizer.decode(self.ids[self.prefix:])
+        return after[len(before):]
+
+    def _emit(self, upto: int) -> str:
+        if upto <= self.sent:
+            return ""
+        delta, self.sent = self.text[self.sent:upto], upto
+        return delta
+
+    def _find_stop(self) -> int | None:
+        if not self.stop:
+            return None
+        # a stop string can only begin inside the unsent tail (the sent text was checked already)
+        start = max(0, self.sent - max(map(len, self.stop)))
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _partial_stop(self, text: str) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+        best = 0
+        last = text[-1:]
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), best, -1):
+                if s[n - 1] == last and text.endswith(s[:n]):     # cheap test first
+                    best = n
+                    break
+        return best

@@ -1,0 +1,250 @@
+"""The split KV cache for long contexts: sliding layers in a ring buffer of exactly the window size,
+global layers in a linear cache (int8 with a scale per token and head, or the compute dtype) read
+blockwise with an online softmax.
+
+Both cache types are pytrees whose leaves carry the layer axis first, like the core's cache dicts, so
+the layer scan indexes them the same way; `model.attention_block` hands a layer's view of one to its
+`update_and_attend`. Tokens at a negative position are padding: they are never written, so a
+right-padded batch cannot push real keys out of a row's ring.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from .attention_blockwise import blockwise_attend, linear_loader, quantize_kv
+from .cache import init_cache
+from .config import KIND_NAMES, AttnSpec, ModelConfig
+from .errors import ModelError
+from .layers import apply_rope, attend, attention_mask, inv_frequencies, rms_norm
+
+KV_QUANT_MODES = ("auto", "int8", "none")
+
+
+@dataclass(frozen=True)
+class KVOptions:
+    """Tunables of the KV cache. `threshold`: the longest max_ctx kept in the core full-length
+    compute-dtype cache under kv_quant="auto"; `block`: slots per step of the blockwise attention;
+    `prefill_chunk`: tokens per forward when a prompt is prefilled in pieces."""
+    threshold: int = 32768
+    block: int = 8192
+    prefill_chunk: int = 4096
+
+    def __post_init__(self):
+        for name in ("threshold", "block", "prefill_chunk"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ModelError(f"KV option {name} must be a positive integer, got {v!r}")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    split: bool          # ring-buffered sliding layers, blockwise global layers
+    int8: bool           # global layers hold int8 K/V with per-token, per-head scales
+
+    @property
+    def name(self) -> str:
+        if not self.split:
+            return "full-length compute-dtype"
+        return "split (sliding ring buffer, " + ("int8" if self.int8 else "compute-dtype") + " global)"
+
+
+def choose_layout(kv_quant: str, max_ctx: int, opts: KVOptions) -> KVLayout:
+    if kv_quant not in KV_QUANT_MODES:
+        raise ModelError(f"kv_quant must be one of {', '.join(KV_QUANT_MODES)}, got {kv_quant!r}")
+    if kv_quant == "int8":
+        return KVLayout(split=True, int8=True)
+    long = max_ctx > opts.threshold
+    return KVLayout(split=long, int8=long and kv_quant == "auto")
+
+
+def _drop_index(positions: jax.Array, slots: jax.Array, keep: jax.Array, size: int) -> jax.Array:
+    """Slot per token, or `size` (out of range, so the scatter drops it) for tokens not written."""
+    return jnp.where(keep & (positions >= 0), slots, size)
+
+
+def _scatter_rows(buf: jax.Array, idx: jax.Array, new: jax.Array) -> jax.Array:
+    """buf [B, S, ...] <- new [B, T, ...] at slots idx [B, T]; out-of-range slots are dropped."""
+    return jax.vmap(lambda b, i, n: b.at[i].set(n.astype(b.dtype), mode="drop"))(buf, idx, new)
+
+
+@struct.dataclass
+class RingKV:
+    """Sliding-window layers: slot = position % window; `pos` holds each slot's absolute position."""
+    k: jax.Array          # [n, B, W, K, hd] (one layer's view: [B, W, K, hd])
+    v: jax.Array
+    pos: jax.Array        # [n, B, W] int32, -1 = empty
+
+    @classmethod
+    def zeros(cls, n, batch, size, a: AttnSpec, dtype) -> "RingKV":
+        shape = (n, batch, size, a.num_kv_heads, a.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.full((n, batch, size), -1, jnp.int32))
+
+    def update_and_attend(self, cfg: ModelConfig, a: AttnSpec, w, q, k, v, positions):
+        # The chunk attends to the ring as it was before the chunk plus its own keys, so a chunk
+        # longer than the window still sees its own earlier tokens; ring slots at or past the
+        # chunk's start are stale rewrites and are hidden.
+        ring_pos = jnp.where(self.pos < positions[:, :1], self.pos, -1)
+        keys = jnp.concatenate([self.k, k.astype(self.k.dtype)], axis=1)
+        vals = jnp.concatenate([self.v, v.astype(self.v.dtype)], axis=1)
+        mask = attention_mask(positions, jnp.concatenate([ring_pos, positions], axis=1), a.window)
+        o = attend(q, keys, vals, mask, cfg.query_scale, cfg.attn_softcap)
+        return o, self.write(k, v, positions)
+
+    def attend(self, cfg: ModelConfig, a: AttnSpec, w, q, positions):
+        """For a layer reading the ring another layer wrote this step (the engine keeps chunks no
+        longer than the window, so the ring still holds every key the chunk needs)."""
+        mask = attention_mask(positions, self.pos, a.window)
+        return attend(q, self.k, self.v, mask, cfg.query_scale, cfg.attn_softcap)
+
+    def write(self, k, v, positions) -> "RingKV":
+        """Keep each row's last `window` real tokens of the chunk (distinct slots, so the scatter
+        has no duplicate targets)."""
+        W = self.k.shape[1]
+        last = jnp.max(positions, axis=1, keepdims=True)
+        idx = _drop_index(positions, positions % W, positions > last - W, W)
+        return RingKV(_scatter_rows(self.k, idx, k), _scatter_rows(self.v, idx, v),
+                      _scatter_rows(self.pos, idx, positions))
+
+
+@struct.dataclass
+class BlockKV:
+    """Global layers: slot s holds position s; read `block` slots at a time.
+
+    `k_scale`/`v_scale` are None for a compute-dtype cache. With `shared` (Gemma 4's k_eq_v global
+    layers, whose keys are the normed, rotated values) only V is stored and keys are rebuilt per
+    block from it, halving the cache.
+    """
+    k: jax.Array | None            # [n, B, S, K, hd] int8 or compute dtype; None when shared
+    v: jax.Array
+    k_scale: jax.Array | None      # [n, B, S, K] float32
+    v_scale: jax.Array | None
+    block: int = struct.field(pytree_node=False, default=8192)
+    shared: bool = struct.field(pytree_node=False, default=False)
+
+    @classmethod
+    def zeros(cls, n, batch, length, a: AttnSpec, dtype, int8: bool, block: int, shared: bool) -> "BlockKV":
+        shape = (n, batch, length, a.num_kv_heads, a.head_dim)
+        store = jnp.int8 if int8 else dtype
+
+        def scale():
+            return jnp.ones(shape[:-1], jnp.float32) if int8 else None
+        return cls(None if shared else jnp.zeros(shape, store), jnp.zeros(shape, store),
+                   None if shared else scale(), scale(), block=block, shared=shared)
+
+    @property
+    def quantized(self) -> bool:
+        return self.v_scale is not None
+
+    def _store(self, x, buf, scale, idx):
+        if self.quantized:
+            xq, s = quantize_kv(x)
+            return _scatter_rows(buf, idx, xq), _scatter_rows(scale, idx, s)
+        return _scatter_rows(buf, idx, x), None
+
+    def write(self, k, v, positions) -> "BlockKV":
+        S = self.v.shape[1]
+        idx = _drop_index(positions, positions, positions < S, S)
+        nv, nvs = self._store(v, self.v, self.v_scale, idx)
+        if self.shared:
+            return self.replace(v=nv, v_scale=nvs)
+        nk, nks = self._store(k, self.k, self.k_scale, idx)
+        return self.replace(k=nk, v=nv, k_scale=nks, v_scale=nvs)
+
+    def loader(self, cfg: ModelConfig, a: AttnSpec, w, dtype):
+        if not self.shared:
+            return linear_loader(self.k, self.v, self.k_scale, self.v_scale, block=self.block, dtype=dtype)
+        base = linear_loader(self.v, self.v, self.v_scale, self.v_scale, block=self.block, dtype=dtype)
+        inv_freq = inv_frequencies(a.rope, a.head_dim)
+
+        def load(start):
+            _, v, pos = base(start)
+            # k_norm(v_norm(x)) == k_norm(x) up to eps: RMS-normalizing an RMS-normalized vector
+            # only rescales by (1 + eps)^-1/2, so the stored values give back the keys.
+            k = rms_norm(v, w["k_norm"], cfg.norm_eps, cfg.norm_offset) if cfg.qk_norm else v
+            return apply_rope(k, pos, inv_freq), v, pos
+        return load
+
+    def update_and_attend(self, cfg: ModelConfig, a: AttnSpec, w, q, k, v, positions):
+        new = self.write(k, v, positions)
+        return new.attend(cfg, a, w, q, positions), new
+
+    def attend(self, cfg: ModelConfig, a: AttnSpec, w, q, positions):
+        return blockwise_attend(q, positions, self.loader(cfg, a, w, q.dtype), n_slots=self.v.shape[1],
+                                block=self.block, scale=cfg.query_scale, softcap=cfg.attn_softcap,
+                                window=a.window)
+
+
+def is_split(cache) -> bool:
+    return any(isinstance(c, (RingKV, BlockKV)) for c in cache.values())
+
+
+def check_shared_kv(cfg: ModelConfig, kind: int):
+    a = cfg.attn[kind]
+    if a.k_eq_v and any(cfg.kv_source(i) != i and cfg.layer_kinds[i] == kind for i in range(cfg.num_layers)):
+        # keys are rebuilt from stored values with the reading layer's k_norm, which a layer that
+        # reads another layer's cache does not share
+        raise ModelError("k_eq_v layers that share another layer's KV cannot use the split cache; "
+                         "use kv_quant='none' with max_ctx at or below the threshold")
+    if a.k_eq_v and cfg.v_norm and not cfg.qk_norm:
+        raise ModelError("k_eq_v with a V norm but no K norm: keys cannot be rebuilt from the stored "
+                         "values; use kv_quant='none' with max_ctx at or below the threshold")
+
+
+def global_length(length: int, block: int) -> tuple[int, int]:
+    """(slots, block) for a global cache of `length` positions: whole blocks, one block if short."""
+    if length <= block:
+        return length, length
+    return -(-length // block) * block, block
+
+
+def make_cache(cfg: ModelConfig, layout: KVLayout, opts: KVOptions, batch: int, length: int, dtype,
+               n_layers=None) -> dict:
+    """An empty cache of `layout` for `batch` rows and `length` positions. `n_layers` (kind -> count)
+    as in `cache.init_cache`, for families that share KV between layers."""
+    if not layout.split:
+        return init_cache(cfg, batch, length, dtype, n_layers)
+    cache = {}
+    for kind in cfg.kinds_used:
+        a = cfg.attn[kind]
+        n = cfg.layers_of_kind(kind) if n_layers is None else n_layers[kind]
+        if a.window is not None:
+            cache[KIND_NAMES[kind]] = RingKV.zeros(n, batch, min(a.window, length), a, dtype)
+        else:
+            check_shared_kv(cfg, kind)
+            S, block = global_length(length, opts.block)
+            cache[KIND_NAMES[kind]] = BlockKV.zeros(n, batch, S, a, dtype, layout.int8, block, a.k_eq_v)
+    return cache
+
+
+def cache_shapes(cfg: ModelConfig, layout: KVLayout, opts: KVOptions, batch: int, length: int, dtype,
+                 n_layers=None):
+    """The cache as a pytree of jax.ShapeDtypeStruct (nothing allocated), e.g. to lower a compiled
+    step ahead of time or to derive shardings."""
+    return jax.eval_shape(lambda: make_cache(cfg, layout, opts, batch, length, dtype, n_layers))
+
+
+# Logical axis names of every cache leaf, for sharding rules (heads shard under tensor parallelism).
+CACHE_AXES = {
+    "kv": ("layers", "batch", "cache_seq", "kv_heads", "head_dim"),
+    "scale": ("layers", "batch", "cache_seq", "kv_heads"),
+    "pos": ("layers", "batch", "cache_seq"),
+}
+
+
+def cache_axes(cache) -> dict:
+    """A pytree like `cache` (arrays or shape structs) holding each leaf's logical axis names, as
+    tuples: `jax.tree_util.tree_map(fn, cache, cache_axes(cache))` pairs every leaf with its axes."""
+    def kind_axes(c):
+        if isinstance(c, RingKV):
+            return RingKV(CACHE_AXES["kv"], CACHE_AXES["kv"], CACHE_AXES["pos"])
+        if isinstance(c, BlockKV):
+            def opt(x, name):
+                return None if x is None else CACHE_AXES[name]
+            return c.replace(k=opt(c.k, "kv"), v=CACHE_AXES["kv"], k_scale=opt(c.k_scale, "scale"),
+                             v_scale=opt(c.v_scale, "scale"))
+        return {name: CACHE_AXES["kv"] for name in c}
+    return {name: kind_axes(c) for name, c in cache.items()}

@@ -1,0 +1,264 @@
+"""The split KV cache (sliding ring buffer + int8 global layers) against the full-length cache, with
+the threshold lowered so tiny models take the long-context path on the CPU."""
+import os
+import subprocess
+import sys
+import warnings
+from functools import lru_cache, partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxllm
+from jaxllm import generate as gen
+from jaxllm import prefill_chunked as chunked
+from jaxllm.engine import Engine
+from jaxllm.errors import ModelError, RequestError
+from jaxllm.kv_plan import check_fits, plan_cache
+from jaxllm.sampling import SamplingParams
+from jaxllm.split_cache import BlockKV, KVLayout, KVOptions, RingKV, cache_axes, cache_shapes, make_cache
+from kv_tiny_models import random_weights, tiny_gemma3, tiny_gemma4_like
+
+WINDOW = 16
+# Lowered so that max_ctx 256 is "long"; blocks of 16 and chunks of 24 (> the window) make every
+# prompt below cross block and chunk boundaries and wrap the ring several times.
+SPLIT = KVOptions(threshold=64, block=16, prefill_chunk=24)
+FULL = KVOptions(threshold=1024, block=16, prefill_chunk=1024)
+# int8 K/V (a scale per token and head) moves the tiny models' float32 logits (|logit| up to ~4)
+# by ~1e-2 at most; measured 8e-3.
+INT8_LOGIT_TOL = 5e-2
+
+MODELS = [tiny_gemma3, tiny_gemma4_like]   # + the Gemma 4 family's own tiny config, once it is in models/
+
+
+@lru_cache(maxsize=None)          # shared by the tests below, so each engine compiles once
+def engines(make_cfg):
+    cfg = make_cfg(WINDOW)
+    w = random_weights(cfg)
+    mk = partial(Engine, cfg, w, None, dtype="float32", max_ctx=256)
+    return cfg, mk(kv_quant="auto", kv_options=FULL), mk(kv_quant="auto", kv_options=SPLIT), \
+        mk(kv_quant="none", kv_options=SPLIT)
+
+
+def test_long_prompt_prefilled_in_chunks_on_the_full_cache():
+    cfg, full, _, _ = engines(tiny_gemma3)
+    chunks = Engine(cfg, full.weights, None, dtype="float32", max_ctx=256,
+                    kv_options=KVOptions(threshold=1024, prefill_chunk=24))
+    assert not chunks.kv_layout.split
+    ps = prompts(cfg)
+    assert [c.token_ids for c in chunks.generate_ids(ps, max_tokens=6)] == \
+        [c.token_ids for c in full.generate_ids(ps, max_tokens=6)]
+
+
+def prompts(cfg, seed=1):
+    r = np.random.default_rng(seed)
+    return [r.integers(3, cfg.vocab_size, n).tolist() for n in (50, 33)]
+
+
+@pytest.mark.parametrize("make_cfg", MODELS)
+def test_split_int8_generates_like_full_cache(make_cfg):
+    cfg, full, int8, _ = engines(make_cfg)
+    assert not full.kv_layout.split and int8.kv_layout == KVLayout(split=True, int8=True)
+    ps = prompts(cfg)
+    ref = full.generate_ids(ps, max_tokens=40)
+    got = int8.generate_ids(ps, max_tokens=40)
+    assert len(ps[0]) + 40 > 3 * WINDOW and len(ps[0]) > int8.kv_options.prefill_chunk
+    for r, g in zip(ref, got):
+        assert len(r.token_ids) == 40
+        assert g.token_ids == r.token_ids
+    seqs = [p + r.token_ids for p, r in zip(ps, ref)]
+    n = len(seqs[1])
+    ids = np.array([s[:n] for s in seqs], np.int32)
+    err = np.abs(full.logits(ids) - int8.logits(ids)).max()
+    print(f"{cfg.family}{' k_eq_v' if cfg.attn[1].k_eq_v else ''}: int8 split vs full logits max err {err:.2e}")
+    assert err < INT8_LOGIT_TOL
+
+
+@pytest.mark.parametrize("make_cfg", MODELS)
+def test_decode_steps_through_ring_wraps(make_cfg):
+    """Token-by-token decode (T = 1 per step) on the split caches gives the full forward's logits."""
+    cfg, full, int8, plain = engines(make_cfg)
+    seq = np.array(prompts(cfg, seed=4)[0] + prompts(cfg, seed=5)[1], np.int32)[None]   # 83 > 5 windows
+    ref = full.logits(seq)[0]
+    for eng, tol in ((plain, 1e-4), (int8, INT8_LOGIT_TOL)):
+        cache = eng.new_cache(1, 96)
+        rows = []
+        for t in range(seq.shape[1]):
+            logits, cache = eng.step(seq[:, t], np.array([t]), cache)
+            rows.append(np.asarray(logits)[0])
+        ring = cache["sliding"]
+        assert ring.k.shape[2] == WINDOW
+        assert sorted(np.asarray(ring.pos[0, 0]).tolist()) == list(range(seq.shape[1] - WINDOW, seq.shape[1]))
+        err = np.abs(np.stack(rows) - ref).max()
+        print(f"step-by-step {eng.kv_layout.name}: max logit err {err:.2e}")
+        assert err < tol
+
+
+def _first_token_state(cfg, w, tokens, lens, cache, chunk, mark_padding):
+    params = SamplingParams.make(len(lens), 0.0, None, None, 0)
+    max_new = jnp.full((len(lens),), 4, jnp.int32)
+    if chunk is None:
+        fn = jax.jit(partial(gen.prefill, cfg, dtype=jnp.float32), static_argnames=("n_out",))
+        return fn(w, jnp.asarray(tokens), jnp.asarray(lens, jnp.int32), cache, params, max_new, n_out=4)
+    fn = jax.jit(partial(chunked.prefill_chunk, cfg, dtype=jnp.float32), static_argnames=("mark_padding",))
+    cache, h_last = chunked.run_prefill(fn, w, tokens, lens, cache, chunk, cfg.hidden_size, jnp.float32,
+                                        mark_padding)
+    return gen.begin_decode(cfg, w, h_last, jnp.asarray(lens, jnp.int32), cache, params, max_new, n_out=4)
+
+
+@pytest.mark.parametrize("layout", [KVLayout(split=False, int8=False), KVLayout(split=True, int8=False)])
+def test_chunked_prefill_matches_one_shot(layout):
+    cfg = tiny_gemma3(WINDOW)
+    w = random_weights(cfg, 7)
+    lens = [45, 29]
+    tokens = chunked.pad_rows([p[:n] for p, n in zip(prompts(cfg, 8), lens)], 48, cfg.pad_id)
+    new = partial(make_cache, cfg, layout, KVOptions(block=16), 2, 64, jnp.float32)
+    one, l_one = _first_token_state(cfg, w, tokens, lens, new(), None if not layout.split else 48, layout.split)
+    for chunk in (8, 24):                          # shorter and longer than the window
+        st, l_st = _first_token_state(cfg, w, tokens, lens, new(), chunk, layout.split)
+        assert np.array_equal(np.asarray(st.last), np.asarray(one.last))
+        assert np.abs(np.asarray(l_st) - np.asarray(l_one)).max() < 1e-4
+        for name in one.cache:
+            a, b = one.cache[name], st.cache[name]
+            if isinstance(a, RingKV):               # same positions in the same slots, same keys
+                assert np.array_equal(np.asarray(a.pos), np.asarray(b.pos))
+                pairs = [(a.k, b.k), (a.v, b.v)]
+            else:                                   # linear: compare the written part of each row
+                ka, kb = (a.v, b.v) if isinstance(a, BlockKV) else (a["k"], b["k"])
+                va, vb = (a.v, b.v) if isinstance(a, BlockKV) else (a["v"], b["v"])
+                pairs = [(x[:, r, :n], y[:, r, :n]) for r, n in enumerate(lens) for x, y in ((ka, kb), (va, vb))]
+            for x, y in pairs:
+                assert np.abs(np.asarray(x) - np.asarray(y)).max() < 1e-4, (name, chunk)
+
+
+def test_cache_layout_sizes_and_axes():
+    cfg = tiny_gemma4_like(WINDOW)
+    layout = KVLayout(split=True, int8=True)
+    shapes = cache_shapes(cfg, layout, KVOptions(block=64), 3, 1000, jnp.bfloat16)
+    ring, glob = shapes["sliding"], shapes["global"]
+    assert ring.k.shape == (3, 3, WINDOW, 2, 16) and ring.pos.dtype == jnp.int32
+    assert glob.k is None and glob.k_scale is None          # k_eq_v: keys rebuilt from stored values
+    assert glob.v.shape == (1, 3, 1024, 1, 32) and glob.v.dtype == jnp.int8 and glob.v_scale.shape == (1, 3, 1024, 1)
+    axes = cache_axes(shapes)
+    assert axes["global"].v == ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+    plan = plan_cache(cfg, layout, KVOptions(block=64), 3, 1000, jnp.bfloat16)
+    assert plan.per_token == 1 * (32 + 4)                    # one global layer: int8 V + a float32 scale
+    assert plan.fixed == 3 * (3 * WINDOW * 2 * 16 * 2 * 2 + 3 * WINDOW * 4)
+    assert plan.total == plan.fixed + 3 * 1024 * plan.per_token
+    print(plan.describe())
+    with pytest.raises(RequestError, match="KV cache .* needs .* GiB"):
+        check_fits(plan, free=plan.total - 1)
+    full = plan_cache(cfg, KVLayout(False, False), KVOptions(), 3, 1000, jnp.bfloat16)
+    assert full.per_token == 3 * 2 * 2 * 16 * 2 + 1 * 2 * 1 * 32 * 2 and full.fixed == 0
+
+
+def test_kv_options_and_context_checks():
+    cfg = tiny_gemma3(WINDOW)
+    w = random_weights(cfg)
+    with pytest.raises(ModelError, match="kv_quant"):
+        Engine(cfg, w, None, dtype="float32", max_ctx=64, kv_quant="fp8")
+    with pytest.raises(ModelError, match="kv_quant"):
+        jaxllm.load("/nonexistent", kv_quant="int4")
+    with pytest.raises(ModelError, match="block"):
+        KVOptions(block=0)
+    with pytest.warns(UserWarning, match=f"max_ctx 8192 .* {cfg.max_position}"):
+        eng = Engine(cfg, w, None, dtype="float32", max_ctx=8192, kv_options=SPLIT)
+    assert eng.kv_layout == KVLayout(split=True, int8=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not Engine(cfg, w, None, dtype="float32", max_ctx=64, kv_options=SPLIT).kv_layout.split
+
+
+def test_cli_refuses_a_cache_that_cannot_fit(tmp_path):
+    import tiny
+    tiny.make("gemma3", tmp_path)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "jaxllm.infer", "--model-dir", str(tmp_path), "--max-ctx",
+                        str(10 ** 12), "--kv-quant", "none", "--quant", "none"], capture_output=True, text=True,
+                       timeout=300, cwd=root, env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root})
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert err[0].startswith("warning: max_ctx 1000000000000 is beyond the model's trained context of 512")
+    assert err[-1].startswith("jaxllm.infer: error: the KV cache for 1 x 1,000,000,000,000 tokens needs"), err
+
+
+# -- the embedded Gemma 3 270M ----------------------------------------------------------------------
+GPL = "/usr/share/common-licenses/GPL-3"
+PPL_WINDOW, PPL_STRIDE, PPL_CHUNK = 1536, 768, 768
+# Sized for CI on two CPU cores (an 8192-token window costs minutes per pass there): two windows;
+# chunks of 768 exceed the model's 512-token sliding window, and blocks of 256 give the int8
+# global layers six blocks per window.
+PPL_TEXT_TOKENS = PPL_WINDOW - 1 + PPL_STRIDE
+INT8_PPL_OPTIONS = KVOptions(block=256, prefill_chunk=PPL_CHUNK)
+
+
+@pytest.fixture(scope="module")
+def gemma270m():
+    return jaxllm.load(max_ctx=PPL_WINDOW, kv_quant="none")
+
+
+def perplexity(eng, ids: list[int]) -> float:
+    """Sliding-window perplexity (windows of W tokens: a fresh BOS + W-1 text tokens, advancing by
+    the stride; only tokens no earlier window scored count), through `eng`'s KV cache in chunks."""
+    cfg = eng.cfg
+    step = jax.jit(partial(chunked.logits_chunk, cfg, dtype=eng.dtype), static_argnames=("mark_padding",),
+                   donate_argnames=("cache",))
+
+    @jax.jit
+    def nll(logits, targets):
+        lp = jax.nn.log_softmax(logits[0], axis=-1)
+        got = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
+        return -jnp.sum(jnp.where(targets >= 0, got, 0.0))
+
+    total, count, scored_to = 0.0, 0, 0
+    for begin in range(0, len(ids), PPL_STRIDE):
+        end = min(begin + PPL_WINDOW - 1, len(ids))
+        window = np.array([cfg.bos_id] + ids[begin:end], np.int32)
+        targets = np.full(PPL_WINDOW, -1, np.int32)            # targets[t] = the token after t
+        first = max(scored_to, begin) - begin                  # window index of the first new token
+        targets[first:len(window) - 1] = window[first + 1:]
+        tokens = chunked.pad_rows([window.tolist()], PPL_WINDOW, cfg.pad_id)
+        out, _ = chunked.run_logits(step, eng.weights, tokens, [len(window)], eng.new_cache(1, PPL_WINDOW),
+                                    PPL_CHUNK, eng.kv_layout.split,
+                                    consume=lambda s, lg: nll(lg, jnp.asarray(targets[s:s + PPL_CHUNK])))
+        total += float(sum(out))
+        count += int((targets >= 0).sum())
+        scored_to = end
+        if end == len(ids):
+            break
+    return float(np.exp(total / count))
+
+
+@pytest.mark.slow
+def test_gemma270m_int8_kv_perplexity(gemma270m):
+    eng = gemma270m
+    ids = eng.tokenizer.encode(open(GPL).read())
+    ids = [t for t in ids if t != eng.cfg.bos_id][:PPL_TEXT_TOKENS]
+    int8 = Engine(eng.cfg, eng.weights, eng.tokenizer, max_ctx=PPL_WINDOW, kv_quant="int8",
+                  kv_options=INT8_PPL_OPTIONS)
+    assert not eng.kv_layout.split and int8.kv_layout == KVLayout(split=True, int8=True)
+    p_ref, p_int8 = perplexity(eng, ids), perplexity(int8, ids)
+    print(f"GPL-3, {len(ids)} tokens, window {PPL_WINDOW} stride {PPL_STRIDE}: "
+          f"ppl bf16 KV {p_ref:.4f}, int8 KV {p_int8:.4f} ({100 * (p_int8 / p_ref - 1):+.3f}%)")
+    assert 1.0 < p_ref < 100
+    assert abs(p_int8 / p_ref - 1) < 0.01
+
+
+@pytest.mark.slow
+def test_gemma270m_answers_at_128k_context(gemma270m, capsys):
+    eng = gemma270m
+    with pytest.warns(UserWarning, match=f"max_ctx 131072 .* {eng.cfg.max_position}"):
+        long = Engine(eng.cfg, eng.weights, eng.tokenizer, max_ctx=131072, kv_options=KVOptions(prefill_chunk=1024))
+    assert long.kv_layout == KVLayout(split=True, int8=True)
+    plan = long.kv_plan(1)
+    print(plan.describe())
+    assert plan.total < 400 * 2**20          # 3 int8 global layers + 15 rings of 512, for 128K tokens
+    text = open(GPL).read()
+    body = eng.tokenizer.decode(eng.tokenizer.encode(text)[1:2900])
+    prompt = body + "\n\nWhat is the name of the license above?"
+    out = long.generate([prompt], max_tokens=24)[0]
+    print(f"{len(out.prompt_token_ids)} prompt tokens -> {out.text!r}")
+    assert len(out.prompt_token_ids) > 2900 and out.token_ids
+    assert "GNU" in out.text or "General Public" in out.text

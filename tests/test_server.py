@@ -1,0 +1,493 @@
+"""The OpenAI-compatible server, tested as a live process on 127.0.0.1 with the official client.
+
+Every exactness check runs float32 with unquantized weights, so the server's greedy tokens (slot
+batching, other compile shapes) must equal `Engine.generate` on the same prompts.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+import jaxllm
+
+ROOT = Path(__file__).resolve().parents[1]
+API_KEY = "test-key-123"
+MAX_LEN = 512                  # positions per slot on the main server
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Once upon a time there was a small engine that served many requests at once.",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 and punctuation , . ; : ! ? ( ) [ ] { } - + = / \\ ' \"",
+    "Unicode: café, naïve, 東京, Привет, emoji 🙂🚀, ümlaut, façade.",
+    "Hello world! How are you today? Tell me a story about batching and caches.",
+]
+
+
+def build_tiny_qwen3(out: Path) -> Path:
+    """A random Qwen3 with a real byte-level BPE tokenizer (multi-byte characters span tokens)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos_token": False,
+        "chat_template": CHAT_TEMPLATE}))
+    cfg = Qwen3Config(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=4096, tie_word_embeddings=False,
+                      eos_token_id=tok.token_to_id("<|im_end|>"), pad_token_id=tok.token_to_id("<|endoftext|>"))
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(out)
+    return out
+
+
+# -- fixtures -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The one place that names the model: every server and reference engine below uses it."""
+    return str(build_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3")))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model_dir, log_path: Path, *args):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env.setdefault("JAX_PLATFORMS", "cpu")
+        model = ["--model-dir", model_dir] if model_dir else []
+        cmd = [sys.executable, "-m", "jaxllm.serve", *model, "--port", str(self.port), "--quant", "none",
+               "--dtype", "float32", "--disable-uvicorn-access-log", *args]
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+
+    def wait_ready(self, timeout=300.0):
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        pytest.fail(f"server not ready after {timeout} s:\n{self.output()[-3000:]}")
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def terminate(self, timeout=60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.log.close()
+
+
+@pytest.fixture(scope="module")
+def processes(model_dir, tmp_path_factory):
+    """Both server processes start at once (and while the reference engine compiles)."""
+    logs = tmp_path_factory.mktemp("server_logs")
+    main = ServerProcess(model_dir, logs / "main.log", "--max-num-seqs", "8", "--max-model-len", str(MAX_LEN),
+                         "--api-key", API_KEY, "--max-request-bytes", "200000")
+    small = ServerProcess(model_dir, logs / "small.log", "--max-num-seqs", "1", "--max-queue", "1",
+                          "--max-model-len", "4096")
+    yield main, small
+    for p in (main, small):
+        p.terminate()
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    return jaxllm.load(model_dir, max_ctx=MAX_LEN, quant="none", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def server(processes, engine):
+    main = processes[0].wait_ready()
+    yield main
+    assert "Traceback" not in main.output(), main.output()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_name(client):
+    return client.models.list().data[0].id
+
+
+def headers(key=API_KEY):
+    return {"Authorization": f"Bearer {key}"}
+
+
+# -- 1. the openai client, parity with Engine.generate ----------------------------------------------
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about café 東京"}]
+PROMPT = "Once upon a time there was"
+
+
+def test_chat_and_completion_match_engine(engine, client, model_name):
+    ref_chat = engine.generate([CHAT], max_tokens=24)[0]
+    ref_text = engine.generate([PROMPT], max_tokens=24, chat=False)[0]
+
+    r = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == ref_chat.text
+    assert r.choices[0].finish_reason == ref_chat.finish_reason
+    assert r.usage.prompt_tokens == len(ref_chat.prompt_token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert r.choices[0].text == ref_text.text
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 24)
+
+    chunks = list(client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert "".join(deltas) == ref_chat.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref_chat.finish_reason
+    assert chunks[-1].usage.prompt_tokens == len(ref_chat.prompt_token_ids)
+
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=24, temperature=0, stream=True)]
+    assert "".join(pieces) == ref_text.text
+
+
+def test_stop_strings_match_engine(engine, client, model_name):
+    full = engine.generate([PROMPT], max_tokens=24, chat=False)[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]          # a string the greedy text surely contains
+    ref = engine.generate([PROMPT], max_tokens=24, chat=False, stop=[stop, "never-there"])[0]
+    assert ref.finish_reason == "stop" and stop not in ref.text
+
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=24, temperature=0,
+                                  stop=[stop, "never-there"])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (ref.text, "stop")
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop, stream=True)]
+    assert "".join(pieces) == ref.text
+    assert all(stop not in "".join(pieces[:i + 1]) for i in range(len(pieces)))
+
+
+def test_seeded_sampling_matches_engine(engine, client, model_name):
+    kw = dict(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234)
+    ref = engine.generate([PROMPT], chat=False, top_k=50, **kw)[0]
+    a = client.completions.create(model=model_name, prompt=PROMPT, extra_body={"top_k": 50}, **kw)
+    b = client.completions.create(model=model_name, prompt=PROMPT, extra_body={"top_k": 50}, stream=True, **kw)
+    assert a.choices[0].text == ref.text
+    assert "".join(c.choices[0].text for c in b) == ref.text
+    other = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=16, temperature=0.9, seed=99)
+    assert other.usage.completion_tokens >= 1
+
+
+def test_text_stream_never_splits_a_character(engine):
+    from jaxllm.serve.detok import TextStream
+    text = "Unicode: café, 東京 🙂🚀 Привет"
+    ids = engine.tokenizer.encode(text)
+    assert len(ids) > len(text.split())            # multi-byte characters span several tokens here
+    ts = TextStream(engine.tokenizer)
+    deltas = [ts.push(t) for t in ids] + [ts.finish()]
+    assert "".join(deltas) == text and not any("\ufffd" in d for d in deltas)
+
+    rng = random.Random(0)                          # random ids: invalid byte runs, stops anywhere
+    for _ in range(300):
+        rand = [rng.randrange(engine.cfg.vocab_size) for _ in range(rng.randrange(1, 24))]
+        stop = [engine.tokenizer.decode(rand[2:4]) or "x", "ab"]
+        ts = TextStream(engine.tokenizer, stop)
+        deltas = []
+        for t in rand:
+            deltas.append(ts.push(t))
+            if ts.stopped:
+                break
+        full = engine.tokenizer.decode(rand)
+        cut = min([i for i in (full.find(s) for s in stop) if i >= 0], default=len(full))
+        assert "".join(deltas) + ts.finish() == full[:cut]
+
+    ts = TextStream(engine.tokenizer, stop=["東京 🙂"])
+    deltas = [ts.push(t) for t in ids]
+    assert ts.stopped and "".join(deltas) == "Unicode: café, "
+    assert not any("東" in d for d in deltas)      # the stop string's start was held back, never sent
+
+
+def test_slots_joining_mid_decode_match_engine(engine):
+    """Slot mechanics without HTTP: requests join while others decode, greedy and sampled rows mix,
+    and every request's tokens equal Engine.generate_ids for it."""
+    from jaxllm.batching import SlotBatch
+    prompts = [engine.tokenizer.encode(p) for p in ("Hello world", "Once upon a time there was a", "café 東京")]
+    jobs = [(p, 0.0) for p in prompts[:2]] + [(p, 0.8) for p in prompts[1:]]    # (ids, temperature)
+    refs = {0.0: engine.generate_ids(prompts[:2], max_tokens=12),
+            0.8: engine.generate_ids(prompts[1:], max_tokens=12, temperature=0.8, top_k=20, seed=3)}
+    expected = [refs[0.0][0], refs[0.0][1], refs[0.8][0], refs[0.8][1]]
+    sb = SlotBatch.for_engine(engine, batch=3, length=64, n_steps=3)
+    out, slot_of, waiting = {}, {}, list(range(len(jobs)))
+    while waiting or slot_of:
+        for b in [b for b in range(3) if b not in slot_of.values()][:1]:      # one joins per block
+            if waiting:
+                j = waiting.pop(0)
+                ids, temp = jobs[j]
+                out[j], slot_of[j] = [sb.prefill(b, ids, 12, temp, 20, None, 3)], b
+        toks, emitted = sb.decode()
+        for j, b in list(slot_of.items()):
+            out[j] += [int(t) for t, e in zip(toks[b], emitted[b]) if e]
+            if len(out[j]) >= 12 or out[j][-1] in engine.cfg.eos_ids:
+                del slot_of[j]
+    for j, ref in enumerate(expected):
+        got = out[j][:-1] if out[j][-1] in engine.cfg.eos_ids else out[j]
+        assert got == ref.token_ids, (j, got, ref.token_ids)
+
+
+# -- 2. load: many clients, mixed lengths, streaming and not -------------------------------------
+SPECS = [  # (endpoint, prompt or messages, max_tokens, stream)
+    ("completions", "Hello world", 8, False),
+    ("chat", [{"role": "user", "content": "Hi"}], 30, True),
+    ("completions", "The quick brown fox jumps over the lazy dog. " * 4, 20, True),
+    ("chat", [{"role": "user", "content": "Tell me a story about batching and caches."}], 12, False),
+    ("completions", "Numbers 0 1 2 3", 40, False),
+    ("chat", [{"role": "user", "content": "Привет 🙂"}], 5, True),
+    ("completions", "Unicode: café, naïve", 16, True),
+    ("chat", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}], 25, False),
+]
+
+
+async def one_request(http: httpx.AsyncClient, spec) -> tuple[str, str, int]:
+    """-> (text, finish_reason, completion_tokens), via SSE or a plain response."""
+    kind, prompt, max_tokens, stream = spec
+    body = {"max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if kind == "chat":
+        body["messages"], path = prompt, "/v1/chat/completions"
+    else:
+        body["prompt"], path = prompt, "/v1/completions"
+    if not stream:
+        r = await http.post(path, json=body)
+        r.raise_for_status()
+        d = r.json()
+        c = d["choices"][0]
+        return (c["text"] if kind != "chat" else c["message"]["content"], c["finish_reason"],
+                d["usage"]["completion_tokens"])
+    body["stream_options"] = {"include_usage": True}
+    text, finish, n = [], None, None
+    async with http.stream("POST", path, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            d = json.loads(line[6:])
+            if d.get("usage"):
+                n = d["usage"]["completion_tokens"]
+            for c in d["choices"]:
+                text.append(c["text"] if kind != "chat" else c["delta"].get("content") or "")
+                finish = c["finish_reason"] or finish
+    return "".join(text), finish, n
+
+
+def test_concurrent_load_matches_requests_run_alone(server):
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, headers=headers(), timeout=300) as http:
+            alone = [await one_request(http, s) for s in SPECS]
+            jobs = [(c, j, (c * 4 + j) % len(SPECS)) for c in range(32) for j in range(4)]
+
+            async def client_loop(c):
+                return [(i, await one_request(http, SPECS[i])) for cc, _, i in jobs if cc == c]
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(client_loop(c) for c in range(32)))
+            return alone, results, time.perf_counter() - t0
+
+    alone, results, dt = asyncio.run(run())
+    flat = [x for r in results for x in r]
+    assert len(flat) == 128
+    for i, got in flat:
+        assert got == alone[i], (SPECS[i], got, alone[i])
+    n_tok = sum(got[2] for _, got in flat)
+    print(f"\nload: 128 requests from 32 clients in {dt:.2f} s: {128 / dt:.1f} req/s, {n_tok / dt:.0f} tok/s")
+    assert server.health()["running"] == 0
+
+
+# -- 3. malformed and hostile requests --------------------------------------------------------------
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 200
+BAD = [  # (id, path, raw body or JSON, headers, status, words the message must contain)
+    ("bad_json", "/v1/completions", b'{"prompt": "x",', None, 400, "not valid JSON"),
+    ("empty_body", "/v1/completions", b"", None, 400, "empty"),
+    ("not_object", "/v1/completions", [1, 2], None, 400, "JSON object"),
+    ("prompt_type", "/v1/completions", {"prompt": 12}, None, 400, "'prompt'"),
+    ("max_tokens_type", "/v1/completions", {"prompt": "x", "max_tokens": "5"}, None, 400, "'max_tokens'"),
+    ("max_tokens_negative", "/v1/completions", {"prompt": "x", "max_tokens": -3}, None, 400, ">= 1"),
+    ("max_tokens_huge", "/v1/completions", {"prompt": "x", "max_tokens": 10 ** 9}, None, 400, str(MAX_LEN)),
+    ("prompt_too_long", "/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 4}, None, 400, "context length"),
+    ("temperature_negative", "/v1/completions", {"prompt": "x", "temperature": -0.5}, None, 400, "'temperature'"),
+    ("top_p_over_one", "/v1/completions", {"prompt": "x", "top_p": 1.5}, None, 400, "'top_p'"),
+    ("top_k_type", "/v1/completions", {"prompt": "x", "top_k": "ten"}, None, 400, "'top_k'"),
+    ("seed_float", "/v1/completions", {"prompt": "x", "seed": 1.5}, None, 400, "'seed'"),
+    ("stop_type", "/v1/completions", {"prompt": "x", "stop": [1, 2]}, None, 400, "'stop'"),
+    ("n_two", "/v1/completions", {"prompt": "x", "n": 2}, None, 400, "'n'"),
+    ("unknown_field", "/v1/completions", {"prompt": "x", "max_token": 5}, None, 400, "max_token"),
+    ("token_out_of_range", "/v1/completions", {"prompt": [1, 10 ** 6]}, None, 400, "token ids"),
+    ("stream_options_alone", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},
+     None, 400, "stream_options"),
+    ("unknown_model", "/v1/completions", {"prompt": "x", "model": "gpt-9"}, None, 404, "gpt-9"),
+    ("empty_messages", "/v1/chat/completions", {"messages": []}, None, 400, "non-empty"),
+    ("bad_role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None, 400, "role"),
+    ("content_type", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, None, 400, "content"),
+    ("missing_key", "/v1/completions", {"prompt": "x"}, {}, 401, "API key"),
+    ("wrong_key", "/v1/completions", {"prompt": "x"}, headers("nope"), 401, "API key"),
+    ("oversized_body", "/v1/completions", {"prompt": "y" * 300_000}, None, 413, "limit"),
+    ("no_route", "/v1/embeddings", {"input": "x"}, None, 404, "no route"),
+    ("lone_surrogate", "/v1/completions", b'{"prompt": "a\\ud800b"}', None, 400, "surrogate"),
+    ("deep_nesting", "/v1/completions", b"[" * 50_000 + b"]" * 50_000, None, 400, "nested"),
+    ("temperature_nan", "/v1/completions", b'{"prompt": "x", "temperature": NaN}', None, 400, "'temperature'"),
+    ("stop_too_long", "/v1/completions", {"prompt": "x", "stop": "z" * 600}, None, 400, "at most"),
+    ("logprobs", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
+     None, 400, "not supported"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_request_gets_4xx_and_server_keeps_serving(server, case):
+    _, path, body, hdrs, status, words = case
+    h = headers() if hdrs is None else hdrs
+    if isinstance(body, bytes):
+        r = httpx.post(server.url + path, content=body, headers=h, timeout=60)
+    else:
+        r = httpx.post(server.url + path, json=body, headers=h, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert words in err["message"], err["message"]
+    ok = httpx.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0},
+                    headers=headers(), timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_extreme_but_valid_values_are_served(server):
+    body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0.5, "top_k": 10 ** 12, "seed": -5,
+            "top_p": 1, "stop": [], "n": 1, "user": "u", "presence_penalty": 0}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=headers(), timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_wrong_method_and_open_health(server):
+    r = httpx.get(server.url + "/v1/completions", headers=headers(), timeout=30)
+    assert r.status_code == 405 and "not allowed" in r.json()["error"]["message"]
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200     # no key needed
+    assert httpx.get(server.url + "/v1/models", timeout=30).status_code == 401
+
+
+# -- 4. disconnects free their slots ----------------------------------------------------------------
+def test_disconnect_mid_stream_frees_slot(server):
+    body = {"prompt": "Hello world", "max_tokens": 500, "temperature": 0, "stream": True, "ignore_eos": True}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, headers=headers(), timeout=120) as http:
+            before = server.health()["generated_tokens"]
+
+            async def start_and_leave():
+                async with http.stream("POST", "/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            return              # leaving the block closes the connection
+            await asyncio.gather(*(start_and_leave() for _ in range(8)))
+            t0 = time.time()
+            while (h := server.health())["running"] and time.time() - t0 < 60:
+                await asyncio.sleep(0.05)
+            assert h["running"] == 0
+            # the 8 abandoned requests stopped early instead of running their 500 tokens each
+            print(f"\n8 abandoned streams generated {h['generated_tokens'] - before} tokens in all")
+            assert h["generated_tokens"] - before < 8 * 250
+            short = {"prompt": "Hi", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+            rs = await asyncio.gather(*(http.post("/v1/completions", json=short) for _ in range(8)))
+            assert [r.status_code for r in rs] == [200] * 8
+            assert all(r.json()["usage"]["completion_tokens"] == 6 for r in rs)
+    asyncio.run(run())
+
+
+# -- per-request timeout (in process: a limit far below what the request needs) --------------------
+def test_request_timeout(engine):
+    from starlette.testclient import TestClient
+
+    from jaxllm.serve.app import ServeOptions, build_app
+    opts = ServeOptions(served_name="m", max_model_len=64, max_num_seqs=2, request_timeout=0.001, warmup=False)
+    with TestClient(build_app(engine, opts)) as tc:
+        body = {"prompt": "Hi", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+        r = tc.post("/v1/completions", json=body)
+        assert r.status_code == 504 and "did not finish" in r.json()["error"]["message"]
+        with tc.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            lines = [x for x in r.iter_lines() if x.startswith("data: ")]
+        assert "did not finish" in lines[-2] and lines[-1] == "data: [DONE]"
+        t0 = time.time()
+        while tc.get("/health").json()["running"] and time.time() - t0 < 30:
+            time.sleep(0.05)
+        assert tc.get("/health").json()["running"] == 0
+
+
+# -- 5. queue full -> 429; SIGTERM drains and exits 0 ------------------------------------------------
+def test_queue_full_then_sigterm_drains(processes):
+    small = processes[1].wait_ready()
+    # long enough (seconds, even on a fast machine) to hold the only slot while the queue fills
+    long = {"prompt": "Hello world", "max_tokens": 4000, "temperature": 0, "stream": True, "ignore_eos": True}
+    short = {"prompt": "Hi", "max_tokens": 4, "temperature": 0}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=small.url, timeout=300) as http:
+            async with http.stream("POST", "/v1/completions", json=long) as first:
+                lines = first.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data: "):
+                        break                                   # running in the only slot
+                queued = asyncio.create_task(http.post("/v1/completions", json=short))
+                t0 = time.time()
+                while small.health()["waiting"] < 1 and time.time() - t0 < 60:
+                    await asyncio.sleep(0.005)
+                r = await http.post("/v1/completions", json=short)
+                assert r.status_code == 429 and r.headers.get("retry-after")
+                assert r.json()["error"]["type"] == "rate_limit_error"
+                small.proc.send_signal(signal.SIGTERM)          # in-flight requests must still finish
+                rest = [line async for line in lines]
+            second = await queued
+            return rest, second
+
+    rest, second = asyncio.run(run())
+    assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
+    finals = [json.loads(x[6:]) for x in rest if x.startswith("data: {")]
+    assert finals[-1]["choices"][0]["finish_reason"] == "length"
+    assert second.status_code == 200 and second.json()["usage"]["completion_tokens"] >= 1
+    assert small.proc.wait(60) == 0
+    assert "Traceback" not in small.output()
