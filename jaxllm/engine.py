@@ -64,6 +64,7 @@ class Engine:
                  kv_options: KVOptions | None = None):
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
         self.layout = layout or single_device_layout()   # weights must already lie on its mesh
+        self._cache_makers = {}
         self.dtype_name, self.dtype = dtype, DTYPES[dtype]
         self.max_ctx, self.name, self.quant = max_ctx, name, quant
         self.kv_options = kv_options or KVOptions()
@@ -191,8 +192,11 @@ class Engine:
     # -- one step at a time (tests, and the server's continuous batching) ------------------------
     def new_cache(self, batch: int, length: int):
         """A zeroed cache laid out on the mesh: batch over "data", KV heads over "model"."""
-        make = partial(make_cache, self.cfg, self.kv_layout, self.kv_options, batch, length, self.dtype)
-        return jax.jit(make, out_shardings=self.layout.cache_shardings(jax.eval_shape(make)))()
+        key = (batch, length)
+        if key not in self._cache_makers:        # one compiled allocator per cache shape
+            make = partial(make_cache, self.cfg, self.kv_layout, self.kv_options, batch, length, self.dtype)
+            self._cache_makers[key] = jax.jit(make, out_shardings=self.layout.cache_shardings(jax.eval_shape(make)))
+        return self._cache_makers[key]()
 
     def _put_rows(self, x):
         """Per-row host data -> a global array split over the data axis like the cache rows."""

@@ -30,6 +30,7 @@ RULES: dict[str, str | None] = {
     "head_dim": None,
     "layers": None,
     "seq": None,
+    "cache_seq": None,
 }
 MUST_SPLIT = {"q_heads": "query heads", "mlp": "MLP width", "expert": "experts"}
 CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")

@@ -12,15 +12,18 @@ sys.path.insert(0, os.path.dirname(__file__))
 import numpy as np  # noqa: E402
 
 import jaxllm  # noqa: E402
+import gemma4_refs  # noqa: E402
 from tp_models import make  # noqa: E402
 
-# One line per case: (name, family, config overrides). Every case has fewer KV heads than TP=4 in
-# at least one layer kind, or exactly as many. A Gemma 4 case (global layers with 2 KV heads) is
-# one more line here once its family is in tp_models.BASE.
+# One line per case: (name, function writing the checkpoint to a path). Every case has fewer KV
+# heads than TP=4 in at least one layer kind, or exactly as many.
 CASES = [
-    ("qwen3", "qwen3", {}),
-    ("qwen3-kv2", "qwen3", {"num_key_value_heads": 2}),
-    ("gemma3-kv2", "gemma3", {"num_key_value_heads": 2}),
+    ("qwen3", lambda p: make("qwen3", p)),
+    ("qwen3-kv2", lambda p: make("qwen3", p, num_key_value_heads=2)),
+    ("gemma3-kv2", lambda p: make("gemma3", p, num_key_value_heads=2)),
+    # Gemma 4: global layers with 1 KV head (k_eq_v), sliding ones with 2; and routed experts
+    ("gemma4-31b", lambda p: gemma4_refs.build("31b").save_pretrained(p)),
+    ("gemma4-26b-a4b", lambda p: gemma4_refs.build("26b-a4b").save_pretrained(p)),
 ]
 LAYOUTS = [(4, 1), (2, 2)]
 
@@ -30,11 +33,11 @@ def spec_of(w):
 
 
 def main(tmp):
-    ids = np.random.default_rng(0).integers(0, 160, (2, 11)).astype(np.int32)
+    ids = np.random.default_rng(0).integers(0, 160, (2, 11)).astype(np.int32)   # every vocab >= 160
     out = {}
-    for name, family, overrides in CASES:
+    for name, write in CASES:
         path = os.path.join(tmp, name)
-        make(family, path, **overrides)
+        write(path)
         ref = jaxllm.load(path, dtype="float32", quant="none", tp=1, max_ctx=32).logits(ids)
         res = {"scale": float(np.abs(ref).max())}
         for tp, dp in LAYOUTS:
@@ -43,6 +46,7 @@ def main(tmp):
             res[f"tp{tp}dp{dp}"] = {
                 "err": float(np.abs(eng.logits(ids) - ref).max()),
                 "q": spec_of(layers["q"]), "k": spec_of(layers["k"]), "down": spec_of(layers["down"]),
+                "kv_heads": eng.cfg.attn[1].num_kv_heads,
                 "cache": list(eng.new_cache(2, 8)["global"]["k"].sharding.spec),
             }
         out[name] = res

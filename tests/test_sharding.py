@@ -10,6 +10,9 @@ import pytest
 from jaxllm.errors import ModelError
 
 HERE = os.path.dirname(__file__)
+# The tiny Gemma 4 references amplify float32 rounding: on one device they already differ from
+# transformers by 6e-5, so a different reduction order under TP moves them by as much.
+TOL = {"gemma4-31b": 2e-4, "gemma4-26b-a4b": 2e-4}
 
 
 @pytest.fixture(scope="module")
@@ -22,17 +25,16 @@ def sharded(tmp_path_factory):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", ["qwen3", "qwen3-kv2", "gemma3-kv2"])
+@pytest.mark.parametrize("case", ["qwen3", "qwen3-kv2", "gemma3-kv2", "gemma4-31b", "gemma4-26b-a4b"])
 @pytest.mark.parametrize("layout", ["tp4dp1", "tp2dp2"])
 def test_sharded_logits_match_single_device(sharded, case, layout):
     r = sharded[case][layout]
     print(f"{case} {layout}: max |logit diff| {r['err']:.2e} (logit scale {sharded[case]['scale']:.1f})")
-    assert r["err"] < 1e-5
+    assert r["err"] < TOL.get(case, 1e-5)
     tp = int(layout[2])
     assert r["q"] == [None, None, "model", None]          # query heads split
     assert r["down"] == [None, "model", None]             # MLP width split
-    kv = {"qwen3": 4, "qwen3-kv2": 2, "gemma3-kv2": 2}[case]
-    split_kv = kv % tp == 0                               # else K/V weights and cache replicated
+    split_kv = r["kv_heads"] % tp == 0                               # else K/V weights and cache replicated
     assert ("model" in r["k"]) == split_kv and ("model" in r["cache"]) == split_kv
     assert ("data" in r["cache"]) == (layout == "tp2dp2")  # batch rows over the data axis
 

@@ -37,10 +37,16 @@ def add_model_args(p: argparse.ArgumentParser):
                    help="KV-cache format: auto = compute dtype up to 32K, int8 above")
     p.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel degree (default: all local devices)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="activation/compute dtype")
+    from .. import distributed
+    distributed.add_args(p)
 
 
 def load_engine(args, quiet: bool = False):
     import jaxllm
+    from .. import distributed
+    if distributed.init_from_args(args) and not distributed.is_main_process():
+        sys.stdout = open(os.devnull, "w")     # every process computes; process 0 prints
+        quiet = True
     bar = None
     if not quiet and sys.stderr.isatty() or os.environ.get("JAXLLM_PROGRESS") == "1":
         from tqdm import tqdm

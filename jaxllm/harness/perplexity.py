@@ -153,7 +153,8 @@ def perplexity_ids(engine, ids, window: int = 2048, stride: int | None = None,
 def window_batch_nll(engine, tokens: np.ndarray, scored: np.ndarray) -> float:
     """Summed NLL of the scored tokens of a [B, T] window batch (token t predicted at t-1)."""
     cfg = engine.cfg
-    h = _hidden(cfg, engine.dtype, engine.weights, jnp.asarray(tokens))
+    put = engine.layout.put          # global arrays: the same call works across processes
+    h = _hidden(cfg, engine.dtype, engine.weights, put(tokens))
     b, t = np.nonzero(scored)
     n = pow2_at_least(max(len(b), 16))
     rows = min(n, pow2_at_least(max(1, LOGIT_ELEMENTS // cfg.vocab_size) + 1) // 2)
@@ -161,8 +162,8 @@ def window_batch_nll(engine, tokens: np.ndarray, scored: np.ndarray) -> float:
     targets = np.zeros(n, np.int32)
     where[:len(b)] = b * tokens.shape[1] + t - 1
     targets[:len(b)] = tokens[b, t]
-    nll = _picked_nll(cfg, rows, engine.weights, h, jnp.asarray(where), jnp.asarray(targets))
-    return float(np.asarray(nll, np.float64)[:len(b)].sum())
+    nll = _picked_nll(cfg, rows, engine.weights, h, put(where), put(targets))
+    return float(np.asarray(engine.layout.get(nll), np.float64)[:len(b)].sum())
 
 
 def pack(wins: list[Window], ids: np.ndarray, B: int, T: int, bos, pad_id: int):

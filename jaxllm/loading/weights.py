@@ -69,11 +69,12 @@ def fetch(source, name: str, spec: ParamSpec, stacked: bool, convert: Callable |
     return to_layout(a, spec, stacked)
 
 
-# Embedding tables go int8 with the weights (one scale per row, also serving as the tied output
-# head's per-logit scale). Measured on Gemma 3 270M (GPL-3 text, window 1024, stride 512): the
-# int8 table changes perplexity by well under 1% relative to int8 projections with a bf16 table
-# (see tests/test_int8_quality.py), while it halves the table, which is the largest single tensor
-# read every decode step (262144 x 5376 in Gemma 4 31B) and the bulk of small models.
+# Embedding tables go int8 with the weights (one scale per row, which also serves as the tied
+# output head's per-logit scale). Measured on Gemma 3 270M (GPL-3, first 3000 tokens, window 1024,
+# stride 512): bf16 weights PPL 15.041; int8 projections with a bf16 table 15.008 (-0.22%); int8
+# projections and table 15.057 (+0.11%), logits RMS difference 0.35 vs 0.37 and top-1 agreement
+# 95.7% vs 95.3%. The table's quantization error is lost in the projections', and int8 halves the
+# table, the largest tensor a decode step reads (262144 x 5376 in Gemma 4 31B, most of a 270M).
 QUANTIZE_EMBEDDINGS = True
 
 
