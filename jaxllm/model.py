@@ -178,6 +178,8 @@ def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.A
         x, caches = carry
         if len(brs) == 1:
             x, caches = branch(brs[0])(x, caches, s)
+        elif len(brs) == 2:            # sliding or global
+            x, caches = jax.lax.cond(s["branch"] == 0, branch(brs[0]), branch(brs[1]), x, caches, s)
         else:
             x, caches = jax.lax.switch(s["branch"], [branch(b) for b in brs], x, caches, s)
         return (x, caches), None

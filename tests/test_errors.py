@@ -12,8 +12,8 @@ import tiny
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def infer(*args, timeout=300):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+def infer(*args, timeout=300, **extra_env):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, **extra_env}
     env.pop("JAXLLM_DEBUG", None)
     return subprocess.run([sys.executable, "-m", "jaxllm.infer", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
@@ -45,6 +45,11 @@ def copy(good, tmp_path):
 
 def test_missing_directory(tmp_path):
     assert_one_line_error(infer("--model-dir", str(tmp_path / "nope")), "does not exist")
+
+
+def test_hub_id_not_cached_while_offline(tmp_path):
+    r = infer("--model-dir", "no-such-org/no-such-model", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path))
+    assert_one_line_error(r, "no-such-org/no-such-model", "cache")
 
 
 def test_directory_without_config(tmp_path):

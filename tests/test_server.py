@@ -24,9 +24,6 @@ import jaxllm
 ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "test-key-123"
 MAX_LEN = 512                  # positions per slot on the main server
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. " * 3,
     "Once upon a time there was a small engine that served many requests at once.",
@@ -36,41 +33,12 @@ CORPUS = [
 ]
 
 
-def build_tiny_qwen3(out: Path) -> Path:
-    """A random Qwen3 with a real byte-level BPE tokenizer (multi-byte characters span tokens)."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    out.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos_token": False,
-        "chat_template": CHAT_TEMPLATE}))
-    cfg = Qwen3Config(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=4096, tie_word_embeddings=False,
-                      eos_token_id=tok.token_to_id("<|im_end|>"), pad_token_id=tok.token_to_id("<|endoftext|>"))
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    model.save_pretrained(out)
-    return out
-
-
 # -- fixtures -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """The one place that names the model: every server and reference engine below uses it."""
-    return str(build_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3")))
+def model_dir():
+    """The one place that names the model: every server and reference engine below uses it.
+    None: the embedded default (the real Gemma 3 270M), as a user gets it with no --model-dir."""
+    return None
 
 
 def free_port() -> int:
@@ -130,7 +98,7 @@ def processes(model_dir, tmp_path_factory):
     main = ServerProcess(model_dir, logs / "main.log", "--max-num-seqs", "8", "--max-model-len", str(MAX_LEN),
                          "--api-key", API_KEY, "--max-request-bytes", "200000")
     small = ServerProcess(model_dir, logs / "small.log", "--max-num-seqs", "1", "--max-queue", "1",
-                          "--max-model-len", "4096")
+                          "--max-model-len", "512")
     yield main, small
     for p in (main, small):
         p.terminate()
@@ -462,7 +430,7 @@ def test_request_timeout(engine):
 def test_queue_full_then_sigterm_drains(processes):
     small = processes[1].wait_ready()
     # long enough (seconds, even on a fast machine) to hold the only slot while the queue fills
-    long = {"prompt": "Hello world", "max_tokens": 4000, "temperature": 0, "stream": True, "ignore_eos": True}
+    long = {"prompt": "Hello world", "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
     short = {"prompt": "Hi", "max_tokens": 4, "temperature": 0}
 
     async def run():

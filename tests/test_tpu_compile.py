@@ -31,6 +31,20 @@ def test_decode_loop_compiles_for_v6e_tp4(shape):
     assert 1.0 < r["predicted_step_ms"] < 8.0
 
 
+@pytest.mark.slow
+def test_gemma4_31b_at_128k_fits_v6e_with_the_split_cache():
+    """Above 32K the engine keeps sliding layers in window-sized rings and global layers in int8:
+    Gemma 4 31B at 131072 positions, batch 1, TP=4 still fits a v6e chip's 32 GiB."""
+    r = compile_shape("gemma4-31b", tp=4, max_ctx=131072, batch=1, topology="v6e:2x2", quant="int8",
+                      programs=("decode_loop",))
+    print("\n" + format_report(r))
+    assert r["kv_cache"] == "split"
+    m = r["decode_loop"]["memory"]
+    assert m["argument"] + m["temp"] + m["output"] < 32 * GiB
+    # the int8 global cache of 131072 positions is the bulk of the cache, split over the 4 chips
+    assert r["cache_bytes_per_device"] < 4 * GiB
+
+
 def test_bad_requests_are_one_line():
     from jaxllm.errors import ModelError
     with pytest.raises(ModelError, match=r"^unknown shape preset 'qwen3-99b' \(known: .*qwen3-32b"):

@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import generate as gen
-from ..cache import init_cache
 from ..errors import JaxllmError, ModelError
 from ..params import is_spec, map_specs
 from ..quant import QuantArray
@@ -75,8 +74,12 @@ def abstract_weights(cfg, family, layout: Layout, quant: str, dtype) -> dict:
     return map_specs(one, tree)
 
 
-def abstract_cache(cfg, layout: Layout, batch: int, length: int, dtype):
-    shapes = jax.eval_shape(partial(init_cache, cfg, batch, length, dtype))
+def abstract_cache(cfg, layout: Layout, batch: int, length: int, dtype, kv_quant: str = "auto"):
+    """The cache the engine would allocate: full-length up to the split threshold, the split
+    int8 cache (sliding rings, blockwise global layers) above it."""
+    from ..split_cache import KVOptions, cache_shapes, choose_layout
+    opts = KVOptions()
+    shapes = cache_shapes(cfg, choose_layout(kv_quant, length, opts), opts, batch, length, dtype)
     shard = layout.cache_shardings(shapes)
     return jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shard)
 
@@ -122,7 +125,7 @@ def cost(compiled) -> dict:
 
 def compile_shape(shape: str, tp: int = 4, dp: int = 1, max_ctx: int = 2048, batch: int = 1,
                   prompt_len: int | None = None, topology: str = "v6e:2x2", quant: str = "int8",
-                  n_out: int = 128, programs=PROGRAMS) -> dict:
+                  n_out: int = 128, programs=PROGRAMS, kv_quant: str = "auto") -> dict:
     """Compile prefill, the decode loop and one decode step (or the named `programs`) for the
     named architecture; per-device memory and cost of each."""
     programs = tuple(programs)
@@ -136,9 +139,10 @@ def compile_shape(shape: str, tp: int = 4, dp: int = 1, max_ctx: int = 2048, bat
     if not 0 < prompt_len < max_ctx:
         raise ModelError(f"--prompt-len must lie in (0, {max_ctx})")
     weights = abstract_weights(cfg, family, layout, quant, dtype)
-    cache = abstract_cache(cfg, layout, batch, max_ctx, dtype)
+    cache = abstract_cache(cfg, layout, batch, max_ctx, dtype, kv_quant)
     params = abstract_sampling(layout, batch)
     report = {"shape": shape, "topology": topology, "tp": tp, "dp": dp, "batch": batch, "max_ctx": max_ctx,
+              "kv_cache": "split" if any(not isinstance(c, dict) for c in cache.values()) else "full-length",
               "prompt_len": prompt_len, "quant": quant, "devices": tp * dp}
     i32 = jnp.int32
     lowering = {
@@ -198,13 +202,16 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=None, help="prefill length (default max_ctx/2)")
     p.add_argument("--topology", default="v6e:2x2")
     p.add_argument("--quant", choices=("int8", "none"), default="int8")
+    p.add_argument("--kv-quant", choices=("auto", "int8", "none"), default="auto",
+                   help="KV-cache format, as in jaxllm.infer (auto: split int8 cache above 32K)")
     p.add_argument("--programs", default=",".join(PROGRAMS),
                    help="comma-separated subset of " + ",".join(PROGRAMS))
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = p.parse_args(argv)
     try:
         r = compile_shape(args.shape, args.tp, args.dp, args.max_ctx, args.batch, args.prompt_len,
-                          args.topology, args.quant, programs=[x for x in args.programs.split(",") if x])
+                          args.topology, args.quant, programs=[x for x in args.programs.split(",") if x],
+                          kv_quant=args.kv_quant)
     except JaxllmError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
