@@ -100,3 +100,15 @@ def test_chat_template_applied_by_default(eng32):
     text = eng32.tokenizer.decode(ids, skip_special=False)
     assert "<start_of_turn>user" in text and text.rstrip().endswith("<start_of_turn>model")
     assert eng32.encode_prompt("Hello", chat=False) != ids
+
+
+def test_cli_long_context_prompt_file(tmp_path):
+    """The design's own example: --max-ctx 131072 takes the split int8-KV cache; a prompt of a few
+    thousand tokens from a file is answered."""
+    f = tmp_path / "prompt.txt"
+    f.write_text(open(GPL).read()[:9000] + "\n\nThe title of this license is")
+    r = run_cli("--raw-prompt", "--prompt-file", str(f), "--max-ctx", "131072", "--max-tokens", "8", "--json")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout.strip().splitlines()[-1])
+    assert rec["num_prompt_tokens"] > 1500 and rec["num_new_tokens"] > 0 and rec["text"].strip()
+    assert "131072" in r.stderr and "KV cache" in r.stderr      # trained-context warning and cache size
