@@ -47,7 +47,7 @@ def test_gemma4_31b_at_128k_fits_v6e_with_the_split_cache():
 
 def test_bad_requests_are_one_line():
     from jaxllm.errors import ModelError
-    with pytest.raises(ModelError, match=r"^unknown shape preset 'qwen3-99b' \(known: .*qwen3-32b"):
+    with pytest.raises(ModelError, match=r"^unknown shape 'qwen3-99b' \(known: .*qwen3-32b"):
         compile_shape("qwen3-99b")
     with pytest.raises(ModelError, match=r"^--tp 2 x --dp 1 must use all 4 chips of v6e:2x2$"):
         compile_shape("qwen3-32b", tp=2)

@@ -6,6 +6,25 @@ from ..errors import ModelError
 
 ROPE_TYPES = {"default", "linear", "proportional"}
 
+# Tensor names every supported family shares (Hugging Face's Llama-style layout, under the model
+# prefix); a family adds or overrides the rest.
+HF_NAMES = {
+    "embed": "embed_tokens.weight", "final_norm": "norm.weight", "lm_head": "lm_head.weight",
+    "attn_norm": "layers.{i}.input_layernorm.weight",
+    "q": "layers.{i}.self_attn.q_proj.weight", "k": "layers.{i}.self_attn.k_proj.weight",
+    "v": "layers.{i}.self_attn.v_proj.weight", "o": "layers.{i}.self_attn.o_proj.weight",
+    "q_norm": "layers.{i}.self_attn.q_norm.weight", "k_norm": "layers.{i}.self_attn.k_norm.weight",
+    "gate": "layers.{i}.mlp.gate_proj.weight", "up": "layers.{i}.mlp.up_proj.weight",
+    "down": "layers.{i}.mlp.down_proj.weight",
+}
+
+# Gemma's four norms around attention and the MLP.
+GEMMA_NORM_NAMES = {
+    "post_attn_norm": "layers.{i}.post_attention_layernorm.weight",
+    "mlp_norm": "layers.{i}.pre_feedforward_layernorm.weight",
+    "post_mlp_norm": "layers.{i}.post_feedforward_layernorm.weight",
+}
+
 
 def need(hf: dict, key: str):
     if key not in hf or hf[key] is None:

@@ -4,23 +4,12 @@ from __future__ import annotations
 
 from ..config import AttnSpec, ModelConfig
 from ..params import abstract_weights
-from .common import eos_ids, layer_kinds, need, per_kind_rope
+from .common import GEMMA_NORM_NAMES, HF_NAMES, eos_ids, layer_kinds, need, per_kind_rope
 
 MODEL_TYPES = ("gemma3", "gemma3_text")
 ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 
-NAMES = {
-    "embed": "embed_tokens.weight", "final_norm": "norm.weight", "lm_head": "lm_head.weight",
-    "attn_norm": "layers.{i}.input_layernorm.weight",
-    "q": "layers.{i}.self_attn.q_proj.weight", "k": "layers.{i}.self_attn.k_proj.weight",
-    "v": "layers.{i}.self_attn.v_proj.weight", "o": "layers.{i}.self_attn.o_proj.weight",
-    "q_norm": "layers.{i}.self_attn.q_norm.weight", "k_norm": "layers.{i}.self_attn.k_norm.weight",
-    "post_attn_norm": "layers.{i}.post_attention_layernorm.weight",
-    "mlp_norm": "layers.{i}.pre_feedforward_layernorm.weight",
-    "post_mlp_norm": "layers.{i}.post_feedforward_layernorm.weight",
-    "gate": "layers.{i}.mlp.gate_proj.weight", "up": "layers.{i}.mlp.up_proj.weight",
-    "down": "layers.{i}.mlp.down_proj.weight",
-}
+NAMES = {**HF_NAMES, **GEMMA_NORM_NAMES}
 
 
 def hf_name(param: str, layer: int | None) -> str:

@@ -22,7 +22,7 @@ from ..model import Branch, attention_block, branches
 from ..moe import moe_ffn
 from ..params import ParamSpec, abstract_weights, stack
 from ..quant import linear
-from .common import eos_ids, layer_kinds, need, per_kind_rope
+from .common import GEMMA_NORM_NAMES, HF_NAMES, eos_ids, layer_kinds, need, per_kind_rope
 
 # "unified" (Gemma 4 12B) is the same text model without per-layer inputs and MoE
 MODEL_TYPES = ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text")
@@ -30,18 +30,9 @@ ARCHITECTURES = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "Gemma4U
                  "Gemma4UnifiedForConditionalGeneration")
 
 NAMES = {
-    "embed": "embed_tokens.weight", "final_norm": "norm.weight", "lm_head": "lm_head.weight",
+    **HF_NAMES, **GEMMA_NORM_NAMES,
     "ple_embed": "embed_tokens_per_layer.weight", "ple_proj": "per_layer_model_projection.weight",
     "ple_norm": "per_layer_projection_norm.weight",
-    "attn_norm": "layers.{i}.input_layernorm.weight",
-    "q": "layers.{i}.self_attn.q_proj.weight", "k": "layers.{i}.self_attn.k_proj.weight",
-    "v": "layers.{i}.self_attn.v_proj.weight", "o": "layers.{i}.self_attn.o_proj.weight",
-    "q_norm": "layers.{i}.self_attn.q_norm.weight", "k_norm": "layers.{i}.self_attn.k_norm.weight",
-    "post_attn_norm": "layers.{i}.post_attention_layernorm.weight",
-    "mlp_norm": "layers.{i}.pre_feedforward_layernorm.weight",
-    "post_mlp_norm": "layers.{i}.post_feedforward_layernorm.weight",
-    "gate": "layers.{i}.mlp.gate_proj.weight", "up": "layers.{i}.mlp.up_proj.weight",
-    "down": "layers.{i}.mlp.down_proj.weight",
     "layer_scalar": "layers.{i}.layer_scalar",
     "router": "layers.{i}.router.proj.weight", "router_scale": "layers.{i}.router.scale",
     "expert_scale": "layers.{i}.router.per_expert_scale",

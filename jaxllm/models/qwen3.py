@@ -3,21 +3,12 @@ from __future__ import annotations
 
 from ..config import GLOBAL, SLIDING, AttnSpec, ModelConfig
 from ..params import abstract_weights
-from .common import eos_ids, layer_kinds, need, per_kind_rope
+from .common import HF_NAMES, eos_ids, layer_kinds, need, per_kind_rope
 
 MODEL_TYPES = ("qwen3",)
 ARCHITECTURES = ("Qwen3ForCausalLM",)
 
-NAMES = {
-    "embed": "embed_tokens.weight", "final_norm": "norm.weight", "lm_head": "lm_head.weight",
-    "attn_norm": "layers.{i}.input_layernorm.weight",
-    "q": "layers.{i}.self_attn.q_proj.weight", "k": "layers.{i}.self_attn.k_proj.weight",
-    "v": "layers.{i}.self_attn.v_proj.weight", "o": "layers.{i}.self_attn.o_proj.weight",
-    "q_norm": "layers.{i}.self_attn.q_norm.weight", "k_norm": "layers.{i}.self_attn.k_norm.weight",
-    "mlp_norm": "layers.{i}.post_attention_layernorm.weight",
-    "gate": "layers.{i}.mlp.gate_proj.weight", "up": "layers.{i}.mlp.up_proj.weight",
-    "down": "layers.{i}.mlp.down_proj.weight",
-}
+NAMES = {**HF_NAMES, "mlp_norm": "layers.{i}.post_attention_layernorm.weight"}
 
 
 def hf_name(param: str, layer: int | None) -> str:
