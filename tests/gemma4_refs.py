@@ -36,14 +36,14 @@ VARIANTS = {
 }
 
 
-def randomize(model, seed: int = 0):
-    """Matrices ~ N(0, 0.2); vectors (norm weights, scales, layer scalars) ~ U(0.5, 1.5) so that
+def randomize(model, seed: int = 0, std: float = 0.2):
+    """Matrices ~ N(0, std); vectors (norm weights, scales, layer scalars) ~ U(0.5, 1.5) so that
     neither a 1+w nor a w convention can pass by accident."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+                p.copy_(torch.randn(p.shape, generator=g) * std)
             else:
                 p.copy_(torch.rand(p.shape, generator=g) + 0.5)
         for name, b in model.named_buffers():
@@ -60,12 +60,12 @@ def forced_router(E: int, D: int, rng) -> np.ndarray:
     return c[:, None] * v[None, :]
 
 
-def build(variant: str, seed: int = 0, **overrides):
+def build(variant: str, seed: int = 0, std: float = 0.2, **overrides):
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
     cfg = Gemma4TextConfig(**{**BASE, **VARIANTS[variant], **overrides}, architectures=["Gemma4ForCausalLM"])
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = randomize(Gemma4ForCausalLM(cfg).eval(), seed)
+    model = randomize(Gemma4ForCausalLM(cfg).eval(), seed, std)
     if cfg.enable_moe_block:        # half the layers route unevenly on purpose
         rng = np.random.default_rng(seed)
         with torch.no_grad():

@@ -68,7 +68,8 @@ def load_engine(args, quiet: bool = False):
             bar.close()
         for w in caught:
             sys.stderr.write(f"warning: {w.message}\n")
-    if not quiet and (eng.kv_layout.split or sys.stderr.isatty()):
+    # on stderr, so --json output stays clean; always shown when the split long-context cache is used
+    if eng.kv_layout.split or (not quiet and sys.stderr.isatty()):
         from ..kv_plan import report
         report(eng.kv_plan(1))
     return eng
