@@ -40,16 +40,16 @@ class Tokenizer:
             tok = HFTokenizer.from_file(str(path))
         except Exception as e:
             raise ModelError(f"{path}: unreadable tokenizer ({str(e).splitlines()[0]})") from None
-        tc = _read_json(d / "tokenizer_config.json")
+        tc = read_json(d / "tokenizer_config.json")
         template = tc.get("chat_template")
         if (d / "chat_template.jinja").exists():     # transformers >= 4.43 writes it apart
             template = (d / "chat_template.jinja").read_text()
         elif (d / "chat_template.json").exists():
-            template = _read_json(d / "chat_template.json").get("chat_template")
+            template = read_json(d / "chat_template.json").get("chat_template")
         if isinstance(template, list):               # named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         bos, eos = _token_text(tc.get("bos_token")), _token_text(tc.get("eos_token"))
-        gen = _read_json(d / "generation_config.json")
+        gen = read_json(d / "generation_config.json")
         eos_ids = []
         for v in [gen.get("eos_token_id"), tok.token_to_id(eos) if eos else None]:
             for i in (v if isinstance(v, list) else [v]):
@@ -93,7 +93,8 @@ def _raise(msg):
     raise jinja2.TemplateError(msg)
 
 
-def _read_json(p: Path) -> dict:
+def read_json(p: Path) -> dict:
+    """A checkpoint's JSON file as a dict ({} when absent); malformed JSON is a one-line ModelError."""
     if not p.exists():
         return {}
     try:

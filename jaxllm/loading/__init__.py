@@ -2,7 +2,6 @@
 and produce (config, family, weights, tokenizer)."""
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,15 +40,8 @@ def locate(model_dir: str | os.PathLike | None) -> ModelFiles:
 
 
 def read_hf_config(d: Path) -> tuple[dict, dict]:
-    def rd(name):
-        f = d / name
-        if not f.exists():
-            return {}
-        try:
-            return json.loads(f.read_text())
-        except ValueError as e:
-            raise ModelError(f"{f}: malformed JSON ({e})") from None
-    return rd("config.json"), rd("generation_config.json")
+    from ..tokenizer import read_json
+    return read_json(d / "config.json"), read_json(d / "generation_config.json")
 
 
 def load_model(model_dir, dtype, quant: str, progress=None, layout=None):
