@@ -7,6 +7,8 @@ reads before the decode loop has overwritten them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 
@@ -38,3 +40,28 @@ def write(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
 
 def slot_positions(batch: int, length: int) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """Layer `idx` of a kind's stacked cache {"k", "v": [n, B, S, K, hd]}: new tokens are written
+    into the stack in place, and attention reads the layer out of it (or a kernel reads it there)."""
+    stack: dict
+    idx: jax.Array
+
+    def write(self, k: jax.Array, v: jax.Array, start: jax.Array) -> "LayerKV":
+        return LayerKV({"k": write_layer(self.stack["k"], self.idx, k, start),
+                        "v": write_layer(self.stack["v"], self.idx, v, start)}, self.idx)
+
+    def layer(self) -> dict:
+        return {name: a[self.idx] for name, a in self.stack.items()}
+
+
+def write_layer(buf: jax.Array, idx: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """Write new [B, T, K, hd] into layer idx of buf [n, B, S, K, hd] at row-wise offsets start [B]
+    (clamped so the T tokens fit, as `write` does)."""
+    B, T = new.shape[:2]
+    s = jnp.clip(start, 0, buf.shape[2] - T)
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    cols = s[:, None] + jnp.arange(T)[None, :]
+    return buf.at[idx, rows, cols].set(new.astype(buf.dtype), mode="promise_in_bounds")

@@ -52,7 +52,10 @@ def activation(name: str, x: jax.Array) -> jax.Array:
 
 
 def gated_mlp(cfg: ModelConfig, w: dict, x: jax.Array) -> jax.Array:
-    h = activation(cfg.activation, linear(x, w["gate"])) * linear(x, w["up"])
+    from .kernels.ops import gated
+    h = gated(x, w["gate"], w["up"], lambda g: activation(cfg.activation, g))
+    if h is None:
+        h = activation(cfg.activation, linear(x, w["gate"])) * linear(x, w["up"])
     return linear(h, w["down"])
 
 

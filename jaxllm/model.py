@@ -20,7 +20,9 @@ from .config import GLOBAL, KIND_NAMES, SLIDING, ModelConfig
 from .errors import ModelError
 from .layers import (attend, attention_mask, gated_mlp, inv_frequencies, project_q, project_qkv,
                      rms_norm)
-from .quant import linear, matmul_rows, take_rows
+from . import kernels
+from .kernels.ops import cached_attention
+from .quant import Stacked, linear, matmul_rows, take_rows
 
 
 @dataclass(frozen=True)
@@ -105,21 +107,22 @@ def attention_block(cfg, kind, w, h, positions, layer_cache, start, own_kv: bool
         q, k, v = project_qkv(cfg, a, w, h, positions, inv_freq)
     else:
         q = project_q(cfg, w, h, positions, inv_freq)
-    if not isinstance(layer_cache, dict):          # split cache (ring buffer / blockwise global)
+    if not isinstance(layer_cache, kv.LayerKV):    # split cache (ring buffer / blockwise global)
         if own_kv:
             o, layer_cache = layer_cache.update_and_attend(cfg, a, w, q, k, v, positions)
         else:
             o = layer_cache.attend(cfg, a, w, q, positions)
         return linear(o, w["o"], 2), layer_cache
     if own_kv:
-        ck = kv.write(layer_cache["k"], k, start)
-        cv = kv.write(layer_cache["v"], v, start)
-    else:
-        ck, cv = layer_cache["k"], layer_cache["v"]
-    B, S = ck.shape[0], ck.shape[1]
-    mask = attention_mask(positions, kv.slot_positions(B, S), a.window)
-    o = attend(q, ck, cv, mask, cfg.query_scale, cfg.attn_softcap)
-    return linear(o, w["o"], 2), {"k": ck, "v": cv}
+        layer_cache = layer_cache.write(k, v, start)
+    o = cached_attention(q, layer_cache, positions, scale=cfg.query_scale, softcap=cfg.attn_softcap,
+                         window=a.window)
+    if o is None:
+        lc = layer_cache.layer()
+        B, S = lc["k"].shape[0], lc["k"].shape[1]
+        mask = attention_mask(positions, kv.slot_positions(B, S), a.window)
+        o = attend(q, lc["k"], lc["v"], mask, cfg.query_scale, cfg.attn_softcap)
+    return linear(o, w["o"], 2), layer_cache
 
 
 def decoder_layer(cfg, kind, w, x, positions, layer_cache, start):
@@ -137,6 +140,18 @@ def decoder_layer(cfg, kind, w, x, positions, layer_cache, start):
 
 def take(tree, i):
     return jax.tree_util.tree_map(lambda a: a[i], tree)
+
+
+# Weights only ever contracted by `linear`: with the kernels on, these stay in their layer stack.
+MATMUL_WEIGHTS = ("q", "k", "v", "o", "gate", "up", "down", "ple_gate", "ple_out")
+
+
+def layer_weights(group: dict, idx):
+    """A layer's weights: sliced out of the group's stacks, except, when the Pallas kernels are on,
+    the matmul weights, which are handed over as `Stacked` views for the kernels to read in place."""
+    if not kernels.enabled():
+        return take(group, idx)
+    return {k: Stacked(v, idx) if k in MATMUL_WEIGHTS else take(v, idx) for k, v in group.items()}
 
 
 def put(tree, i, new):
@@ -163,15 +178,17 @@ def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.A
         name = KIND_NAMES[b.kind]
 
         def run(x, caches, s):
-            w = take(weights["layers"][b.group], s["idx"])
-            lc = take(caches[name], s["cache_idx"])
+            w = layer_weights(weights["layers"][b.group], s["idx"])
+            lc = caches[name]
+            lc = kv.LayerKV(lc, s["cache_idx"]) if isinstance(lc, dict) else take(lc, s["cache_idx"])
             if layer_fn is None:
                 x, lc = decoder_layer(cfg, b.kind, w, x, positions, lc, start)
             else:
                 x, lc = layer_fn(cfg, b, w, x, positions, lc, start, s.get("inputs"))
             if not b.own_kv:
                 return x, caches
-            return x, {**caches, name: put(caches[name], s["cache_idx"], lc)}
+            new = lc.stack if isinstance(lc, kv.LayerKV) else put(caches[name], s["cache_idx"], lc)
+            return x, {**caches, name: new}
         return run
 
     def step(carry, s):

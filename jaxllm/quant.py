@@ -1,6 +1,8 @@
 """int8 weights with one scale per output channel, as a pytree the matmul helpers understand."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,12 +39,30 @@ def quantize_np(w: np.ndarray, n_contract: int = 1, stack_dims: int = 0) -> tupl
     return q, np.squeeze(scale, axis=axes)
 
 
+@dataclass(frozen=True)
+class Stacked:
+    """Layer `idx` of a layer-stacked weight (an array or QuantArray with the layer axis first),
+    left unsliced so that a kernel can read the layer in place; `layer()` slices it for XLA."""
+    stack: object
+    idx: jax.Array
+
+    def layer(self):
+        return jax.tree_util.tree_map(lambda a: a[self.idx], self.stack)
+
+
 def linear(x: jax.Array, w, n_contract: int = 1) -> jax.Array:
     """Contract the last `n_contract` dims of x with the first `n_contract` dims of w.
 
     The output is x's leading dims followed by w's remaining dims, so a per-output-channel scale
     broadcasts on the trailing dims and XLA fuses the dequantization into the dot's epilogue.
+    A `Stacked` weight goes to the stacked-matmul kernel when it takes the shape.
     """
+    if isinstance(w, Stacked):
+        from .kernels.ops import stacked_linear
+        y = stacked_linear(x, w, n_contract)
+        if y is not None:
+            return y
+        w = w.layer()
     xa = tuple(range(x.ndim - n_contract, x.ndim))
     wa = tuple(range(n_contract))
     if isinstance(w, QuantArray):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import generate as gen
+from .. import generate as gen, kernels
 from ..cache import init_cache
 from ..sharding import check_divisible, layout_for
 from ..split_cache import KVOptions, choose_layout, make_cache
@@ -226,6 +227,8 @@ def run_point(cfg, fam, weights, batch, a, ceilings, mem_limit) -> Point:
 
 # -- reporting ------------------------------------------------------------------------------------
 def git_commit() -> str:
+    if os.environ.get("JAXLLM_COMMIT"):           # a copy of the tree without its .git
+        return os.environ["JAXLLM_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
                              capture_output=True, text=True, timeout=10)
@@ -248,6 +251,7 @@ def report(a, cfg, weights, subject, ceilings, points) -> dict:
         "settings": {"ctx": a.ctx, "steps": a.steps, "warmup": a.warmup, "repeats": a.repeats, "tp": a.tp,
                      "batches": a.batches, "prompt_lens": a.prompt_lens},
         "ceilings": ceilings.to_json(),
+        "kernels": {"mode": kernels.mode(), "enabled": kernels.enabled(), "selections": kernels.selections()},
         "points": [asdict(p) for p in points],
     }
 
@@ -257,7 +261,8 @@ def table(rep: dict) -> str:
     head = (f"{rep['model'].get('shape') or rep['model'].get('model_dir')} ({rep['model']['quant']}, "
             f"{rep['model']['dtype']}) on {rep['device']['kind']}, ctx {rep['settings']['ctx']}; "
             f"bandwidth {c['bandwidth_GBps']:.1f} GB/s ({c['bandwidth_method']}), "
-            f"bf16 matmul {c['matmul_bf16_TFLOPs']:.2f} TFLOP/s")
+            f"bf16 matmul {c['matmul_bf16_TFLOPs']:.2f} TFLOP/s; "
+            f"decode kernels: {'Pallas' if rep.get('kernels', {}).get('enabled') else 'XLA'}")
     lens = rep["settings"]["prompt_lens"]
     cols = ["batch", "ms/step", "tok/s", "MB/step", "roofline ms", "HBM frac", "compute ms", "ceiling tok/s",
             "compile s"] + [f"TTFT@{n} ms" for n in lens]
@@ -334,9 +339,10 @@ def sweep(a) -> int:
     ceilings = ceil.measure(a.probe_mib << 20 if a.probe_mib else None, a.matmul_n, device)
     mem = device_memory(device)
     points = []
-    for batch in progress(a.batches):
-        points.append(run_point(cfg, fam, weights, batch, a, ceilings, mem))
-    rep = report(a, cfg, weights, subject, ceilings, points)
+    with kernels.devices_in_use(a.layout.mesh.size):
+        for batch in progress(a.batches):
+            points.append(run_point(cfg, fam, weights, batch, a, ceilings, mem))
+        rep = report(a, cfg, weights, subject, ceilings, points)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(rep, indent=2))
     plot_path = a.plot or str(Path(a.out).with_suffix(".png"))

@@ -1,0 +1,182 @@
+"""Small-M matmuls that read one layer's weight straight out of the layer-stacked array.
+
+Inside the layer scan, XLA slices each layer's weight out of its `[layers, K, N]` stack before the
+dot, and for int8 weights it widens the slice to bf16 on the way: every weight byte is read, written
+twice as wide and read again. These kernels take the whole stack and the layer index instead, load
+int8 (or bf16) tiles of that layer, widen them in registers, and apply the per-output-channel scale
+in the epilogue. Decode is memory-bound, so the tiling is chosen to put enough blocks on the GPU
+(split over K when the output is narrow) rather than for arithmetic reuse.
+
+    stacked_matmul(x [M, K], w [L, K, N], scale [L, N] | None, layer) -> [M, N]
+    stacked_gated(x, (w_gate, s_gate), (w_up, s_up), layer, act) -> act(x @ gate) * (x @ up)
+
+The second is a gated MLP's input half in one pass over x: both weights' tiles of a column block
+are read by the same program and only the gated product is written.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from . import interpret, note
+
+
+@dataclass(frozen=True)
+class Tiles:
+    bm: int          # rows per block; 1 = a vector product reduced in registers, else tensor-core dots
+    bn: int          # output columns per block
+    bk: int          # contraction step
+    split: int = 1   # blocks along K, each writing a float32 partial that XLA sums
+    warps: int = 4
+    stages: int = 3
+
+    def label(self) -> str:
+        return f"pallas bm={self.bm} bn={self.bn} bk={self.bk} split={self.split} warps={self.warps}"
+
+
+SMS = 132             # H100/H200 multiprocessors: the grid should cover them a few times
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def choose_tiles(M: int, K: int, N: int, gated: bool = False) -> Tiles:
+    """Blocks for an [M, K] x [K, N] product: a vector product at M=1, 16..64-row dots above; the
+    column block shrinks and K splits until there are about two blocks per multiprocessor."""
+    bm = 1 if M == 1 else min(64, max(16, _pow2(M)))
+    bk = 256 if bm == 1 else 64
+    bn = 64
+    m_blocks = -(-M // bm)
+    split = 1
+    while bn > 32 and m_blocks * -(-N // bn) < 2 * SMS:
+        bn //= 2
+    if not gated:
+        while split < 8 and m_blocks * -(-N // bn) * split < 2 * SMS and K // (2 * split) >= 4 * bk:
+            split *= 2
+    return Tiles(bm=bm, bn=bn, bk=bk, split=split)
+
+
+def _load_x(x_ref, i, k0, t: Tiles, M, K):
+    ks = k0 + jnp.arange(t.bk)
+    if t.bm == 1:
+        return plgpu.load(x_ref.at[i, pl.ds(k0, t.bk)], mask=ks < K, other=0.0)
+    rows = i * t.bm + jnp.arange(t.bm)
+    return plgpu.load(x_ref.at[pl.ds(i * t.bm, t.bm), pl.ds(k0, t.bk)],
+                      mask=(rows < M)[:, None] & (ks < K)[None, :], other=0.0)
+
+
+def _load_w(w_ref, layer, j, k0, t: Tiles, K, N):
+    ks = k0 + jnp.arange(t.bk)
+    cols = j * t.bn + jnp.arange(t.bn)
+    return plgpu.load(w_ref.at[layer, pl.ds(k0, t.bk), pl.ds(j * t.bn, t.bn)],
+                      mask=(ks < K)[:, None] & (cols < N)[None, :], other=0)
+
+
+def _product(x, w, t: Tiles):
+    if t.bm == 1:
+        return jnp.sum(x.astype(jnp.float32)[:, None] * w.astype(jnp.float32), axis=0)[None, :]
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    return jax.lax.dot_general(x, w.astype(x.dtype), (((1,), (0,)), ((), ())),
+                               preferred_element_type=jnp.float32, precision=precision)
+
+
+def _accumulate(x_ref, w_refs, layer, i, j, s, steps, t: Tiles, M, K, N):
+    k_lo = s * steps * t.bk
+    acc = tuple(jnp.zeros((t.bm, t.bn), jnp.float32) for _ in w_refs)
+
+    def body(n, acc):
+        k0 = k_lo + n * t.bk
+        x = _load_x(x_ref, i, k0, t, M, K)
+        return tuple(a + _product(x, _load_w(w, layer, j, k0, t, K, N), t) for a, w in zip(acc, w_refs))
+    return jax.lax.fori_loop(0, steps, body, acc)
+
+
+def _scaled(acc, s_ref, layer, j, t: Tiles, N):
+    if s_ref is None:
+        return acc
+    cols = j * t.bn + jnp.arange(t.bn)
+    return acc * plgpu.load(s_ref.at[layer, pl.ds(j * t.bn, t.bn)], mask=cols < N, other=0.0)[None, :]
+
+
+def _store(o_ref, val, i, j, t: Tiles, M, N, split_index=None):
+    rows = i * t.bm + jnp.arange(t.bm)
+    cols = j * t.bn + jnp.arange(t.bn)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    at = (pl.ds(i * t.bm, t.bm), pl.ds(j * t.bn, t.bn))
+    ref = o_ref.at[at] if split_index is None else o_ref.at[(split_index,) + at]
+    plgpu.store(ref, val.astype(o_ref.dtype), mask=mask)
+
+
+def _matmul_kernel(layer_ref, x_ref, w_ref, *rest, t: Tiles, M, K, N, steps, scaled):
+    s_ref, o_ref = (rest[0], rest[1]) if scaled else (None, rest[0])
+    i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
+    (acc,) = _accumulate(x_ref, (w_ref,), layer, i, j, s, steps, t, M, K, N)
+    if t.split == 1:
+        _store(o_ref, _scaled(acc, s_ref, layer, j, t, N), i, j, t, M, N)
+    else:
+        _store(o_ref, acc, i, j, t, M, N, split_index=s)
+
+
+def _gated_kernel(layer_ref, x_ref, wg_ref, wu_ref, *rest, t: Tiles, M, K, N, steps, scaled, act):
+    sg_ref, su_ref, o_ref = rest if scaled else (None, None, rest[0])
+    i, j = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]
+    g, u = _accumulate(x_ref, (wg_ref, wu_ref), layer, i, j, 0, steps, t, M, K, N)
+    g = _scaled(g, sg_ref, layer, j, t, N)
+    u = _scaled(u, su_ref, layer, j, t, N)
+    _store(o_ref, act(g) * u, i, j, t, M, N)
+
+
+def _grid(M, N, t: Tiles):
+    return (-(-M // t.bm), -(-N // t.bn), t.split)
+
+
+def _params(t: Tiles):
+    return plgpu.CompilerParams(num_warps=t.warps, num_stages=t.stages)
+
+
+def stacked_matmul(x, w, scale, layer, tiles: Tiles | None = None):
+    """x [M, K] @ w[layer] ([L, K, N] int8 or float) * scale[layer] ([L, N], or None) -> [M, N]."""
+    M, K = x.shape
+    L, K2, N = w.shape
+    assert K == K2, (x.shape, w.shape)
+    t = tiles or choose_tiles(M, K, N)
+    note("matmul", (M, K, N, str(w.dtype)), t.label())
+    steps = -(-K // (t.bk * t.split))
+    grid = _grid(M, N, t)
+    scaled = scale is not None
+    out_shape = (jax.ShapeDtypeStruct((M, N), x.dtype) if t.split == 1
+                 else jax.ShapeDtypeStruct((t.split, M, N), jnp.float32))
+    kernel = functools.partial(_matmul_kernel, t=t, M=M, K=K, N=N, steps=steps, scaled=scaled)
+    args = (jnp.reshape(layer, (1,)).astype(jnp.int32), x, w) + ((scale,) if scaled else ())
+    out = pl.pallas_call(kernel, out_shape=out_shape, grid=grid, compiler_params=_params(t),
+                         interpret=interpret(), name="stacked_matmul")(*args)
+    if t.split == 1:
+        return out
+    out = out.sum(axis=0)
+    if scaled:
+        out = out * jax.lax.dynamic_index_in_dim(scale, layer, keepdims=False)
+    return out.astype(x.dtype)
+
+
+def stacked_gated(x, gate, up, layer, act, tiles: Tiles | None = None):
+    """act(x @ gate[layer]) * (x @ up[layer]) for (weight [L, K, N], scale [L, N] | None) pairs."""
+    (wg, sg), (wu, su) = gate, up
+    M, K = x.shape
+    N = wg.shape[2]
+    t = tiles or choose_tiles(M, K, N, gated=True)
+    assert t.split == 1
+    note("gated matmul", (M, K, N, str(wg.dtype)), t.label())
+    steps = -(-K // t.bk)
+    scaled = sg is not None
+    kernel = functools.partial(_gated_kernel, t=t, M=M, K=K, N=N, steps=steps, scaled=scaled, act=act)
+    args = (jnp.reshape(layer, (1,)).astype(jnp.int32), x, wg, wu) + ((sg, su) if scaled else ())
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((M, N), x.dtype), grid=_grid(M, N, t),
+                          compiler_params=_params(t), interpret=interpret(), name="stacked_gated")(*args)

@@ -1,0 +1,139 @@
+"""Time the decode kernels against the XLA formulation they replace, on the layer shapes of a
+preset, with the weights stacked as the model holds them (so nothing stays in L2 between layers).
+
+    python scripts/kernel_bench.py --shape qwen3-4b --rows 1,8,64 --ctx 2048 --out DIR
+
+For each matmul it reports GB/s of weight bytes moved (int8 weights plus scales) next to the
+device's measured bandwidth, for each tile configuration tried and for XLA (slice, widen, dot).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxllm.harness import ceilings as ceil  # noqa: E402
+from jaxllm.harness.shapes import resolve_shape  # noqa: E402
+from jaxllm.kernels.attention import decode_attention  # noqa: E402
+from jaxllm.kernels.matmul import Tiles, choose_tiles, stacked_gated, stacked_matmul  # noqa: E402
+from jaxllm.layers import attend, attention_mask  # noqa: E402
+from jaxllm.cache import slot_positions  # noqa: E402
+
+
+def timed(fn, *args, reps=20):
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def over_layers(step, L):
+    """Run step(layer) for every layer in one compiled loop, as the layer scan does."""
+    def run(*args):
+        def body(carry, l):
+            return carry + step(l, *args).astype(jnp.float32).sum(), None
+        return jax.lax.scan(body, jnp.float32(0), jnp.arange(L))[0]
+    return jax.jit(run)
+
+
+def matmul_cases(cfg):
+    a = cfg.attn[cfg.layer_kinds[0]]
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    return {"q": (D, a.num_heads * a.head_dim), "kv": (D, a.num_kv_heads * a.head_dim),
+            "o": (a.num_heads * a.head_dim, D), "down": (F, D), "gate_up": (D, F)}
+
+
+def variants(M, K, N, gated):
+    base = choose_tiles(M, K, N, gated)
+    out = {"auto": base}
+    for bn in (32, 64, 128):
+        for bk in ((128, 512) if base.bm == 1 else (64, 128)):
+            for split in ((1,) if gated else (1, 4)):
+                t = Tiles(bm=base.bm, bn=bn, bk=bk, split=split, warps=4 if bn < 128 else 8)
+                out[t.label()] = t
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="qwen3-4b")
+    p.add_argument("--rows", default="1,8,64")
+    p.add_argument("--ctx", type=int, default=2048)
+    p.add_argument("--out", default="kernel_bench")
+    p.add_argument("--quick", action="store_true", help="only the automatic tiles and XLA")
+    a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    cfg, _ = resolve_shape(a.shape)
+    L = cfg.num_layers
+    bw = ceil.measure_bandwidth(ceil.default_probe_bytes(jax.devices()[0]))
+    print(f"bandwidth {bw[1] / 1e9:.0f} GB/s ({bw[0]})", flush=True)
+    key = jax.random.key(0)
+    rows = []
+    for name, (K, N) in matmul_cases(cfg).items():
+        gated = name == "gate_up"
+        w = jax.random.randint(key, (L, K, N), -127, 128, jnp.int8)
+        w2 = jax.random.randint(key, (L, K, N), -127, 128, jnp.int8) if gated else None
+        s = jnp.ones((L, N), jnp.float32) * 0.01
+        nbytes = L * (K * N + 4 * N) * (2 if gated else 1)
+        for M in [int(r) for r in a.rows.split(",")]:
+            x = jax.random.normal(key, (M, K), jnp.bfloat16)
+            if gated:
+                xla = over_layers(lambda l, x, w, w2, s: jax.nn.silu(x @ w[l].astype(x.dtype) * s[l])
+                                  * (x @ w2[l].astype(x.dtype) * s[l]), L)
+            else:
+                xla = over_layers(lambda l, x, w, w2, s: (x @ w[l].astype(x.dtype)) * s[l], L)
+            res = {"xla": timed(xla, x, w, w2, s)}
+            quick = a.quick or M > 8
+            vs = {"auto": choose_tiles(M, K, N, gated)} if quick else variants(M, K, N, gated)
+            for label, t in vs.items():
+                if gated:
+                    f = over_layers(lambda l, x, w, w2, s, t=t: stacked_gated(x, (w, s), (w2, s), l, jax.nn.silu, t), L)
+                else:
+                    f = over_layers(lambda l, x, w, w2, s, t=t: stacked_matmul(x, w, s, l, t), L)
+                try:
+                    res[label] = timed(f, x, w, w2, s)
+                except Exception as e:          # a tile shape Triton refuses: note it, go on
+                    res[label] = str(e).splitlines()[0][:120]
+            ok = {k: v for k, v in res.items() if isinstance(v, float)}
+            best = min((k for k in ok if k != "xla"), key=ok.get, default=None)
+            row = {"matmul": name, "M": M, "K": K, "N": N, "bytes": nbytes,
+                   "xla_GBps": nbytes / ok["xla"] / 1e9,
+                   "auto_GBps": nbytes / ok["auto"] / 1e9 if "auto" in ok else None,
+                   "best": best, "best_GBps": nbytes / ok[best] / 1e9 if best else None,
+                   "all_s": res}
+            rows.append(row)
+            print(f"{name:8s} M={M:3d} K={K:5d} N={N:5d}  xla {row['xla_GBps']:7.0f}  auto "
+                  f"{row['auto_GBps'] or 0:7.0f}  best {row['best_GBps'] or 0:7.0f} GB/s  ({best})", flush=True)
+    a_spec = cfg.attn[cfg.layer_kinds[0]]
+    H, Kh, hd = a_spec.num_heads, a_spec.num_kv_heads, a_spec.head_dim
+    att = []
+    for B in [int(r) for r in a.rows.split(",")]:
+        S = a.ctx
+        k = jax.random.normal(key, (L, B, S, Kh, hd), jnp.bfloat16)
+        v = jax.random.normal(key, (L, B, S, Kh, hd), jnp.bfloat16)
+        q = jax.random.normal(key, (B, H, hd), jnp.bfloat16)
+        pos = jnp.full((B,), S - 1, jnp.int32)
+        nbytes = 2 * k.size * 2
+        kern = over_layers(lambda l, q, k, v, pos: decode_attention(q, k, v, l, pos, scale=0.1), L)
+        mask = attention_mask(pos[:, None], slot_positions(B, S), None)
+        xla = over_layers(lambda l, q, k, v, pos: attend(q[:, None], k[l], v[l], mask, 0.1, None), L)
+        tk, tx = timed(kern, q, k, v, pos), timed(xla, q, k, v, pos)
+        att.append({"B": B, "S": S, "bytes": nbytes, "pallas_GBps": nbytes / tk / 1e9, "xla_GBps": nbytes / tx / 1e9})
+        print(f"attention B={B:3d} S={S}  xla {nbytes / tx / 1e9:7.0f}  pallas {nbytes / tk / 1e9:7.0f} GB/s", flush=True)
+    json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "bandwidth_GBps": bw[1] / 1e9,
+               "matmuls": rows, "attention": att}, open(os.path.join(a.out, "kernel_bench.json"), "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
