@@ -7,7 +7,7 @@ import numpy as np
 
 from .config import AttnSpec, ModelConfig, RopeSpec
 from .errors import ModelError
-from .quant import linear
+from .quant import linear, linears
 
 NEG_INF = -1e30
 
@@ -88,18 +88,21 @@ def attend(q, k, v, mask, scale: float, softcap: float | None) -> jax.Array:
 
 def project_qkv(cfg: ModelConfig, a: AttnSpec, w: dict, h: jax.Array, positions: jax.Array, inv_freq):
     """Q, K, V for one layer: projections, per-head norms, RoPE on Q and K."""
-    k = linear(h, w["k"])
-    v = k if a.k_eq_v else linear(h, w["v"])
+    q, k, *v = linears(h, [w["q"], w["k"]] + ([] if a.k_eq_v else [w["v"]]))
+    v = k if a.k_eq_v else v[0]
     if cfg.qk_norm:
         k = rms_norm(k, w["k_norm"], cfg.norm_eps, cfg.norm_offset)
     if cfg.v_norm:
         v = rms_norm(v, None, cfg.norm_eps)
-    return project_q(cfg, w, h, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+    return finish_q(cfg, w, q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
 def project_q(cfg: ModelConfig, w: dict, h: jax.Array, positions: jax.Array, inv_freq):
     """Q alone (a layer that attends over another layer's KV cache needs no K/V of its own)."""
-    q = linear(h, w["q"])
+    return finish_q(cfg, w, linear(h, w["q"]), positions, inv_freq)
+
+
+def finish_q(cfg: ModelConfig, w: dict, q: jax.Array, positions: jax.Array, inv_freq):
     if cfg.qk_norm:
         q = rms_norm(q, w["q_norm"], cfg.norm_eps, cfg.norm_offset)
     return apply_rope(q, positions, inv_freq)

@@ -73,6 +73,16 @@ def linear(x: jax.Array, w, n_contract: int = 1) -> jax.Array:
                                preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+def linears(x: jax.Array, ws: list, n_contract: int = 1) -> list:
+    """[linear(x, w) for w in ws]; Stacked weights of one layer go to a single kernel launch."""
+    if all(isinstance(w, Stacked) for w in ws):
+        from .kernels.ops import stacked_linears
+        ys = stacked_linears(x, ws, n_contract)
+        if ys is not None:
+            return ys
+    return [linear(x, w, n_contract) for w in ws]
+
+
 def dequantize(w) -> jax.Array:
     if isinstance(w, QuantArray):
         s = w.scale.reshape((1,) * w.n_contract + w.scale.shape)

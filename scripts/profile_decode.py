@@ -49,6 +49,7 @@ def main():
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--quant", default="int8")
     p.add_argument("--out", default="profile")
+    p.add_argument("--top", type=int, default=25, help="kernels listed by total time")
     a = p.parse_args()
     dtype = DTYPES["bfloat16"]
     cfg, fam = resolve_shape(a.shape)
@@ -68,11 +69,12 @@ def main():
     events = json.load(gzip.open(files[0]))["traceEvents"] if files else []
     gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
                 and re.search(r"/device:GPU|GPU|stream", str(e.get("args", {}).get("name", "")))}
-    by_kind, by_name, n_kernels = defaultdict(float), defaultdict(float), 0
+    by_kind, by_name, count, n_kernels = defaultdict(float), defaultdict(float), defaultdict(int), 0
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e:
             by_kind[kind_of(e["name"])] += e["dur"]
             by_name[e["name"]] += e["dur"]
+            count[e["name"]] += 1
             n_kernels += 1
     total = sum(by_kind.values()) / 1e3 / a.steps
     print(f"{a.shape} B={a.batch} ctx={a.ctx} {a.quant} scan_unroll={os.environ.get('JAXLLM_SCAN_UNROLL', '1')}: "
@@ -81,8 +83,9 @@ def main():
     for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"  {k:16s} {v / 1e3 / a.steps:8.3f} ms/step")
     print("  top kernels:")
-    for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]:
-        print(f"    {v / 1e3 / a.steps:8.3f} ms  {k[:90]}")
+    for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:a.top]:
+        print(f"    {v / 1e3 / a.steps:8.3f} ms  {count[k] / a.steps:6.1f}x/step  "
+              f"{v / max(count[k], 1):7.1f} us each  {k[:70]}")
 
 
 if __name__ == "__main__":

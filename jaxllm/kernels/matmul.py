@@ -47,19 +47,28 @@ def _pow2(n: int) -> int:
 
 
 def choose_tiles(M: int, K: int, N: int, gated: bool = False) -> Tiles:
-    """Blocks for an [M, K] x [K, N] product: a vector product at M=1, 16..64-row dots above; the
-    column block shrinks and K splits until there are about two blocks per multiprocessor."""
-    bm = 1 if M == 1 else min(64, max(16, _pow2(M)))
-    bk = 256 if bm == 1 else 64
-    bn = 64
-    m_blocks = -(-M // bm)
+    """Blocks for an [M, K] x [K, N] product (N summed over the weights of a fused call).
+
+    M=1 is a vector product: each thread multiplies its part of a [bk, bn] tile into a float32
+    accumulator of the same shape, reduced once at the end (a reduction per tile stalls the
+    loads). Above, 16..64-row tensor-core dots. Columns are blocked, and K split, until there are
+    about four blocks per multiprocessor; the contraction step is then the largest that loads little
+    past the end of K."""
+    if M == 1:
+        bm, bn, warps = 1, 32, 8
+    else:
+        bm, bn, warps = min(64, max(16, _pow2(M))), 128, 8
+    blocks = -(-M // bm) * -(-N // bn)
     split = 1
-    while bn > 32 and m_blocks * -(-N // bn) < 2 * SMS:
-        bn //= 2
     if not gated:
-        while split < 8 and m_blocks * -(-N // bn) * split < 2 * SMS and K // (2 * split) >= 4 * bk:
+        while split < 8 and blocks * split < 4 * SMS and K >= 2 * split * 256:
             split *= 2
-    return Tiles(bm=bm, bn=bn, bk=bk, split=split)
+
+    def waste(b):                  # K positions loaded past the end, masked
+        return -(-K // (b * split)) * b * split - K
+    steps = (256, 128) if bm == 1 else (128, 64)
+    bk = next((b for b in steps if waste(b) <= 0.1 * K), steps[-1])
+    return Tiles(bm=bm, bn=bn, bk=bk, split=split, warps=warps)
 
 
 def _load_x(x_ref, i, k0, t: Tiles, M, K):
@@ -79,22 +88,25 @@ def _load_w(w_ref, layer, j, k0, t: Tiles, K, N):
 
 
 def _product(x, w, t: Tiles):
-    if t.bm == 1:
-        return jnp.sum(x.astype(jnp.float32)[:, None] * w.astype(jnp.float32), axis=0)[None, :]
+    if t.bm == 1:                  # elementwise into the [bk, bn] accumulator
+        return x.astype(jnp.float32)[:, None] * w.astype(jnp.float32)
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     return jax.lax.dot_general(x, w.astype(x.dtype), (((1,), (0,)), ((), ())),
                                preferred_element_type=jnp.float32, precision=precision)
 
 
 def _accumulate(x_ref, w_refs, layer, i, j, s, steps, t: Tiles, M, K, N):
+    """[bm, bn] float32 sums over this program's K range for each weight in w_refs."""
     k_lo = s * steps * t.bk
-    acc = tuple(jnp.zeros((t.bm, t.bn), jnp.float32) for _ in w_refs)
+    shape = (t.bk, t.bn) if t.bm == 1 else (t.bm, t.bn)
+    acc = tuple(jnp.zeros(shape, jnp.float32) for _ in w_refs)
 
     def body(n, acc):
         k0 = k_lo + n * t.bk
         x = _load_x(x_ref, i, k0, t, M, K)
         return tuple(a + _product(x, _load_w(w, layer, j, k0, t, K, N), t) for a, w in zip(acc, w_refs))
-    return jax.lax.fori_loop(0, steps, body, acc)
+    acc = jax.lax.fori_loop(0, steps, body, acc)
+    return tuple(jnp.sum(a, axis=0)[None, :] for a in acc) if t.bm == 1 else acc
 
 
 def _scaled(acc, s_ref, layer, j, t: Tiles, N):
@@ -113,15 +125,26 @@ def _store(o_ref, val, i, j, t: Tiles, M, N, split_index=None):
     plgpu.store(ref, val.astype(o_ref.dtype), mask=mask)
 
 
-def _matmul_kernel(layer_ref, x_ref, w_ref, *rest, t: Tiles, M, K, N, steps, scaled):
-    s_ref, o_ref = (rest[0], rest[1]) if scaled else (None, rest[0])
+def _matmul_kernel(layer_ref, x_ref, *refs, t: Tiles, M, K, Ns, steps, scaled):
+    """Column blocks of several weights side by side in one grid: block j belongs to the weight
+    whose range of blocks holds it, and only that weight's branch runs."""
+    n = len(Ns)
+    w_refs, o_refs = refs[:n], refs[-n:]
+    s_refs = refs[n:2 * n] if scaled else (None,) * n
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
-    (acc,) = _accumulate(x_ref, (w_ref,), layer, i, j, s, steps, t, M, K, N)
-    if t.split == 1:
-        _store(o_ref, _scaled(acc, s_ref, layer, j, t, N), i, j, t, M, N)
-    else:
-        _store(o_ref, acc, i, j, t, M, N, split_index=s)
+    first = 0
+    for w_ref, s_ref, o_ref, N in zip(w_refs, s_refs, o_refs, Ns):
+        nb = -(-N // t.bn)
+
+        @pl.when((j >= first) & (j < first + nb))
+        def _(w_ref=w_ref, s_ref=s_ref, o_ref=o_ref, N=N, jj=j - first):
+            (acc,) = _accumulate(x_ref, (w_ref,), layer, i, jj, s, steps, t, M, K, N)
+            if t.split == 1:
+                _store(o_ref, _scaled(acc, s_ref, layer, jj, t, N), i, jj, t, M, N)
+            else:
+                _store(o_ref, acc, i, jj, t, M, N, split_index=s)
+        first += nb
 
 
 def _gated_kernel(layer_ref, x_ref, wg_ref, wu_ref, *rest, t: Tiles, M, K, N, steps, scaled, act):
@@ -134,36 +157,44 @@ def _gated_kernel(layer_ref, x_ref, wg_ref, wu_ref, *rest, t: Tiles, M, K, N, st
     _store(o_ref, act(g) * u, i, j, t, M, N)
 
 
-def _grid(M, N, t: Tiles):
-    return (-(-M // t.bm), -(-N // t.bn), t.split)
-
-
 def _params(t: Tiles):
     return plgpu.CompilerParams(num_warps=t.warps, num_stages=t.stages)
 
 
+def stacked_matmuls(x, weights, layer, tiles: Tiles | None = None) -> list:
+    """[x @ w[layer] * scale[layer] for (w [L, K, N_i], scale [L, N_i] | None) in weights], in one
+    kernel launch (e.g. the Q, K and V projections of a layer)."""
+    M, K = x.shape
+    Ns = [w.shape[2] for w, _ in weights]
+    for w, _ in weights:
+        assert w.shape[1] == K, (x.shape, w.shape)
+    scaled = weights[0][1] is not None
+    assert all((sc is not None) == scaled for _, sc in weights)
+    t = tiles or choose_tiles(M, K, sum(Ns))
+    note("matmul", (M, K, "+".join(map(str, Ns)), str(weights[0][0].dtype)), t.label())
+    steps = -(-K // (t.bk * t.split))
+    grid = (-(-M // t.bm), sum(-(-N // t.bn) for N in Ns), t.split)
+    out_shape = [jax.ShapeDtypeStruct((M, N), x.dtype) if t.split == 1
+                 else jax.ShapeDtypeStruct((t.split, M, N), jnp.float32) for N in Ns]
+    kernel = functools.partial(_matmul_kernel, t=t, M=M, K=K, Ns=tuple(Ns), steps=steps, scaled=scaled)
+    args = ((jnp.reshape(layer, (1,)).astype(jnp.int32), x) + tuple(w for w, _ in weights)
+            + (tuple(sc for _, sc in weights) if scaled else ()))
+    outs = pl.pallas_call(kernel, out_shape=out_shape, grid=grid, compiler_params=_params(t),
+                          interpret=interpret(), name="stacked_matmul")(*args)
+    if t.split == 1:
+        return list(outs)
+    res = []
+    for out, (_, sc) in zip(outs, weights):
+        out = out.sum(axis=0)
+        if sc is not None:
+            out = out * jax.lax.dynamic_index_in_dim(sc, layer, keepdims=False)
+        res.append(out.astype(x.dtype))
+    return res
+
+
 def stacked_matmul(x, w, scale, layer, tiles: Tiles | None = None):
     """x [M, K] @ w[layer] ([L, K, N] int8 or float) * scale[layer] ([L, N], or None) -> [M, N]."""
-    M, K = x.shape
-    L, K2, N = w.shape
-    assert K == K2, (x.shape, w.shape)
-    t = tiles or choose_tiles(M, K, N)
-    note("matmul", (M, K, N, str(w.dtype)), t.label())
-    steps = -(-K // (t.bk * t.split))
-    grid = _grid(M, N, t)
-    scaled = scale is not None
-    out_shape = (jax.ShapeDtypeStruct((M, N), x.dtype) if t.split == 1
-                 else jax.ShapeDtypeStruct((t.split, M, N), jnp.float32))
-    kernel = functools.partial(_matmul_kernel, t=t, M=M, K=K, N=N, steps=steps, scaled=scaled)
-    args = (jnp.reshape(layer, (1,)).astype(jnp.int32), x, w) + ((scale,) if scaled else ())
-    out = pl.pallas_call(kernel, out_shape=out_shape, grid=grid, compiler_params=_params(t),
-                         interpret=interpret(), name="stacked_matmul")(*args)
-    if t.split == 1:
-        return out
-    out = out.sum(axis=0)
-    if scaled:
-        out = out * jax.lax.dynamic_index_in_dim(scale, layer, keepdims=False)
-    return out.astype(x.dtype)
+    return stacked_matmuls(x, [(w, scale)], layer, tiles)[0]
 
 
 def stacked_gated(x, gate, up, layer, act, tiles: Tiles | None = None):
@@ -171,12 +202,13 @@ def stacked_gated(x, gate, up, layer, act, tiles: Tiles | None = None):
     (wg, sg), (wu, su) = gate, up
     M, K = x.shape
     N = wg.shape[2]
-    t = tiles or choose_tiles(M, K, N, gated=True)
+    t = tiles or choose_tiles(M, K, 2 * N, gated=True)
     assert t.split == 1
     note("gated matmul", (M, K, N, str(wg.dtype)), t.label())
     steps = -(-K // t.bk)
     scaled = sg is not None
     kernel = functools.partial(_gated_kernel, t=t, M=M, K=K, N=N, steps=steps, scaled=scaled, act=act)
     args = (jnp.reshape(layer, (1,)).astype(jnp.int32), x, wg, wu) + ((sg, su) if scaled else ())
-    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((M, N), x.dtype), grid=_grid(M, N, t),
+    grid = (-(-M // t.bm), -(-N // t.bn), 1)
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((M, N), x.dtype), grid=grid,
                           compiler_params=_params(t), interpret=interpret(), name="stacked_gated")(*args)

@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import math
 
-import jax
-import jax.numpy as jnp
-
 from . import enabled, note
 from .attention import decode_attention
-from .matmul import stacked_gated, stacked_matmul
+from .matmul import stacked_gated, stacked_matmuls
 from ..quant import QuantArray, Stacked
 
 MAX_ROWS = 64          # above this many rows a step is compute-heavy enough for XLA's GEMMs
@@ -33,12 +30,23 @@ def _rows(x, n_contract: int, name: str, K: int, N: int, dtype):
     return x.reshape(M, K), lead
 
 
-def stacked_linear(x, w: Stacked, n_contract: int):
-    W, s, ndims = _flat(w, n_contract)
-    x2, lead = _rows(x, n_contract, "matmul", W.shape[1], W.shape[2], W.dtype)
+def stacked_linears(x, ws: list, n_contract: int):
+    """One kernel launch for several Stacked weights contracted with the same x (Q, K and V)."""
+    flat = [_flat(w, n_contract) for w in ws]
+    if len({(W.shape[1], W.dtype, s is None) for W, s, _ in flat}) != 1:
+        return None
+    K = flat[0][0].shape[1]
+    x2, lead = _rows(x, n_contract, "matmul", K, "+".join(str(W.shape[2]) for W, _, _ in flat),
+                     flat[0][0].dtype)
     if x2 is None:
         return None
-    return stacked_matmul(x2, W, s, w.idx).reshape(lead + ndims)
+    ys = stacked_matmuls(x2, [(W, s) for W, s, _ in flat], ws[0].idx)
+    return [y.reshape(lead + nd) for y, (_, _, nd) in zip(ys, flat)]
+
+
+def stacked_linear(x, w: Stacked, n_contract: int):
+    ys = stacked_linears(x, [w], n_contract)
+    return None if ys is None else ys[0]
 
 
 def gated(x, gate, up, act):
