@@ -51,23 +51,18 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False) -> Tiles:
 
     M=1 is a vector product: each thread multiplies its part of a [bk, bn] tile into a float32
     accumulator of the same shape, reduced once at the end (a reduction per tile stalls the
-    loads). Above, 16..64-row tensor-core dots. Columns are blocked, and K split, until there are
-    about four blocks per multiprocessor; the contraction step is then the largest that loads little
-    past the end of K."""
+    loads). Above, 16..64-row tensor-core dots. K is split until there are about four blocks per
+    multiprocessor: on an H100, narrow K ranges over many blocks streamed int8 weights faster than
+    long ranges over few (scripts/kernel_bench.py)."""
     if M == 1:
-        bm, bn, warps = 1, 32, 8
+        bm, bn, bk, warps = 1, 64, 128, (8 if gated else 4)
     else:
-        bm, bn, warps = min(64, max(16, _pow2(M))), 128, 8
+        bm, bn, bk, warps = min(64, max(16, _pow2(M))), 128, 128, 8
     blocks = -(-M // bm) * -(-N // bn)
     split = 1
-    if not gated:
-        while split < 8 and blocks * split < 4 * SMS and K >= 2 * split * 256:
-            split *= 2
-
-    def waste(b):                  # K positions loaded past the end, masked
-        return -(-K // (b * split)) * b * split - K
-    steps = (256, 128) if bm == 1 else (128, 64)
-    bk = next((b for b in steps if waste(b) <= 0.1 * K), steps[-1])
+    max_split = 0 if gated else 16 if M == 1 else 4 if M <= 64 else 2    # partials cost M*N*4 bytes
+    while split < max_split and blocks * split < 4 * SMS and K >= 2 * split * bk:
+        split *= 2
     return Tiles(bm=bm, bn=bn, bk=bk, split=split, warps=warps)
 
 

@@ -10,7 +10,7 @@ from .attention import decode_attention
 from .matmul import stacked_gated, stacked_matmuls
 from ..quant import QuantArray, Stacked
 
-MAX_ROWS = 64          # above this many rows a step is compute-heavy enough for XLA's GEMMs
+MAX_ROWS = 256         # above this many rows (a prefill) a step is compute-bound: XLA's GEMMs
 
 
 def _flat(w: Stacked, n_contract: int):
