@@ -292,6 +292,9 @@ def plot(rep: dict, path: str) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     pts = [p for p in rep["points"] if not p["skipped"]]
+    if not pts:
+        print("no point was measured: no plot written", file=sys.stderr)
+        return False
     b = [p["batch"] for p in pts]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     ax1.plot(b, [p["tok_s"] for p in pts], "o-", label="measured")

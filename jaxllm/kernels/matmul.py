@@ -46,7 +46,10 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def choose_tiles(M: int, K: int, N: int, gated: bool = False) -> Tiles:
+SMEM = 200 * 1024     # of the 227 KiB a block may use on H100/H200, leaving Triton some room
+
+
+def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1) -> Tiles:
     """Blocks for an [M, K] x [K, N] product (N summed over the weights of a fused call).
 
     M=1 is a vector product: each thread multiplies its part of a [bk, bn] tile into a float32
@@ -60,10 +63,13 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False) -> Tiles:
         bm, bn, bk, warps = min(64, max(16, _pow2(M))), 128, 128, 8
     blocks = -(-M // bm) * -(-N // bn)
     split = 1
-    max_split = 0 if gated else 16 if M == 1 else 4 if M <= 64 else 2    # partials cost M*N*4 bytes
+    max_split = (4 if gated else 16) if M == 1 else 4 if M <= 64 else 2   # partials: M*N*4 bytes
     while split < max_split and blocks * split < 4 * SMS and K >= 2 * split * bk:
         split *= 2
-    return Tiles(bm=bm, bn=bn, bk=bk, split=split, warps=warps)
+    stages, n_w = 3, 2 if gated else 1
+    while stages > 1 and stages * bk * (bm * 2 + n_w * bn * w_bytes) > SMEM:  # pipelined tiles
+        stages -= 1
+    return Tiles(bm=bm, bn=bn, bk=bk, split=split, warps=warps, stages=stages)
 
 
 def _load_x(x_ref, i, k0, t: Tiles, M, K):
@@ -143,13 +149,17 @@ def _matmul_kernel(layer_ref, x_ref, *refs, t: Tiles, M, K, Ns, steps, scaled):
 
 
 def _gated_kernel(layer_ref, x_ref, wg_ref, wu_ref, *rest, t: Tiles, M, K, N, steps, scaled, act):
-    sg_ref, su_ref, o_ref = rest if scaled else (None, None, rest[0])
-    i, j = pl.program_id(0), pl.program_id(1)
+    sg_ref, su_ref = rest[:2] if scaled else (None, None)
+    i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
-    g, u = _accumulate(x_ref, (wg_ref, wu_ref), layer, i, j, 0, steps, t, M, K, N)
-    g = _scaled(g, sg_ref, layer, j, t, N)
-    u = _scaled(u, su_ref, layer, j, t, N)
-    _store(o_ref, act(g) * u, i, j, t, M, N)
+    g, u = _accumulate(x_ref, (wg_ref, wu_ref), layer, i, j, s, steps, t, M, K, N)
+    if t.split == 1:
+        g = _scaled(g, sg_ref, layer, j, t, N)
+        u = _scaled(u, su_ref, layer, j, t, N)
+        _store(rest[-1], act(g) * u, i, j, t, M, N)
+    else:                                      # partial sums; XLA finishes the gate
+        _store(rest[-2], g, i, j, t, M, N, split_index=s)
+        _store(rest[-1], u, i, j, t, M, N, split_index=s)
 
 
 def _params(t: Tiles):
@@ -165,7 +175,7 @@ def stacked_matmuls(x, weights, layer, tiles: Tiles | None = None) -> list:
         assert w.shape[1] == K, (x.shape, w.shape)
     scaled = weights[0][1] is not None
     assert all((sc is not None) == scaled for _, sc in weights)
-    t = tiles or choose_tiles(M, K, sum(Ns))
+    t = tiles or choose_tiles(M, K, sum(Ns), w_bytes=weights[0][0].dtype.itemsize)
     note("matmul", (M, K, "+".join(map(str, Ns)), str(weights[0][0].dtype)), t.label())
     steps = -(-K // (t.bk * t.split))
     grid = (-(-M // t.bm), sum(-(-N // t.bn) for N in Ns), t.split)
@@ -197,13 +207,23 @@ def stacked_gated(x, gate, up, layer, act, tiles: Tiles | None = None):
     (wg, sg), (wu, su) = gate, up
     M, K = x.shape
     N = wg.shape[2]
-    t = tiles or choose_tiles(M, K, 2 * N, gated=True)
-    assert t.split == 1
+    t = tiles or choose_tiles(M, K, N, gated=True, w_bytes=wg.dtype.itemsize)
     note("gated matmul", (M, K, N, str(wg.dtype)), t.label())
-    steps = -(-K // t.bk)
+    steps = -(-K // (t.bk * t.split))
     scaled = sg is not None
     kernel = functools.partial(_gated_kernel, t=t, M=M, K=K, N=N, steps=steps, scaled=scaled, act=act)
     args = (jnp.reshape(layer, (1,)).astype(jnp.int32), x, wg, wu) + ((sg, su) if scaled else ())
-    grid = (-(-M // t.bm), -(-N // t.bn), 1)
-    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((M, N), x.dtype), grid=grid,
-                          compiler_params=_params(t), interpret=interpret(), name="stacked_gated")(*args)
+    grid = (-(-M // t.bm), -(-N // t.bn), t.split)
+    if t.split == 1:
+        out_shape = jax.ShapeDtypeStruct((M, N), x.dtype)
+    else:
+        out_shape = [jax.ShapeDtypeStruct((t.split, M, N), jnp.float32)] * 2
+    out = pl.pallas_call(kernel, out_shape=out_shape, grid=grid, compiler_params=_params(t),
+                         interpret=interpret(), name="stacked_gated")(*args)
+    if t.split == 1:
+        return out
+    g, u = out[0].sum(axis=0), out[1].sum(axis=0)
+    if scaled:
+        g = g * jax.lax.dynamic_index_in_dim(sg, layer, keepdims=False)
+        u = u * jax.lax.dynamic_index_in_dim(su, layer, keepdims=False)
+    return (act(g) * u).astype(x.dtype)

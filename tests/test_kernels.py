@@ -1,0 +1,149 @@
+"""The Pallas decode kernels against the XLA formulation they replace, in Pallas interpret mode on
+the CPU, over shapes with edge tiles: one row, odd widths, K not a multiple of the step, partly
+filled and empty KV blocks, sliding windows and soft-capping; then whole models, kernels forced on,
+against the XLA path."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxllm
+from jaxllm import kernels
+from jaxllm.cache import slot_positions
+from jaxllm.errors import ModelError
+from jaxllm.kernels.attention import decode_attention
+from jaxllm.kernels.matmul import Tiles, choose_tiles, stacked_gated, stacked_matmul, stacked_matmuls
+from jaxllm.layers import attend, attention_mask
+import tiny
+
+L = 3
+
+
+def _w(rng, K, N, dtype):
+    if dtype == "int8":
+        return (jnp.asarray(rng.integers(-127, 128, (L, K, N)), jnp.int8),
+                jnp.asarray(rng.random((L, N)) * 0.02 + 0.001, jnp.float32))
+    return jnp.asarray(rng.standard_normal((L, K, N)) * 0.1, jnp.float32), None
+
+
+def _ref(x, w, s, layer):
+    y = x.astype(jnp.float32) @ w[layer].astype(jnp.float32)
+    return y if s is None else y * s[layer]
+
+
+def _rel(a, b):
+    return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+
+
+TILES = [None, Tiles(bm=1, bn=16, bk=32, split=3), Tiles(bm=16, bn=32, bk=16, split=1),
+         Tiles(bm=16, bn=16, bk=32, split=2)]
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 100, 37), (3, 130, 70), (17, 64, 33), (1, 300, 129)])
+@pytest.mark.parametrize("dtype", ["int8", "float32"])
+def test_stacked_matmul(M, K, N, dtype):
+    rng = np.random.default_rng(M * K + N)
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+    w, s = _w(rng, K, N, dtype)
+    ref = _ref(x, w, s, 2)
+    for t in TILES:
+        if t is not None and t.bm == 1 and M > 1:
+            t = Tiles(bm=1, bn=t.bn, bk=t.bk, split=t.split)          # one program per row
+        assert _rel(stacked_matmul(x, w, s, jnp.int32(2), t), ref) < 1e-5, t
+
+
+def test_fused_projections_match_separate():
+    """Q, K and V widths side by side in one grid; each output equals its own product."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((2, 72)), jnp.float32)
+    ws = [_w(rng, 72, n, "int8") for n in (48, 16, 17)]
+    for t in (None, Tiles(bm=16, bn=16, bk=32, split=2), Tiles(bm=1, bn=16, bk=16, split=1)):
+        outs = stacked_matmuls(x, ws, jnp.int32(1), t)
+        for y, (w, s) in zip(outs, ws):
+            assert y.shape == (2, w.shape[2])
+            assert _rel(y, _ref(x, w, s, 1)) < 1e-5
+
+
+@pytest.mark.parametrize("M", [1, 5])
+@pytest.mark.parametrize("split", [1, 2])
+def test_stacked_gated(M, split):
+    rng = np.random.default_rng(M + 10 * split)
+    x = jnp.asarray(rng.standard_normal((M, 90)), jnp.float32)
+    g, u = _w(rng, 90, 45, "int8"), _w(rng, 90, 45, "int8")
+    act = lambda v: jax.nn.gelu(v, approximate=True)             # noqa: E731
+    ref = act(_ref(x, *g, 0)) * _ref(x, *u, 0)
+    t = Tiles(bm=1 if M == 1 else 16, bn=16, bk=32, split=split)
+    for tiles in (None, t):
+        assert _rel(stacked_gated(x, g, u, jnp.int32(0), act, tiles), ref) < 1e-5
+
+
+def test_tile_choice_fits_and_fills():
+    for M, K, N, gated, wb in [(1, 2560, 6144, False, 1), (1, 2560, 9728, True, 1), (8, 9728, 2560, False, 2),
+                               (64, 2560, 9728, True, 2), (256, 5376, 21504, True, 1)]:
+        t = choose_tiles(M, K, N, gated, wb)
+        smem = t.stages * t.bk * (t.bm * 2 + (2 if gated else 1) * t.bn * wb)
+        assert smem <= 200 * 1024 and t.split >= 1 and t.bk <= K
+        blocks = -(-M // t.bm) * -(-N // t.bn) * t.split
+        assert blocks >= 132 or t.split == (4 if gated or M > 1 else 16), (M, K, N, t)
+
+
+@pytest.mark.parametrize("B,H,K,S,hd,window,softcap,pos", [
+    (2, 8, 2, 100, 32, None, None, [5, 99]),        # last block partly filled, one row nearly empty
+    (3, 4, 4, 70, 48, 16, 30.0, [0, 40, 69]),       # head_dim not a power of 2, window, softcap
+    (1, 6, 2, 64, 16, None, None, [63]),            # 3 query heads per KV head
+])
+def test_decode_attention(B, H, K, S, hd, window, softcap, pos):
+    rng = np.random.default_rng(S)
+    q = jnp.asarray(rng.standard_normal((B, H, hd)), jnp.float32)
+    ks = jnp.asarray(rng.standard_normal((L, B, S, K, hd)), jnp.float32)
+    vs = jnp.asarray(rng.standard_normal((L, B, S, K, hd)), jnp.float32)
+    pos = jnp.asarray(pos, jnp.int32)
+    mask = attention_mask(pos[:, None], slot_positions(B, S), window)
+    ref = attend(q[:, None], ks[1], vs[1], mask, 0.3, softcap)[:, 0]
+    for block, splits in [(None, None), (16, 3), (32, 1), (16, 8)]:
+        o = decode_attention(q, ks, vs, jnp.int32(1), pos, scale=0.3, softcap=softcap, window=window,
+                             block=block, splits=splits)
+        assert float(jnp.max(jnp.abs(o - ref))) < 2e-6, (block, splits)
+
+
+def test_kernel_mode_switch(monkeypatch):
+    monkeypatch.setenv("JAXLLM_KERNELS", "xla")
+    assert not kernels.enabled()
+    monkeypatch.setenv("JAXLLM_KERNELS", "pallas")
+    assert kernels.enabled()
+    monkeypatch.setenv("JAXLLM_KERNELS", "auto")
+    assert not kernels.enabled()                     # the CPU: XLA
+    monkeypatch.setenv("JAXLLM_KERNELS", "triton")
+    with pytest.raises(ModelError, match="JAXLLM_KERNELS must be one of"):
+        kernels.mode()
+
+
+def _run(eng, prompts, ids):
+    out = [c.token_ids for c in eng.generate_ids(prompts, max_tokens=10)]
+    cache, logits = eng.new_cache(2, 32), []
+    for t in range(ids.shape[1]):
+        lg, cache = eng.step(ids[:, t], np.full(2, t), cache)
+        logits.append(np.asarray(lg))
+    return out, np.stack(logits)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("quant", ["none", "int8"])
+def test_model_kernels_match_xla(family, quant, tmp_path, monkeypatch):
+    """Whole models with every decode kernel forced on: the same greedy tokens as the XLA path and
+    step logits within float32 rounding, past several wraps of Gemma 3's sliding window (8)."""
+    tiny.make(family, tmp_path, seed=3)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(1, 160, n).tolist() for n in (5, 12, 9)]
+    ids = rng.integers(0, 160, (2, 20)).astype(np.int32)
+    results = {}
+    for mode in ("xla", "pallas"):
+        monkeypatch.setenv("JAXLLM_KERNELS", mode)
+        eng = jaxllm.load(str(tmp_path), quant=quant, dtype="float32", max_ctx=64)
+        results[mode] = _run(eng, prompts, ids)
+    assert results["xla"][0] == results["pallas"][0]
+    assert tiny.rel_err(results["pallas"][1], results["xla"][1]) < 1e-5
+    chosen = {s["kernel"] for s in kernels.selections()}
+    assert {"matmul", "gated matmul", "decode attention"} <= chosen
