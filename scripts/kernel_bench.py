@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 from jaxllm.harness import ceilings as ceil  # noqa: E402
 from jaxllm.harness.shapes import resolve_shape  # noqa: E402
 from jaxllm.kernels.attention import decode_attention  # noqa: E402
-from jaxllm.kernels.matmul import Tiles, choose_tiles, stacked_gated, stacked_matmul  # noqa: E402
+from jaxllm.kernels.matmul import choose_tiles, stacked_gated, stacked_matmul  # noqa: E402
 from jaxllm.layers import attend, attention_mask  # noqa: E402
 from jaxllm.cache import slot_positions  # noqa: E402
 
@@ -57,14 +57,17 @@ def matmul_cases(cfg):
 
 
 def variants(M, K, N, gated):
-    base = choose_tiles(M, K, N, gated)
-    out = {"auto": base}
-    for bn in ((32, 64) if base.bm == 1 else (64, 128)):
-        for bk in ((128, 256, 512) if base.bm == 1 else (64, 128)):
-            for split in ({1} if gated else {base.split, 2 * base.split}):
-                for warps in (4, 8):
-                    t = Tiles(bm=base.bm, bn=bn, bk=bk, split=split, warps=warps)
-                    out[t.label()] = t
+    """The automatic tiles and, around them, other shapes (each with its own automatic K split):
+    at M=1 wide column blocks over shallow steps, as the accumulator allows (bk * bn <= 16384)."""
+    out = {"auto": choose_tiles(M, K, N, gated)}
+    if M == 1:
+        shapes = [(bn, bk) for bn in (64, 128, 256, 512) for bk in (16, 32, 64, 128) if bn * bk <= 16384]
+    else:
+        shapes = [(bn, bk) for bn in (64, 128) for bk in (64, 128)]
+    for bn, bk in shapes:
+        for warps in (4, 8):
+            t = choose_tiles(M, K, N, gated, bn=bn, bk=bk, warps=warps)
+            out[t.label()] = t
     return out
 
 

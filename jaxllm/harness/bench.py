@@ -276,7 +276,7 @@ def table(rep: dict) -> str:
                      f"{p['ceiling_tok_s']:.0f}", f"{p['compile_s']:.1f}"]
                     + [f"{p['ttft_ms'][str(n)]:.1f}" if str(n) in p['ttft_ms'] else "" for n in lens])
     full = [r for r in rows if len(r) == len(cols)]
-    width = [max(len(cols[i]), *(len(r[i]) for r in full)) for i in range(len(cols))]
+    width = [max([len(cols[i])] + [len(r[i]) for r in full]) for i in range(len(cols))]
     def fmt(r):
         return "  ".join(x.rjust(w) for x, w in zip(r, width)) if len(r) == len(cols) else \
             f"{r[0].rjust(width[0])}  {r[1]}"

@@ -49,18 +49,20 @@ def _pow2(n: int) -> int:
 SMEM = 200 * 1024     # of the 227 KiB a block may use on H100/H200, leaving Triton some room
 
 
-def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1) -> Tiles:
+def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, *, bn=None, bk=None,
+                 warps=None) -> Tiles:
     """Blocks for an [M, K] x [K, N] product (N summed over the weights of a fused call).
 
     M=1 is a vector product: each thread multiplies its part of a [bk, bn] tile into a float32
     accumulator of the same shape, reduced once at the end (a reduction per tile stalls the
     loads). Above, 16..64-row tensor-core dots. K is split until there are about four blocks per
-    multiprocessor: on an H100, narrow K ranges over many blocks streamed int8 weights faster than
-    long ranges over few (scripts/kernel_bench.py)."""
+    multiprocessor: on an H100 (scripts/kernel_bench.py), shallow steps over narrow K ranges in many
+    blocks of 8 warps streamed int8 weights fastest, about 1.5-2x the 128-deep 4-warp tiles."""
     if M == 1:
-        bm, bn, bk, warps = 1, 64, 128, (8 if gated else 4)
+        bm, bn_, bk_, warps_ = 1, (128 if gated else 64), 32, 8
     else:
-        bm, bn, bk, warps = min(64, max(16, _pow2(M))), 128, 128, 8
+        bm, bn_, bk_, warps_ = min(64, max(16, _pow2(M))), 128, 128, 8
+    bn, bk, warps = bn or bn_, bk or bk_, warps or warps_
     blocks = -(-M // bm) * -(-N // bn)
     split = 1
     max_split = (4 if gated else 16) if M == 1 else 4 if M <= 64 else 2   # partials: M*N*4 bytes
