@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import generate as gen
+from . import generate as gen, kernels
 from . import prefill_chunked as chunked
 from .cache import init_cache
 from .config import ModelConfig
@@ -75,16 +75,28 @@ class Engine:
         check_fits(self.kv_plan(1))
         self.stats = GenerateStats()
         d = self.dtype
-        self._prefill = jax.jit(partial(gen.prefill, cfg, dtype=d), static_argnames=("n_out",),
+        jit = self._jit
+        self._prefill = jit(partial(gen.prefill, cfg, dtype=d), static_argnames=("n_out",),
                                 donate_argnames=("cache",))
-        self._loop = jax.jit(partial(gen.decode_loop, cfg, dtype=d), donate_argnames=("state",))
-        self._step = jax.jit(partial(gen.decode_step, cfg, dtype=d), donate_argnames=("cache",))
-        self._forward = jax.jit(self._forward_logits)
-        self._chunk = jax.jit(partial(chunked.prefill_chunk, cfg, dtype=d),
+        self._loop = jit(partial(gen.decode_loop, cfg, dtype=d), donate_argnames=("state",))
+        self._step = jit(partial(gen.decode_step, cfg, dtype=d), donate_argnames=("cache",))
+        self._forward = jit(self._forward_logits)
+        self._chunk = jit(partial(chunked.prefill_chunk, cfg, dtype=d),
                               static_argnames=("mark_padding",), donate_argnames=("cache",))
-        self._chunk_logits = jax.jit(partial(chunked.logits_chunk, cfg, dtype=d),
+        self._chunk_logits = jit(partial(chunked.logits_chunk, cfg, dtype=d),
                                      static_argnames=("mark_padding",), donate_argnames=("cache",))
-        self._begin = jax.jit(partial(gen.begin_decode, cfg), static_argnames=("n_out",))
+        self._begin = jit(partial(gen.begin_decode, cfg), static_argnames=("n_out",))
+
+    def _jit(self, fn, **kw):
+        """jax.jit, traced with this engine's layout declared, so that the decode kernels know the
+        mesh the weights lie on (see `jaxllm.kernels`)."""
+        compiled = jax.jit(fn, **kw)
+        layout = self.layout
+
+        def call(*args, **kwargs):
+            with kernels.use_layout(layout):
+                return compiled(*args, **kwargs)
+        return call
 
     # -- full forward ----------------------------------------------------------------------------
     def _forward_logits(self, weights, tokens):

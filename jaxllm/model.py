@@ -151,7 +151,7 @@ def layer_weights(group: dict, idx):
     the matmul weights, which are handed over as `Stacked` views for the kernels to read in place."""
     if not kernels.enabled():
         return take(group, idx)
-    return {k: Stacked(v, idx) if k in MATMUL_WEIGHTS else take(v, idx) for k, v in group.items()}
+    return {k: Stacked(v, idx, k) if k in MATMUL_WEIGHTS else take(v, idx) for k, v in group.items()}
 
 
 def put(tree, i, new):

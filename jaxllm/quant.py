@@ -45,6 +45,7 @@ class Stacked:
     left unsliced so that a kernel can read the layer in place; `layer()` slices it for XLA."""
     stack: object
     idx: jax.Array
+    name: str = ""          # the weight's name in its layer ("q", "down", ...): its logical axes
 
     def layer(self):
         return jax.tree_util.tree_map(lambda a: a[self.idx], self.stack)

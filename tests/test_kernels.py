@@ -147,3 +147,25 @@ def test_model_kernels_match_xla(family, quant, tmp_path, monkeypatch):
     assert tiny.rel_err(results["pallas"][1], results["xla"][1]) < 1e-5
     chosen = {s["kernel"] for s in kernels.selections()}
     assert {"matmul", "gated matmul", "decode attention"} <= chosen
+
+
+def test_sharded_kernels_match_single_device_xla(tmp_path):
+    """TP=4 over 4 host devices with the kernels forced on (each device runs them on its shards
+    inside shard_map) against one device on the XLA path: logits, step logits and greedy tokens."""
+    import json
+    import subprocess
+    import sys
+    here = os.path.dirname(__file__)
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAXLLM_KERNELS")}
+    r = subprocess.run([sys.executable, os.path.join(here, "sharded_kernels_run.py"), str(tmp_path)],
+                       env=env, capture_output=True, text=True, timeout=1500)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    for case, res in out.items():
+        if case == "selections":
+            continue
+        assert res["greedy_equal"], case
+        assert res["forward_err"] < 2e-5 and res["step_err"] < 2e-5, (case, res)
+    used = {(s["kernel"], s["choice"].split()[0]) for s in out["selections"]}
+    assert ("decode attention", "pallas") in used and ("matmul", "pallas") in used
+    assert ("decode attention", "xla") in used          # 2 KV heads cannot follow 4-way split heads

@@ -342,7 +342,7 @@ def sweep(a) -> int:
     ceilings = ceil.measure(a.probe_mib << 20 if a.probe_mib else None, a.matmul_n, device)
     mem = device_memory(device)
     points = []
-    with kernels.devices_in_use(a.layout.mesh.size):
+    with kernels.use_layout(a.layout):
         for batch in progress(a.batches):
             points.append(run_point(cfg, fam, weights, batch, a, ceilings, mem))
         rep = report(a, cfg, weights, subject, ceilings, points)

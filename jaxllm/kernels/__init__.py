@@ -1,8 +1,7 @@
 """Which code runs the decode-time hot spots: Pallas kernels on GPUs, XLA everywhere else.
 
-`JAXLLM_KERNELS` picks: `auto` (the default) uses the Pallas kernels when the computation runs on one
-GPU and XLA otherwise (TPU, CPU, and tensor-parallel meshes, whose sharded operands the kernels do
-not partition); `xla` forces the pure-XLA path everywhere (the reference, and a fallback a user can
+`JAXLLM_KERNELS` picks: `auto` (the default) uses the Pallas kernels on GPUs (one, or a tensor-parallel
+mesh, where they run per device on its shards) and XLA otherwise (TPU, CPU); `xla` forces the pure-XLA path everywhere (the reference, and a fallback a user can
 choose); `pallas` forces the kernels, in Pallas interpret mode on a CPU (how the tests check them).
 Every choice is logged once per shape on the `jaxllm.kernels` logger and kept in `selections()`,
 so a run can say what it ran; a shape a kernel does not take goes to XLA, logged the same way.
@@ -20,7 +19,7 @@ from ..errors import ModelError
 
 MODES = ("auto", "xla", "pallas")
 log = logging.getLogger("jaxllm.kernels")
-_devices_in_use: contextvars.ContextVar[int | None] = contextvars.ContextVar("devices_in_use", default=None)
+_layout: contextvars.ContextVar = contextvars.ContextVar("kernel_layout", default=None)
 _seen: dict[tuple, str] = {}
 
 
@@ -32,23 +31,31 @@ def mode() -> str:
 
 
 @contextlib.contextmanager
-def devices_in_use(n: int):
-    """Declare how many devices the computations traced inside shard their operands over."""
-    tok = _devices_in_use.set(int(n))
+def use_layout(layout):
+    """Declare the `sharding.Layout` whose mesh the computations traced inside run on: with a
+    tensor-parallel mesh the kernels run per device inside `shard_map`, on each device's shards."""
+    tok = _layout.set(layout)
     try:
         yield
     finally:
-        _devices_in_use.reset(tok)
+        _layout.reset(tok)
+
+
+def current_layout():
+    """The declared layout, or None (then the computation is taken to be on one device)."""
+    return _layout.get()
 
 
 def enabled() -> bool:
-    """Whether the Pallas kernels are used for what is traced now."""
+    """Whether the Pallas kernels are used for what is traced now: one GPU, or a tensor-parallel
+    mesh of GPUs (no data-parallel axis) declared with `use_layout`."""
     m = mode()
     if m != "auto":
         return m == "pallas"
-    n = _devices_in_use.get()
-    n = jax.device_count() if n is None else n
-    return jax.default_backend() == "gpu" and n == 1
+    lay = _layout.get()
+    if lay is None:
+        return jax.default_backend() == "gpu" and jax.device_count() == 1
+    return lay.mesh.devices.flat[0].platform == "gpu" and lay.dp == 1
 
 
 def interpret() -> bool:

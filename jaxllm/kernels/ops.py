@@ -1,47 +1,123 @@
 """The model-facing side of the kernels: take the model's own operands (a `Stacked` weight of any
 rank, a layer's view of the stacked KV cache), decide whether a kernel takes them, and reshape in
-and out. Each function returns None where the XLA path should run instead."""
+and out. Each function returns None where the XLA path should run instead.
+
+On a tensor-parallel mesh (`kernels.use_layout`) a kernel runs per device inside `shard_map`, on the
+shards the layout's rules give each operand: column-parallel weights (Q, K, V, gate, up) produce
+their output sharded like their output axis; row-parallel ones (O, down) contract a sharded axis
+and sum the partial products over the "model" axis; attention runs on each device's heads.
+"""
 from __future__ import annotations
 
 import math
+from functools import partial
 
-from . import enabled, note
+import jax
+from jax.sharding import PartitionSpec as P
+
+from . import current_layout, enabled, note
 from .attention import decode_attention
 from .matmul import stacked_gated, stacked_matmuls
 from ..quant import QuantArray, Stacked
 
 MAX_ROWS = 256         # above this many rows (a prefill) a step is compute-bound: XLA's GEMMs
 
-
-def _flat(w: Stacked, n_contract: int):
-    """[L, *in, *out] (and scales [L, *out]) -> [L, K, N], [L, N] | None, out dims."""
-    arr, scale = (w.stack.q, w.stack.scale) if isinstance(w.stack, QuantArray) else (w.stack, None)
-    L, kdims, ndims = arr.shape[0], arr.shape[1:1 + n_contract], arr.shape[1 + n_contract:]
-    K, N = math.prod(kdims), math.prod(ndims)
-    return arr.reshape(L, K, N), (None if scale is None else scale.reshape(L, N)), ndims
+# Logical axes of each layer weight the kernels take, after the stacked layer axis.
+AXES = {"q": ("embed", "q_heads", "head_dim"), "k": ("embed", "kv_heads", "head_dim"),
+        "v": ("embed", "kv_heads", "head_dim"), "o": ("q_heads", "head_dim", "embed"),
+        "gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed")}
 
 
-def _rows(x, n_contract: int, name: str, K: int, N: int, dtype):
-    lead = x.shape[:x.ndim - n_contract]
-    M = math.prod(lead)
+def _arrays(w: Stacked):
+    if isinstance(w.stack, QuantArray):
+        return w.stack.q, w.stack.scale
+    return w.stack, None
+
+
+def _local(fn, layout, in_specs, out_specs):
+    """fn on one device's shards when the layout has a tensor-parallel axis, else fn itself."""
+    if layout is None or layout.mesh.size == 1:
+        return fn
+    return jax.shard_map(fn, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def _weight_specs(layout, w: Stacked, n_contract: int):
+    """PartitionSpecs of the stack, its scales, and which of its dims the model axis splits."""
+    arr, scale = _arrays(w)
+    axes = ("layers",) + AXES[w.name]
+    spec = layout.spec(arr.shape, axes)
+    sspec = None if scale is None else P(spec[0], *spec[1 + n_contract:])
+    return spec, sspec
+
+
+def _flat(arr, scale, n_contract: int):
+    """[L, *in, *out] (and scales [L, *out]) -> [L, K, N], [L, N] | None."""
+    L = arr.shape[0]
+    K, N = math.prod(arr.shape[1:1 + n_contract]), math.prod(arr.shape[1 + n_contract:])
+    return arr.reshape(L, K, N), (None if scale is None else scale.reshape(L, N))
+
+
+def _too_many_rows(x, n_contract, name, desc):
+    M = math.prod(x.shape[:x.ndim - n_contract])
     if M > MAX_ROWS:
-        note(name, (M, K, N, str(dtype)), f"xla ({M} rows > {MAX_ROWS})")
-        return None, lead
-    return x.reshape(M, K), lead
+        note(name, (M,) + desc, f"xla ({M} rows > {MAX_ROWS})")
+        return True
+    return False
+
+
+def _sharding_plan(ws, n_contract, x):
+    """(layout, weight specs, scale specs, x spec, output specs, psum?) or None for XLA."""
+    layout = current_layout()
+    if layout is None or layout.mesh.size == 1:
+        return layout, None
+    if any(w.name not in AXES for w in ws):
+        return layout, "unknown"
+    specs = [_weight_specs(layout, w, n_contract) for w in ws]
+    contract_split = {any(s[1 + i] is not None for i in range(n_contract)) for s, _ in specs}
+    if len(contract_split) != 1:
+        return layout, "mixed"
+    row_parallel = contract_split.pop()
+    if row_parallel:       # x arrives split along the contracted axes, like the weight
+        xspec = P(*([None] * (x.ndim - n_contract)), *specs[0][0][1:1 + n_contract])
+        outs = [P(*([None] * (x.ndim - n_contract)), *([None] * (len(s) - 1 - n_contract))) for s, _ in specs]
+    else:
+        xspec = P()
+        outs = [P(*([None] * (x.ndim - n_contract)), *s[1 + n_contract:]) for s, _ in specs]
+    return layout, (specs, xspec, outs, row_parallel)
 
 
 def stacked_linears(x, ws: list, n_contract: int):
     """One kernel launch for several Stacked weights contracted with the same x (Q, K and V)."""
-    flat = [_flat(w, n_contract) for w in ws]
-    if len({(W.shape[1], W.dtype, s is None) for W, s, _ in flat}) != 1:
+    arrs = [_arrays(w) for w in ws]
+    if len({(a.shape[1:1 + n_contract], a.dtype, s is None) for a, s in arrs}) != 1:
         return None
-    K = flat[0][0].shape[1]
-    x2, lead = _rows(x, n_contract, "matmul", K, "+".join(str(W.shape[2]) for W, _, _ in flat),
-                     flat[0][0].dtype)
-    if x2 is None:
+    desc = (math.prod(arrs[0][0].shape[1:1 + n_contract]),
+            "+".join(str(math.prod(a.shape[1 + n_contract:])) for a, _ in arrs), str(arrs[0][0].dtype))
+    if _too_many_rows(x, n_contract, "matmul", desc):
         return None
-    ys = stacked_matmuls(x2, [(W, s) for W, s, _ in flat], ws[0].idx)
-    return [y.reshape(lead + nd) for y, (_, _, nd) in zip(ys, flat)]
+    layout, plan = _sharding_plan(ws, n_contract, x)
+    if isinstance(plan, str):
+        note("matmul", desc, f"xla (weights {plan} for the sharded kernels)")
+        return None
+    quant = arrs[0][1] is not None
+    lead = x.shape[:x.ndim - n_contract]
+    n = len(ws)
+
+    def body(x, layer, *flat):
+        pairs = list(zip(flat[:n], flat[n:] if quant else [None] * n))
+        mats = [_flat(a, s, n_contract) for a, s in pairs]
+        ys = stacked_matmuls(x.reshape(-1, mats[0][0].shape[1]), mats, layer)
+        ys = [y.reshape(lead + a.shape[1 + n_contract:]) for y, (a, _) in zip(ys, pairs)]
+        if plan is not None and plan[3]:
+            ys = [jax.lax.psum(y, "model") for y in ys]
+        return tuple(ys)
+
+    flat = [a for a, _ in arrs] + ([sc for _, sc in arrs] if quant else [])
+    if plan is None:
+        return list(body(x, ws[0].idx, *flat))
+    specs, xspec, outs, _ = plan
+    in_specs = (xspec, P()) + tuple(w for w, _ in specs) + (tuple(sc for _, sc in specs) if quant else ())
+    return list(_local(body, layout, in_specs, tuple(outs))(x, ws[0].idx, *flat))
 
 
 def stacked_linear(x, w: Stacked, n_contract: int):
@@ -53,14 +129,30 @@ def gated(x, gate, up, act):
     """act(x @ gate) * (x @ up) in one kernel, for Stacked gate/up weights of the same shape."""
     if not (isinstance(gate, Stacked) and isinstance(up, Stacked)):
         return None
-    Wg, sg, ndims = _flat(gate, 1)
-    Wu, su, _ = _flat(up, 1)
-    if Wg.shape != Wu.shape or Wg.dtype != Wu.dtype or (sg is None) != (su is None):
+    (wg, sg), (wu, su) = _arrays(gate), _arrays(up)
+    if wg.shape != wu.shape or wg.dtype != wu.dtype or (sg is None) != (su is None):
         return None
-    x2, lead = _rows(x, 1, "gated matmul", Wg.shape[1], Wg.shape[2], Wg.dtype)
-    if x2 is None:
+    if _too_many_rows(x, 1, "gated matmul", (wg.shape[1], wg.shape[2], str(wg.dtype))):
         return None
-    return stacked_gated(x2, (Wg, sg), (Wu, su), gate.idx, act).reshape(lead + ndims)
+    layout, plan = _sharding_plan([gate, up], 1, x)
+    if isinstance(plan, str) or (plan is not None and plan[3]):
+        note("gated matmul", (wg.shape[1], wg.shape[2], str(wg.dtype)), "xla (sharding)")
+        return None
+    lead = x.shape[:-1]
+    quant = sg is not None
+
+    def body(x, layer, wg, wu, *scales):
+        sg, su = scales if quant else (None, None)
+        y = stacked_gated(x.reshape(-1, x.shape[-1]), (wg, sg), (wu, su), layer, act)
+        return y.reshape(lead + y.shape[-1:])
+
+    args = (x, gate.idx, wg, wu) + ((sg, su) if quant else ())
+    if plan is None:
+        return body(*args)
+    (specs, xspec, outs, _) = plan
+    (gspec, gs), (uspec, us) = specs
+    in_specs = (xspec, P(), gspec, uspec) + ((gs, us) if quant else ())
+    return _local(body, layout, in_specs, outs[0])(*args)
 
 
 def cached_attention(q, layer_kv, positions, *, scale, softcap, window):
@@ -69,6 +161,17 @@ def cached_attention(q, layer_kv, positions, *, scale, softcap, window):
     if not enabled() or T != 1:
         return None
     k, v = layer_kv.stack["k"], layer_kv.stack["v"]
-    o = decode_attention(q[:, 0], k, v, layer_kv.idx, positions[:, 0], scale=scale, softcap=softcap,
-                         window=window)
-    return o[:, None]
+    K = k.shape[3]
+    layout = current_layout()
+    run = partial(decode_attention, scale=scale, softcap=softcap, window=window)
+    if layout is None or layout.mesh.size == 1:
+        return run(q[:, 0], k, v, layer_kv.idx, positions[:, 0])[:, None]
+    qspec = layout.spec(q[:, 0].shape, ("batch", "q_heads", "head_dim"))
+    kspec = layout.spec(k.shape, ("layers", "batch", "cache_seq", "kv_heads", "head_dim"))
+    heads_split, kv_split = qspec[1] is not None, kspec[3] is not None
+    if not (heads_split == kv_split or (heads_split and K == 1)):    # local heads must map to local KV
+        note("decode attention", (B, H, K, str(k.dtype)), "xla (query and KV heads split differently)")
+        return None
+    fn = _local(lambda q, k, v, layer, pos: run(q, k, v, layer, pos), layout,
+                (qspec, kspec, kspec, P(), P()), qspec)
+    return fn(q[:, 0], k, v, layer_kv.idx, positions[:, 0])[:, None]

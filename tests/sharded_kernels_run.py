@@ -1,0 +1,59 @@
+"""Run in a subprocess with 4 host devices: the decode kernels forced on (Pallas interpret mode)
+under TP=4, against the XLA path on one device: full-forward logits, decode-step logits and greedy
+tokens of tiny checkpoints whose KV heads split over the 4 devices, or are fewer and replicated.
+Prints one JSON object."""
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, os.path.dirname(__file__))
+
+import numpy as np  # noqa: E402
+
+import jaxllm  # noqa: E402
+from jaxllm import kernels  # noqa: E402
+import gemma4_refs  # noqa: E402
+from tp_models import make  # noqa: E402
+
+CASES = [
+    ("qwen3-kv4", lambda p: make("qwen3", p, num_key_value_heads=4)),   # KV heads split 1 per device
+    ("qwen3-kv2", lambda p: make("qwen3", p, num_key_value_heads=2)),   # replicated: XLA attention
+    ("gemma4-31b", lambda p: gemma4_refs.build("31b").save_pretrained(p)),   # 1 global KV head
+]
+
+
+def run(path, tp, mode, quant):
+    os.environ["JAXLLM_KERNELS"] = mode
+    eng = jaxllm.load(path, dtype="float32", quant=quant, tp=tp, max_ctx=32)
+    ids = np.random.default_rng(0).integers(0, 160, (2, 9)).astype(np.int32)
+    full = eng.logits(ids)
+    cache, steps = eng.new_cache(2, 16), []
+    for t in range(ids.shape[1]):
+        lg, cache = eng.step(ids[:, t], np.full(2, t), cache)
+        steps.append(np.asarray(lg))
+    greedy = [c.token_ids for c in eng.generate_ids([[1, 2, 3, 4], [5, 6]], max_tokens=6)]
+    return full, np.stack(steps), greedy
+
+
+def main(tmp):
+    out = {}
+    for name, write in CASES:
+        path = os.path.join(tmp, name)
+        write(path)
+        for quant in ("none", "int8"):
+            ref = run(path, 1, "xla", quant)
+            got = run(path, 4, "pallas", quant)
+            scale = float(np.abs(ref[0]).max())
+            out[f"{name}-{quant}"] = {
+                "forward_err": float(np.abs(got[0] - ref[0]).max()) / scale,
+                "step_err": float(np.abs(got[1] - ref[1]).max()) / scale,
+                "greedy_equal": got[2] == ref[2],
+            }
+    out["selections"] = kernels.selections()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
