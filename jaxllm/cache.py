@@ -50,8 +50,16 @@ class LayerKV:
     idx: jax.Array
 
     def write(self, k: jax.Array, v: jax.Array, start: jax.Array) -> "LayerKV":
-        return LayerKV({"k": write_layer(self.stack["k"], self.idx, k, start),
-                        "v": write_layer(self.stack["v"], self.idx, v, start)}, self.idx)
+        """With the GPU kernels, a scatter straight into the stack (the kernel reads the stack; XLA
+        GPU updates it in place). Otherwise the layer is sliced, written and put back, which XLA
+        keeps in place on every backend (a scatter into the whole stack made XLA CPU copy it)."""
+        from . import kernels
+        if kernels.enabled():
+            return LayerKV({"k": write_layer(self.stack["k"], self.idx, k, start),
+                            "v": write_layer(self.stack["v"], self.idx, v, start)}, self.idx)
+        def put(buf, new):
+            return buf.at[self.idx].set(write(buf[self.idx], new, start))
+        return LayerKV({"k": put(self.stack["k"], k), "v": put(self.stack["v"], v)}, self.idx)
 
     def layer(self) -> dict:
         return {name: a[self.idx] for name, a in self.stack.items()}

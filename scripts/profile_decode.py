@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-from jaxllm import generate as gen  # noqa: E402
+from jaxllm import generate as gen, kernels  # noqa: E402
+from jaxllm.sharding import layout_for  # noqa: E402
 from jaxllm.engine import DTYPES  # noqa: E402
 from jaxllm.harness.bench import decode_state  # noqa: E402
 from jaxllm.harness.shapes import resolve_shape  # noqa: E402
@@ -50,15 +51,21 @@ def main():
     p.add_argument("--quant", default="int8")
     p.add_argument("--out", default="profile")
     p.add_argument("--top", type=int, default=25, help="kernels listed by total time")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the first GPU is traced)")
+    p.add_argument("--kv-quant", default="none", choices=("none", "int8"))
     a = p.parse_args()
     dtype = DTYPES["bfloat16"]
     cfg, fam = resolve_shape(a.shape)
     cfg = cfg.replace(eos_ids=())
-    weights = random_weights(fam.abstract(cfg), a.quant, dtype)
+    layout = layout_for(a.tp)
+    specs = fam.abstract(cfg)
+    shardings = layout.weight_shardings(specs, lambda s: a.quant == "int8" and bool(s.n_contract))
+    weights = random_weights(specs, a.quant, dtype, 0, shardings)
     params = SamplingParams.make(a.batch)
     loop = jax.jit(partial(gen.decode_loop, cfg, dtype=dtype))
-    state = decode_state(cfg, a.batch, a.ctx, a.steps, dtype, 0)
-    loop(weights, state, params).tokens.block_until_ready()
+    state = decode_state(cfg, a.batch, a.ctx, a.steps, dtype, 0, a.kv_quant, layout)
+    with kernels.use_layout(layout):
+        loop(weights, state, params).tokens.block_until_ready()
     t0 = time.perf_counter()
     loop(weights, state, params).tokens.block_until_ready()
     wall_ms = (time.perf_counter() - t0) / a.steps * 1e3
@@ -68,7 +75,10 @@ def main():
     files = glob.glob(os.path.join(a.out, "**", "*.trace.json.gz"), recursive=True)
     events = json.load(gzip.open(files[0]))["traceEvents"] if files else []
     gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-                and re.search(r"/device:GPU|GPU|stream", str(e.get("args", {}).get("name", "")))}
+                and re.search(r"/device:GPU:0\b|GPU 0\b|/device:GPU(?!:)", str(e.get("args", {}).get("name", "")))}
+    if not gpu_pids:            # older trace naming: every GPU stream
+        gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                    and re.search(r"/device:GPU|GPU|stream", str(e.get("args", {}).get("name", "")))}
     by_kind, by_name, count, n_kernels = defaultdict(float), defaultdict(float), defaultdict(int), 0
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e:
