@@ -21,7 +21,7 @@ from .errors import ModelError
 from .layers import (attend, attention_mask, gated_mlp, inv_frequencies, project_q, project_qkv,
                      rms_norm)
 from . import kernels
-from .kernels.ops import cached_attention
+from .kernels.ops import cached_attention, embed_rows
 from .quant import Stacked, linear, matmul_rows, take_rows
 
 
@@ -81,7 +81,9 @@ def family_hooks(cfg: ModelConfig):
 
 
 def embed(cfg: ModelConfig, weights: dict, tokens: jax.Array, dtype) -> jax.Array:
-    x = take_rows(weights["embed"], tokens, dtype)
+    x = embed_rows(weights["embed"], tokens, dtype)          # vocabulary-sharded: no table gather
+    if x is None:
+        x = take_rows(weights["embed"], tokens, dtype)
     if cfg.embed_scale is not None:
         x = x * jnp.asarray(cfg.embed_scale, dtype)
     return x

@@ -138,9 +138,7 @@ def decode_state(cfg, batch: int, ctx: int, steps: int, dtype, seed: int, kv_qua
                  layout=None) -> gen.DecodeState:
     """A state as if a prompt of ctx tokens had just been prefilled: random KV in slots [0, ctx)."""
     shapes = cache_shapes(cfg, batch, ctx + steps, dtype, kv_quant)
-    cache = random_like(shapes, seed)
-    if layout is not None:
-        cache = jax.device_put(cache, layout.cache_shardings(shapes))
+    cache = random_like(shapes, seed, None if layout is None else layout.cache_shardings(shapes))
     last = jax.random.randint(jax.random.key(seed), (batch,), 0, cfg.vocab_size, jnp.int32)
     return gen.DecodeState(cache=cache, tokens=jnp.zeros((batch, steps + 1), jnp.int32), last=last,
                            pos=jnp.full((batch,), ctx, jnp.int32), done=jnp.zeros((batch,), bool),

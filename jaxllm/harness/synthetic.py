@@ -4,6 +4,7 @@ function, a slice at a time (per layer, or per row block), so even a 31B model n
 scratch memory than one slice's random bits."""
 from __future__ import annotations
 
+import functools
 from functools import partial
 
 import jax
@@ -66,17 +67,21 @@ def random_weights(specs, quant: str, dtype, seed: int = 0, shardings=None):
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def random_like(shape_tree, seed: int = 0):
-    """Random arrays shaped like a pytree of ShapeDtypeStructs (e.g. a KV cache), layer by layer."""
+def random_like(shape_tree, seed: int = 0, shardings=None):
+    """Random arrays shaped like a pytree of ShapeDtypeStructs (e.g. a KV cache), layer by layer,
+    each made directly in its sharding if given (a whole unsharded cache may not fit one device)."""
     leaves, treedef = jax.tree_util.tree_flatten(shape_tree)
+    shards = treedef.flatten_up_to(shardings) if shardings is not None else [None] * len(leaves)
     key = jax.random.key(seed)
-    out = [_random_array(tuple(s.shape), jnp.dtype(s.dtype).type, jax.random.fold_in(key, i))
-           for i, s in enumerate(leaves)]
+    out = [_random_array(tuple(s.shape), jnp.dtype(s.dtype).type, sh)(jax.random.fold_in(key, i))
+           for i, (s, sh) in enumerate(zip(leaves, shards))]
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-@partial(jax.jit, static_argnums=(0, 1))
-def _random_array(shape, dtype, key):
-    if jnp.issubdtype(dtype, jnp.integer):
-        return sliced(lambda k, s: jax.random.randint(k, s, -127, 128, dtype), key, shape, True)
-    return sliced(lambda k, s: jax.random.normal(k, s, jnp.float32).astype(dtype), key, shape, True)
+@functools.lru_cache(maxsize=None)
+def _random_array(shape, dtype, sharding):
+    def make(key):
+        if jnp.issubdtype(dtype, jnp.integer):
+            return sliced(lambda k, s: jax.random.randint(k, s, -127, 128, dtype), key, shape, True)
+        return sliced(lambda k, s: jax.random.normal(k, s, jnp.float32).astype(dtype), key, shape, True)
+    return jax.jit(make, out_shardings=sharding)

@@ -175,3 +175,33 @@ def cached_attention(q, layer_kv, positions, *, scale, softcap, window):
     fn = _local(lambda q, k, v, layer, pos: run(q, k, v, layer, pos), layout,
                 (qspec, kspec, kspec, P(), P()), qspec)
     return fn(q[:, 0], k, v, layer_kv.idx, positions[:, 0])[:, None]
+
+
+def embed_rows(table, ids, dtype):
+    """Token embeddings from a vocabulary-sharded table without gathering the table: on a
+    tensor-parallel mesh each device looks up the ids in its own rows (zeros elsewhere) and the
+    rows are summed over the model axis. None where the table is whole on each device."""
+    layout = current_layout()
+    if layout is None or layout.tp == 1:
+        return None
+    q, scale = (table.q, table.scale) if isinstance(table, QuantArray) else (table, None)
+    tspec = layout.spec(q.shape, ("vocab", "embed"))
+    if tspec[0] is None:
+        return None
+    rows_local = q.shape[0] // layout.tp
+    ispec = layout.spec(ids.shape, ("batch",) + (None,) * (ids.ndim - 1))
+
+    def body(q, ids, *scale):
+        local = ids - jax.lax.axis_index("model") * rows_local
+        hit = (local >= 0) & (local < rows_local)
+        local = jax.numpy.clip(local, 0, rows_local - 1)
+        rows = jax.numpy.take(q, local, axis=0).astype("float32")
+        if scale:
+            rows = rows * jax.numpy.take(scale[0], local, axis=0)
+        rows = jax.numpy.where(hit[..., None], rows, 0.0)
+        return jax.lax.psum(rows, "model").astype(dtype)
+
+    in_specs = (tspec, ispec) + ((tspec,) if scale is not None else ())
+    out_spec = P(*ispec, None)
+    args = (q, ids) + ((scale,) if scale is not None else ())
+    return _local(body, layout, in_specs, out_spec)(*args)
