@@ -129,11 +129,13 @@ def _run(eng, prompts, ids):
     return out, np.stack(logits)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
-@pytest.mark.parametrize("quant", ["none", "int8"])
-def test_model_kernels_match_xla(family, quant, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family,quant,kv", [("qwen3", "none", "none"), ("qwen3", "int8", "none"),
+                                            ("gemma3", "none", "none"), ("gemma3", "int8", "none"),
+                                            ("qwen3", "int8", "int8"), ("gemma3", "int8", "int8")])
+def test_model_kernels_match_xla(family, quant, kv, tmp_path, monkeypatch):
     """Whole models with every decode kernel forced on: the same greedy tokens as the XLA path and
-    step logits within float32 rounding, past several wraps of Gemma 3's sliding window (8)."""
+    step logits within float32 rounding, past several wraps of Gemma 3's sliding window (8). With
+    kv="int8" the split cache (rings, int8 global layers) is written in place into its stacks."""
     tiny.make(family, tmp_path, seed=3)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(1, 160, n).tolist() for n in (5, 12, 9)]
@@ -141,12 +143,12 @@ def test_model_kernels_match_xla(family, quant, tmp_path, monkeypatch):
     results = {}
     for mode in ("xla", "pallas"):
         monkeypatch.setenv("JAXLLM_KERNELS", mode)
-        eng = jaxllm.load(str(tmp_path), quant=quant, dtype="float32", max_ctx=64)
+        eng = jaxllm.load(str(tmp_path), quant=quant, dtype="float32", max_ctx=64, kv_quant=kv)
         results[mode] = _run(eng, prompts, ids)
     assert results["xla"][0] == results["pallas"][0]
     assert tiny.rel_err(results["pallas"][1], results["xla"][1]) < 1e-5
     chosen = {s["kernel"] for s in kernels.selections()}
-    assert {"matmul", "gated matmul", "decode attention"} <= chosen
+    assert {"matmul", "gated matmul"} <= chosen and (kv == "int8" or "decode attention" in chosen)
 
 
 def test_sharded_kernels_match_single_device_xla(tmp_path):
