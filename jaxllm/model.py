@@ -23,7 +23,6 @@ from .layers import (attend, attention_mask, gated_mlp, inv_frequencies, project
 from . import kernels
 from .kernels.ops import cached_attention, embed_rows
 from .quant import Stacked, linear, matmul_rows, take_rows
-from .split_cache import StackedLayer
 
 
 @dataclass(frozen=True)
@@ -183,20 +182,14 @@ def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.A
         def run(x, caches, s):
             w = layer_weights(weights["layers"][b.group], s["idx"])
             lc = caches[name]
-            if isinstance(lc, dict):
-                lc = kv.LayerKV(lc, s["cache_idx"])
-            elif kernels.enabled():                # split cache, written in place (GPU)
-                lc = StackedLayer(lc, s["cache_idx"])
-            else:
-                lc = take(lc, s["cache_idx"])
+            lc = kv.LayerKV(lc, s["cache_idx"]) if isinstance(lc, dict) else take(lc, s["cache_idx"])
             if layer_fn is None:
                 x, lc = decoder_layer(cfg, b.kind, w, x, positions, lc, start)
             else:
                 x, lc = layer_fn(cfg, b, w, x, positions, lc, start, s.get("inputs"))
             if not b.own_kv:
                 return x, caches
-            in_place = isinstance(lc, (kv.LayerKV, StackedLayer))
-            new = lc.stack if in_place else put(caches[name], s["cache_idx"], lc)
+            new = lc.stack if isinstance(lc, kv.LayerKV) else put(caches[name], s["cache_idx"], lc)
             return x, {**caches, name: new}
         return run
 

@@ -66,13 +66,9 @@ def _drop_index(positions: jax.Array, slots: jax.Array, keep: jax.Array, size: i
     return jnp.where(keep & (positions >= 0), slots, size)
 
 
-def _scatter_rows(buf: jax.Array, idx: jax.Array, new: jax.Array, layer=None) -> jax.Array:
-    """buf [B, S, ...] <- new [B, T, ...] at slots idx [B, T]; out-of-range slots are dropped.
-    With `layer`, buf is the whole stack [n, B, S, ...] and layer `layer` of it is written."""
-    if layer is None:
-        return jax.vmap(lambda b, i, n: b.at[i].set(n.astype(b.dtype), mode="drop"))(buf, idx, new)
-    rows = jnp.broadcast_to(jnp.arange(idx.shape[0])[:, None], idx.shape)
-    return buf.at[layer, rows, idx].set(new.astype(buf.dtype), mode="drop")
+def _scatter_rows(buf: jax.Array, idx: jax.Array, new: jax.Array) -> jax.Array:
+    """buf [B, S, ...] <- new [B, T, ...] at slots idx [B, T]; out-of-range slots are dropped."""
+    return jax.vmap(lambda b, i, n: b.at[i].set(n.astype(b.dtype), mode="drop"))(buf, idx, new)
 
 
 @struct.dataclass
@@ -106,14 +102,14 @@ class RingKV:
         mask = attention_mask(positions, self.pos, a.window)
         return attend(q, self.k, self.v, mask, cfg.query_scale, cfg.attn_softcap)
 
-    def write(self, k, v, positions, layer=None) -> "RingKV":
+    def write(self, k, v, positions) -> "RingKV":
         """Keep each row's last W real tokens of the chunk (distinct slots, so the scatter has no
-        duplicate targets). With `layer`, self holds the stacks and that layer is written."""
-        W = self.pos.shape[-1]
+        duplicate targets)."""
+        W = self.k.shape[1]
         last = jnp.max(positions, axis=1, keepdims=True)
         idx = _drop_index(positions, positions % W, positions > last - W, W)
-        return RingKV(_scatter_rows(self.k, idx, k, layer), _scatter_rows(self.v, idx, v, layer),
-                      _scatter_rows(self.pos, idx, positions, layer))
+        return RingKV(_scatter_rows(self.k, idx, k), _scatter_rows(self.v, idx, v),
+                      _scatter_rows(self.pos, idx, positions))
 
 
 @struct.dataclass
@@ -145,20 +141,19 @@ class BlockKV:
     def quantized(self) -> bool:
         return self.v_scale is not None
 
-    def _store(self, x, buf, scale, idx, layer):
+    def _store(self, x, buf, scale, idx):
         if self.quantized:
             xq, s = quantize_kv(x)
-            return _scatter_rows(buf, idx, xq, layer), _scatter_rows(scale, idx, s, layer)
-        return _scatter_rows(buf, idx, x, layer), None
+            return _scatter_rows(buf, idx, xq), _scatter_rows(scale, idx, s)
+        return _scatter_rows(buf, idx, x), None
 
-    def write(self, k, v, positions, layer=None) -> "BlockKV":
-        """With `layer`, self holds the stacks and that layer is written."""
-        S = self.v.shape[-3]
+    def write(self, k, v, positions) -> "BlockKV":
+        S = self.v.shape[1]
         idx = _drop_index(positions, positions, positions < S, S)
-        nv, nvs = self._store(v, self.v, self.v_scale, idx, layer)
+        nv, nvs = self._store(v, self.v, self.v_scale, idx)
         if self.shared:
             return self.replace(v=nv, v_scale=nvs)
-        nk, nks = self._store(k, self.k, self.k_scale, idx, layer)
+        nk, nks = self._store(k, self.k, self.k_scale, idx)
         return self.replace(k=nk, v=nv, k_scale=nks, v_scale=nvs)
 
     def loader(self, cfg: ModelConfig, a: AttnSpec, w, dtype):
@@ -183,29 +178,6 @@ class BlockKV:
         return blockwise_attend(q, positions, self.loader(cfg, a, w, q.dtype), n_slots=self.v.shape[1],
                                 block=self.block, scale=cfg.query_scale, softcap=cfg.attn_softcap,
                                 window=a.window)
-
-
-@dataclass(frozen=True)
-class StackedLayer:
-    """Layer `idx` of a stacked RingKV or BlockKV, written by a scatter straight into the stacks and
-    read as slices of them. On GPUs XLA keeps that scatter in place, where slicing the layer out,
-    writing it and putting it back made it hold a second copy of the whole cache."""
-    stack: object
-    idx: jax.Array
-
-    def layer(self):
-        return jax.tree_util.tree_map(lambda a: a[self.idx], self.stack)
-
-    def update_and_attend(self, cfg: ModelConfig, a: AttnSpec, w, q, k, v, positions):
-        new = StackedLayer(self.stack.write(k, v, positions, self.idx), self.idx)
-        if isinstance(self.stack, RingKV):      # the chunk attends to the ring as it was before it
-            o, _ = self.layer().update_and_attend(cfg, a, w, q, k, v, positions)
-        else:
-            o = new.layer().attend(cfg, a, w, q, positions)
-        return o, new
-
-    def attend(self, cfg: ModelConfig, a: AttnSpec, w, q, positions):
-        return self.layer().attend(cfg, a, w, q, positions)
 
 
 def is_split(cache) -> bool:
