@@ -135,7 +135,7 @@ def _run(eng, prompts, ids):
 def test_model_kernels_match_xla(family, quant, kv, tmp_path, monkeypatch):
     """Whole models with every decode kernel forced on: the same greedy tokens as the XLA path and
     step logits within float32 rounding, past several wraps of Gemma 3's sliding window (8). With
-    kv="int8" the split cache (rings, int8 global layers) is written in place into its stacks."""
+    kv="int8" the split cache (rings, int8 global layers): kernel matmuls, XLA attention."""
     tiny.make(family, tmp_path, seed=3)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(1, 160, n).tolist() for n in (5, 12, 9)]
