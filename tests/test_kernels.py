@@ -159,6 +159,7 @@ def test_sharded_kernels_match_single_device_xla(tmp_path):
     import sys
     here = os.path.dirname(__file__)
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAXLLM_KERNELS")}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")])
     r = subprocess.run([sys.executable, os.path.join(here, "sharded_kernels_run.py"), str(tmp_path)],
                        env=env, capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0, r.stderr[-3000:]

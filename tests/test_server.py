@@ -97,8 +97,9 @@ def processes(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("server_logs")
     main = ServerProcess(model_dir, logs / "main.log", "--max-num-seqs", "8", "--max-model-len", str(MAX_LEN),
                          "--api-key", API_KEY, "--max-request-bytes", "200000")
+    # the drain test's 400-token stream must finish inside the drain window on a loaded CI machine
     small = ServerProcess(model_dir, logs / "small.log", "--max-num-seqs", "1", "--max-queue", "1",
-                          "--max-model-len", "512")
+                          "--max-model-len", "512", "--shutdown-timeout", "180")
     yield main, small
     for p in (main, small):
         p.terminate()
