@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import generate as gen
 from ..errors import JaxllmError, ModelError
-from ..params import is_spec, map_specs
+from ..params import map_specs
 from ..quant import QuantArray
 from ..sampling import SamplingParams
 from ..sharding import Layout, check_divisible, scale_shape_axes

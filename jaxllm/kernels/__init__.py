@@ -1,8 +1,9 @@
 """Which code runs the decode-time hot spots: Pallas kernels on GPUs, XLA everywhere else.
 
-`JAXLLM_KERNELS` picks: `auto` (the default) uses the Pallas kernels on GPUs (one, or a tensor-parallel
-mesh, where they run per device on its shards) and XLA otherwise (TPU, CPU); `xla` forces the pure-XLA path everywhere (the reference, and a fallback a user can
-choose); `pallas` forces the kernels, in Pallas interpret mode on a CPU (how the tests check them).
+`JAXLLM_KERNELS` picks: `auto` (the default) uses the Pallas kernels on GPUs (one, or a
+tensor-parallel mesh, where they run per device on its shards) and XLA otherwise (TPU, CPU); `xla`
+forces the pure-XLA path everywhere (the reference, and a fallback a user can choose); `pallas`
+forces the kernels, in Pallas interpret mode on a CPU (how the tests check them).
 Every choice is logged once per shape on the `jaxllm.kernels` logger and kept in `selections()`,
 so a run can say what it ran; a shape a kernel does not take goes to XLA, logged the same way.
 """

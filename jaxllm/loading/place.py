@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ..quant import QuantArray, quantize_np, quantize_rows_np
+from ..quant import quantize_np, quantize_rows_np
 
 ROW_BLOCK = 4096       # rows of an embedding / output head converted at a time
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
