@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import cache as kv
+from . import split_cache as split
 from .config import GLOBAL, KIND_NAMES, SLIDING, ModelConfig
 from .errors import ModelError
 from .layers import (attend, attention_mask, gated_mlp, inv_frequencies, project_q, project_qkv,
@@ -181,14 +182,18 @@ def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.A
         def run(x, caches, s):
             w = layer_weights(weights["layers"][b.group], s["idx"])
             lc = caches[name]
-            lc = kv.LayerKV(lc, s["cache_idx"]) if isinstance(lc, dict) else take(lc, s["cache_idx"])
+            if isinstance(lc, dict):
+                lc = kv.LayerKV(lc, s["cache_idx"])
+            else:
+                lc = split.layer_view(lc, s["cache_idx"], tokens.shape[1])
             if layer_fn is None:
                 x, lc = decoder_layer(cfg, b.kind, w, x, positions, lc, start)
             else:
                 x, lc = layer_fn(cfg, b, w, x, positions, lc, start, s.get("inputs"))
             if not b.own_kv:
                 return x, caches
-            new = lc.stack if isinstance(lc, kv.LayerKV) else put(caches[name], s["cache_idx"], lc)
+            in_place = isinstance(lc, (kv.LayerKV, split.StackedLayer))
+            new = lc.stack if in_place else put(caches[name], s["cache_idx"], lc)
             return x, {**caches, name: new}
         return run
 

@@ -180,6 +180,70 @@ class BlockKV:
                                 window=a.window)
 
 
+@struct.dataclass
+class StackedLayer:
+    """Layer `idx` of a kind's stacked split cache, for one new token per row with the GPU kernels:
+    the token is written into the stacks in place and the decode-attention kernel reads the layer
+    there. (Slicing the layer out and putting it back would move the whole cache twice a step.)"""
+    stack: RingKV | BlockKV
+    idx: jax.Array
+
+    def update_and_attend(self, cfg: ModelConfig, a: AttnSpec, w, q, k, v, positions):
+        # The ring is written before it is read: the slot the token takes held position p - W,
+        # which a sliding window of W positions no longer sees.
+        new = self.write(k, v, positions)
+        return new.attend(cfg, a, w, q, positions), new
+
+    def write(self, k, v, positions) -> "StackedLayer":
+        c, p = self.stack, positions[:, 0]
+        S = c.v.shape[2]
+        slot = jnp.where(p >= 0, p % S if isinstance(c, RingKV) else p, S)    # S: dropped
+        rows = jnp.arange(p.shape[0])
+
+        def put(buf, x):
+            return buf.at[self.idx, rows, slot].set(x.astype(buf.dtype), mode="drop")
+        if isinstance(c, RingKV):
+            return StackedLayer(RingKV(put(c.k, k[:, 0]), put(c.v, v[:, 0]), put(c.pos, p)), self.idx)
+
+        def store(buf, scale, x):
+            if scale is None:
+                return put(buf, x[:, 0]), None
+            xq, s = quantize_kv(x[:, 0])
+            return put(buf, xq), put(scale, s)
+        nv, nvs = store(c.v, c.v_scale, v)
+        if c.shared:
+            return StackedLayer(c.replace(v=nv, v_scale=nvs), self.idx)
+        nk, nks = store(c.k, c.k_scale, k)
+        return StackedLayer(c.replace(k=nk, v=nv, k_scale=nks, v_scale=nvs), self.idx)
+
+    def attend(self, cfg: ModelConfig, a: AttnSpec, w, q, positions):
+        from .kernels.attention import KeysFromValues
+        from .kernels.ops import stacked_attention
+        c = self.stack
+        keys = None
+        if isinstance(c, RingKV):
+            arrays = {"k": c.k, "v": c.v, "slot_pos": c.pos}
+        else:
+            arrays = {"k": c.k, "v": c.v, "k_scale": c.k_scale, "v_scale": c.v_scale}
+            if c.shared:
+                keys = KeysFromValues(inv_frequencies(a.rope, a.head_dim),
+                                      w["k_norm"] if cfg.qk_norm else None, cfg.norm_eps, cfg.norm_offset)
+        o = stacked_attention(q, arrays, self.idx, positions, scale=cfg.query_scale, softcap=cfg.attn_softcap,
+                              window=a.window, keys=keys)
+        if o is None:
+            o = jax.tree_util.tree_map(lambda x: x[self.idx], c).attend(cfg, a, w, q, positions)
+        return o
+
+
+def layer_view(cache: RingKV | BlockKV, idx: jax.Array, tokens_per_row: int):
+    """What a layer's attention works on: the stacks themselves where the decode kernel reads them
+    in place (one token per row, kernels on), else the layer sliced out (put back by the caller)."""
+    from . import kernels
+    if tokens_per_row == 1 and kernels.enabled():
+        return StackedLayer(cache, idx)
+    return jax.tree_util.tree_map(lambda x: x[idx], cache)
+
+
 def is_split(cache) -> bool:
     return any(isinstance(c, (RingKV, BlockKV)) for c in cache.values())
 

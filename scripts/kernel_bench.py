@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 
 from jaxllm.harness import ceilings as ceil  # noqa: E402
 from jaxllm.harness.shapes import resolve_shape  # noqa: E402
-from jaxllm.kernels.attention import decode_attention  # noqa: E402
+from jaxllm.kernels.attention import Cache, decode_attention  # noqa: E402
 from jaxllm.kernels.matmul import choose_tiles, stacked_gated, stacked_matmul  # noqa: E402
 from jaxllm.layers import attend, attention_mask  # noqa: E402
 from jaxllm.cache import slot_positions  # noqa: E402
@@ -136,7 +136,7 @@ def main():
         q = jax.random.normal(key, (B, H, hd), jnp.bfloat16)
         pos = jnp.full((B,), S - 1, jnp.int32)
         nbytes = 2 * k.size * 2
-        kern = over_layers(lambda l, q, k, v, pos: decode_attention(q, k, v, l, pos, scale=0.1), L)
+        kern = over_layers(lambda l, q, k, v, pos: decode_attention(q, Cache(k, v), l, pos, scale=0.1), L)
         mask = attention_mask(pos[:, None], slot_positions(B, S), None)
         xla = over_layers(lambda l, q, k, v, pos: attend(q[:, None], k[l], v[l], mask, 0.1, None), L)
         tk, tx = timed(kern, q, k, v, pos), timed(xla, q, k, v, pos)

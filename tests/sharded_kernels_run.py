@@ -18,15 +18,16 @@ import gemma4_refs  # noqa: E402
 from tp_models import make  # noqa: E402
 
 CASES = [      # name, checkpoint writer, weight formats
-    ("qwen3-kv4", lambda p: make("qwen3", p, num_key_value_heads=4), ("none", "int8")),  # 1 KV head a device
-    ("qwen3-kv2", lambda p: make("qwen3", p, num_key_value_heads=2), ("none",)),  # replicated: XLA attention
-    ("gemma4-31b", lambda p: gemma4_refs.build("31b").save_pretrained(p), ("int8",)),  # 1 global KV head
+    ("qwen3-kv4", lambda p: make("qwen3", p, num_key_value_heads=4), (("none", "none"), ("int8", "none"))),
+    ("qwen3-kv2", lambda p: make("qwen3", p, num_key_value_heads=2), (("none", "none"),)),  # XLA attention
+    # 1 global KV head; with int8 KV the split cache: rings, keys rebuilt from int8 global values
+    ("gemma4-31b", lambda p: gemma4_refs.build("31b").save_pretrained(p), (("int8", "none"), ("int8", "int8"))),
 ]
 
 
-def run(path, tp, mode, quant):
+def run(path, tp, mode, quant, kv):
     os.environ["JAXLLM_KERNELS"] = mode
-    eng = jaxllm.load(path, dtype="float32", quant=quant, tp=tp, max_ctx=32)
+    eng = jaxllm.load(path, dtype="float32", quant=quant, tp=tp, max_ctx=32, kv_quant=kv)
     ids = np.random.default_rng(0).integers(0, 160, (2, 9)).astype(np.int32)
     full = eng.logits(ids)
     cache, steps = eng.new_cache(2, 16), []
@@ -42,11 +43,11 @@ def main(tmp):
     for name, write, quants in CASES:
         path = os.path.join(tmp, name)
         write(path)
-        for quant in quants:
-            ref = run(path, 1, "xla", quant)
-            got = run(path, 4, "pallas", quant)
+        for quant, kv in quants:
+            ref = run(path, 1, "xla", quant, kv)
+            got = run(path, 4, "pallas", quant, kv)
             scale = float(np.abs(ref[0]).max())
-            out[f"{name}-{quant}"] = {
+            out[f"{name}-{quant}-kv{kv}"] = {
                 "forward_err": float(np.abs(got[0] - ref[0]).max()) / scale,
                 "step_err": float(np.abs(got[1] - ref[1]).max()) / scale,
                 "greedy_equal": got[2] == ref[2],

@@ -13,9 +13,10 @@ import jaxllm
 from jaxllm import kernels
 from jaxllm.cache import slot_positions
 from jaxllm.errors import ModelError
-from jaxllm.kernels.attention import decode_attention
+from jaxllm.attention_blockwise import dequantize_kv, quantize_kv
+from jaxllm.kernels.attention import Cache, KeysFromValues, decode_attention
 from jaxllm.kernels.matmul import Tiles, choose_tiles, stacked_gated, stacked_matmul, stacked_matmuls
-from jaxllm.layers import attend, attention_mask
+from jaxllm.layers import apply_rope, attend, attention_mask, rms_norm
 import tiny
 
 L = 3
@@ -103,9 +104,54 @@ def test_decode_attention(B, H, K, S, hd, window, softcap, pos):
     mask = attention_mask(pos[:, None], slot_positions(B, S), window)
     ref = attend(q[:, None], ks[1], vs[1], mask, 0.3, softcap)[:, 0]
     for block, splits in [(None, None), (16, 3), (32, 1), (16, 8)]:
-        o = decode_attention(q, ks, vs, jnp.int32(1), pos, scale=0.3, softcap=softcap, window=window,
+        o = decode_attention(q, Cache(ks, vs), jnp.int32(1), pos, scale=0.3, softcap=softcap, window=window,
                              block=block, splits=splits)
         assert float(jnp.max(jnp.abs(o - ref))) < 2e-6, (block, splits)
+
+
+def _ring_positions(pos, S):
+    """[B, S]: the position slot s of a ring of S slots holds after row b wrote up to pos[b]."""
+    p = pos[:, None] - (pos[:, None] - np.arange(S)[None, :]) % S
+    return np.where(p >= 0, p, -1).astype(np.int32)
+
+
+@pytest.mark.parametrize("ring,int8,from_values", [
+    (True, False, False),           # sliding ring buffer: slots out of order, empty slots, window
+    (False, True, False),           # int8 global layer with per-slot, per-head scales
+    (False, True, True),            # Gemma 4 k_eq_v: keys rebuilt from int8 values (norm + RoPE)
+    (False, False, True),           # the same from compute-dtype values, head_dim 48 (halves of 24)
+])
+def test_decode_attention_split_caches(ring, int8, from_values):
+    rng = np.random.default_rng(11)
+    B, H, K, S = 3, 8, 2, 40
+    hd = 48 if from_values and not int8 else 32
+    q = jnp.asarray(rng.standard_normal((B, H, hd)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((L, B, S, K, hd)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((L, B, S, K, hd)), jnp.float32)
+    pos = np.array([10, 70, 45] if ring else [3, 39, 25], np.int32)
+    window = 16 if ring else None
+    kv_pos = _ring_positions(pos, S) if ring else np.broadcast_to(np.arange(S, dtype=np.int32), (B, S))
+    cache = {"k": k, "v": v}
+    if ring:
+        cache["slot_pos"] = jnp.asarray(np.broadcast_to(kv_pos, (L, B, S)))
+    if int8:
+        (kq, ksc), (vq, vsc) = quantize_kv(k), quantize_kv(v)
+        cache.update(k=kq, v=vq, k_scale=ksc, v_scale=vsc)
+        k, v = dequantize_kv(kq, ksc, jnp.float32), dequantize_kv(vq, vsc, jnp.float32)
+    keys = None
+    if from_values:
+        inv_freq = (1.0 / 100.0 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
+        inv_freq[hd // 4:] = 0.0                     # partial rotary, as Gemma 4's global layers
+        norm_w = jnp.asarray(rng.standard_normal(hd) * 0.3, jnp.float32)
+        keys = KeysFromValues(inv_freq, norm_w, 1e-6, 1.0)
+        cache.update(k=None, k_scale=None)
+        k = apply_rope(rms_norm(v[1], norm_w, 1e-6, 1.0), jnp.asarray(kv_pos), inv_freq)[None].repeat(L, 0)
+    mask = attention_mask(jnp.asarray(pos)[:, None], jnp.asarray(kv_pos), window)
+    ref = attend(q[:, None], k[1], v[1], mask, 0.3, None)[:, 0]
+    for block, splits in [(None, None), (16, 3)]:
+        o = decode_attention(q, Cache(**cache, keys=keys), jnp.int32(1), jnp.asarray(pos), scale=0.3,
+                             window=window, block=block, splits=splits)
+        assert float(jnp.max(jnp.abs(o - ref))) < 1e-5, (block, splits)
 
 
 def test_kernel_mode_switch(monkeypatch):
@@ -134,7 +180,7 @@ def _run(eng, prompts, ids):
 def test_model_kernels_match_xla(family, quant, kv, tmp_path, monkeypatch):
     """Whole models with every decode kernel forced on: the same greedy tokens as the XLA path and
     step logits within float32 rounding, past several wraps of Gemma 3's sliding window (8). With
-    kv="int8" the split cache (rings, int8 global layers): kernel matmuls, XLA attention."""
+    kv="int8" the split cache (rings, int8 global layers), which the decode kernel reads in place."""
     tiny.make(family, tmp_path, seed=3)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(1, 160, n).tolist() for n in (5, 12, 9)]
@@ -147,7 +193,9 @@ def test_model_kernels_match_xla(family, quant, kv, tmp_path, monkeypatch):
     assert results["xla"][0] == results["pallas"][0]
     assert tiny.rel_err(results["pallas"][1], results["xla"][1]) < 1e-5
     chosen = {s["kernel"] for s in kernels.selections()}
-    assert {"matmul", "gated matmul"} <= chosen and (kv == "int8" or "decode attention" in chosen)
+    assert {"matmul", "gated matmul", "decode attention"} <= chosen
+    kinds = {s["shape"][-1] for s in kernels.selections() if s["kernel"] == "decode attention"}
+    assert kv == "none" or ("linear" in kinds and (family == "qwen3" or "ring" in kinds))
 
 
 def test_sharded_kernels_match_single_device_xla(tmp_path):
@@ -171,3 +219,6 @@ def test_sharded_kernels_match_single_device_xla(tmp_path):
     used = {(s["kernel"], s["choice"].split()[0]) for s in out["selections"]}
     assert ("decode attention", "pallas") in used and ("matmul", "pallas") in used
     assert ("decode attention", "xla") in used          # 2 KV heads cannot follow 4-way split heads
+    split_kinds = {s["shape"][-1] for s in out["selections"]
+                   if s["kernel"] == "decode attention" and s["choice"].startswith("pallas")}
+    assert "linear keys-from-values" in split_kinds         # Gemma 4's int8 global layers, in place

@@ -1,18 +1,28 @@
-"""Decode attention over one layer of the stacked KV cache, GQA-grouped and split over the sequence.
+"""Decode attention over one layer of a stacked KV cache, GQA-grouped and split over the sequence.
 
-One query token per row, at absolute position `pos[b]`, attends over cache slots `s <= pos[b]`
-(and `s > pos[b] - window` for a sliding layer) of layer `layer` in a `[layers, B, S, K, hd]` stack,
-read in place. A program takes one (row, KV head, sequence chunk): it loads the query heads that
-share that KV head once, streams the chunk's K/V blocks through an online softmax, and writes an
-unnormalised partial with its running max and sum; XLA merges the chunks by log-sum-exp. Chunks
-past the row's position, or before its window, load nothing.
+One query token per row, at absolute position `pos[b]`, attends over the cache of layer `layer` in
+`[layers, B, S, K, hd]` stacks, read in place. A program takes one (row, KV head, sequence chunk):
+it loads the query heads that share that KV head once, streams the chunk's K/V blocks through an
+online softmax, and writes an unnormalised partial with its running max and sum; XLA merges the
+chunks by log-sum-exp.
+
+One kernel serves every cache the engine keeps (`Cache` below says which):
+- linear slots (slot s holds position s): chunks past the row's position, or before its window,
+  load nothing;
+- ring slots (sliding layers of the split cache), whose positions are read from `slot_pos`;
+- int8 K/V with a float32 scale per slot and head, folded into the scores and the probabilities
+  (no dequantized block is formed);
+- keys rebuilt from the stored values (Gemma 4's k_eq_v layers): RMS-normed and rotated per block,
+  with RoPE's two halves of the head dimension handled as two segments.
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -22,46 +32,116 @@ from .matmul import SMS, _pow2
 NEG = -1e30
 
 
-def _kernel(layer_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, G, hd, S, bs, chunk,
-            scale, softcap, window, precision):
+@dataclass(frozen=True)
+class KeysFromValues:
+    """Keys as `rope(rms_norm(v) * (offset + norm_w))` of the stored values (norm_w None: no norm)."""
+    inv_freq: np.ndarray          # [hd / 2]
+    norm_w: jax.Array | None      # [hd]
+    eps: float = 1e-6
+    offset: float = 0.0
+
+
+@dataclass(frozen=True)
+class Cache:
+    """One kind's stacked cache as the kernel reads it. `k` is None when keys come from values."""
+    k: jax.Array | None                   # [L, B, S, K, hd]
+    v: jax.Array
+    k_scale: jax.Array | None = None      # [L, B, S, K] float32, int8 K/V only
+    v_scale: jax.Array | None = None
+    slot_pos: jax.Array | None = None     # [L, B, S] int32 (ring slots, -1 = empty); None: linear
+    keys: KeysFromValues | None = None
+
+
+def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision, keys):
+    r = dict(zip(names, refs))
+    o_ref, m_ref, l_ref = refs[len(names):]
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    gp, hdp = max(16, _pow2(G)), _pow2(hd)
-    layer, pos = layer_ref[0], pos_ref[b]
-    gi, di = jnp.arange(gp), jnp.arange(hdp)
-    gmask, dmask = gi < G, di < hd
-    q = plgpu.load(q_ref.at[b, h, pl.ds(0, gp), pl.ds(0, hdp)], mask=gmask[:, None] & dmask[None, :],
-                   other=0.0)
+    gp = max(16, _pow2(G))
+    layer, pos = r["layer"][0], r["pos"][b]
+    gmask = jnp.arange(gp) < G
+    # The head dimension as segments (RoPE's two halves where keys are rebuilt), each a trailing
+    # axis of its own so every load starts at 0.
+    nseg = 1 if keys is None else 2
+    w = hd // nseg
+    wp = _pow2(w)
+    dm = jnp.arange(wp) < w
+    qs = [plgpu.load(r["q"].at[b, h, pl.ds(0, gp), jnp.int32(i), pl.ds(0, wp)], mask=gmask[:, None] & dm[None, :],
+                     other=0.0) for i in range(nseg)]
+    dt = qs[0].dtype
+    ring = "slot_pos" in r
     lo = sp * chunk
-    hi = jnp.minimum(jnp.minimum(lo + chunk, pos + 1), S)
-    if window is not None:
-        lo = jnp.maximum(lo, pos - window + 1)
+    hi = jnp.minimum(lo + chunk, S)
+    if not ring:                          # linear slots: only those at or before the position count
+        hi = jnp.minimum(hi, pos + 1)
+        if window is not None:
+            lo = jnp.maximum(lo, pos - window + 1)
     t_lo = lo // bs
     t_hi = jnp.maximum(pl.cdiv(hi, bs), t_lo)
 
+    def load_kv(name, t, valid):
+        return [plgpu.load(r[name].at[layer, b, pl.ds(t * bs, bs), h, jnp.int32(i), pl.ds(0, wp)],
+                           mask=valid[:, None] & dm[None, :], other=0) for i in range(nseg)]
+
+    def load_scale(name, t, valid):
+        return plgpu.load(r[name].at[layer, b, pl.ds(t * bs, bs), h], mask=valid, other=0.0)
+
+    def rebuilt_keys(vals, vscale, kv_pos):
+        x = [a.astype(jnp.float32) * (1.0 if vscale is None else vscale[:, None]) for a in vals]
+        x = [a.astype(dt).astype(jnp.float32) for a in x]          # the values as the model holds them
+        eps, offset, has_norm = keys
+        if has_norm:
+            ms = sum(jnp.sum(a * a, axis=1) for a in x) / hd
+            inv = jax.lax.rsqrt(ms + eps)[:, None]
+            ws = [plgpu.load(r["norm_w"].at[jnp.int32(i), pl.ds(0, wp)], mask=dm, other=0.0).astype(jnp.float32)
+                  for i in range(nseg)]
+            x = [(a * inv * (offset + wv[None, :])).astype(dt).astype(jnp.float32) for a, wv in zip(x, ws)]
+        freq = plgpu.load(r["inv_freq"].at[pl.ds(0, wp)], mask=dm, other=0.0)
+        ang = kv_pos[:, None].astype(jnp.float32) * freq[None, :]
+        c, s = jnp.cos(ang), jnp.sin(ang)
+        return [(x[0] * c - x[1] * s).astype(dt), (x[1] * c + x[0] * s).astype(dt)]
+
     def body(t, carry):
-        acc, m, l = carry
+        accs, m, l = carry
         si = t * bs + jnp.arange(bs)
         valid = (si >= lo) & (si < hi)
-        kv_mask = valid[:, None] & dmask[None, :]
-        k = plgpu.load(k_ref.at[layer, b, pl.ds(t * bs, bs), h, pl.ds(0, hdp)], mask=kv_mask, other=0.0)
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                                precision=precision) * scale
+        if ring:
+            kv_pos = plgpu.load(r["slot_pos"].at[layer, b, pl.ds(t * bs, bs)], mask=valid, other=-1)
+            valid &= (kv_pos >= 0) & (kv_pos <= pos)
+            if window is not None:
+                valid &= kv_pos > pos - window
+        else:
+            kv_pos = si
+        vals = load_kv("v", t, valid)
+        vscale = load_scale("v_scale", t, valid) if "v_scale" in r else None
+        if keys is not None:
+            ks, kscale = rebuilt_keys(vals, vscale, kv_pos), None
+        else:
+            ks = [a.astype(dt) for a in load_kv("k", t, valid)]
+            kscale = load_scale("k_scale", t, valid) if "k_scale" in r else None
+        s = sum(jax.lax.dot_general(qa, ka, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                                    precision=precision) for qa, ka in zip(qs, ks))
+        if kscale is not None:
+            s = s * kscale[None, :]
+        s = s * scale
         if softcap is not None:
             s = jnp.tanh(s / softcap) * softcap
         s = jnp.where(valid[None, :], s, NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         corr = jnp.exp(m - m_new)
         p = jnp.where(valid[None, :], jnp.exp(s - m_new[:, None]), 0.0)
-        v = plgpu.load(v_ref.at[layer, b, pl.ds(t * bs, bs), h, pl.ds(0, hdp)], mask=kv_mask, other=0.0)
-        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32, precision=precision)
-        return acc * corr[:, None] + pv, m_new, l * corr + jnp.sum(p, axis=1)
+        l = l * corr + jnp.sum(p, axis=1)
+        if vscale is not None:                    # fold V's scales into the probabilities
+            p = p * vscale[None, :]
+        accs = [acc * corr[:, None] + jax.lax.dot_general(
+            p.astype(dt), va.astype(dt), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+            precision=precision) for acc, va in zip(accs, vals)]
+        return accs, m_new, l
 
-    init = (jnp.zeros((gp, hdp), jnp.float32), jnp.full((gp,), NEG, jnp.float32),
+    init = ([jnp.zeros((gp, wp), jnp.float32)] * nseg, jnp.full((gp,), NEG, jnp.float32),
             jnp.zeros((gp,), jnp.float32))
-    acc, m, l = jax.lax.fori_loop(t_lo, t_hi, body, init)
-    plgpu.store(o_ref.at[sp, b, h, pl.ds(0, gp), pl.ds(0, hdp)], acc,
-                mask=gmask[:, None] & dmask[None, :])
+    accs, m, l = jax.lax.fori_loop(t_lo, t_hi, body, init)
+    for i, acc in enumerate(accs):
+        plgpu.store(o_ref.at[sp, b, h, pl.ds(0, gp), jnp.int32(i), pl.ds(0, wp)], acc, mask=gmask[:, None] & dm[None, :])
     plgpu.store(m_ref.at[sp, b, h, pl.ds(0, gp)], m, mask=gmask)
     plgpu.store(l_ref.at[sp, b, h, pl.ds(0, gp)], l, mask=gmask)
 
@@ -72,31 +152,45 @@ def choose_split(B: int, K: int, S: int, bs: int) -> int:
     return max(1, min(want, -(-S // bs)))
 
 
-def decode_attention(q, k_stack, v_stack, layer, pos, *, scale: float, softcap=None, window=None,
+def decode_attention(q, cache: Cache, layer, pos, *, scale: float, softcap=None, window=None,
                      block: int | None = None, splits: int | None = None):
-    """q [B, H, hd], k/v_stack [L, B, S, K, hd], layer [], pos [B] -> [B, H, hd] in q's dtype."""
+    """q [B, H, hd], a layer `layer` [] of `cache`, positions pos [B] -> [B, H, hd] in q's dtype."""
     B, H, hd = q.shape
-    _, _, S, K, _ = k_stack.shape
+    _, _, S, K, _ = cache.v.shape
     G = H // K
+    keys = cache.keys
+    if keys is not None and hd % 2:
+        raise ValueError(f"keys rebuilt from values need an even head_dim, got {hd}")
     bs = block or (64 if hd <= 256 else 32)
     n = splits or choose_split(B, K, S, bs)
     chunk = -(-S // n)
     chunk = -(-chunk // bs) * bs
     n = -(-S // chunk)
-    note("decode attention", (B, H, K, S, hd, str(k_stack.dtype)), f"pallas block={bs} splits={n}")
+    kind = ("ring" if cache.slot_pos is not None else "linear") + (" keys-from-values" if keys else "")
+    note("decode attention", (B, H, K, S, hd, str(cache.v.dtype), kind), f"pallas block={bs} splits={n}")
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    kernel = functools.partial(_kernel, G=G, hd=hd, S=S, bs=bs, chunk=chunk, scale=scale,
-                               softcap=softcap, window=window, precision=precision)
-    out_shape = (jax.ShapeDtypeStruct((n, B, K, G, hd), jnp.float32),
+    nseg = 1 if keys is None else 2
+
+    def segs(x):
+        return None if x is None else x.reshape(*x.shape[:-1], nseg, hd // nseg)
+    ins = {"layer": jnp.reshape(layer, (1,)).astype(jnp.int32), "pos": pos.astype(jnp.int32),
+           "q": segs(q.reshape(B, K, G, hd)), "k": segs(cache.k), "v": segs(cache.v),
+           "k_scale": cache.k_scale, "v_scale": cache.v_scale, "slot_pos": cache.slot_pos}
+    if keys is not None:
+        ins.update(k=None, k_scale=None, inv_freq=jnp.asarray(keys.inv_freq, jnp.float32), norm_w=segs(keys.norm_w))
+    ins = {k: v for k, v in ins.items() if v is not None}
+    kernel = functools.partial(_kernel, names=tuple(ins), G=G, hd=hd, S=S, bs=bs, chunk=chunk, scale=scale,
+                               softcap=softcap, window=window, precision=precision,
+                               keys=None if keys is None else (keys.eps, keys.offset, keys.norm_w is not None))
+    out_shape = (jax.ShapeDtypeStruct((n, B, K, G, nseg, hd // nseg), jnp.float32),
                  jax.ShapeDtypeStruct((n, B, K, G), jnp.float32),
                  jax.ShapeDtypeStruct((n, B, K, G), jnp.float32))
     o, m, l = pl.pallas_call(kernel, out_shape=out_shape, grid=(B, K, n),
                              compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-                             interpret=interpret(), name="decode_attention")(
-        jnp.reshape(layer, (1,)).astype(jnp.int32), pos.astype(jnp.int32),
-        q.reshape(B, K, G, hd), k_stack, v_stack)
+                             interpret=interpret(), name="decode_attention")(*ins.values())
     top = jnp.max(m, axis=0)
     w = jnp.exp(m - top)                                        # [n, B, K, G]
+    o = o.reshape(n, B, K, G, hd)
     den = jnp.sum(l * w, axis=0)[..., None]           # 0 only for a row with no key to read
     out = jnp.where(den > 0, jnp.sum(o * w[..., None], axis=0) / jnp.where(den > 0, den, 1.0), 0.0)
     return out.reshape(B, H, hd).astype(q.dtype)

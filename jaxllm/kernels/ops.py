@@ -9,6 +9,7 @@ and sum the partial products over the "model" axis; attention runs on each devic
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import partial
 
@@ -16,7 +17,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from . import current_layout, enabled, note
-from .attention import decode_attention
+from .attention import Cache, decode_attention
 from .matmul import stacked_gated, stacked_matmuls
 from ..quant import QuantArray, Stacked
 
@@ -155,26 +156,47 @@ def gated(x, gate, up, act):
     return _local(body, layout, in_specs, outs[0])(*args)
 
 
+KV_AXES = {"k": ("layers", "batch", "cache_seq", "kv_heads", "head_dim"),
+           "k_scale": ("layers", "batch", "cache_seq", "kv_heads"), "slot_pos": ("layers", "batch", "cache_seq")}
+KV_AXES.update(v=KV_AXES["k"], v_scale=KV_AXES["k_scale"])
+
+
 def cached_attention(q, layer_kv, positions, *, scale, softcap, window):
     """Decode attention (one query token per row) over a layer of the stacked linear cache."""
+    return stacked_attention(q, dict(layer_kv.stack), layer_kv.idx, positions, scale=scale,
+                             softcap=softcap, window=window)
+
+
+def stacked_attention(q, arrays: dict, idx, positions, *, scale, softcap, window, keys=None):
+    """Decode attention of q [B, 1, H, hd] over layer idx of a kind's stacked cache, given as its
+    arrays (k, v, and where the cache has them k_scale, v_scale, slot_pos; see `attention.Cache`),
+    in place. None where XLA should run it (no kernels, or more than one query per row)."""
     B, T, H, hd = q.shape
     if not enabled() or T != 1:
         return None
-    k, v = layer_kv.stack["k"], layer_kv.stack["v"]
-    K = k.shape[3]
+    arrays = {k: v for k, v in arrays.items() if v is not None}
+    norm_w = None if keys is None else keys.norm_w
+    K = arrays["v"].shape[3]
+
+    def run(q, idx, pos, norm_w, **arrs):
+        ks = None if keys is None else dataclasses.replace(keys, norm_w=norm_w)
+        return decode_attention(q, Cache(**{"k": None, **arrs}, keys=ks), idx, pos, scale=scale,
+                                softcap=softcap, window=window)
     layout = current_layout()
-    run = partial(decode_attention, scale=scale, softcap=softcap, window=window)
     if layout is None or layout.mesh.size == 1:
-        return run(q[:, 0], k, v, layer_kv.idx, positions[:, 0])[:, None]
+        return run(q[:, 0], idx, positions[:, 0], norm_w, **arrays)[:, None]
     qspec = layout.spec(q[:, 0].shape, ("batch", "q_heads", "head_dim"))
-    kspec = layout.spec(k.shape, ("layers", "batch", "cache_seq", "kv_heads", "head_dim"))
-    heads_split, kv_split = qspec[1] is not None, kspec[3] is not None
+    specs = {k: layout.spec(a.shape, KV_AXES[k]) for k, a in arrays.items()}
+    heads_split, kv_split = qspec[1] is not None, specs["v"][3] is not None
     if not (heads_split == kv_split or (heads_split and K == 1)):    # local heads must map to local KV
-        note("decode attention", (B, H, K, str(k.dtype)), "xla (query and KV heads split differently)")
+        note("decode attention", (B, H, K, str(arrays["v"].dtype)), "xla (query and KV heads split differently)")
         return None
-    fn = _local(lambda q, k, v, layer, pos: run(q, k, v, layer, pos), layout,
-                (qspec, kspec, kspec, P(), P()), qspec)
-    return fn(q[:, 0], k, v, layer_kv.idx, positions[:, 0])[:, None]
+    names = tuple(arrays)
+
+    def body(q, idx, pos, norm_w, *arrs):
+        return run(q, idx, pos, norm_w, **dict(zip(names, arrs)))
+    fn = _local(body, layout, (qspec, P(), P(), P()) + tuple(specs[k] for k in names), qspec)
+    return fn(q[:, 0], idx, positions[:, 0], norm_w, *arrays.values())[:, None]
 
 
 def embed_rows(table, ids, dtype):
