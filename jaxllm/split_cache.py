@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from .attention_blockwise import blockwise_attend, linear_loader, quantize_kv
+from .attention_blockwise import blockwise_attend, dequantize_kv, linear_loader, quantize_kv
 from .cache import init_cache
 from .config import KIND_NAMES, AttnSpec, ModelConfig
 from .errors import ModelError
@@ -28,16 +28,21 @@ KV_QUANT_MODES = ("auto", "int8", "none")
 class KVOptions:
     """Tunables of the KV cache. `threshold`: the longest max_ctx kept in the core full-length
     compute-dtype cache under kv_quant="auto"; `block`: slots per step of the blockwise attention;
-    `prefill_chunk`: tokens per forward when a prompt is prefilled in pieces."""
+    `prefill_chunk`: tokens per forward when a prompt is prefilled in pieces; `int8_rings`: with an
+    int8 split cache, the sliding layers' rings in int8 as well, for batches whose rings would not
+    fit in the compute dtype."""
     threshold: int = 32768
     block: int = 8192
     prefill_chunk: int = 4096
+    int8_rings: bool = False      # split cache: sliding-layer rings in int8 too (half the memory)
 
     def __post_init__(self):
         for name in ("threshold", "block", "prefill_chunk"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ModelError(f"KV option {name} must be a positive integer, got {v!r}")
+        if not isinstance(self.int8_rings, bool):
+            raise ModelError(f"KV option int8_rings must be True or False, got {self.int8_rings!r}")
 
 
 @dataclass(frozen=True)
@@ -74,23 +79,37 @@ def _scatter_rows(buf: jax.Array, idx: jax.Array, new: jax.Array) -> jax.Array:
 @struct.dataclass
 class RingKV:
     """Sliding-window layers: slot = position % W, with W the window (plus a prefill chunk where
-    other layers read the ring); `pos` holds each slot's absolute position."""
+    other layers read the ring); `pos` holds each slot's absolute position. With `KVOptions.int8_rings`
+    K/V are int8 with a float32 scale per slot and head, as in the global layers."""
     k: jax.Array          # [n, B, W, K, hd] (one layer's view: [B, W, K, hd])
     v: jax.Array
     pos: jax.Array        # [n, B, W] int32, -1 = empty
+    k_scale: jax.Array | None = None      # [n, B, W, K] float32, int8 rings only
+    v_scale: jax.Array | None = None
 
     @classmethod
-    def zeros(cls, n, batch, size, a: AttnSpec, dtype) -> "RingKV":
+    def zeros(cls, n, batch, size, a: AttnSpec, dtype, int8: bool = False) -> "RingKV":
         shape = (n, batch, size, a.num_kv_heads, a.head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.full((n, batch, size), -1, jnp.int32))
+        pos = jnp.full((n, batch, size), -1, jnp.int32)
+        if not int8:
+            return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), pos)
+        return cls(jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.int8), pos,
+                   jnp.ones(shape[:-1], jnp.float32), jnp.ones(shape[:-1], jnp.float32))
+
+    def kv(self, dtype) -> tuple[jax.Array, jax.Array]:
+        """The ring's keys and values in the compute dtype."""
+        return dequantize_kv(self.k, self.k_scale, dtype), dequantize_kv(self.v, self.v_scale, dtype)
 
     def update_and_attend(self, cfg: ModelConfig, a: AttnSpec, w, q, k, v, positions):
         # The chunk attends to the ring as it was before the chunk plus its own keys, so a chunk
         # longer than the window still sees its own earlier tokens; ring slots at or past the
         # chunk's start are stale rewrites and are hidden.
         ring_pos = jnp.where(self.pos < positions[:, :1], self.pos, -1)
-        keys = jnp.concatenate([self.k, k.astype(self.k.dtype)], axis=1)
-        vals = jnp.concatenate([self.v, v.astype(self.v.dtype)], axis=1)
+        rk, rv = self.kv(q.dtype)
+        if self.k_scale is not None:      # the chunk's own K/V as the ring will hold them
+            k, v = (dequantize_kv(*quantize_kv(x), q.dtype) for x in (k, v))
+        keys = jnp.concatenate([rk, k.astype(rk.dtype)], axis=1)
+        vals = jnp.concatenate([rv, v.astype(rv.dtype)], axis=1)
         mask = attention_mask(positions, jnp.concatenate([ring_pos, positions], axis=1), a.window)
         o = attend(q, keys, vals, mask, cfg.query_scale, cfg.attn_softcap)
         return o, self.write(k, v, positions)
@@ -100,7 +119,7 @@ class RingKV:
         the ring holds window + T - 1 slots, which `make_cache` gives kinds that have such readers
         (with exactly `window` slots a chunk's early queries would lose keys the chunk overwrote)."""
         mask = attention_mask(positions, self.pos, a.window)
-        return attend(q, self.k, self.v, mask, cfg.query_scale, cfg.attn_softcap)
+        return attend(q, *self.kv(q.dtype), mask, cfg.query_scale, cfg.attn_softcap)
 
     def write(self, k, v, positions) -> "RingKV":
         """Keep each row's last W real tokens of the chunk (distinct slots, so the scatter has no
@@ -108,8 +127,13 @@ class RingKV:
         W = self.k.shape[1]
         last = jnp.max(positions, axis=1, keepdims=True)
         idx = _drop_index(positions, positions % W, positions > last - W, W)
-        return RingKV(_scatter_rows(self.k, idx, k), _scatter_rows(self.v, idx, v),
-                      _scatter_rows(self.pos, idx, positions))
+        if self.k_scale is None:
+            return RingKV(_scatter_rows(self.k, idx, k), _scatter_rows(self.v, idx, v),
+                          _scatter_rows(self.pos, idx, positions))
+        (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+        return RingKV(_scatter_rows(self.k, idx, kq), _scatter_rows(self.v, idx, vq),
+                      _scatter_rows(self.pos, idx, positions), _scatter_rows(self.k_scale, idx, ks),
+                      _scatter_rows(self.v_scale, idx, vs))
 
 
 @struct.dataclass
@@ -202,14 +226,14 @@ class StackedLayer:
 
         def put(buf, x):
             return buf.at[self.idx, rows, slot].set(x.astype(buf.dtype), mode="drop")
-        if isinstance(c, RingKV):
-            return StackedLayer(RingKV(put(c.k, k[:, 0]), put(c.v, v[:, 0]), put(c.pos, p)), self.idx)
-
         def store(buf, scale, x):
             if scale is None:
                 return put(buf, x[:, 0]), None
             xq, s = quantize_kv(x[:, 0])
             return put(buf, xq), put(scale, s)
+        if isinstance(c, RingKV):
+            (nk, nks), (nv, nvs) = store(c.k, c.k_scale, k), store(c.v, c.v_scale, v)
+            return StackedLayer(RingKV(nk, nv, put(c.pos, p), nks, nvs), self.idx)
         nv, nvs = store(c.v, c.v_scale, v)
         if c.shared:
             return StackedLayer(c.replace(v=nv, v_scale=nvs), self.idx)
@@ -222,7 +246,7 @@ class StackedLayer:
         c = self.stack
         keys = None
         if isinstance(c, RingKV):
-            arrays = {"k": c.k, "v": c.v, "slot_pos": c.pos}
+            arrays = {"k": c.k, "v": c.v, "slot_pos": c.pos, "k_scale": c.k_scale, "v_scale": c.v_scale}
         else:
             arrays = {"k": c.k, "v": c.v, "k_scale": c.k_scale, "v_scale": c.v_scale}
             if c.shared:
@@ -284,7 +308,8 @@ def make_cache(cfg: ModelConfig, layout: KVLayout, opts: KVOptions, batch: int, 
             # Layers reading another layer's ring see it after this forward's write, so the ring
             # must still hold the window before a whole prefill chunk: window + chunk - 1 slots.
             extra = opts.prefill_chunk - 1 if has_kv_readers(cfg, kind) else 0
-            cache[KIND_NAMES[kind]] = RingKV.zeros(n, batch, min(a.window + extra, length), a, dtype)
+            cache[KIND_NAMES[kind]] = RingKV.zeros(n, batch, min(a.window + extra, length), a, dtype,
+                                                   layout.int8 and opts.int8_rings)
         else:
             check_shared_kv(cfg, kind)
             S, block = global_length(length, opts.block)
@@ -311,11 +336,12 @@ def cache_axes(cache) -> dict:
     """A pytree like `cache` (arrays or shape structs) holding each leaf's logical axis names, as
     tuples: `jax.tree_util.tree_map(fn, cache, cache_axes(cache))` pairs every leaf with its axes."""
     def kind_axes(c):
+        def opt(x, name):
+            return None if x is None else CACHE_AXES[name]
         if isinstance(c, RingKV):
-            return RingKV(CACHE_AXES["kv"], CACHE_AXES["kv"], CACHE_AXES["pos"])
+            return RingKV(CACHE_AXES["kv"], CACHE_AXES["kv"], CACHE_AXES["pos"], opt(c.k_scale, "scale"),
+                          opt(c.v_scale, "scale"))
         if isinstance(c, BlockKV):
-            def opt(x, name):
-                return None if x is None else CACHE_AXES[name]
             return c.replace(k=opt(c.k, "kv"), v=CACHE_AXES["kv"], k_scale=opt(c.k_scale, "scale"),
                              v_scale=opt(c.v_scale, "scale"))
         return {name: CACHE_AXES["kv"] for name in c}

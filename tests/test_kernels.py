@@ -16,6 +16,7 @@ from jaxllm.errors import ModelError
 from jaxllm.attention_blockwise import dequantize_kv, quantize_kv
 from jaxllm.kernels.attention import Cache, KeysFromValues, decode_attention
 from jaxllm.kernels.matmul import Tiles, choose_tiles, stacked_gated, stacked_matmul, stacked_matmuls
+from jaxllm.split_cache import KVOptions
 from jaxllm.layers import apply_rope, attend, attention_mask, rms_norm
 import tiny
 
@@ -117,6 +118,7 @@ def _ring_positions(pos, S):
 
 @pytest.mark.parametrize("ring,int8,from_values", [
     (True, False, False),           # sliding ring buffer: slots out of order, empty slots, window
+    (True, True, False),            # the same ring in int8 (KVOptions.int8_rings)
     (False, True, False),           # int8 global layer with per-slot, per-head scales
     (False, True, True),            # Gemma 4 k_eq_v: keys rebuilt from int8 values (norm + RoPE)
     (False, False, True),           # the same from compute-dtype values, head_dim 48 (halves of 24)
@@ -176,11 +178,12 @@ def _run(eng, prompts, ids):
 
 
 @pytest.mark.parametrize("family,quant,kv", [("qwen3", "none", "none"), ("gemma3", "int8", "none"),
-                                            ("qwen3", "int8", "int8"), ("gemma3", "int8", "int8")])
+                                            ("qwen3", "int8", "int8"), ("gemma3", "int8", "int8-rings")])
 def test_model_kernels_match_xla(family, quant, kv, tmp_path, monkeypatch):
     """Whole models with every decode kernel forced on: the same greedy tokens as the XLA path and
     step logits within float32 rounding, past several wraps of Gemma 3's sliding window (8). With
-    kv="int8" the split cache (rings, int8 global layers), which the decode kernel reads in place."""
+    kv="int8" the split cache (rings, int8 global layers; "int8-rings": int8 rings too), which the
+    decode kernel reads in place."""
     tiny.make(family, tmp_path, seed=3)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(1, 160, n).tolist() for n in (5, 12, 9)]
@@ -188,7 +191,8 @@ def test_model_kernels_match_xla(family, quant, kv, tmp_path, monkeypatch):
     results = {}
     for mode in ("xla", "pallas"):
         monkeypatch.setenv("JAXLLM_KERNELS", mode)
-        eng = jaxllm.load(str(tmp_path), quant=quant, dtype="float32", max_ctx=64, kv_quant=kv)
+        eng = jaxllm.load(str(tmp_path), quant=quant, dtype="float32", max_ctx=64, kv_quant=kv[:4],
+                          kv_options=KVOptions(int8_rings=kv.endswith("rings")))
         results[mode] = _run(eng, prompts, ids)
     assert results["xla"][0] == results["pallas"][0]
     assert tiny.rel_err(results["pallas"][1], results["xla"][1]) < 1e-5

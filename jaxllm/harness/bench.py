@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices on the model axis)")
     p.add_argument("--kv-quant", choices=("auto", "int8", "none"), default="auto",
                    help="KV-cache format, as in jaxllm.infer (auto: split int8 cache above 32K)")
+    p.add_argument("--int8-rings", action="store_true",
+                   help="with an int8 split cache, keep the sliding layers' rings in int8 too")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench.json", help="JSON results path")
     p.add_argument("--plot", default=None, help="PNG plot path (default: --out with .png)")
@@ -99,6 +101,9 @@ def check_args(a) -> None:
             raise RequestError(f"--{name} must be >= 1, got {getattr(a, name)}")
     if a.warmup < 0:
         raise RequestError(f"--warmup must be >= 0, got {a.warmup}")
+    a.kv_options = KVOptions(int8_rings=a.int8_rings)
+    if a.int8_rings and not choose_layout(a.kv_quant, a.ctx + a.steps, a.kv_options).int8:
+        raise RequestError("--int8-rings needs an int8 split cache: add --kv-quant int8")
 
 
 # -- model ----------------------------------------------------------------------------------------
@@ -128,16 +133,17 @@ def median_ms(times: list[float]) -> float:
     return float(np.median(times)) * 1e3
 
 
-def cache_shapes(cfg, batch: int, length: int, dtype, kv_quant: str = "none"):
+def cache_shapes(cfg, batch: int, length: int, dtype, kv_quant: str = "none", opts: KVOptions | None = None):
     """The cache the engine would use for `length` positions under `kv_quant`, as shape structs."""
-    layout = choose_layout(kv_quant, length, KVOptions())
-    return jax.eval_shape(lambda: make_cache(cfg, layout, KVOptions(), batch, length, dtype))
+    opts = opts or KVOptions()
+    layout = choose_layout(kv_quant, length, opts)
+    return jax.eval_shape(lambda: make_cache(cfg, layout, opts, batch, length, dtype))
 
 
 def decode_state(cfg, batch: int, ctx: int, steps: int, dtype, seed: int, kv_quant: str = "none",
-                 layout=None) -> gen.DecodeState:
+                 layout=None, opts: KVOptions | None = None) -> gen.DecodeState:
     """A state as if a prompt of ctx tokens had just been prefilled: random KV in slots [0, ctx)."""
-    shapes = cache_shapes(cfg, batch, ctx + steps, dtype, kv_quant)
+    shapes = cache_shapes(cfg, batch, ctx + steps, dtype, kv_quant, opts)
     cache = random_like(shapes, seed, None if layout is None else layout.cache_shardings(shapes))
     last = jax.random.randint(jax.random.key(seed), (batch,), 0, cfg.vocab_size, jnp.int32)
     return gen.DecodeState(cache=cache, tokens=jnp.zeros((batch, steps + 1), jnp.int32), last=last,
@@ -151,7 +157,8 @@ def time_decode(cfg, weights, batch, a, dtype) -> tuple[float, list[float]]:
     cfg = cfg.replace(eos_ids=())                   # every row runs every step
     params = SamplingParams.make(batch)
     loop = jax.jit(partial(gen.decode_loop, cfg, dtype=dtype), donate_argnums=(1,))
-    state = jax.block_until_ready(decode_state(cfg, batch, a.ctx, a.steps, dtype, a.seed, a.kv_quant, a.layout))
+    state = jax.block_until_ready(decode_state(cfg, batch, a.ctx, a.steps, dtype, a.seed, a.kv_quant, a.layout,
+                                               a.kv_options))
     t0 = time.perf_counter()
     compiled = loop.lower(weights, state, params).compile()
     compile_s = time.perf_counter() - t0
@@ -159,7 +166,7 @@ def time_decode(cfg, weights, batch, a, dtype) -> tuple[float, list[float]]:
     for i in range(a.warmup + a.repeats):
         if i:
             state = jax.block_until_ready(decode_state(cfg, batch, a.ctx, a.steps, dtype, a.seed + i,
-                                                       a.kv_quant, a.layout))
+                                                       a.kv_quant, a.layout, a.kv_options))
         t0 = time.perf_counter()
         out = compiled(weights, state, params)
         out.tokens.block_until_ready()
@@ -192,18 +199,26 @@ def time_prefill(cfg, weights, batch, prompt_len, a, dtype) -> tuple[float, floa
     return compile_s, float(np.median(runs))
 
 
+def kv_itemsizes(cfg, a, dtype) -> dict:
+    """Bytes per cached K/V element of each layer kind under the run's KV format (int8 scales are
+    not counted): the split cache keeps global layers in int8, and rings too with --int8-rings."""
+    layout = choose_layout(a.kv_quant, a.ctx + a.steps, a.kv_options)
+    full = jnp.dtype(dtype).itemsize
+    ring = 1 if layout.int8 and a.kv_options.int8_rings else full
+    return {kind: (ring if cfg.attn[kind].window is not None else (1 if layout.int8 else full))
+            for kind in cfg.kinds_used}
+
+
 def run_point(cfg, fam, weights, batch, a, ceilings, mem_limit) -> Point:
     dtype = DTYPES[a.dtype]
-    kv_int8 = choose_layout(a.kv_quant, a.ctx + a.steps, KVOptions()).int8
-    kv_item = 1 if kv_int8 else jnp.dtype(dtype).itemsize     # int8 KV: scales not counted
-    cost = step_cost(cfg, weights, fam.abstract(cfg), batch, a.ctx, kv_item)
+    cost = step_cost(cfg, weights, fam.abstract(cfg), batch, a.ctx, kv_itemsizes(cfg, a, dtype))
     p = Point(batch, a.ctx, a.steps, weight_bytes_per_step=cost.weight_bytes, kv_bytes_per_step=cost.kv_bytes,
               bytes_per_step=cost.bytes, flops_per_step=cost.flops)
     # tensor parallelism splits the bytes and FLOPs of a step over tp devices, each measured alike
     p.roofline_ms = cost.bytes / (ceilings.bandwidth * a.tp) * 1e3
     p.compute_ms = cost.flops / (ceilings.matmul_flops * a.tp) * 1e3
     p.ceiling_tok_s = batch / max(p.roofline_ms, p.compute_ms) * 1e3
-    cache_bytes = nbytes(cache_shapes(cfg, batch, a.ctx + a.steps, dtype, a.kv_quant)) // a.tp
+    cache_bytes = nbytes(cache_shapes(cfg, batch, a.ctx + a.steps, dtype, a.kv_quant, a.kv_options)) // a.tp
     if mem_limit and nbytes(weights) // a.tp + cache_bytes > 0.9 * mem_limit:
         p.skipped = f"KV cache of {cache_bytes / 2**30:.1f} GiB does not fit next to the weights"
         return p
@@ -247,7 +262,8 @@ def report(a, cfg, weights, subject, ceilings, points) -> dict:
                   "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
                   "weight_bytes": nbytes(weights)},
         "settings": {"ctx": a.ctx, "steps": a.steps, "warmup": a.warmup, "repeats": a.repeats, "tp": a.tp,
-                     "batches": a.batches, "prompt_lens": a.prompt_lens},
+                     "batches": a.batches, "prompt_lens": a.prompt_lens, "kv_quant": a.kv_quant,
+                     "int8_rings": a.int8_rings},
         "ceilings": ceilings.to_json(),
         "kernels": {"mode": kernels.mode(), "enabled": kernels.enabled(), "selections": kernels.selections()},
         "points": [asdict(p) for p in points],

@@ -99,13 +99,15 @@ def attended(cfg: ModelConfig, kind: int, ctx: int) -> int:
     return min(ctx, w) if w else ctx
 
 
-def kv_bytes_per_step(cfg: ModelConfig, batch: int, ctx: int, kv_itemsize: float = 2) -> int:
-    """K/V bytes every layer reads at context ctx (kv_itemsize: bytes per cached element)."""
+def kv_bytes_per_step(cfg: ModelConfig, batch: int, ctx: int, kv_itemsize: float | dict = 2) -> int:
+    """K/V bytes every layer reads at context ctx (kv_itemsize: bytes per cached element, or a dict
+    of them per layer kind)."""
     total = 0.0
     for kind in cfg.layer_kinds:
         a = cfg.attn[kind]
         tensors = 1 if a.k_eq_v else 2
-        total += batch * attended(cfg, kind, ctx) * a.num_kv_heads * a.head_dim * kv_itemsize * tensors
+        item = kv_itemsize[kind] if isinstance(kv_itemsize, dict) else kv_itemsize
+        total += batch * attended(cfg, kind, ctx) * a.num_kv_heads * a.head_dim * item * tensors
     return int(round(total))
 
 
@@ -121,7 +123,7 @@ def flops_per_step(cfg: ModelConfig, specs, batch: int, ctx: int) -> int:
     return int(round(2 * batch * (macs + attn)))
 
 
-def step_cost(cfg: ModelConfig, weights, specs, batch: int, ctx: int, kv_itemsize: float = 2) -> StepCost:
+def step_cost(cfg: ModelConfig, weights, specs, batch: int, ctx: int, kv_itemsize: float | dict = 2) -> StepCost:
     return StepCost(weight_bytes_per_step(cfg, weights, batch, specs),
                     kv_bytes_per_step(cfg, batch, ctx, kv_itemsize),
                     flops_per_step(cfg, specs, batch, ctx))
