@@ -85,7 +85,7 @@ def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision
     def load_scale(name, t, valid):
         return plgpu.load(r[name].at[layer, b, pl.ds(t * bs, bs), h], mask=valid, other=0.0)
 
-    def rebuilt_keys(vals, vscale, kv_pos, t):
+    def rebuilt_keys(vals, vscale, kv_pos):
         x = [a.astype(jnp.float32) * (1.0 if vscale is None else vscale[:, None]) for a in vals]
         x = [a.astype(dt).astype(jnp.float32) for a in x]          # the values as the model holds them
         eps, offset, has_norm = keys
@@ -95,19 +95,10 @@ def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision
             ws = [plgpu.load(r["norm_w"].at[jnp.int32(i), pl.ds(0, wp)], mask=dm, other=0.0).astype(jnp.float32)
                   for i in range(nseg)]
             x = [(a * inv * (offset + wv[None, :])).astype(dt).astype(jnp.float32) for a, wv in zip(x, ws)]
-        if ring:
-            ang = kv_pos[:, None].astype(jnp.float32) * freq[None, :]
-            c, s = jnp.cos(ang), jnp.sin(ang)
-        else:        # slots t*bs + j: the block's angle added to the fixed in-block angles
-            base = (t * bs).astype(jnp.float32) * freq
-            cb, sb = jnp.cos(base)[None, :], jnp.sin(base)[None, :]
-            c, s = cb * cos_j - sb * sin_j, sb * cos_j + cb * sin_j
-        return [(x[0] * c - x[1] * s).astype(dt), (x[1] * c + x[0] * s).astype(dt)]
-
-    if keys is not None:               # sine and cosine are dear: per block, only the block's own
         freq = plgpu.load(r["inv_freq"].at[pl.ds(0, wp)], mask=dm, other=0.0)
-        ang_j = jnp.arange(bs)[:, None].astype(jnp.float32) * freq[None, :]
-        cos_j, sin_j = jnp.cos(ang_j), jnp.sin(ang_j)
+        ang = kv_pos[:, None].astype(jnp.float32) * freq[None, :]
+        c, s = jnp.cos(ang), jnp.sin(ang)
+        return [(x[0] * c - x[1] * s).astype(dt), (x[1] * c + x[0] * s).astype(dt)]
 
     def body(t, carry):
         accs, m, l = carry
@@ -123,7 +114,7 @@ def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision
         vals = load_kv("v", t, valid)
         vscale = load_scale("v_scale", t, valid) if "v_scale" in r else None
         if keys is not None:
-            ks, kscale = rebuilt_keys(vals, vscale, kv_pos, t), None
+            ks, kscale = rebuilt_keys(vals, vscale, kv_pos), None
         else:
             ks = [a.astype(dt) for a in load_kv("k", t, valid)]
             kscale = load_scale("k_scale", t, valid) if "k_scale" in r else None
@@ -170,8 +161,8 @@ def decode_attention(q, cache: Cache, layer, pos, *, scale: float, softcap=None,
     keys = cache.keys
     if keys is not None and hd % 2:
         raise ValueError(f"keys rebuilt from values need an even head_dim, got {hd}")
-    # Block and warps measured on one H100 at batch 64: keys rebuilt at head_dim 512 want small
-    # blocks and 8 warps (580 us against 7.4 ms at 64 slots and 4 warps, which spill registers).
+    # Block and warps measured on one H100 at batch 64, head_dim 512: keys rebuilt from int8 values
+    # take 580 us a layer in blocks of 16 with 8 warps, against 7.4 ms in blocks of 64 with 4.
     bs = block or (16 if keys is not None else 64 if hd <= 256 else 32)
     warps = warps or (8 if keys is not None or bs * hd >= 16384 else 4)
     n = splits or choose_split(B, K, S, bs)
