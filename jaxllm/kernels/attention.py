@@ -85,7 +85,7 @@ def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision
     def load_scale(name, t, valid):
         return plgpu.load(r[name].at[layer, b, pl.ds(t * bs, bs), h], mask=valid, other=0.0)
 
-    def rebuilt_keys(vals, vscale, kv_pos):
+    def rebuilt_keys(vals, vscale, kv_pos, t):
         x = [a.astype(jnp.float32) * (1.0 if vscale is None else vscale[:, None]) for a in vals]
         x = [a.astype(dt).astype(jnp.float32) for a in x]          # the values as the model holds them
         eps, offset, has_norm = keys
@@ -96,8 +96,18 @@ def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision
                   for i in range(nseg)]
             x = [(a * inv * (offset + wv[None, :])).astype(dt).astype(jnp.float32) for a, wv in zip(x, ws)]
         freq = plgpu.load(r["inv_freq"].at[pl.ds(0, wp)], mask=dm, other=0.0)
-        ang = kv_pos[:, None].astype(jnp.float32) * freq[None, :]
-        c, s = jnp.cos(ang), jnp.sin(ang)
+        if ring:
+            ang = kv_pos[:, None].astype(jnp.float32) * freq[None, :]
+            c, s = jnp.cos(ang), jnp.sin(ang)
+        else:
+            # Slots t*bs + j: sine and cosine of the block's angle (one per frequency) combined with
+            # those of the in-block angles j*f, a small table read from cache. Sine and cosine of
+            # every slot's angle cost 5x the rest of the kernel.
+            base = (t * bs).astype(jnp.float32) * freq
+            cb, sb = jnp.cos(base)[None, :], jnp.sin(base)[None, :]
+            cj = plgpu.load(r["rope_j"].at[jnp.int32(0), pl.ds(0, bs), pl.ds(0, wp)], mask=dm[None, :], other=1.0)
+            sj = plgpu.load(r["rope_j"].at[jnp.int32(1), pl.ds(0, bs), pl.ds(0, wp)], mask=dm[None, :], other=0.0)
+            c, s = cb * cj - sb * sj, sb * cj + cb * sj
         return [(x[0] * c - x[1] * s).astype(dt), (x[1] * c + x[0] * s).astype(dt)]
 
     def body(t, carry):
@@ -114,7 +124,7 @@ def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision
         vals = load_kv("v", t, valid)
         vscale = load_scale("v_scale", t, valid) if "v_scale" in r else None
         if keys is not None:
-            ks, kscale = rebuilt_keys(vals, vscale, kv_pos), None
+            ks, kscale = rebuilt_keys(vals, vscale, kv_pos, t), None
         else:
             ks = [a.astype(dt) for a in load_kv("k", t, valid)]
             kscale = load_scale("k_scale", t, valid) if "k_scale" in r else None
@@ -161,10 +171,13 @@ def decode_attention(q, cache: Cache, layer, pos, *, scale: float, softcap=None,
     keys = cache.keys
     if keys is not None and hd % 2:
         raise ValueError(f"keys rebuilt from values need an even head_dim, got {hd}")
-    # Block and warps measured on one H100 at batch 64, head_dim 512: keys rebuilt from int8 values
-    # take 580 us a layer in blocks of 16 with 8 warps, against 7.4 ms in blocks of 64 with 4.
-    bs = block or (16 if keys is not None else 64 if hd <= 256 else 32)
-    warps = warps or (8 if keys is not None or bs * hd >= 16384 else 4)
+    # Block and warps measured on one H100 at batch 64: keys rebuilt from int8 values take 338 us a
+    # layer at head_dim 512 in blocks of 32 with 8 warps (7.4 ms in blocks of 64 with 4, which spill
+    # registers) and 177 us at head_dim 256 in blocks of 16 with 4.
+    if keys is not None:
+        bs, warps = block or (16 if hd <= 256 else 32), warps or (4 if hd <= 256 else 8)
+    bs = block or (64 if hd <= 256 else 32)
+    warps = warps or (8 if bs * hd >= 16384 else 4)
     n = splits or choose_split(B, K, S, bs)
     chunk = -(-S // n)
     chunk = -(-chunk // bs) * bs
@@ -180,7 +193,10 @@ def decode_attention(q, cache: Cache, layer, pos, *, scale: float, softcap=None,
            "q": segs(q.reshape(B, K, G, hd)), "k": segs(cache.k), "v": segs(cache.v),
            "k_scale": cache.k_scale, "v_scale": cache.v_scale, "slot_pos": cache.slot_pos}
     if keys is not None:
-        ins.update(k=None, k_scale=None, inv_freq=jnp.asarray(keys.inv_freq, jnp.float32), norm_w=segs(keys.norm_w))
+        inv_freq = np.asarray(keys.inv_freq, np.float32)
+        ang = np.arange(bs, dtype=np.float32)[:, None] * inv_freq[None, :]
+        ins.update(k=None, k_scale=None, inv_freq=jnp.asarray(inv_freq), norm_w=segs(keys.norm_w),
+                   rope_j=jnp.asarray(np.stack([np.cos(ang), np.sin(ang)]), jnp.float32))
     ins = {k: v for k, v in ins.items() if v is not None}
     kernel = functools.partial(_kernel, names=tuple(ins), G=G, hd=hd, S=S, bs=bs, chunk=chunk, scale=scale,
                                softcap=softcap, window=window, precision=precision,
