@@ -50,11 +50,12 @@ class LayerKV:
     idx: jax.Array
 
     def write(self, k: jax.Array, v: jax.Array, start: jax.Array) -> "LayerKV":
-        """With the GPU kernels, a scatter straight into the stack (the kernel reads the stack; XLA
-        GPU updates it in place). Otherwise the layer is sliced, written and put back, which XLA
-        keeps in place on every backend (a scatter into the whole stack made XLA CPU copy it)."""
+        """A scatter straight into the stack, which XLA GPU and TPU update in place. On the CPU the
+        layer is sliced, written and put back instead: there a scatter into the whole stack made XLA
+        copy it. (On a GPU the slice-and-put form moved every layer out and back each step: batch 64
+        of Qwen3-4B on one H100 ran 929 tok/s that way against 2065 with the scatter.)"""
         from . import kernels
-        if kernels.enabled():
+        if kernels.enabled() or jax.default_backend() != "cpu":
             return LayerKV({"k": write_layer(self.stack["k"], self.idx, k, start),
                             "v": write_layer(self.stack["v"], self.idx, v, start)}, self.idx)
         def put(buf, new):
