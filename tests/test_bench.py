@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxllm.errors import ModelError
@@ -170,3 +172,21 @@ def test_sweep_on_a_model_directory(tmp_path, capsys):
     # untied bf16: the 256 x 32 embedding is only gathered (2 rows), the lm_head is read whole
     assert p["weight_bytes_per_step"] == rep["model"]["weight_bytes"] - 256 * 32 * 2 + 2 * 32 * 2
     assert rep["model"]["model_dir"] == str(tmp_path / "m")
+
+
+def test_bench_rings_hold_the_last_window_of_positions():
+    """The bench's filled cache: random K/V, but ring slots hold the positions a prefill of ctx
+    tokens leaves there (random positions would fall outside the window, and the decode kernel
+    skips reading what no query can see, which would flatter the timing)."""
+    from jaxllm.harness.bench import decode_state
+    from jaxllm.harness.shapes import resolve_shape
+    from jaxllm.split_cache import RingKV
+    cfg, _ = resolve_shape("gemma3-270m")
+    ctx = 700
+    state = decode_state(cfg, 2, ctx, 4, jnp.float32, 0, "int8")
+    rings = [c for c in state.cache.values() if isinstance(c, RingKV)]
+    assert rings
+    W = rings[0].pos.shape[-1]
+    for row in np.asarray(rings[0].pos).reshape(-1, W):
+        assert sorted(row.tolist()) == list(range(ctx - W, ctx))
+        assert all(p % W == s for s, p in enumerate(row.tolist()))

@@ -25,7 +25,7 @@ import numpy as np
 from .. import generate as gen, kernels
 from ..cache import init_cache
 from ..sharding import check_divisible, layout_for
-from ..split_cache import KVOptions, choose_layout, make_cache
+from ..split_cache import KVOptions, RingKV, choose_layout, make_cache
 from ..engine import DTYPES
 from ..errors import JaxllmError, RequestError
 from ..sampling import SamplingParams
@@ -140,11 +140,25 @@ def cache_shapes(cfg, batch: int, length: int, dtype, kv_quant: str = "none", op
     return jax.eval_shape(lambda: make_cache(cfg, layout, opts, batch, length, dtype))
 
 
+def filled_ring_positions(pos: jax.Array, ctx: int) -> jax.Array:
+    """Slot positions of rings [n, B, W] that have been written up to position ctx - 1 (random ones
+    would mostly fall outside the window, and a kernel skips the reads of slots it cannot see)."""
+    W = pos.shape[-1]
+
+    def fill(p):
+        s = jnp.arange(W, dtype=jnp.int32)
+        held = (ctx - 1) - ((ctx - 1 - s) % W)
+        return jnp.broadcast_to(jnp.where(held >= 0, held, -1), p.shape)
+    return jax.jit(fill, out_shardings=getattr(pos, "sharding", None))(pos)
+
+
 def decode_state(cfg, batch: int, ctx: int, steps: int, dtype, seed: int, kv_quant: str = "none",
                  layout=None, opts: KVOptions | None = None) -> gen.DecodeState:
     """A state as if a prompt of ctx tokens had just been prefilled: random KV in slots [0, ctx)."""
     shapes = cache_shapes(cfg, batch, ctx + steps, dtype, kv_quant, opts)
     cache = random_like(shapes, seed, None if layout is None else layout.cache_shardings(shapes))
+    cache = {name: c.replace(pos=filled_ring_positions(c.pos, ctx)) if isinstance(c, RingKV) else c
+             for name, c in cache.items()}
     last = jax.random.randint(jax.random.key(seed), (batch,), 0, cfg.vocab_size, jnp.int32)
     return gen.DecodeState(cache=cache, tokens=jnp.zeros((batch, steps + 1), jnp.int32), last=last,
                            pos=jnp.full((batch,), ctx, jnp.int32), done=jnp.zeros((batch,), bool),
