@@ -28,6 +28,7 @@ from jaxllm.harness.bench import decode_state  # noqa: E402
 from jaxllm.harness.shapes import resolve_shape  # noqa: E402
 from jaxllm.harness.synthetic import random_weights  # noqa: E402
 from jaxllm.sampling import SamplingParams  # noqa: E402
+from jaxllm.split_cache import KVOptions  # noqa: E402
 
 KINDS = [("matmul", r"gemm|cutlass|cublas|dot|matmul|xmma|sm90"), ("collective", r"nccl|all_reduce|all-reduce|allreduce|all_gather"),
          ("copy/dus", r"copy|memcpy|memset|dynamic.update|dynamic_update"), ("reduce/softmax", r"reduce|softmax"),
@@ -53,6 +54,7 @@ def main():
     p.add_argument("--top", type=int, default=25, help="kernels listed by total time")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the first GPU is traced)")
     p.add_argument("--kv-quant", default="none", choices=("none", "int8"))
+    p.add_argument("--int8-rings", action="store_true", help="with --kv-quant int8, int8 sliding rings too")
     a = p.parse_args()
     dtype = DTYPES["bfloat16"]
     cfg, fam = resolve_shape(a.shape)
@@ -62,16 +64,23 @@ def main():
     shardings = layout.weight_shardings(specs, lambda s: a.quant == "int8" and bool(s.n_contract))
     weights = random_weights(specs, a.quant, dtype, 0, shardings)
     params = SamplingParams.make(a.batch)
-    loop = jax.jit(partial(gen.decode_loop, cfg, dtype=dtype))
-    state = decode_state(cfg, a.batch, a.ctx, a.steps, dtype, 0, a.kv_quant, layout)
+    # The state is donated, as the engine does (else the loop's output cache is a second copy of
+    # it), so each run gets a fresh one.
+    loop = jax.jit(partial(gen.decode_loop, cfg, dtype=dtype), donate_argnums=(1,))
+    opts = KVOptions(int8_rings=a.int8_rings)
+
+    def state():
+        return jax.block_until_ready(decode_state(cfg, a.batch, a.ctx, a.steps, dtype, 0, a.kv_quant, layout, opts))
     with kernels.use_layout(layout):
-        loop(weights, state, params).tokens.block_until_ready()
+        loop(weights, state(), params).tokens.block_until_ready()
+    s = state()
     t0 = time.perf_counter()
-    loop(weights, state, params).tokens.block_until_ready()
+    loop(weights, s, params).tokens.block_until_ready()
     wall_ms = (time.perf_counter() - t0) / a.steps * 1e3
     os.makedirs(a.out, exist_ok=True)
+    s = state()
     with jax.profiler.trace(a.out, create_perfetto_trace=True):
-        loop(weights, state, params).tokens.block_until_ready()
+        loop(weights, s, params).tokens.block_until_ready()
     files = glob.glob(os.path.join(a.out, "**", "*.trace.json.gz"), recursive=True)
     events = json.load(gzip.open(files[0]))["traceEvents"] if files else []
     gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
