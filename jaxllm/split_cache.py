@@ -76,6 +76,14 @@ def _scatter_rows(buf: jax.Array, idx: jax.Array, new: jax.Array) -> jax.Array:
     return jax.vmap(lambda b, i, n: b.at[i].set(n.astype(b.dtype), mode="drop"))(buf, idx, new)
 
 
+def _store(put, buf, scale, x):
+    """Write x through `put(buffer, values)`: as is, or (scale given) as int8 plus its scales."""
+    if scale is None:
+        return put(buf, x), None
+    xq, s = quantize_kv(x)
+    return put(buf, xq), put(scale, s)
+
+
 @struct.dataclass
 class RingKV:
     """Sliding-window layers: slot = position % W, with W the window (plus a prefill chunk where
@@ -106,13 +114,15 @@ class RingKV:
         # chunk's start are stale rewrites and are hidden.
         ring_pos = jnp.where(self.pos < positions[:, :1], self.pos, -1)
         rk, rv = self.kv(q.dtype)
+        held = None
         if self.k_scale is not None:      # the chunk's own K/V as the ring will hold them
-            k, v = (dequantize_kv(*quantize_kv(x), q.dtype) for x in (k, v))
+            held = quantize_kv(k), quantize_kv(v)
+            k, v = (dequantize_kv(xq, sc, q.dtype) for xq, sc in held)
         keys = jnp.concatenate([rk, k.astype(rk.dtype)], axis=1)
         vals = jnp.concatenate([rv, v.astype(rv.dtype)], axis=1)
         mask = attention_mask(positions, jnp.concatenate([ring_pos, positions], axis=1), a.window)
         o = attend(q, keys, vals, mask, cfg.query_scale, cfg.attn_softcap)
-        return o, self.write(k, v, positions)
+        return o, self.write(k, v, positions, held)
 
     def attend(self, cfg: ModelConfig, a: AttnSpec, w, q, positions):
         """For a layer reading a ring an earlier layer of this forward already wrote: correct while
@@ -121,19 +131,20 @@ class RingKV:
         mask = attention_mask(positions, self.pos, a.window)
         return attend(q, *self.kv(q.dtype), mask, cfg.query_scale, cfg.attn_softcap)
 
-    def write(self, k, v, positions) -> "RingKV":
+    def write(self, k, v, positions, held=None) -> "RingKV":
         """Keep each row's last W real tokens of the chunk (distinct slots, so the scatter has no
-        duplicate targets)."""
+        duplicate targets). `held`: K and V already quantized, for int8 rings."""
         W = self.k.shape[1]
         last = jnp.max(positions, axis=1, keepdims=True)
         idx = _drop_index(positions, positions % W, positions > last - W, W)
+
+        def put(buf, x):
+            return _scatter_rows(buf, idx, x)
+        pos = put(self.pos, positions)
         if self.k_scale is None:
-            return RingKV(_scatter_rows(self.k, idx, k), _scatter_rows(self.v, idx, v),
-                          _scatter_rows(self.pos, idx, positions))
-        (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
-        return RingKV(_scatter_rows(self.k, idx, kq), _scatter_rows(self.v, idx, vq),
-                      _scatter_rows(self.pos, idx, positions), _scatter_rows(self.k_scale, idx, ks),
-                      _scatter_rows(self.v_scale, idx, vs))
+            return RingKV(put(self.k, k), put(self.v, v), pos)
+        (kq, ks), (vq, vs) = held or (quantize_kv(k), quantize_kv(v))
+        return RingKV(put(self.k, kq), put(self.v, vq), pos, put(self.k_scale, ks), put(self.v_scale, vs))
 
 
 @struct.dataclass
@@ -165,19 +176,15 @@ class BlockKV:
     def quantized(self) -> bool:
         return self.v_scale is not None
 
-    def _store(self, x, buf, scale, idx):
-        if self.quantized:
-            xq, s = quantize_kv(x)
-            return _scatter_rows(buf, idx, xq), _scatter_rows(scale, idx, s)
-        return _scatter_rows(buf, idx, x), None
-
     def write(self, k, v, positions) -> "BlockKV":
         S = self.v.shape[1]
         idx = _drop_index(positions, positions, positions < S, S)
-        nv, nvs = self._store(v, self.v, self.v_scale, idx)
+        def put(buf, x):
+            return _scatter_rows(buf, idx, x)
+        nv, nvs = _store(put, self.v, self.v_scale, v)
         if self.shared:
             return self.replace(v=nv, v_scale=nvs)
-        nk, nks = self._store(k, self.k, self.k_scale, idx)
+        nk, nks = _store(put, self.k, self.k_scale, k)
         return self.replace(k=nk, v=nv, k_scale=nks, v_scale=nvs)
 
     def loader(self, cfg: ModelConfig, a: AttnSpec, w, dtype):
@@ -226,11 +233,9 @@ class StackedLayer:
 
         def put(buf, x):
             return buf.at[self.idx, rows, slot].set(x.astype(buf.dtype), mode="drop")
+
         def store(buf, scale, x):
-            if scale is None:
-                return put(buf, x[:, 0]), None
-            xq, s = quantize_kv(x[:, 0])
-            return put(buf, xq), put(scale, s)
+            return _store(put, buf, scale, x[:, 0])
         if isinstance(c, RingKV):
             (nk, nks), (nv, nvs) = store(c.k, c.k_scale, k), store(c.v, c.v_scale, v)
             return StackedLayer(RingKV(nk, nv, put(c.pos, p), nks, nvs), self.idx)

@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -23,18 +22,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxllm.kernels.attention import Cache, KeysFromValues, decode_attention  # noqa: E402
+from kernel_bench import timed  # noqa: E402  (this directory is on the path of a script run from it)
 
 L = 3
-
-
-def timed(fn, *args, reps=20):
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
 
 
 def case(name, B, S, H, K, hd, ctx, key):
