@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from functools import partial
 
 import jax
 from jax.sharding import PartitionSpec as P
