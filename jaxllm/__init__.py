@@ -35,6 +35,8 @@ def load(model_dir=None, max_ctx=8192, quant="int8", kv_quant="auto", tp=None, d
     from .sharding import layout_for
     layout = layout_for(tp, dp)
     cfg, fam, weights, tok, name = load_model(model_dir, DTYPES[dtype], quant, progress, layout)
+    from .kernels.weights import out_major
+    weights = out_major(weights, layout, donate=True)      # the loader's arrays: ours to consume
     if max_ctx is None:
         max_ctx = min(cfg.max_position, 8192)
     return Engine(cfg, weights, tok, dtype=dtype, max_ctx=int(max_ctx), name=name, quant=quant,

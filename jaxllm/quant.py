@@ -39,6 +39,15 @@ def quantize_np(w: np.ndarray, n_contract: int = 1, stack_dims: int = 0) -> tupl
     return q, np.squeeze(scale, axis=axes)
 
 
+@struct.dataclass
+class OutMajor:
+    """A layer-stacked matmul weight stored with its output dims before its contracted ones,
+    `[L, *out, *in]` (a QuantArray's values so; its scales `[L, *out]` as always), which the GPU
+    matmul kernels read fastest (see `kernels.weights`). The model meets it only through `Stacked`."""
+    w: object
+    n_contract: int = struct.field(pytree_node=False, default=1)
+
+
 @dataclass(frozen=True)
 class Stacked:
     """Layer `idx` of a layer-stacked weight (an array or QuantArray with the layer axis first),
@@ -46,41 +55,67 @@ class Stacked:
     stack: object
     idx: jax.Array
     name: str = ""          # the weight's name in its layer ("q", "down", ...): its logical axes
+    out_major: bool = False  # the stack is laid out as an `OutMajor` weight's
 
     def layer(self):
         return jax.tree_util.tree_map(lambda a: a[self.idx], self.stack)
 
 
-def linear(x: jax.Array, w, n_contract: int = 1) -> jax.Array:
-    """Contract the last `n_contract` dims of x with the first `n_contract` dims of w.
+@dataclass(frozen=True)
+class Normed:
+    """`layers.rms_norm(x, w, eps, offset)` left to its consumer: a matmul kernel normalizes x's
+    rows as it loads them (no norm kernel, and x is not written out normalized); anything else
+    calls `value()`."""
+    x: jax.Array
+    w: jax.Array | None
+    eps: float
+    offset: float = 0.0
+
+    def value(self) -> jax.Array:
+        from .layers import rms_norm
+        return rms_norm(self.x, self.w, self.eps, self.offset)
+
+
+def linear(x, w, n_contract: int = 1, residual: jax.Array | None = None) -> jax.Array:
+    """Contract the last `n_contract` dims of x with the first `n_contract` dims of w, plus
+    `residual` if given (x may be `Normed`).
 
     The output is x's leading dims followed by w's remaining dims, so a per-output-channel scale
     broadcasts on the trailing dims and XLA fuses the dequantization into the dot's epilogue.
-    A `Stacked` weight goes to the stacked-matmul kernel when it takes the shape.
+    A `Stacked` weight goes to the stacked-matmul kernel when it takes the shape, which then also
+    does the norm and the residual add.
     """
+    out_major = False
     if isinstance(w, Stacked):
         from .kernels.ops import stacked_linear
-        y = stacked_linear(x, w, n_contract)
+        y = stacked_linear(x, w, n_contract, residual)
         if y is not None:
             return y
-        w = w.layer()
+        out_major, w = w.out_major, w.layer()
+    if isinstance(x, Normed):
+        x = x.value()
     xa = tuple(range(x.ndim - n_contract, x.ndim))
-    wa = tuple(range(n_contract))
+    nd = len(w.shape)
+    wa = tuple(range(nd - n_contract, nd)) if out_major else tuple(range(n_contract))
     if isinstance(w, QuantArray):
         y = jax.lax.dot_general(x, w.q.astype(x.dtype), ((xa, wa), ((), ())),
                                 preferred_element_type=jnp.float32)
-        return (y * w.scale).astype(x.dtype)
-    return jax.lax.dot_general(x, w.astype(x.dtype), ((xa, wa), ((), ())),
-                               preferred_element_type=jnp.float32).astype(x.dtype)
+        y = (y * w.scale).astype(x.dtype)
+    else:
+        y = jax.lax.dot_general(x, w.astype(x.dtype), ((xa, wa), ((), ())),
+                                preferred_element_type=jnp.float32).astype(x.dtype)
+    return y if residual is None else residual + y
 
 
-def linears(x: jax.Array, ws: list, n_contract: int = 1) -> list:
+def linears(x, ws: list, n_contract: int = 1) -> list:
     """[linear(x, w) for w in ws]; Stacked weights of one layer go to a single kernel launch."""
     if all(isinstance(w, Stacked) for w in ws):
         from .kernels.ops import stacked_linears
         ys = stacked_linears(x, ws, n_contract)
         if ys is not None:
             return ys
+    if isinstance(x, Normed):
+        x = x.value()
     return [linear(x, w, n_contract) for w in ws]
 
 

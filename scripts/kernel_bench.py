@@ -4,8 +4,9 @@ preset, with the weights stacked as the model holds them (so nothing stays in L2
     python scripts/kernel_bench.py --shape qwen3-4b --rows 1,8,64 --ctx 2048 --out DIR
 
 For each matmul it reports GB/s of weight bytes moved (int8 weights plus scales) next to the
-device's measured bandwidth, for each tile configuration tried and for XLA (slice, widen, dot),
-with the cost of the bare layer loop subtracted.
+device's measured bandwidth, for each tile configuration tried, with the weights input-major and
+output-major (`--layouts`), and for XLA (slice, widen, dot), with the cost of the bare layer loop
+subtracted, and each kernel's largest error against a float32 product.
 """
 from __future__ import annotations
 
@@ -49,24 +50,42 @@ def over_layers(step, L):
     return jax.jit(run)
 
 
+def _one_layer(gated, x, w, w2, s, layer, t):
+    """One layer's product by a kernel with tiles t, or by XLA in float32 when t is None."""
+    if t is None:
+        xf, dq = x.astype(jnp.float32), lambda a: a[layer].astype(jnp.float32) * s[layer]
+        if gated:
+            return jax.nn.silu(xf @ dq(w)) * (xf @ dq(w2))
+        return xf @ dq(w)
+    if gated:
+        return stacked_gated(x, (w, s), (w2, s), layer, jax.nn.silu, t, t.out_major).astype(jnp.float32)
+    return stacked_matmul(x, w, s, layer, t, t.out_major).astype(jnp.float32)
+
+
 def matmul_cases(cfg):
     a = cfg.attn[cfg.layer_kinds[0]]
     D, F = cfg.hidden_size, cfg.intermediate_size
-    return {"q": (D, a.num_heads * a.head_dim), "kv": (D, a.num_kv_heads * a.head_dim),
+    return {"qkv": (D, (a.num_heads + 2 * a.num_kv_heads) * a.head_dim),
             "o": (a.num_heads * a.head_dim, D), "down": (F, D), "gate_up": (D, F)}
 
 
-def variants(M, K, N, gated):
-    """The automatic tiles and, around them, other shapes (each with its own automatic K split):
-    at M=1 wide column blocks over shallow steps, as the accumulator allows (bk * bn <= 16384)."""
-    out = {"auto": choose_tiles(M, K, N, gated)}
-    if M == 1:
+def variants(M, K, N, gated, out_major, quick):
+    """The automatic tiles and, unless quick, other shapes around them (each with its own
+    automatic K split): at M=1 wide column blocks over shallow steps input-major, a few output
+    channels over long contiguous steps output-major, as the accumulator allows."""
+    auto = choose_tiles(M, K, N, gated, out_major=out_major)
+    out = {("auto out-major" if out_major else "auto"): auto}
+    if quick:
+        return out
+    if M == 1 and out_major:
+        shapes = [(bn, bk) for bn in (4, 8, 16, 32) for bk in (128, 256, 512) if 1024 <= bn * bk <= 8192]
+    elif M == 1:
         shapes = [(bn, bk) for bn in (64, 128, 256, 512) for bk in (16, 32, 64, 128) if bn * bk <= 16384]
     else:
         shapes = [(bn, bk) for bn in (64, 128) for bk in (64, 128)]
     for bn, bk in shapes:
         for warps in (4, 8):
-            t = choose_tiles(M, K, N, gated, bn=bn, bk=bk, warps=warps)
+            t = choose_tiles(M, K, N, gated, bn=bn, bk=bk, warps=warps, out_major=out_major)
             out[t.label()] = t
     return out
 
@@ -80,7 +99,10 @@ def main():
     p.add_argument("--quick", action="store_true", help="only the automatic tiles and XLA")
     p.add_argument("--tune-rows", type=int, default=8, help="try tile variants up to this many rows")
     p.add_argument("--cases", default="", help="matmuls to time, comma-separated (default: all)")
+    p.add_argument("--layouts", default="in,out",
+                   help="weight layouts to time: in (input-major [L, K, N]), out (output-major [L, N, K])")
     a = p.parse_args()
+    layouts = [{"in": False, "out": True}[x] for x in a.layouts.split(",")]
     os.makedirs(a.out, exist_ok=True)
     cfg, _ = resolve_shape(a.shape)
     L = cfg.num_layers
@@ -96,6 +118,8 @@ def main():
         w2 = jax.random.randint(key, (L, K, N), -127, 128, jnp.int8) if gated else None
         s = jnp.ones((L, N), jnp.float32) * 0.01
         nbytes = L * (K * N + 4 * N) * (2 if gated else 1)
+        swap = jax.jit(lambda a: None if a is None else jnp.swapaxes(a, 1, 2))
+        stacks = {False: (w, w2), True: (swap(w), swap(w2))} if True in layouts else {False: (w, w2)}
         for M in [int(r) for r in a.rows.split(",")]:
             x = jax.random.normal(key, (M, K), jnp.bfloat16)
             if gated:
@@ -106,14 +130,22 @@ def main():
             base = timed(over_layers(lambda l, x, w, w2, s: x[:1, :1], L), x, w, w2, s)
             res = {"xla": timed(xla, x, w, w2, s) - base}
             quick = a.quick or M > a.tune_rows
-            vs = {"auto": choose_tiles(M, K, N, gated)} if quick else variants(M, K, N, gated)
-            for label, t in vs.items():
+            layer = L // 2
+            ref = np.asarray(_one_layer(gated, x, w, w2, s, layer, None))
+            errs = {}
+            vs = {}
+            for om in layouts:
+                vs.update({k: (t, stacks[om]) for k, t in variants(M, K, N, gated, om, quick).items()})
+            for label, (t, (wl, w2l)) in vs.items():
                 if gated:
-                    f = over_layers(lambda l, x, w, w2, s, t=t: stacked_gated(x, (w, s), (w2, s), l, jax.nn.silu, t), L)
+                    f = over_layers(lambda l, x, w, w2, s, t=t: stacked_gated(x, (w, s), (w2, s), l, jax.nn.silu, t,
+                                                                           t.out_major), L)
                 else:
-                    f = over_layers(lambda l, x, w, w2, s, t=t: stacked_matmul(x, w, s, l, t), L)
+                    f = over_layers(lambda l, x, w, w2, s, t=t: stacked_matmul(x, w, s, l, t, t.out_major), L)
                 try:
-                    res[label] = timed(f, x, w, w2, s) - base
+                    res[label] = timed(f, x, wl, w2l, s) - base
+                    got = np.asarray(_one_layer(gated, x, wl, w2l, s, layer, t))
+                    errs[label] = float(np.max(np.abs(got - ref)) / (np.max(np.abs(ref)) + 1e-30))
                 except Exception as e:          # a tile shape Triton refuses: note it, go on
                     res[label] = str(e).splitlines()[0][:120]
             ok = {k: v for k, v in res.items() if isinstance(v, float)}
@@ -121,11 +153,14 @@ def main():
             row = {"matmul": name, "M": M, "K": K, "N": N, "bytes": nbytes,
                    "xla_GBps": nbytes / ok["xla"] / 1e9,
                    "auto_GBps": nbytes / ok["auto"] / 1e9 if "auto" in ok else None,
+                   "auto_out_major_GBps": (nbytes / ok["auto out-major"] / 1e9
+                                           if "auto out-major" in ok else None),
                    "best": best, "best_GBps": nbytes / ok[best] / 1e9 if best else None,
-                   "all_s": res}
+                   "all_s": res, "max_rel_err": errs}
             rows.append(row)
             print(f"{name:8s} M={M:3d} K={K:5d} N={N:5d}  xla {row['xla_GBps']:7.0f}  auto "
-                  f"{row['auto_GBps'] or 0:7.0f}  best {row['best_GBps'] or 0:7.0f} GB/s  ({best})", flush=True)
+                  f"{row['auto_GBps'] or 0:7.0f}  auto out-major {row['auto_out_major_GBps'] or 0:7.0f}  "
+                  f"best {row['best_GBps'] or 0:7.0f} GB/s  ({best})", flush=True)
     a_spec = cfg.attn[cfg.layer_kinds[0]]
     H, Kh, hd = a_spec.num_heads, a_spec.num_kv_heads, a_spec.head_dim
     att = []

@@ -2,6 +2,7 @@
 the CPU, over shapes with edge tiles: one row, odd widths, K not a multiple of the step, partly
 filled and empty KV blocks, sliding windows and soft-capping; then whole models, kernels forced on,
 against the XLA path."""
+import dataclasses
 import os
 
 import jax
@@ -43,9 +44,19 @@ TILES = [None, Tiles(bm=1, bn=16, bk=32, split=3), Tiles(bm=16, bn=32, bk=16, sp
          Tiles(bm=16, bn=16, bk=32, split=2)]
 
 
+def _om(w, out_major):
+    """A [L, K, N] stack as the kernels take it: as is, or output-major [L, N, K]."""
+    return jnp.swapaxes(w, 1, 2) if out_major else w
+
+
+def _tiles(t, out_major):
+    return None if t is None else dataclasses.replace(t, out_major=out_major)
+
+
 @pytest.mark.parametrize("M,K,N", [(1, 100, 37), (3, 130, 70), (17, 64, 33), (1, 300, 129)])
 @pytest.mark.parametrize("dtype", ["int8", "float32"])
-def test_stacked_matmul(M, K, N, dtype):
+@pytest.mark.parametrize("out_major", [False, True])
+def test_stacked_matmul(M, K, N, dtype, out_major):
     rng = np.random.default_rng(M * K + N)
     x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
     w, s = _w(rng, K, N, dtype)
@@ -53,16 +64,19 @@ def test_stacked_matmul(M, K, N, dtype):
     for t in TILES:
         if t is not None and t.bm == 1 and M > 1:
             t = Tiles(bm=1, bn=t.bn, bk=t.bk, split=t.split)          # one program per row
-        assert _rel(stacked_matmul(x, w, s, jnp.int32(2), t), ref) < 1e-5, t
+        got = stacked_matmul(x, _om(w, out_major), s, jnp.int32(2), _tiles(t, out_major), out_major)
+        assert _rel(got, ref) < 1e-5, t
 
 
-def test_fused_projections_match_separate():
+@pytest.mark.parametrize("out_major", [False, True])
+def test_fused_projections_match_separate(out_major):
     """Q, K and V widths side by side in one grid; each output equals its own product."""
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((2, 72)), jnp.float32)
     ws = [_w(rng, 72, n, "int8") for n in (48, 16, 17)]
     for t in (None, Tiles(bm=16, bn=16, bk=32, split=2), Tiles(bm=1, bn=16, bk=16, split=1)):
-        outs = stacked_matmuls(x, ws, jnp.int32(1), t)
+        outs = stacked_matmuls(x, [(_om(w, out_major), s) for w, s in ws], jnp.int32(1),
+                               _tiles(t, out_major), out_major)
         for y, (w, s) in zip(outs, ws):
             assert y.shape == (2, w.shape[2])
             assert _rel(y, _ref(x, w, s, 1)) < 1e-5
@@ -70,15 +84,67 @@ def test_fused_projections_match_separate():
 
 @pytest.mark.parametrize("M", [1, 5])
 @pytest.mark.parametrize("split", [1, 2])
-def test_stacked_gated(M, split):
+@pytest.mark.parametrize("out_major", [False, True])
+def test_stacked_gated(M, split, out_major):
     rng = np.random.default_rng(M + 10 * split)
     x = jnp.asarray(rng.standard_normal((M, 90)), jnp.float32)
     g, u = _w(rng, 90, 45, "int8"), _w(rng, 90, 45, "int8")
     act = lambda v: jax.nn.gelu(v, approximate=True)             # noqa: E731
     ref = act(_ref(x, *g, 0)) * _ref(x, *u, 0)
     t = Tiles(bm=1 if M == 1 else 16, bn=16, bk=32, split=split)
+    gm, um = (_om(g[0], out_major), g[1]), (_om(u[0], out_major), u[1])
     for tiles in (None, t):
-        assert _rel(stacked_gated(x, g, u, jnp.int32(0), act, tiles), ref) < 1e-5
+        got = stacked_gated(x, gm, um, jnp.int32(0), act, _tiles(tiles, out_major), out_major)
+        assert _rel(got, ref) < 1e-5
+
+
+@pytest.mark.parametrize("M,K,N,out_major", [(1, 100, 37, True), (3, 130, 70, False), (17, 64, 33, True)])
+@pytest.mark.parametrize("split", [1, 2])
+def test_norm_prologue_and_residual_epilogue(M, K, N, out_major, split):
+    """RMSNorm of x's rows as the kernel loads them, and a residual added in the epilogue (or after
+    the K splits are summed): the same as norm, matmul, add done apart."""
+    from jaxllm.kernels.matmul import Norm
+    rng = np.random.default_rng(M + K)
+    x = jnp.asarray(rng.standard_normal((M, K)) * 3, jnp.float32)
+    nw = jnp.asarray(rng.standard_normal(K) * 0.2, jnp.float32)
+    res = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
+    (w, s), (w2, s2) = _w(rng, K, N, "int8"), _w(rng, K, N, "int8")
+    xn = rms_norm(x, nw, 1e-6, 1.0)
+    bm = 1 if M == 1 else 16
+    t = Tiles(bm=bm, bn=16, bk=32, split=split, out_major=out_major)
+    for tiles in (None, t):
+        tl = None if tiles is None else tiles
+        (y,) = stacked_matmuls(x, [(_om(w, out_major), s)], jnp.int32(2), tl, out_major,
+                               norm=(nw, Norm(1e-6, 1.0)), residuals=[res])
+        assert _rel(y, _ref(xn, w, s, 2) + res) < 1e-5, tiles
+        g = stacked_gated(x, (_om(w, out_major), s), (_om(w2, out_major), s2), jnp.int32(1), jax.nn.silu,
+                          tl, out_major, norm=(nw, Norm(1e-6, 1.0)))
+        assert _rel(g, jax.nn.silu(_ref(xn, w, s, 1)) * _ref(xn, w2, s2, 1)) < 1e-5, tiles
+
+
+def test_out_major_weights_on_the_xla_path(monkeypatch):
+    """Output-major stacks (how the kernels' weights are laid out) contracted by XLA wherever the
+    kernels do not run: a prefill's many rows, and the forced XLA path; `out_major` leaves the
+    weights as they are where the kernels are off."""
+    from jaxllm.kernels.weights import out_major
+    from jaxllm.quant import OutMajor, QuantArray, Stacked, linear
+    rng = np.random.default_rng(7)
+    w, s = _w(rng, 2 * 12, 20, "int8")
+    o = QuantArray(w.reshape(L, 2, 12, 20), s, 2)                # an O projection: heads, head_dim
+    monkeypatch.setenv("JAXLLM_KERNELS", "xla")
+    weights = {"layers": {"g": {"o": o, "attn_norm": jnp.ones((L, 20))}}}
+    assert out_major(weights) is weights
+    monkeypatch.setenv("JAXLLM_KERNELS", "pallas")
+    om = out_major(weights)["layers"]["g"]["o"]
+    assert isinstance(om, OutMajor) and om.w.q.shape == (L, 20, 2, 12) and om.n_contract == 2
+    assert weights["layers"]["g"]["o"] is o                      # not donated: the input stays
+    for rows in (3, 300):                                        # kernel, then XLA (> 256 rows)
+        x = jnp.asarray(rng.standard_normal((rows, 2, 12)), jnp.float32)
+        ref = _ref(x.reshape(rows, 24), w, s, 1)
+        for mode in ("pallas", "xla"):
+            monkeypatch.setenv("JAXLLM_KERNELS", mode)
+            y = linear(x, Stacked(om.w, jnp.int32(1), "o", out_major=True), 2)
+            assert _rel(y, ref) < 1e-5, (rows, mode)
 
 
 def test_tile_choice_fits_and_fills():
@@ -198,6 +264,7 @@ def test_model_kernels_match_xla(family, quant, kv, tmp_path, monkeypatch):
     assert tiny.rel_err(results["pallas"][1], results["xla"][1]) < 1e-5
     chosen = {s["kernel"] for s in kernels.selections()}
     assert {"matmul", "gated matmul", "decode attention"} <= chosen
+    assert any(s["choice"].endswith("out-major") for s in kernels.selections())   # as loaded for them
     kinds = {s["shape"][-1] for s in kernels.selections() if s["kernel"] == "decode attention"}
     assert kv == "none" or ("linear" in kinds and (family == "qwen3" or "ring" in kinds))
 
@@ -223,6 +290,7 @@ def test_sharded_kernels_match_single_device_xla(tmp_path):
     used = {(s["kernel"], s["choice"].split()[0]) for s in out["selections"]}
     assert ("decode attention", "pallas") in used and ("matmul", "pallas") in used
     assert ("decode attention", "xla") in used          # 2 KV heads cannot follow 4-way split heads
+    assert any(s["choice"].endswith("out-major") for s in out["selections"] if s["kernel"] == "matmul")
     split_kinds = {s["shape"][-1] for s in out["selections"]
                    if s["kernel"] == "decode attention" and s["choice"].startswith("pallas")}
     assert "linear keys-from-values" in split_kinds         # Gemma 4's int8 global layers, in place

@@ -117,7 +117,8 @@ def load_subject(a):
         check_divisible(a.layout, specs)
         shardings = a.layout.weight_shardings(specs, lambda s: a.quant == "int8" and bool(s.n_contract))
         weights = random_weights(specs, a.quant, DTYPES[a.dtype], a.seed, shardings)
-        return cfg, fam, weights, {"shape": a.shape}
+        from ..kernels.weights import out_major
+        return cfg, fam, out_major(weights, a.layout, donate=True), {"shape": a.shape}
     import jaxllm
     eng = jaxllm.load(a.model_dir, quant=a.quant, dtype=a.dtype, max_ctx=None, tp=a.tp)
     return eng.cfg, family_for({"model_type": eng.cfg.family}), eng.weights, {"model_dir": str(a.model_dir)}

@@ -7,7 +7,12 @@ int8 (or bf16) tiles of that layer, widen them in registers, and apply the per-o
 in the epilogue. Decode is memory-bound, so the tiling is chosen to put enough blocks on the GPU
 (split over K when the output is narrow) rather than for arithmetic reuse.
 
-    stacked_matmul(x [M, K], w [L, K, N], scale [L, N] | None, layer) -> [M, N]
+A stack is read either as the model holds it, input-major `[L, K, N]`, or output-major `[L, N, K]`
+(`Tiles.out_major`; see `kernels.weights`), where each output channel's inputs are contiguous: on an
+H100 a vector product streams int8 weights 1.3-2x faster from that layout, whose tiles are rows of
+256 contiguous bytes rather than 64.
+
+    stacked_matmul(x [M, K], w [L, K, N] or [L, N, K], scale [L, N] | None, layer) -> [M, N]
     stacked_gated(x, (w_gate, s_gate), (w_up, s_up), layer, act) -> act(x @ gate) * (x @ up)
 
 The second is a gated MLP's input half in one pass over x: both weights' tiles of a column block
@@ -34,9 +39,11 @@ class Tiles:
     split: int = 1   # blocks along K, each writing a float32 partial that XLA sums
     warps: int = 4
     stages: int = 3
+    out_major: bool = False  # the weight stack is [L, N, K] rather than [L, K, N]
 
     def label(self) -> str:
-        return f"pallas bm={self.bm} bn={self.bn} bk={self.bk} split={self.split} warps={self.warps}"
+        return (f"pallas bm={self.bm} bn={self.bn} bk={self.bk} split={self.split} warps={self.warps}"
+                + (" out-major" if self.out_major else ""))
 
 
 SMS = 132             # H100/H200 multiprocessors: the grid should cover them a few times
@@ -50,31 +57,47 @@ SMEM = 200 * 1024     # of the 227 KiB a block may use on H100/H200, leaving Tri
 
 
 def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, *, bn=None, bk=None,
-                 warps=None) -> Tiles:
+                 warps=None, out_major: bool = False) -> Tiles:
     """Blocks for an [M, K] x [K, N] product (N summed over the weights of a fused call).
 
-    M=1 is a vector product: each thread multiplies its part of a [bk, bn] tile into a float32
+    M=1 is a vector product: each thread multiplies its part of a weight tile into a float32
     accumulator of the same shape, reduced once at the end (a reduction per tile stalls the
-    loads). Above, 16..64-row tensor-core dots. K is split until there are about four blocks per
-    multiprocessor: on an H100 (scripts/kernel_bench.py), shallow steps over narrow K ranges in many
-    blocks of 8 warps streamed int8 weights fastest, about 1.5-2x the 128-deep 4-warp tiles."""
-    if M == 1:
+    loads). Above, 16..64-row tensor-core dots. K is split until the blocks cover the GPU a few
+    times. Measured on an H100 (scripts/kernel_bench.py): input-major, shallow steps over narrow K
+    ranges in many blocks of 8 warps streamed int8 weights fastest (bn=64, bk=32, about four blocks
+    per multiprocessor); output-major, 4 output channels by 512 contiguous inputs per step (256 and
+    8 warps over a long K) in one block per 4 channels, and at 2..16 rows 64 channels a block."""
+    if out_major and M == 1:
+        deep = K >= 8192
+        bm, bn_, bk_, warps_ = 1, 4, min(256 if deep else 512, max(16, _pow2(K))), 8 if deep else 4
+    elif M == 1:
         bm, bn_, bk_, warps_ = 1, (128 if gated else 64), 32, 8
+    elif out_major and M <= 16:
+        bm, bn_, bk_, warps_ = 16, 64, 128, 4
     else:
         bm, bn_, bk_, warps_ = min(64, max(16, _pow2(M))), 128, 128, 8
     bn, bk, warps = bn or bn_, bk or bk_, warps or warps_
     blocks = -(-M // bm) * -(-N // bn)
     split = 1
     max_split = (4 if gated else 16) if M == 1 else 4 if M <= 64 else 2   # partials: M*N*4 bytes
-    while split < max_split and blocks * split < 4 * SMS and K >= 2 * split * bk:
+    target = 3 * SMS if out_major and M == 1 else 4 * SMS
+    while split < max_split and blocks * split < target and K >= 2 * split * bk:
         split *= 2
     stages, n_w = 3, 2 if gated else 1
     while stages > 1 and stages * bk * (bm * 2 + n_w * bn * w_bytes) > SMEM:  # pipelined tiles
         stages -= 1
-    return Tiles(bm=bm, bn=bn, bk=bk, split=split, warps=warps, stages=stages)
+    return Tiles(bm=bm, bn=bn, bk=bk, split=split, warps=warps, stages=stages, out_major=out_major)
 
 
-def _load_x(x_ref, i, k0, t: Tiles, M, K):
+@dataclass(frozen=True)
+class Norm:
+    """An RMSNorm of x's rows, applied as the kernel loads them: x * rsqrt(mean(x^2) + eps) *
+    (offset + w), in float32 and rounded to x's dtype, as `layers.rms_norm` does."""
+    eps: float
+    offset: float = 0.0
+
+
+def _load_x_raw(x_ref, i, k0, t: Tiles, M, K):
     ks = k0 + jnp.arange(t.bk)
     if t.bm == 1:
         return plgpu.load(x_ref.at[i, pl.ds(k0, t.bk)], mask=ks < K, other=0.0)
@@ -83,33 +106,62 @@ def _load_x(x_ref, i, k0, t: Tiles, M, K):
                       mask=(rows < M)[:, None] & (ks < K)[None, :], other=0.0)
 
 
+def _x_loader(x_ref, nw_ref, norm: Norm | None, i, t: Tiles, M, K):
+    """k0 -> this program's rows of x over [k0, k0 + bk), normalized when norm is given (a first
+    pass over x's rows sums their squares: x is a few KB, read from L2)."""
+    if norm is None:
+        return lambda k0: _load_x_raw(x_ref, i, k0, t, M, K)
+    axis = 0 if t.bm == 1 else 1
+
+    def sumsq(n, acc):
+        xf = _load_x_raw(x_ref, i, n * t.bk, t, M, K).astype(jnp.float32)
+        return acc + jnp.sum(xf * xf, axis=axis)
+    zero = jnp.float32(0) if t.bm == 1 else jnp.zeros((t.bm,), jnp.float32)
+    inv = jax.lax.rsqrt(jax.lax.fori_loop(0, -(-K // t.bk), sumsq, zero) / K + norm.eps)
+
+    def load(k0):
+        x = _load_x_raw(x_ref, i, k0, t, M, K)
+        ks = k0 + jnp.arange(t.bk)
+        w = norm.offset + plgpu.load(nw_ref.at[pl.ds(k0, t.bk)], mask=ks < K, other=0.0).astype(jnp.float32)
+        xn = x.astype(jnp.float32) * (inv * w if t.bm == 1 else inv[:, None] * w[None, :])
+        return xn.astype(x.dtype)
+    return load
+
+
 def _load_w(w_ref, layer, j, k0, t: Tiles, K, N):
+    """The layer's [bk, bn] weight tile, or [bn, bk] from an output-major stack."""
     ks = k0 + jnp.arange(t.bk)
     cols = j * t.bn + jnp.arange(t.bn)
+    if t.out_major:
+        return plgpu.load(w_ref.at[layer, pl.ds(j * t.bn, t.bn), pl.ds(k0, t.bk)],
+                          mask=(cols < N)[:, None] & (ks < K)[None, :], other=0)
     return plgpu.load(w_ref.at[layer, pl.ds(k0, t.bk), pl.ds(j * t.bn, t.bn)],
                       mask=(ks < K)[:, None] & (cols < N)[None, :], other=0)
 
 
 def _product(x, w, t: Tiles):
-    if t.bm == 1:                  # elementwise into the [bk, bn] accumulator
-        return x.astype(jnp.float32)[:, None] * w.astype(jnp.float32)
+    if t.bm == 1:                  # elementwise into an accumulator shaped like the tile
+        xf = x.astype(jnp.float32)
+        return w.astype(jnp.float32) * (xf[None, :] if t.out_major else xf[:, None])
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    return jax.lax.dot_general(x, w.astype(x.dtype), (((1,), (0,)), ((), ())),
+    return jax.lax.dot_general(x, w.astype(x.dtype), (((1,), (1 if t.out_major else 0,)), ((), ())),
                                preferred_element_type=jnp.float32, precision=precision)
 
 
-def _accumulate(x_ref, w_refs, layer, i, j, s, steps, t: Tiles, M, K, N):
+def _accumulate(load_x, w_refs, layer, j, s, steps, t: Tiles, K, N):
     """[bm, bn] float32 sums over this program's K range for each weight in w_refs."""
     k_lo = s * steps * t.bk
-    shape = (t.bk, t.bn) if t.bm == 1 else (t.bm, t.bn)
+    shape = ((t.bn, t.bk) if t.out_major else (t.bk, t.bn)) if t.bm == 1 else (t.bm, t.bn)
     acc = tuple(jnp.zeros(shape, jnp.float32) for _ in w_refs)
 
     def body(n, acc):
         k0 = k_lo + n * t.bk
-        x = _load_x(x_ref, i, k0, t, M, K)
+        x = load_x(k0)
         return tuple(a + _product(x, _load_w(w, layer, j, k0, t, K, N), t) for a, w in zip(acc, w_refs))
     acc = jax.lax.fori_loop(0, steps, body, acc)
-    return tuple(jnp.sum(a, axis=0)[None, :] for a in acc) if t.bm == 1 else acc
+    if t.bm == 1:
+        return tuple(jnp.sum(a, axis=1 if t.out_major else 0)[None, :] for a in acc)
+    return acc
 
 
 def _scaled(acc, s_ref, layer, j, t: Tiles, N):
@@ -119,42 +171,62 @@ def _scaled(acc, s_ref, layer, j, t: Tiles, N):
     return acc * plgpu.load(s_ref.at[layer, pl.ds(j * t.bn, t.bn)], mask=cols < N, other=0.0)[None, :]
 
 
-def _store(o_ref, val, i, j, t: Tiles, M, N, split_index=None):
+def _block(i, j, t: Tiles, M, N):
     rows = i * t.bm + jnp.arange(t.bm)
     cols = j * t.bn + jnp.arange(t.bn)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    at = (pl.ds(i * t.bm, t.bm), pl.ds(j * t.bn, t.bn))
+    return (pl.ds(i * t.bm, t.bm), pl.ds(j * t.bn, t.bn)), (rows < M)[:, None] & (cols < N)[None, :]
+
+
+def _store(o_ref, val, i, j, t: Tiles, M, N, split_index=None, r_ref=None):
+    """The block of the output (or of a K split's partial sums), plus the residual's block if
+    given: the product rounded to the output dtype first, as an add after the matmul would."""
+    at, mask = _block(i, j, t, M, N)
+    if r_ref is not None:
+        val = val.astype(o_ref.dtype).astype(jnp.float32) + plgpu.load(
+            r_ref.at[at], mask=mask, other=0.0).astype(jnp.float32)
     ref = o_ref.at[at] if split_index is None else o_ref.at[(split_index,) + at]
     plgpu.store(ref, val.astype(o_ref.dtype), mask=mask)
 
 
-def _matmul_kernel(layer_ref, x_ref, *refs, t: Tiles, M, K, Ns, steps, scaled):
+def _unpack(refs, n: int, norm: bool, scaled: bool, residual: bool, n_out: int):
+    """(norm weight | None, weights, scales, residuals, outputs) from a kernel's refs after x."""
+    refs = list(refs)
+    nw = refs.pop(0) if norm else None
+    w = [refs.pop(0) for _ in range(n)]
+    sc = [refs.pop(0) for _ in range(n)] if scaled else [None] * n
+    res = [refs.pop(0) for _ in range(n_out)] if residual else [None] * n_out
+    return nw, w, sc, res, refs
+
+
+def _matmul_kernel(layer_ref, x_ref, *refs, t: Tiles, M, K, Ns, steps, scaled, norm, residual):
     """Column blocks of several weights side by side in one grid: block j belongs to the weight
     whose range of blocks holds it, and only that weight's branch runs."""
     n = len(Ns)
-    w_refs, o_refs = refs[:n], refs[-n:]
-    s_refs = refs[n:2 * n] if scaled else (None,) * n
+    nw_ref, w_refs, s_refs, r_refs, o_refs = _unpack(refs, n, norm is not None, scaled, residual, n)
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
+    load_x = _x_loader(x_ref, nw_ref, norm, i, t, M, K)
     first = 0
-    for w_ref, s_ref, o_ref, N in zip(w_refs, s_refs, o_refs, Ns):
+    for w_ref, s_ref, r_ref, o_ref, N in zip(w_refs, s_refs, r_refs, o_refs, Ns):
         nb = -(-N // t.bn)
 
         @pl.when((j >= first) & (j < first + nb))
-        def _(w_ref=w_ref, s_ref=s_ref, o_ref=o_ref, N=N, jj=j - first):
-            (acc,) = _accumulate(x_ref, (w_ref,), layer, i, jj, s, steps, t, M, K, N)
+        def _(w_ref=w_ref, s_ref=s_ref, r_ref=r_ref, o_ref=o_ref, N=N, jj=j - first):
+            (acc,) = _accumulate(load_x, (w_ref,), layer, jj, s, steps, t, K, N)
             if t.split == 1:
-                _store(o_ref, _scaled(acc, s_ref, layer, jj, t, N), i, jj, t, M, N)
+                _store(o_ref, _scaled(acc, s_ref, layer, jj, t, N), i, jj, t, M, N, r_ref=r_ref)
             else:
                 _store(o_ref, acc, i, jj, t, M, N, split_index=s)
         first += nb
 
 
-def _gated_kernel(layer_ref, x_ref, wg_ref, wu_ref, *rest, t: Tiles, M, K, N, steps, scaled, act):
-    sg_ref, su_ref = rest[:2] if scaled else (None, None)
+def _gated_kernel(layer_ref, x_ref, *refs, t: Tiles, M, K, N, steps, scaled, act, norm):
+    nw_ref, (wg_ref, wu_ref), (sg_ref, su_ref), _, rest = _unpack(refs, 2, norm is not None, scaled,
+                                                                   False, 0)
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
-    g, u = _accumulate(x_ref, (wg_ref, wu_ref), layer, i, j, s, steps, t, M, K, N)
+    load_x = _x_loader(x_ref, nw_ref, norm, i, t, M, K)
+    g, u = _accumulate(load_x, (wg_ref, wu_ref), layer, j, s, steps, t, K, N)
     if t.split == 1:
         g = _scaled(g, sg_ref, layer, j, t, N)
         u = _scaled(u, su_ref, layer, j, t, N)
@@ -168,53 +240,73 @@ def _params(t: Tiles):
     return plgpu.CompilerParams(num_warps=t.warps, num_stages=t.stages)
 
 
-def stacked_matmuls(x, weights, layer, tiles: Tiles | None = None) -> list:
+def _dims(w, out_major: bool):
+    """(K, N) of a [L, K, N] stack, or of a [L, N, K] one when out_major."""
+    return (w.shape[2], w.shape[1]) if out_major else (w.shape[1], w.shape[2])
+
+
+def stacked_matmuls(x, weights, layer, tiles: Tiles | None = None, out_major: bool = False,
+                    norm=None, residuals=None) -> list:
     """[x @ w[layer] * scale[layer] for (w [L, K, N_i], scale [L, N_i] | None) in weights], in one
-    kernel launch (e.g. the Q, K and V projections of a layer)."""
+    kernel launch (e.g. the Q, K and V projections of a layer); w is [L, N_i, K] when out_major.
+
+    norm=(w [K], Norm): x's rows RMS-normalized first, as they are loaded; residuals ([M, N_i]
+    each): added to the products (rounded to x's dtype first), in the epilogue."""
     M, K = x.shape
-    Ns = [w.shape[2] for w, _ in weights]
+    Ns = [_dims(w, out_major)[1] for w, _ in weights]
     for w, _ in weights:
-        assert w.shape[1] == K, (x.shape, w.shape)
+        assert _dims(w, out_major)[0] == K, (x.shape, w.shape, out_major)
     scaled = weights[0][1] is not None
     assert all((sc is not None) == scaled for _, sc in weights)
-    t = tiles or choose_tiles(M, K, sum(Ns), w_bytes=weights[0][0].dtype.itemsize)
+    t = tiles or choose_tiles(M, K, sum(Ns), w_bytes=weights[0][0].dtype.itemsize, out_major=out_major)
+    assert t.out_major == out_major, (t, out_major)
     note("matmul", (M, K, "+".join(map(str, Ns)), str(weights[0][0].dtype)), t.label())
     steps = -(-K // (t.bk * t.split))
     grid = (-(-M // t.bm), sum(-(-N // t.bn) for N in Ns), t.split)
     out_shape = [jax.ShapeDtypeStruct((M, N), x.dtype) if t.split == 1
                  else jax.ShapeDtypeStruct((t.split, M, N), jnp.float32) for N in Ns]
-    kernel = functools.partial(_matmul_kernel, t=t, M=M, K=K, Ns=tuple(Ns), steps=steps, scaled=scaled)
-    args = ((jnp.reshape(layer, (1,)).astype(jnp.int32), x) + tuple(w for w, _ in weights)
-            + (tuple(sc for _, sc in weights) if scaled else ()))
+    fuse_res = residuals is not None and t.split == 1
+    kernel = functools.partial(_matmul_kernel, t=t, M=M, K=K, Ns=tuple(Ns), steps=steps, scaled=scaled,
+                               norm=None if norm is None else norm[1], residual=fuse_res)
+    args = ((jnp.reshape(layer, (1,)).astype(jnp.int32), x) + (() if norm is None else (norm[0],))
+            + tuple(w for w, _ in weights) + (tuple(sc for _, sc in weights) if scaled else ())
+            + (tuple(residuals) if fuse_res else ()))
     outs = pl.pallas_call(kernel, out_shape=out_shape, grid=grid, compiler_params=_params(t),
                           interpret=interpret(), name="stacked_matmul")(*args)
     if t.split == 1:
         return list(outs)
     res = []
-    for out, (_, sc) in zip(outs, weights):
+    for n, (out, (_, sc)) in enumerate(zip(outs, weights)):
         out = out.sum(axis=0)
         if sc is not None:
             out = out * jax.lax.dynamic_index_in_dim(sc, layer, keepdims=False)
-        res.append(out.astype(x.dtype))
+        out = out.astype(x.dtype)
+        res.append(out if residuals is None else residuals[n] + out)
     return res
 
 
-def stacked_matmul(x, w, scale, layer, tiles: Tiles | None = None):
-    """x [M, K] @ w[layer] ([L, K, N] int8 or float) * scale[layer] ([L, N], or None) -> [M, N]."""
-    return stacked_matmuls(x, [(w, scale)], layer, tiles)[0]
+def stacked_matmul(x, w, scale, layer, tiles: Tiles | None = None, out_major: bool = False):
+    """x [M, K] @ w[layer] ([L, K, N] int8 or float; [L, N, K] when out_major) * scale[layer]
+    ([L, N], or None) -> [M, N]."""
+    return stacked_matmuls(x, [(w, scale)], layer, tiles, out_major)[0]
 
 
-def stacked_gated(x, gate, up, layer, act, tiles: Tiles | None = None):
-    """act(x @ gate[layer]) * (x @ up[layer]) for (weight [L, K, N], scale [L, N] | None) pairs."""
+def stacked_gated(x, gate, up, layer, act, tiles: Tiles | None = None, out_major: bool = False,
+                  norm=None):
+    """act(x @ gate[layer]) * (x @ up[layer]) for (weight [L, K, N] or [L, N, K] when out_major,
+    scale [L, N] | None) pairs; norm=(w [K], Norm) normalizes x's rows first, as they load."""
     (wg, sg), (wu, su) = gate, up
     M, K = x.shape
-    N = wg.shape[2]
-    t = tiles or choose_tiles(M, K, N, gated=True, w_bytes=wg.dtype.itemsize)
+    N = _dims(wg, out_major)[1]
+    t = tiles or choose_tiles(M, K, N, gated=True, w_bytes=wg.dtype.itemsize, out_major=out_major)
+    assert t.out_major == out_major and _dims(wg, out_major)[0] == K, (t, out_major, wg.shape)
     note("gated matmul", (M, K, N, str(wg.dtype)), t.label())
     steps = -(-K // (t.bk * t.split))
     scaled = sg is not None
-    kernel = functools.partial(_gated_kernel, t=t, M=M, K=K, N=N, steps=steps, scaled=scaled, act=act)
-    args = (jnp.reshape(layer, (1,)).astype(jnp.int32), x, wg, wu) + ((sg, su) if scaled else ())
+    kernel = functools.partial(_gated_kernel, t=t, M=M, K=K, N=N, steps=steps, scaled=scaled, act=act,
+                               norm=None if norm is None else norm[1])
+    args = ((jnp.reshape(layer, (1,)).astype(jnp.int32), x) + (() if norm is None else (norm[0],))
+            + (wg, wu) + ((sg, su) if scaled else ()))
     grid = (-(-M // t.bm), -(-N // t.bn), t.split)
     if t.split == 1:
         out_shape = jax.ShapeDtypeStruct((M, N), x.dtype)

@@ -13,12 +13,13 @@ import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from . import current_layout, enabled, note
 from .attention import Cache, decode_attention
-from .matmul import stacked_gated, stacked_matmuls
-from ..quant import QuantArray, Stacked
+from .matmul import Norm, stacked_gated, stacked_matmuls
+from ..quant import Normed, QuantArray, Stacked
 
 MAX_ROWS = 256         # above this many rows (a prefill) a step is compute-bound: XLA's GEMMs
 
@@ -34,6 +35,20 @@ def _arrays(w: Stacked):
     return w.stack, None
 
 
+def _dims(arr, n_contract: int, out_major: bool):
+    """(contracted, output) parts of a stack [L, *in, *out] ([L, *out, *in] if out_major): of its
+    shape, or of the entries of its PartitionSpec when given one."""
+    d = tuple(arr)[1:] if isinstance(arr, P) else arr.shape[1:]
+    n_out = len(d) - n_contract
+    return (d[n_out:], d[:n_out]) if out_major else (d[:n_contract], d[n_contract:])
+
+
+def weight_axes(name: str, n_contract: int, out_major: bool) -> tuple:
+    """Logical axes of a stack of the layer weight `name`, in its storage order."""
+    ax = AXES[name]
+    return ("layers",) + (ax[n_contract:] + ax[:n_contract] if out_major else ax)
+
+
 def _local(fn, layout, in_specs, out_specs):
     """fn on one device's shards when the layout has a tensor-parallel axis, else fn itself."""
     if layout is None or layout.mesh.size == 1:
@@ -42,19 +57,20 @@ def _local(fn, layout, in_specs, out_specs):
 
 
 def _weight_specs(layout, w: Stacked, n_contract: int):
-    """PartitionSpecs of the stack, its scales, and which of its dims the model axis splits."""
+    """PartitionSpecs of the stack and of its scales, and whether the model axis splits a
+    contracted dim (a row-parallel weight)."""
     arr, scale = _arrays(w)
-    axes = ("layers",) + AXES[w.name]
-    spec = layout.spec(arr.shape, axes)
-    sspec = None if scale is None else P(spec[0], *spec[1 + n_contract:])
-    return spec, sspec
+    spec = layout.spec(arr.shape, weight_axes(w.name, n_contract, w.out_major))
+    ins, outs = _dims(spec, n_contract, w.out_major)
+    sspec = None if scale is None else P(spec[0], *outs)
+    return spec, sspec, any(s is not None for s in ins)
 
 
-def _flat(arr, scale, n_contract: int):
-    """[L, *in, *out] (and scales [L, *out]) -> [L, K, N], [L, N] | None."""
-    L = arr.shape[0]
-    K, N = math.prod(arr.shape[1:1 + n_contract]), math.prod(arr.shape[1 + n_contract:])
-    return arr.reshape(L, K, N), (None if scale is None else scale.reshape(L, N))
+def _flat(arr, scale, n_contract: int, out_major: bool):
+    """[L, *in, *out] (and scales [L, *out]) -> [L, K, N], [L, N] | None; [L, N, K] if out_major."""
+    ins, outs = _dims(arr, n_contract, out_major)
+    L, K, N = arr.shape[0], math.prod(ins), math.prod(outs)
+    return arr.reshape((L, N, K) if out_major else (L, K, N)), (None if scale is None else scale.reshape(L, N))
 
 
 def _too_many_rows(x, n_contract, name, desc):
@@ -72,56 +88,87 @@ def _sharding_plan(ws, n_contract, x):
         return layout, None
     if any(w.name not in AXES for w in ws):
         return layout, "unknown"
-    specs = [_weight_specs(layout, w, n_contract) for w in ws]
-    contract_split = {any(s[1 + i] is not None for i in range(n_contract)) for s, _ in specs}
+    full = [_weight_specs(layout, w, n_contract) for w in ws]
+    contract_split = {split for _, _, split in full}
     if len(contract_split) != 1:
         return layout, "mixed"
     row_parallel = contract_split.pop()
+    specs = [(spec, sspec) for spec, sspec, _ in full]
+    lead = [None] * (x.ndim - n_contract)
     if row_parallel:       # x arrives split along the contracted axes, like the weight
-        xspec = P(*([None] * (x.ndim - n_contract)), *specs[0][0][1:1 + n_contract])
-        outs = [P(*([None] * (x.ndim - n_contract)), *([None] * (len(s) - 1 - n_contract))) for s, _ in specs]
+        ins, _ = _dims(specs[0][0], n_contract, ws[0].out_major)
+        xspec = P(*lead, *ins)
+        outs = [P(*lead, *([None] * (len(s) - 1 - n_contract))) for s, _ in specs]
     else:
         xspec = P()
-        outs = [P(*([None] * (x.ndim - n_contract)), *s[1 + n_contract:]) for s, _ in specs]
+        outs = [P(*lead, *_dims(s, n_contract, w.out_major)[1]) for (s, _), w in zip(specs, ws)]
     return layout, (specs, xspec, outs, row_parallel)
 
 
-def stacked_linears(x, ws: list, n_contract: int):
-    """One kernel launch for several Stacked weights contracted with the same x (Q, K and V)."""
+def _norm_arg(x, K: int):
+    """(x's array, the kernels' norm=(w, Norm) for a `Normed` x or None)."""
+    if not isinstance(x, Normed):
+        return x, None
+    w = jnp.zeros((K,), jnp.float32) if x.w is None else x.w
+    return x.x, (w, Norm(x.eps, 1.0 if x.w is None else x.offset))
+
+
+def stacked_linears(x, ws: list, n_contract: int, residual=None):
+    """One kernel launch for several Stacked weights contracted with the same x (Q, K and V).
+    x may be `Normed` (then normalized in the kernel); `residual`, with one weight, is added to
+    its product (in the kernel's epilogue where nothing else has to come first)."""
     arrs = [_arrays(w) for w in ws]
-    if len({(a.shape[1:1 + n_contract], a.dtype, s is None) for a, s in arrs}) != 1:
+    om = ws[0].out_major
+    if len({(_dims(a, n_contract, w.out_major)[0], w.out_major, a.dtype, s is None)
+            for (a, s), w in zip(arrs, ws)}) != 1:
         return None
-    desc = (math.prod(arrs[0][0].shape[1:1 + n_contract]),
-            "+".join(str(math.prod(a.shape[1 + n_contract:])) for a, _ in arrs), str(arrs[0][0].dtype))
-    if _too_many_rows(x, n_contract, "matmul", desc):
+    desc = (math.prod(_dims(arrs[0][0], n_contract, om)[0]),
+            "+".join(str(math.prod(_dims(a, n_contract, om)[1])) for a, _ in arrs), str(arrs[0][0].dtype))
+    xa = x.x if isinstance(x, Normed) else x
+    if _too_many_rows(xa, n_contract, "matmul", desc):
         return None
-    layout, plan = _sharding_plan(ws, n_contract, x)
+    layout, plan = _sharding_plan(ws, n_contract, xa)
     if isinstance(plan, str):
         note("matmul", desc, f"xla (weights {plan} for the sharded kernels)")
         return None
+    K = desc[0]
+    if isinstance(x, Normed) and (n_contract != 1 or (plan is not None and plan[3])):
+        x = x.value()                       # a norm over rows the kernel does not see whole
+    x, norm = _norm_arg(x, K)
     quant = arrs[0][1] is not None
     lead = x.shape[:x.ndim - n_contract]
     n = len(ws)
+    res_in = residual is not None and plan is None          # else added after the psum
+    N0 = math.prod(_dims(arrs[0][0], n_contract, om)[1])
 
-    def body(x, layer, *flat):
-        pairs = list(zip(flat[:n], flat[n:] if quant else [None] * n))
-        mats = [_flat(a, s, n_contract) for a, s in pairs]
-        ys = stacked_matmuls(x.reshape(-1, mats[0][0].shape[1]), mats, layer)
-        ys = [y.reshape(lead + a.shape[1 + n_contract:]) for y, (a, _) in zip(ys, pairs)]
+    def body(x, layer, nw, *flat):
+        pairs = list(zip(flat[:n], flat[n:2 * n] if quant else [None] * n))
+        mats = [_flat(a, s, n_contract, om) for a, s in pairs]
+        r = [flat[-1].reshape(-1, N0)] if res_in else None
+        k_local = math.prod(_dims(pairs[0][0], n_contract, om)[0])      # K over a shard's rows
+        ys = stacked_matmuls(x.reshape(-1, k_local), mats, layer, out_major=om,
+                             norm=None if norm is None else (nw, norm[1]), residuals=r)
+        ys = [y.reshape(lead + _dims(a, n_contract, om)[1]) for y, (a, _) in zip(ys, pairs)]
         if plan is not None and plan[3]:
             ys = [jax.lax.psum(y, "model") for y in ys]
         return tuple(ys)
 
-    flat = [a for a, _ in arrs] + ([sc for _, sc in arrs] if quant else [])
+    nw = jnp.zeros((), jnp.float32) if norm is None else norm[0]
+    flat = [a for a, _ in arrs] + ([sc for _, sc in arrs] if quant else []) + ([residual] if res_in else [])
     if plan is None:
-        return list(body(x, ws[0].idx, *flat))
-    specs, xspec, outs, _ = plan
-    in_specs = (xspec, P()) + tuple(w for w, _ in specs) + (tuple(sc for _, sc in specs) if quant else ())
-    return list(_local(body, layout, in_specs, tuple(outs))(x, ws[0].idx, *flat))
+        ys = list(body(x, ws[0].idx, nw, *flat))
+    else:
+        specs, xspec, outs, _ = plan
+        in_specs = ((xspec, P(), P()) + tuple(w for w, _ in specs)
+                    + (tuple(sc for _, sc in specs) if quant else ()))
+        ys = list(_local(body, layout, in_specs, tuple(outs))(x, ws[0].idx, nw, *flat))
+    if residual is not None and not res_in:
+        ys = [residual + ys[0]]
+    return ys
 
 
-def stacked_linear(x, w: Stacked, n_contract: int):
-    ys = stacked_linears(x, [w], n_contract)
+def stacked_linear(x, w: Stacked, n_contract: int, residual=None):
+    ys = stacked_linears(x, [w], n_contract, residual)
     return None if ys is None else ys[0]
 
 
@@ -130,28 +177,35 @@ def gated(x, gate, up, act):
     if not (isinstance(gate, Stacked) and isinstance(up, Stacked)):
         return None
     (wg, sg), (wu, su) = _arrays(gate), _arrays(up)
-    if wg.shape != wu.shape or wg.dtype != wu.dtype or (sg is None) != (su is None):
+    om = gate.out_major
+    if (wg.shape != wu.shape or wg.dtype != wu.dtype or (sg is None) != (su is None)
+            or up.out_major != om):
         return None
-    if _too_many_rows(x, 1, "gated matmul", (wg.shape[1], wg.shape[2], str(wg.dtype))):
+    (K,), (N,) = _dims(wg, 1, om)
+    xa = x.x if isinstance(x, Normed) else x
+    if _too_many_rows(xa, 1, "gated matmul", (K, N, str(wg.dtype))):
         return None
-    layout, plan = _sharding_plan([gate, up], 1, x)
+    layout, plan = _sharding_plan([gate, up], 1, xa)
     if isinstance(plan, str) or (plan is not None and plan[3]):
-        note("gated matmul", (wg.shape[1], wg.shape[2], str(wg.dtype)), "xla (sharding)")
+        note("gated matmul", (K, N, str(wg.dtype)), "xla (sharding)")
         return None
+    x, norm = _norm_arg(x, K)
     lead = x.shape[:-1]
     quant = sg is not None
 
-    def body(x, layer, wg, wu, *scales):
+    def body(x, layer, nw, wg, wu, *scales):
         sg, su = scales if quant else (None, None)
-        y = stacked_gated(x.reshape(-1, x.shape[-1]), (wg, sg), (wu, su), layer, act)
+        y = stacked_gated(x.reshape(-1, x.shape[-1]), (wg, sg), (wu, su), layer, act, out_major=om,
+                          norm=None if norm is None else (nw, norm[1]))
         return y.reshape(lead + y.shape[-1:])
 
-    args = (x, gate.idx, wg, wu) + ((sg, su) if quant else ())
+    nw = jnp.zeros((), jnp.float32) if norm is None else norm[0]
+    args = (x, gate.idx, nw, wg, wu) + ((sg, su) if quant else ())
     if plan is None:
         return body(*args)
     (specs, xspec, outs, _) = plan
     (gspec, gs), (uspec, us) = specs
-    in_specs = (xspec, P(), gspec, uspec) + ((gs, us) if quant else ())
+    in_specs = (xspec, P(), P(), gspec, uspec) + ((gs, us) if quant else ())
     return _local(body, layout, in_specs, outs[0])(*args)
 
 
