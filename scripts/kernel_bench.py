@@ -30,7 +30,7 @@ from jaxllm.layers import attend, attention_mask  # noqa: E402
 from jaxllm.cache import slot_positions  # noqa: E402
 
 
-def timed(fn, *args, reps=20):
+def timed(fn, *args, reps=100):
     jax.block_until_ready(fn(*args))
     ts = []
     for _ in range(reps):

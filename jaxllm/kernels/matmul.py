@@ -91,9 +91,10 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, 
 
 @dataclass(frozen=True)
 class Norm:
-    """An RMSNorm of x's rows, applied as the kernel loads them: x * rsqrt(mean(x^2) + eps) *
-    (offset + w), in float32 and rounded to x's dtype, as `layers.rms_norm` does."""
-    eps: float
+    """An RMSNorm of x's rows, applied as the kernel loads them, given each row's inverse RMS
+    (rsqrt(mean(x^2) + eps), a [M] float32 operand): x * inv * (offset + w) in float32, rounded
+    to x's dtype, as `layers.rms_norm` does. (Summing the squares in the kernel instead, a pass
+    over x before each block's first load, measured slower on an H100 than XLA's one reduction.)"""
     offset: float = 0.0
 
 
@@ -106,24 +107,21 @@ def _load_x_raw(x_ref, i, k0, t: Tiles, M, K):
                       mask=(rows < M)[:, None] & (ks < K)[None, :], other=0.0)
 
 
-def _x_loader(x_ref, nw_ref, norm: Norm | None, i, t: Tiles, M, K):
-    """k0 -> this program's rows of x over [k0, k0 + bk), normalized when norm is given (a first
-    pass over x's rows sums their squares: x is a few KB, read from L2)."""
+def _x_loader(x_ref, nw_ref, inv_ref, norm: Norm | None, i, t: Tiles, M, K):
+    """k0 -> this program's rows of x over [k0, k0 + bk), normalized when norm is given."""
     if norm is None:
         return lambda k0: _load_x_raw(x_ref, i, k0, t, M, K)
-    axis = 0 if t.bm == 1 else 1
-
-    def sumsq(n, acc):
-        xf = _load_x_raw(x_ref, i, n * t.bk, t, M, K).astype(jnp.float32)
-        return acc + jnp.sum(xf * xf, axis=axis)
-    zero = jnp.float32(0) if t.bm == 1 else jnp.zeros((t.bm,), jnp.float32)
-    inv = jax.lax.rsqrt(jax.lax.fori_loop(0, -(-K // t.bk), sumsq, zero) / K + norm.eps)
+    if t.bm == 1:
+        inv = plgpu.load(inv_ref.at[pl.ds(i, 1)])
+    else:
+        rows = i * t.bm + jnp.arange(t.bm)
+        inv = plgpu.load(inv_ref.at[pl.ds(i * t.bm, t.bm)], mask=rows < M, other=0.0)[:, None]
 
     def load(k0):
         x = _load_x_raw(x_ref, i, k0, t, M, K)
         ks = k0 + jnp.arange(t.bk)
         w = norm.offset + plgpu.load(nw_ref.at[pl.ds(k0, t.bk)], mask=ks < K, other=0.0).astype(jnp.float32)
-        xn = x.astype(jnp.float32) * (inv * w if t.bm == 1 else inv[:, None] * w[None, :])
+        xn = x.astype(jnp.float32) * inv * (w if t.bm == 1 else w[None, :])
         return xn.astype(x.dtype)
     return load
 
@@ -189,9 +187,10 @@ def _store(o_ref, val, i, j, t: Tiles, M, N, split_index=None, r_ref=None):
 
 
 def _unpack(refs, n: int, norm: bool, scaled: bool, residual: bool, n_out: int):
-    """(norm weight | None, weights, scales, residuals, outputs) from a kernel's refs after x."""
+    """((norm weight, inverse RMS) | (None, None), weights, scales, residuals, outputs) from a
+    kernel's refs after x."""
     refs = list(refs)
-    nw = refs.pop(0) if norm else None
+    nw = (refs.pop(0), refs.pop(0)) if norm else (None, None)
     w = [refs.pop(0) for _ in range(n)]
     sc = [refs.pop(0) for _ in range(n)] if scaled else [None] * n
     res = [refs.pop(0) for _ in range(n_out)] if residual else [None] * n_out
@@ -202,10 +201,11 @@ def _matmul_kernel(layer_ref, x_ref, *refs, t: Tiles, M, K, Ns, steps, scaled, n
     """Column blocks of several weights side by side in one grid: block j belongs to the weight
     whose range of blocks holds it, and only that weight's branch runs."""
     n = len(Ns)
-    nw_ref, w_refs, s_refs, r_refs, o_refs = _unpack(refs, n, norm is not None, scaled, residual, n)
+    (nw_ref, inv_ref), w_refs, s_refs, r_refs, o_refs = _unpack(refs, n, norm is not None, scaled,
+                                                                 residual, n)
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
-    load_x = _x_loader(x_ref, nw_ref, norm, i, t, M, K)
+    load_x = _x_loader(x_ref, nw_ref, inv_ref, norm, i, t, M, K)
     first = 0
     for w_ref, s_ref, r_ref, o_ref, N in zip(w_refs, s_refs, r_refs, o_refs, Ns):
         nb = -(-N // t.bn)
@@ -221,11 +221,11 @@ def _matmul_kernel(layer_ref, x_ref, *refs, t: Tiles, M, K, Ns, steps, scaled, n
 
 
 def _gated_kernel(layer_ref, x_ref, *refs, t: Tiles, M, K, N, steps, scaled, act, norm):
-    nw_ref, (wg_ref, wu_ref), (sg_ref, su_ref), _, rest = _unpack(refs, 2, norm is not None, scaled,
-                                                                   False, 0)
+    (nw_ref, inv_ref), (wg_ref, wu_ref), (sg_ref, su_ref), _, rest = _unpack(
+        refs, 2, norm is not None, scaled, False, 0)
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
-    load_x = _x_loader(x_ref, nw_ref, norm, i, t, M, K)
+    load_x = _x_loader(x_ref, nw_ref, inv_ref, norm, i, t, M, K)
     g, u = _accumulate(load_x, (wg_ref, wu_ref), layer, j, s, steps, t, K, N)
     if t.split == 1:
         g = _scaled(g, sg_ref, layer, j, t, N)
@@ -250,7 +250,7 @@ def stacked_matmuls(x, weights, layer, tiles: Tiles | None = None, out_major: bo
     """[x @ w[layer] * scale[layer] for (w [L, K, N_i], scale [L, N_i] | None) in weights], in one
     kernel launch (e.g. the Q, K and V projections of a layer); w is [L, N_i, K] when out_major.
 
-    norm=(w [K], Norm): x's rows RMS-normalized first, as they are loaded; residuals ([M, N_i]
+    norm=(w [K], inverse RMS [M], Norm): x's rows RMS-normalized as they load; residuals ([M, N_i]
     each): added to the products (rounded to x's dtype first), in the epilogue."""
     M, K = x.shape
     Ns = [_dims(w, out_major)[1] for w, _ in weights]
@@ -267,8 +267,8 @@ def stacked_matmuls(x, weights, layer, tiles: Tiles | None = None, out_major: bo
                  else jax.ShapeDtypeStruct((t.split, M, N), jnp.float32) for N in Ns]
     fuse_res = residuals is not None and t.split == 1
     kernel = functools.partial(_matmul_kernel, t=t, M=M, K=K, Ns=tuple(Ns), steps=steps, scaled=scaled,
-                               norm=None if norm is None else norm[1], residual=fuse_res)
-    args = ((jnp.reshape(layer, (1,)).astype(jnp.int32), x) + (() if norm is None else (norm[0],))
+                               norm=None if norm is None else norm[2], residual=fuse_res)
+    args = ((jnp.reshape(layer, (1,)).astype(jnp.int32), x) + (() if norm is None else tuple(norm[:2]))
             + tuple(w for w, _ in weights) + (tuple(sc for _, sc in weights) if scaled else ())
             + (tuple(residuals) if fuse_res else ()))
     outs = pl.pallas_call(kernel, out_shape=out_shape, grid=grid, compiler_params=_params(t),
@@ -294,7 +294,8 @@ def stacked_matmul(x, w, scale, layer, tiles: Tiles | None = None, out_major: bo
 def stacked_gated(x, gate, up, layer, act, tiles: Tiles | None = None, out_major: bool = False,
                   norm=None):
     """act(x @ gate[layer]) * (x @ up[layer]) for (weight [L, K, N] or [L, N, K] when out_major,
-    scale [L, N] | None) pairs; norm=(w [K], Norm) normalizes x's rows first, as they load."""
+    scale [L, N] | None) pairs; norm=(w [K], inverse RMS [M], Norm) normalizes x's rows as they
+    load."""
     (wg, sg), (wu, su) = gate, up
     M, K = x.shape
     N = _dims(wg, out_major)[1]
@@ -304,8 +305,8 @@ def stacked_gated(x, gate, up, layer, act, tiles: Tiles | None = None, out_major
     steps = -(-K // (t.bk * t.split))
     scaled = sg is not None
     kernel = functools.partial(_gated_kernel, t=t, M=M, K=K, N=N, steps=steps, scaled=scaled, act=act,
-                               norm=None if norm is None else norm[1])
-    args = ((jnp.reshape(layer, (1,)).astype(jnp.int32), x) + (() if norm is None else (norm[0],))
+                               norm=None if norm is None else norm[2])
+    args = ((jnp.reshape(layer, (1,)).astype(jnp.int32), x) + (() if norm is None else tuple(norm[:2]))
             + (wg, wu) + ((sg, su) if scaled else ()))
     grid = (-(-M // t.bm), -(-N // t.bn), t.split)
     if t.split == 1:
