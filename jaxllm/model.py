@@ -147,8 +147,10 @@ def take(tree, i):
     return jax.tree_util.tree_map(lambda a: a[i], tree)
 
 
-# Weights only ever contracted by `linear`: with the kernels on, these stay in their layer stack.
+# Weights only ever contracted by `linear`: with the kernels on, these stay in their layer stack;
+# and the norms before them, only ever applied through `Normed`, which the kernels read in place.
 MATMUL_WEIGHTS = ("q", "k", "v", "o", "gate", "up", "down", "ple_gate", "ple_out")
+PRE_NORMS = ("attn_norm", "mlp_norm")
 
 
 def layer_weights(group: dict, idx):
@@ -160,7 +162,7 @@ def layer_weights(group: dict, idx):
     def one(k, v):
         if isinstance(v, OutMajor):
             return Stacked(v.w, idx, k, out_major=True)
-        return Stacked(v, idx, k) if on and k in MATMUL_WEIGHTS else take(v, idx)
+        return Stacked(v, idx, k) if on and k in MATMUL_WEIGHTS + PRE_NORMS else take(v, idx)
     return {k: one(k, v) for k, v in group.items()}
 
 

@@ -67,13 +67,14 @@ class Normed:
     rows as it loads them (no norm kernel, and x is not written out normalized); anything else
     calls `value()`."""
     x: jax.Array
-    w: jax.Array | None
+    w: object               # [D] array, a `Stacked` view of a [L, D] stack, or None
     eps: float
     offset: float = 0.0
 
     def value(self) -> jax.Array:
         from .layers import rms_norm
-        return rms_norm(self.x, self.w, self.eps, self.offset)
+        w = self.w.layer() if isinstance(self.w, Stacked) else self.w
+        return rms_norm(self.x, w, self.eps, self.offset)
 
 
 def linear(x, w, n_contract: int = 1, residual: jax.Array | None = None) -> jax.Array:

@@ -116,10 +116,10 @@ def test_norm_prologue_and_residual_epilogue(M, K, N, out_major, split):
         tl = None if tiles is None else tiles
         inv = jax.lax.rsqrt(jnp.mean(x * x, axis=-1) + 1e-6)
         (y,) = stacked_matmuls(x, [(_om(w, out_major), s)], jnp.int32(2), tl, out_major,
-                               norm=(nw, inv, Norm(1.0)), residuals=[res])
+                               norm=(jnp.stack([nw * 0, nw]), 1, inv, Norm(1.0)), residuals=[res])
         assert _rel(y, _ref(xn, w, s, 2) + res) < 1e-5, tiles
         g = stacked_gated(x, (_om(w, out_major), s), (_om(w2, out_major), s2), jnp.int32(1), jax.nn.silu,
-                          tl, out_major, norm=(nw, inv, Norm(1.0)))
+                          tl, out_major, norm=(nw[None], 0, inv, Norm(1.0)))
         assert _rel(g, jax.nn.silu(_ref(xn, w, s, 1)) * _ref(xn, w2, s2, 1)) < 1e-5, tiles
 
 

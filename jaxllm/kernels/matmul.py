@@ -65,15 +65,13 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, 
     loads). Above, 16..64-row tensor-core dots. K is split until the blocks cover the GPU a few
     times. Measured on an H100 (scripts/kernel_bench.py): input-major, shallow steps over narrow K
     ranges in many blocks of 8 warps streamed int8 weights fastest (bn=64, bk=32, about four blocks
-    per multiprocessor); output-major, 4 output channels by 512 contiguous inputs per step (256 and
-    8 warps over a long K) in one block per 4 channels, and at 2..16 rows 64 channels a block."""
+    per multiprocessor); output-major, 16 output channels by 256 contiguous inputs per step, K
+    split until about three blocks per multiprocessor. (Narrower blocks of 4 channels timed
+    faster alone but slower inside the model's decode step.)"""
     if out_major and M == 1:
-        deep = K >= 8192
-        bm, bn_, bk_, warps_ = 1, 4, min(256 if deep else 512, max(16, _pow2(K))), 8 if deep else 4
+        bm, bn_, bk_, warps_ = 1, 16, min(256, max(16, _pow2(K))), 8
     elif M == 1:
         bm, bn_, bk_, warps_ = 1, (128 if gated else 64), 32, 8
-    elif out_major and M <= 16:
-        bm, bn_, bk_, warps_ = 16, 64, 128, 4
     else:
         bm, bn_, bk_, warps_ = min(64, max(16, _pow2(M))), 128, 128, 8
     bn, bk, warps = bn or bn_, bk or bk_, warps or warps_
@@ -107,7 +105,7 @@ def _load_x_raw(x_ref, i, k0, t: Tiles, M, K):
                       mask=(rows < M)[:, None] & (ks < K)[None, :], other=0.0)
 
 
-def _x_loader(x_ref, nw_ref, inv_ref, norm: Norm | None, i, t: Tiles, M, K):
+def _x_loader(x_ref, nw_ref, nrow, inv_ref, norm: Norm | None, i, t: Tiles, M, K):
     """k0 -> this program's rows of x over [k0, k0 + bk), normalized when norm is given."""
     if norm is None:
         return lambda k0: _load_x_raw(x_ref, i, k0, t, M, K)
@@ -120,7 +118,8 @@ def _x_loader(x_ref, nw_ref, inv_ref, norm: Norm | None, i, t: Tiles, M, K):
     def load(k0):
         x = _load_x_raw(x_ref, i, k0, t, M, K)
         ks = k0 + jnp.arange(t.bk)
-        w = norm.offset + plgpu.load(nw_ref.at[pl.ds(k0, t.bk)], mask=ks < K, other=0.0).astype(jnp.float32)
+        w = norm.offset + plgpu.load(nw_ref.at[nrow, pl.ds(k0, t.bk)], mask=ks < K,
+                                     other=0.0).astype(jnp.float32)
         xn = x.astype(jnp.float32) * inv * (w if t.bm == 1 else w[None, :])
         return xn.astype(x.dtype)
     return load
@@ -205,7 +204,7 @@ def _matmul_kernel(layer_ref, x_ref, *refs, t: Tiles, M, K, Ns, steps, scaled, n
                                                                  residual, n)
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
-    load_x = _x_loader(x_ref, nw_ref, inv_ref, norm, i, t, M, K)
+    load_x = _x_loader(x_ref, nw_ref, layer_ref[1], inv_ref, norm, i, t, M, K)
     first = 0
     for w_ref, s_ref, r_ref, o_ref, N in zip(w_refs, s_refs, r_refs, o_refs, Ns):
         nb = -(-N // t.bn)
@@ -225,7 +224,7 @@ def _gated_kernel(layer_ref, x_ref, *refs, t: Tiles, M, K, N, steps, scaled, act
         refs, 2, norm is not None, scaled, False, 0)
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
-    load_x = _x_loader(x_ref, nw_ref, inv_ref, norm, i, t, M, K)
+    load_x = _x_loader(x_ref, nw_ref, layer_ref[1], inv_ref, norm, i, t, M, K)
     g, u = _accumulate(load_x, (wg_ref, wu_ref), layer, j, s, steps, t, K, N)
     if t.split == 1:
         g = _scaled(g, sg_ref, layer, j, t, N)
@@ -234,6 +233,12 @@ def _gated_kernel(layer_ref, x_ref, *refs, t: Tiles, M, K, N, steps, scaled, act
     else:                                      # partial sums; XLA finishes the gate
         _store(rest[-2], g, i, j, t, M, N, split_index=s)
         _store(rest[-1], u, i, j, t, M, N, split_index=s)
+
+
+def _indices(layer, norm):
+    """The kernel's first operand: [the weights' layer, the norm weight's row]."""
+    row = jnp.int32(0) if norm is None else norm[1]
+    return jnp.stack([jnp.asarray(layer, jnp.int32).reshape(()), jnp.asarray(row, jnp.int32).reshape(())])
 
 
 def _params(t: Tiles):
@@ -250,7 +255,8 @@ def stacked_matmuls(x, weights, layer, tiles: Tiles | None = None, out_major: bo
     """[x @ w[layer] * scale[layer] for (w [L, K, N_i], scale [L, N_i] | None) in weights], in one
     kernel launch (e.g. the Q, K and V projections of a layer); w is [L, N_i, K] when out_major.
 
-    norm=(w [K], inverse RMS [M], Norm): x's rows RMS-normalized as they load; residuals ([M, N_i]
+    norm=(w [Ln, K], its row, inverse RMS [M], Norm): x's rows RMS-normalized as they load (with
+    row `row` of w); residuals ([M, N_i]
     each): added to the products (rounded to x's dtype first), in the epilogue."""
     M, K = x.shape
     Ns = [_dims(w, out_major)[1] for w, _ in weights]
@@ -267,8 +273,8 @@ def stacked_matmuls(x, weights, layer, tiles: Tiles | None = None, out_major: bo
                  else jax.ShapeDtypeStruct((t.split, M, N), jnp.float32) for N in Ns]
     fuse_res = residuals is not None and t.split == 1
     kernel = functools.partial(_matmul_kernel, t=t, M=M, K=K, Ns=tuple(Ns), steps=steps, scaled=scaled,
-                               norm=None if norm is None else norm[2], residual=fuse_res)
-    args = ((jnp.reshape(layer, (1,)).astype(jnp.int32), x) + (() if norm is None else tuple(norm[:2]))
+                               norm=None if norm is None else norm[3], residual=fuse_res)
+    args = ((_indices(layer, norm), x) + (() if norm is None else (norm[0], norm[2]))
             + tuple(w for w, _ in weights) + (tuple(sc for _, sc in weights) if scaled else ())
             + (tuple(residuals) if fuse_res else ()))
     outs = pl.pallas_call(kernel, out_shape=out_shape, grid=grid, compiler_params=_params(t),
@@ -294,8 +300,8 @@ def stacked_matmul(x, w, scale, layer, tiles: Tiles | None = None, out_major: bo
 def stacked_gated(x, gate, up, layer, act, tiles: Tiles | None = None, out_major: bool = False,
                   norm=None):
     """act(x @ gate[layer]) * (x @ up[layer]) for (weight [L, K, N] or [L, N, K] when out_major,
-    scale [L, N] | None) pairs; norm=(w [K], inverse RMS [M], Norm) normalizes x's rows as they
-    load."""
+    scale [L, N] | None) pairs; norm=(w [Ln, K], its row, inverse RMS [M], Norm) normalizes x's
+    rows as they load."""
     (wg, sg), (wu, su) = gate, up
     M, K = x.shape
     N = _dims(wg, out_major)[1]
@@ -305,8 +311,8 @@ def stacked_gated(x, gate, up, layer, act, tiles: Tiles | None = None, out_major
     steps = -(-K // (t.bk * t.split))
     scaled = sg is not None
     kernel = functools.partial(_gated_kernel, t=t, M=M, K=K, N=N, steps=steps, scaled=scaled, act=act,
-                               norm=None if norm is None else norm[2])
-    args = ((jnp.reshape(layer, (1,)).astype(jnp.int32), x) + (() if norm is None else tuple(norm[:2]))
+                               norm=None if norm is None else norm[3])
+    args = ((_indices(layer, norm), x) + (() if norm is None else (norm[0], norm[2]))
             + (wg, wu) + ((sg, su) if scaled else ()))
     grid = (-(-M // t.bm), -(-N // t.bn), t.split)
     if t.split == 1:

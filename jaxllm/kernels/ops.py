@@ -106,14 +106,18 @@ def _sharding_plan(ws, n_contract, x):
 
 
 def _norm_arg(x, K: int):
-    """(x's array, the kernels' norm=(w, inverse RMS of the rows, Norm) for a `Normed` x, or
-    None). The inverse RMS is XLA's one small reduction; the kernel applies it as it loads x."""
+    """(x's array, the kernels' norm=(w [Ln, K], its row, inverse RMS of x's rows, Norm) for a
+    `Normed` x, or None). A stacked norm weight is read in place at its layer (a sliced one would
+    be one more kernel per norm); the inverse RMS is XLA's one small reduction."""
     if not isinstance(x, Normed):
         return x, None
-    w = jnp.zeros((K,), jnp.float32) if x.w is None else x.w
+    if isinstance(x.w, Stacked):
+        w, row = x.w.stack, x.w.idx
+    else:
+        w, row = (jnp.zeros((1, K), jnp.float32) if x.w is None else x.w[None]), jnp.int32(0)
     xf = x.x.astype(jnp.float32)
     inv = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1) + x.eps)
-    return x.x, (w, inv, Norm(1.0 if x.w is None else x.offset))
+    return x.x, (w, row, inv, Norm(1.0 if x.w is None else x.offset))
 
 
 def stacked_linears(x, ws: list, n_contract: int, residual=None):
@@ -144,27 +148,27 @@ def stacked_linears(x, ws: list, n_contract: int, residual=None):
     res_in = residual is not None and plan is None          # else added after the psum
     N0 = math.prod(_dims(arrs[0][0], n_contract, om)[1])
 
-    def body(x, layer, nw, inv, *flat):
+    def body(x, layer, nw, nrow, inv, *flat):
         pairs = list(zip(flat[:n], flat[n:2 * n] if quant else [None] * n))
         mats = [_flat(a, s, n_contract, om) for a, s in pairs]
         r = [flat[-1].reshape(-1, N0)] if res_in else None
         k_local = math.prod(_dims(pairs[0][0], n_contract, om)[0])      # K over a shard's rows
         ys = stacked_matmuls(x.reshape(-1, k_local), mats, layer, out_major=om,
-                             norm=None if norm is None else (nw, inv.reshape(-1), norm[2]), residuals=r)
+                             norm=None if norm is None else (nw, nrow, inv.reshape(-1), norm[3]), residuals=r)
         ys = [y.reshape(lead + _dims(a, n_contract, om)[1]) for y, (a, _) in zip(ys, pairs)]
         if plan is not None and plan[3]:
             ys = [jax.lax.psum(y, "model") for y in ys]
         return tuple(ys)
 
-    nw, inv = (jnp.zeros((), jnp.float32),) * 2 if norm is None else norm[:2]
+    nw, nrow, inv = (jnp.zeros((), jnp.float32),) * 3 if norm is None else norm[:3]
     flat = [a for a, _ in arrs] + ([sc for _, sc in arrs] if quant else []) + ([residual] if res_in else [])
     if plan is None:
-        ys = list(body(x, ws[0].idx, nw, inv, *flat))
+        ys = list(body(x, ws[0].idx, nw, nrow, inv, *flat))
     else:
         specs, xspec, outs, _ = plan
-        in_specs = ((xspec, P(), P(), P()) + tuple(w for w, _ in specs)
+        in_specs = ((xspec, P(), P(), P(), P()) + tuple(w for w, _ in specs)
                     + (tuple(sc for _, sc in specs) if quant else ()))
-        ys = list(_local(body, layout, in_specs, tuple(outs))(x, ws[0].idx, nw, inv, *flat))
+        ys = list(_local(body, layout, in_specs, tuple(outs))(x, ws[0].idx, nw, nrow, inv, *flat))
     if residual is not None and not res_in:
         ys = [residual + ys[0]]
     return ys
@@ -196,19 +200,19 @@ def gated(x, gate, up, act):
     lead = x.shape[:-1]
     quant = sg is not None
 
-    def body(x, layer, nw, inv, wg, wu, *scales):
+    def body(x, layer, nw, nrow, inv, wg, wu, *scales):
         sg, su = scales if quant else (None, None)
         y = stacked_gated(x.reshape(-1, x.shape[-1]), (wg, sg), (wu, su), layer, act, out_major=om,
-                          norm=None if norm is None else (nw, inv.reshape(-1), norm[2]))
+                          norm=None if norm is None else (nw, nrow, inv.reshape(-1), norm[3]))
         return y.reshape(lead + y.shape[-1:])
 
-    nw, inv = (jnp.zeros((), jnp.float32),) * 2 if norm is None else norm[:2]
-    args = (x, gate.idx, nw, inv, wg, wu) + ((sg, su) if quant else ())
+    nw, nrow, inv = (jnp.zeros((), jnp.float32),) * 3 if norm is None else norm[:3]
+    args = (x, gate.idx, nw, nrow, inv, wg, wu) + ((sg, su) if quant else ())
     if plan is None:
         return body(*args)
     (specs, xspec, outs, _) = plan
     (gspec, gs), (uspec, us) = specs
-    in_specs = (xspec, P(), P(), P(), gspec, uspec) + ((gs, us) if quant else ())
+    in_specs = (xspec, P(), P(), P(), P(), gspec, uspec) + ((gs, us) if quant else ())
     return _local(body, layout, in_specs, outs[0])(*args)
 
 
