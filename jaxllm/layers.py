@@ -7,7 +7,7 @@ import numpy as np
 
 from .config import AttnSpec, ModelConfig, RopeSpec
 from .errors import ModelError
-from .quant import Normed, linear, linears
+from .quant import linear, linears
 
 NEG_INF = -1e30
 
@@ -51,15 +51,12 @@ def activation(name: str, x: jax.Array) -> jax.Array:
     raise ModelError(f"unsupported activation {name!r}")
 
 
-def gated_mlp(cfg: ModelConfig, w: dict, x, residual: jax.Array | None = None) -> jax.Array:
-    """down(act(x @ gate) * (x @ up)), plus `residual` if given; x may be `Normed`."""
+def gated_mlp(cfg: ModelConfig, w: dict, x: jax.Array) -> jax.Array:
     from .kernels.ops import gated
     h = gated(x, w["gate"], w["up"], lambda g: activation(cfg.activation, g))
     if h is None:
-        if isinstance(x, Normed):
-            x = x.value()
         h = activation(cfg.activation, linear(x, w["gate"])) * linear(x, w["up"])
-    return linear(h, w["down"], residual=residual)
+    return linear(h, w["down"])
 
 
 def attention_mask(q_pos: jax.Array, kv_pos: jax.Array, window: int | None) -> jax.Array:

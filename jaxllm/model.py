@@ -22,7 +22,7 @@ from .layers import (attend, attention_mask, gated_mlp, inv_frequencies, project
                      rms_norm)
 from . import kernels
 from .kernels.ops import cached_attention, embed_rows
-from .quant import Normed, OutMajor, Stacked, linear, matmul_rows, take_rows
+from .quant import OutMajor, Stacked, linear, matmul_rows, take_rows
 
 
 @dataclass(frozen=True)
@@ -100,10 +100,9 @@ def logits_from_hidden(cfg: ModelConfig, weights: dict, h: jax.Array) -> jax.Arr
     return out
 
 
-def attention_block(cfg, kind, w, h, positions, layer_cache, start, own_kv: bool = True, residual=None):
-    """Project, write this step's K/V into the layer's cache, attend over the cache, project out
-    (plus `residual`, if given). With `own_kv=False` the layer only projects Q and attends over a
-    cache an earlier layer wrote. h may be `Normed`."""
+def attention_block(cfg, kind, w, h, positions, layer_cache, start, own_kv: bool = True):
+    """Project, write this step's K/V into the layer's cache, attend over the cache, project out.
+    With `own_kv=False` the layer only projects Q and attends over a cache an earlier layer wrote."""
     a = cfg.attn[kind]
     inv_freq = inv_frequencies(a.rope, a.head_dim)
     if own_kv:
@@ -115,7 +114,7 @@ def attention_block(cfg, kind, w, h, positions, layer_cache, start, own_kv: bool
             o, layer_cache = layer_cache.update_and_attend(cfg, a, w, q, k, v, positions)
         else:
             o = layer_cache.attend(cfg, a, w, q, positions)
-        return linear(o, w["o"], 2, residual), layer_cache
+        return linear(o, w["o"], 2), layer_cache
     if own_kv:
         layer_cache = layer_cache.write(k, v, start)
     o = cached_attention(q, layer_cache, positions, scale=cfg.query_scale, softcap=cfg.attn_softcap,
@@ -125,32 +124,28 @@ def attention_block(cfg, kind, w, h, positions, layer_cache, start, own_kv: bool
         B, S = lc["k"].shape[0], lc["k"].shape[1]
         mask = attention_mask(positions, kv.slot_positions(B, S), a.window)
         o = attend(q, lc["k"], lc["v"], mask, cfg.query_scale, cfg.attn_softcap)
-    return linear(o, w["o"], 2, residual), layer_cache
+    return linear(o, w["o"], 2), layer_cache
 
 
 def decoder_layer(cfg, kind, w, x, positions, layer_cache, start):
-    """Pre-norm attention and MLP blocks with residuals. The norms are handed to the projections
-    that follow them, and without sandwich norms the residual adds to the ones that precede them,
-    so the matmul kernels can fuse both (`quant.Normed`, `linear`'s residual)."""
-    eps, off = cfg.norm_eps, cfg.norm_offset
-    h = Normed(x, w["attn_norm"], eps, off)
+    h = rms_norm(x, w["attn_norm"], cfg.norm_eps, cfg.norm_offset)
+    a, layer_cache = attention_block(cfg, kind, w, h, positions, layer_cache, start)
     if cfg.sandwich_norms:
-        a, layer_cache = attention_block(cfg, kind, w, h, positions, layer_cache, start)
-        x = x + rms_norm(a, w["post_attn_norm"], eps, off)
-        m = gated_mlp(cfg, w, Normed(x, w["mlp_norm"], eps, off))
-        return x + rms_norm(m, w["post_mlp_norm"], eps, off), layer_cache
-    x, layer_cache = attention_block(cfg, kind, w, h, positions, layer_cache, start, residual=x)
-    return gated_mlp(cfg, w, Normed(x, w["mlp_norm"], eps, off), residual=x), layer_cache
+        a = rms_norm(a, w["post_attn_norm"], cfg.norm_eps, cfg.norm_offset)
+    x = x + a
+    h = rms_norm(x, w["mlp_norm"], cfg.norm_eps, cfg.norm_offset)
+    m = gated_mlp(cfg, w, h)
+    if cfg.sandwich_norms:
+        m = rms_norm(m, w["post_mlp_norm"], cfg.norm_eps, cfg.norm_offset)
+    return x + m, layer_cache
 
 
 def take(tree, i):
     return jax.tree_util.tree_map(lambda a: a[i], tree)
 
 
-# Weights only ever contracted by `linear`: with the kernels on, these stay in their layer stack;
-# and the norms before them, only ever applied through `Normed`, which the kernels read in place.
+# Weights only ever contracted by `linear`: with the kernels on, these stay in their layer stack.
 MATMUL_WEIGHTS = ("q", "k", "v", "o", "gate", "up", "down", "ple_gate", "ple_out")
-PRE_NORMS = ("attn_norm", "mlp_norm")
 
 
 def layer_weights(group: dict, idx):
@@ -162,7 +157,7 @@ def layer_weights(group: dict, idx):
     def one(k, v):
         if isinstance(v, OutMajor):
             return Stacked(v.w, idx, k, out_major=True)
-        return Stacked(v, idx, k) if on and k in MATMUL_WEIGHTS + PRE_NORMS else take(v, idx)
+        return Stacked(v, idx, k) if on and k in MATMUL_WEIGHTS else take(v, idx)
     return {k: one(k, v) for k, v in group.items()}
 
 

@@ -61,62 +61,39 @@ class Stacked:
         return jax.tree_util.tree_map(lambda a: a[self.idx], self.stack)
 
 
-@dataclass(frozen=True)
-class Normed:
-    """`layers.rms_norm(x, w, eps, offset)` left to its consumer: a matmul kernel normalizes x's
-    rows as it loads them (no norm kernel, and x is not written out normalized); anything else
-    calls `value()`."""
-    x: jax.Array
-    w: object               # [D] array, a `Stacked` view of a [L, D] stack, or None
-    eps: float
-    offset: float = 0.0
+def linear(x: jax.Array, w, n_contract: int = 1) -> jax.Array:
+    """Contract the last `n_contract` dims of x with the first `n_contract` dims of w (or, for an
+    output-major `Stacked` weight, its last ones).
 
-    def value(self) -> jax.Array:
-        from .layers import rms_norm
-        w = self.w.layer() if isinstance(self.w, Stacked) else self.w
-        return rms_norm(self.x, w, self.eps, self.offset)
-
-
-def linear(x, w, n_contract: int = 1, residual: jax.Array | None = None) -> jax.Array:
-    """Contract the last `n_contract` dims of x with the first `n_contract` dims of w, plus
-    `residual` if given (x may be `Normed`).
-
-    The output is x's leading dims followed by w's remaining dims, so a per-output-channel scale
+    The output is x's leading dims followed by w's output dims, so a per-output-channel scale
     broadcasts on the trailing dims and XLA fuses the dequantization into the dot's epilogue.
-    A `Stacked` weight goes to the stacked-matmul kernel when it takes the shape, which then also
-    does the norm and the residual add.
+    A `Stacked` weight goes to the stacked-matmul kernel when it takes the shape.
     """
     out_major = False
     if isinstance(w, Stacked):
         from .kernels.ops import stacked_linear
-        y = stacked_linear(x, w, n_contract, residual)
+        y = stacked_linear(x, w, n_contract)
         if y is not None:
             return y
         out_major, w = w.out_major, w.layer()
-    if isinstance(x, Normed):
-        x = x.value()
     xa = tuple(range(x.ndim - n_contract, x.ndim))
     nd = len(w.shape)
     wa = tuple(range(nd - n_contract, nd)) if out_major else tuple(range(n_contract))
     if isinstance(w, QuantArray):
         y = jax.lax.dot_general(x, w.q.astype(x.dtype), ((xa, wa), ((), ())),
                                 preferred_element_type=jnp.float32)
-        y = (y * w.scale).astype(x.dtype)
-    else:
-        y = jax.lax.dot_general(x, w.astype(x.dtype), ((xa, wa), ((), ())),
-                                preferred_element_type=jnp.float32).astype(x.dtype)
-    return y if residual is None else residual + y
+        return (y * w.scale).astype(x.dtype)
+    return jax.lax.dot_general(x, w.astype(x.dtype), ((xa, wa), ((), ())),
+                               preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def linears(x, ws: list, n_contract: int = 1) -> list:
+def linears(x: jax.Array, ws: list, n_contract: int = 1) -> list:
     """[linear(x, w) for w in ws]; Stacked weights of one layer go to a single kernel launch."""
     if all(isinstance(w, Stacked) for w in ws):
         from .kernels.ops import stacked_linears
         ys = stacked_linears(x, ws, n_contract)
         if ys is not None:
             return ys
-    if isinstance(x, Normed):
-        x = x.value()
     return [linear(x, w, n_contract) for w in ws]
 
 

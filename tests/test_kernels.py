@@ -98,31 +98,6 @@ def test_stacked_gated(M, split, out_major):
         assert _rel(got, ref) < 1e-5
 
 
-@pytest.mark.parametrize("M,K,N,out_major", [(1, 100, 37, True), (3, 130, 70, False), (17, 64, 33, True)])
-@pytest.mark.parametrize("split", [1, 2])
-def test_norm_prologue_and_residual_epilogue(M, K, N, out_major, split):
-    """RMSNorm of x's rows as the kernel loads them, and a residual added in the epilogue (or after
-    the K splits are summed): the same as norm, matmul, add done apart."""
-    from jaxllm.kernels.matmul import Norm
-    rng = np.random.default_rng(M + K)
-    x = jnp.asarray(rng.standard_normal((M, K)) * 3, jnp.float32)
-    nw = jnp.asarray(rng.standard_normal(K) * 0.2, jnp.float32)
-    res = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
-    (w, s), (w2, s2) = _w(rng, K, N, "int8"), _w(rng, K, N, "int8")
-    xn = rms_norm(x, nw, 1e-6, 1.0)
-    bm = 1 if M == 1 else 16
-    t = Tiles(bm=bm, bn=16, bk=32, split=split, out_major=out_major)
-    for tiles in (None, t):
-        tl = None if tiles is None else tiles
-        inv = jax.lax.rsqrt(jnp.mean(x * x, axis=-1) + 1e-6)
-        (y,) = stacked_matmuls(x, [(_om(w, out_major), s)], jnp.int32(2), tl, out_major,
-                               norm=(jnp.stack([nw * 0, nw]), 1, inv, Norm(1.0)), residuals=[res])
-        assert _rel(y, _ref(xn, w, s, 2) + res) < 1e-5, tiles
-        g = stacked_gated(x, (_om(w, out_major), s), (_om(w2, out_major), s2), jnp.int32(1), jax.nn.silu,
-                          tl, out_major, norm=(nw[None], 0, inv, Norm(1.0)))
-        assert _rel(g, jax.nn.silu(_ref(xn, w, s, 1)) * _ref(xn, w2, s2, 1)) < 1e-5, tiles
-
-
 def test_out_major_weights_on_the_xla_path(monkeypatch):
     """Output-major stacks (how the kernels' weights are laid out) contracted by XLA wherever the
     kernels do not run: a prefill's many rows, and the forced XLA path; `out_major` leaves the

@@ -87,42 +87,13 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, 
     return Tiles(bm=bm, bn=bn, bk=bk, split=split, warps=warps, stages=stages, out_major=out_major)
 
 
-@dataclass(frozen=True)
-class Norm:
-    """An RMSNorm of x's rows, applied as the kernel loads them, given each row's inverse RMS
-    (rsqrt(mean(x^2) + eps), a [M] float32 operand): x * inv * (offset + w) in float32, rounded
-    to x's dtype, as `layers.rms_norm` does. (Summing the squares in the kernel instead, a pass
-    over x before each block's first load, measured slower on an H100 than XLA's one reduction.)"""
-    offset: float = 0.0
-
-
-def _load_x_raw(x_ref, i, k0, t: Tiles, M, K):
+def _load_x(x_ref, i, k0, t: Tiles, M, K):
     ks = k0 + jnp.arange(t.bk)
     if t.bm == 1:
         return plgpu.load(x_ref.at[i, pl.ds(k0, t.bk)], mask=ks < K, other=0.0)
     rows = i * t.bm + jnp.arange(t.bm)
     return plgpu.load(x_ref.at[pl.ds(i * t.bm, t.bm), pl.ds(k0, t.bk)],
                       mask=(rows < M)[:, None] & (ks < K)[None, :], other=0.0)
-
-
-def _x_loader(x_ref, nw_ref, nrow, inv_ref, norm: Norm | None, i, t: Tiles, M, K):
-    """k0 -> this program's rows of x over [k0, k0 + bk), normalized when norm is given."""
-    if norm is None:
-        return lambda k0: _load_x_raw(x_ref, i, k0, t, M, K)
-    if t.bm == 1:
-        inv = plgpu.load(inv_ref.at[pl.ds(i, 1)])
-    else:
-        rows = i * t.bm + jnp.arange(t.bm)
-        inv = plgpu.load(inv_ref.at[pl.ds(i * t.bm, t.bm)], mask=rows < M, other=0.0)[:, None]
-
-    def load(k0):
-        x = _load_x_raw(x_ref, i, k0, t, M, K)
-        ks = k0 + jnp.arange(t.bk)
-        w = norm.offset + plgpu.load(nw_ref.at[nrow, pl.ds(k0, t.bk)], mask=ks < K,
-                                     other=0.0).astype(jnp.float32)
-        xn = x.astype(jnp.float32) * inv * (w if t.bm == 1 else w[None, :])
-        return xn.astype(x.dtype)
-    return load
 
 
 def _load_w(w_ref, layer, j, k0, t: Tiles, K, N):
@@ -145,7 +116,7 @@ def _product(x, w, t: Tiles):
                                preferred_element_type=jnp.float32, precision=precision)
 
 
-def _accumulate(load_x, w_refs, layer, j, s, steps, t: Tiles, K, N):
+def _accumulate(x_ref, w_refs, layer, i, j, s, steps, t: Tiles, M, K, N):
     """[bm, bn] float32 sums over this program's K range for each weight in w_refs."""
     k_lo = s * steps * t.bk
     shape = ((t.bn, t.bk) if t.out_major else (t.bk, t.bn)) if t.bm == 1 else (t.bm, t.bn)
@@ -153,7 +124,7 @@ def _accumulate(load_x, w_refs, layer, j, s, steps, t: Tiles, K, N):
 
     def body(n, acc):
         k0 = k_lo + n * t.bk
-        x = load_x(k0)
+        x = _load_x(x_ref, i, k0, t, M, K)
         return tuple(a + _product(x, _load_w(w, layer, j, k0, t, K, N), t) for a, w in zip(acc, w_refs))
     acc = jax.lax.fori_loop(0, steps, body, acc)
     if t.bm == 1:
@@ -168,64 +139,42 @@ def _scaled(acc, s_ref, layer, j, t: Tiles, N):
     return acc * plgpu.load(s_ref.at[layer, pl.ds(j * t.bn, t.bn)], mask=cols < N, other=0.0)[None, :]
 
 
-def _block(i, j, t: Tiles, M, N):
+def _store(o_ref, val, i, j, t: Tiles, M, N, split_index=None):
     rows = i * t.bm + jnp.arange(t.bm)
     cols = j * t.bn + jnp.arange(t.bn)
-    return (pl.ds(i * t.bm, t.bm), pl.ds(j * t.bn, t.bn)), (rows < M)[:, None] & (cols < N)[None, :]
-
-
-def _store(o_ref, val, i, j, t: Tiles, M, N, split_index=None, r_ref=None):
-    """The block of the output (or of a K split's partial sums), plus the residual's block if
-    given: the product rounded to the output dtype first, as an add after the matmul would."""
-    at, mask = _block(i, j, t, M, N)
-    if r_ref is not None:
-        val = val.astype(o_ref.dtype).astype(jnp.float32) + plgpu.load(
-            r_ref.at[at], mask=mask, other=0.0).astype(jnp.float32)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    at = (pl.ds(i * t.bm, t.bm), pl.ds(j * t.bn, t.bn))
     ref = o_ref.at[at] if split_index is None else o_ref.at[(split_index,) + at]
     plgpu.store(ref, val.astype(o_ref.dtype), mask=mask)
 
 
-def _unpack(refs, n: int, norm: bool, scaled: bool, residual: bool, n_out: int):
-    """((norm weight, inverse RMS) | (None, None), weights, scales, residuals, outputs) from a
-    kernel's refs after x."""
-    refs = list(refs)
-    nw = (refs.pop(0), refs.pop(0)) if norm else (None, None)
-    w = [refs.pop(0) for _ in range(n)]
-    sc = [refs.pop(0) for _ in range(n)] if scaled else [None] * n
-    res = [refs.pop(0) for _ in range(n_out)] if residual else [None] * n_out
-    return nw, w, sc, res, refs
-
-
-def _matmul_kernel(layer_ref, x_ref, *refs, t: Tiles, M, K, Ns, steps, scaled, norm, residual):
+def _matmul_kernel(layer_ref, x_ref, *refs, t: Tiles, M, K, Ns, steps, scaled):
     """Column blocks of several weights side by side in one grid: block j belongs to the weight
     whose range of blocks holds it, and only that weight's branch runs."""
     n = len(Ns)
-    (nw_ref, inv_ref), w_refs, s_refs, r_refs, o_refs = _unpack(refs, n, norm is not None, scaled,
-                                                                 residual, n)
+    w_refs, o_refs = refs[:n], refs[-n:]
+    s_refs = refs[n:2 * n] if scaled else (None,) * n
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
-    load_x = _x_loader(x_ref, nw_ref, layer_ref[1], inv_ref, norm, i, t, M, K)
     first = 0
-    for w_ref, s_ref, r_ref, o_ref, N in zip(w_refs, s_refs, r_refs, o_refs, Ns):
+    for w_ref, s_ref, o_ref, N in zip(w_refs, s_refs, o_refs, Ns):
         nb = -(-N // t.bn)
 
         @pl.when((j >= first) & (j < first + nb))
-        def _(w_ref=w_ref, s_ref=s_ref, r_ref=r_ref, o_ref=o_ref, N=N, jj=j - first):
-            (acc,) = _accumulate(load_x, (w_ref,), layer, jj, s, steps, t, K, N)
+        def _(w_ref=w_ref, s_ref=s_ref, o_ref=o_ref, N=N, jj=j - first):
+            (acc,) = _accumulate(x_ref, (w_ref,), layer, i, jj, s, steps, t, M, K, N)
             if t.split == 1:
-                _store(o_ref, _scaled(acc, s_ref, layer, jj, t, N), i, jj, t, M, N, r_ref=r_ref)
+                _store(o_ref, _scaled(acc, s_ref, layer, jj, t, N), i, jj, t, M, N)
             else:
                 _store(o_ref, acc, i, jj, t, M, N, split_index=s)
         first += nb
 
 
-def _gated_kernel(layer_ref, x_ref, *refs, t: Tiles, M, K, N, steps, scaled, act, norm):
-    (nw_ref, inv_ref), (wg_ref, wu_ref), (sg_ref, su_ref), _, rest = _unpack(
-        refs, 2, norm is not None, scaled, False, 0)
+def _gated_kernel(layer_ref, x_ref, wg_ref, wu_ref, *rest, t: Tiles, M, K, N, steps, scaled, act):
+    sg_ref, su_ref = rest[:2] if scaled else (None, None)
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
-    load_x = _x_loader(x_ref, nw_ref, layer_ref[1], inv_ref, norm, i, t, M, K)
-    g, u = _accumulate(load_x, (wg_ref, wu_ref), layer, j, s, steps, t, K, N)
+    g, u = _accumulate(x_ref, (wg_ref, wu_ref), layer, i, j, s, steps, t, M, K, N)
     if t.split == 1:
         g = _scaled(g, sg_ref, layer, j, t, N)
         u = _scaled(u, su_ref, layer, j, t, N)
@@ -233,12 +182,6 @@ def _gated_kernel(layer_ref, x_ref, *refs, t: Tiles, M, K, N, steps, scaled, act
     else:                                      # partial sums; XLA finishes the gate
         _store(rest[-2], g, i, j, t, M, N, split_index=s)
         _store(rest[-1], u, i, j, t, M, N, split_index=s)
-
-
-def _indices(layer, norm):
-    """The kernel's first operand: [the weights' layer, the norm weight's row]."""
-    row = jnp.int32(0) if norm is None else norm[1]
-    return jnp.stack([jnp.asarray(layer, jnp.int32).reshape(()), jnp.asarray(row, jnp.int32).reshape(())])
 
 
 def _params(t: Tiles):
@@ -250,14 +193,9 @@ def _dims(w, out_major: bool):
     return (w.shape[2], w.shape[1]) if out_major else (w.shape[1], w.shape[2])
 
 
-def stacked_matmuls(x, weights, layer, tiles: Tiles | None = None, out_major: bool = False,
-                    norm=None, residuals=None) -> list:
+def stacked_matmuls(x, weights, layer, tiles: Tiles | None = None, out_major: bool = False) -> list:
     """[x @ w[layer] * scale[layer] for (w [L, K, N_i], scale [L, N_i] | None) in weights], in one
-    kernel launch (e.g. the Q, K and V projections of a layer); w is [L, N_i, K] when out_major.
-
-    norm=(w [Ln, K], its row, inverse RMS [M], Norm): x's rows RMS-normalized as they load (with
-    row `row` of w); residuals ([M, N_i]
-    each): added to the products (rounded to x's dtype first), in the epilogue."""
+    kernel launch (e.g. the Q, K and V projections of a layer); w is [L, N_i, K] when out_major."""
     M, K = x.shape
     Ns = [_dims(w, out_major)[1] for w, _ in weights]
     for w, _ in weights:
@@ -271,23 +209,19 @@ def stacked_matmuls(x, weights, layer, tiles: Tiles | None = None, out_major: bo
     grid = (-(-M // t.bm), sum(-(-N // t.bn) for N in Ns), t.split)
     out_shape = [jax.ShapeDtypeStruct((M, N), x.dtype) if t.split == 1
                  else jax.ShapeDtypeStruct((t.split, M, N), jnp.float32) for N in Ns]
-    fuse_res = residuals is not None and t.split == 1
-    kernel = functools.partial(_matmul_kernel, t=t, M=M, K=K, Ns=tuple(Ns), steps=steps, scaled=scaled,
-                               norm=None if norm is None else norm[3], residual=fuse_res)
-    args = ((_indices(layer, norm), x) + (() if norm is None else (norm[0], norm[2]))
-            + tuple(w for w, _ in weights) + (tuple(sc for _, sc in weights) if scaled else ())
-            + (tuple(residuals) if fuse_res else ()))
+    kernel = functools.partial(_matmul_kernel, t=t, M=M, K=K, Ns=tuple(Ns), steps=steps, scaled=scaled)
+    args = ((jnp.reshape(layer, (1,)).astype(jnp.int32), x) + tuple(w for w, _ in weights)
+            + (tuple(sc for _, sc in weights) if scaled else ()))
     outs = pl.pallas_call(kernel, out_shape=out_shape, grid=grid, compiler_params=_params(t),
                           interpret=interpret(), name="stacked_matmul")(*args)
     if t.split == 1:
         return list(outs)
     res = []
-    for n, (out, (_, sc)) in enumerate(zip(outs, weights)):
+    for out, (_, sc) in zip(outs, weights):
         out = out.sum(axis=0)
         if sc is not None:
             out = out * jax.lax.dynamic_index_in_dim(sc, layer, keepdims=False)
-        out = out.astype(x.dtype)
-        res.append(out if residuals is None else residuals[n] + out)
+        res.append(out.astype(x.dtype))
     return res
 
 
@@ -297,11 +231,9 @@ def stacked_matmul(x, w, scale, layer, tiles: Tiles | None = None, out_major: bo
     return stacked_matmuls(x, [(w, scale)], layer, tiles, out_major)[0]
 
 
-def stacked_gated(x, gate, up, layer, act, tiles: Tiles | None = None, out_major: bool = False,
-                  norm=None):
+def stacked_gated(x, gate, up, layer, act, tiles: Tiles | None = None, out_major: bool = False):
     """act(x @ gate[layer]) * (x @ up[layer]) for (weight [L, K, N] or [L, N, K] when out_major,
-    scale [L, N] | None) pairs; norm=(w [Ln, K], its row, inverse RMS [M], Norm) normalizes x's
-    rows as they load."""
+    scale [L, N] | None) pairs."""
     (wg, sg), (wu, su) = gate, up
     M, K = x.shape
     N = _dims(wg, out_major)[1]
@@ -310,10 +242,8 @@ def stacked_gated(x, gate, up, layer, act, tiles: Tiles | None = None, out_major
     note("gated matmul", (M, K, N, str(wg.dtype)), t.label())
     steps = -(-K // (t.bk * t.split))
     scaled = sg is not None
-    kernel = functools.partial(_gated_kernel, t=t, M=M, K=K, N=N, steps=steps, scaled=scaled, act=act,
-                               norm=None if norm is None else norm[3])
-    args = ((_indices(layer, norm), x) + (() if norm is None else (norm[0], norm[2]))
-            + (wg, wu) + ((sg, su) if scaled else ()))
+    kernel = functools.partial(_gated_kernel, t=t, M=M, K=K, N=N, steps=steps, scaled=scaled, act=act)
+    args = (jnp.reshape(layer, (1,)).astype(jnp.int32), x, wg, wu) + ((sg, su) if scaled else ())
     grid = (-(-M // t.bm), -(-N // t.bn), t.split)
     if t.split == 1:
         out_shape = jax.ShapeDtypeStruct((M, N), x.dtype)

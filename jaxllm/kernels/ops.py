@@ -13,13 +13,12 @@ import dataclasses
 import math
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from . import current_layout, enabled, note
 from .attention import Cache, decode_attention
-from .matmul import Norm, stacked_gated, stacked_matmuls
-from ..quant import Normed, QuantArray, Stacked
+from .matmul import stacked_gated, stacked_matmuls
+from ..quant import QuantArray, Stacked
 
 MAX_ROWS = 256         # above this many rows (a prefill) a step is compute-bound: XLA's GEMMs
 
@@ -105,25 +104,8 @@ def _sharding_plan(ws, n_contract, x):
     return layout, (specs, xspec, outs, row_parallel)
 
 
-def _norm_arg(x, K: int):
-    """(x's array, the kernels' norm=(w [Ln, K], its row, inverse RMS of x's rows, Norm) for a
-    `Normed` x, or None). A stacked norm weight is read in place at its layer (a sliced one would
-    be one more kernel per norm); the inverse RMS is XLA's one small reduction."""
-    if not isinstance(x, Normed):
-        return x, None
-    if isinstance(x.w, Stacked):
-        w, row = x.w.stack, x.w.idx
-    else:
-        w, row = (jnp.zeros((1, K), jnp.float32) if x.w is None else x.w[None]), jnp.int32(0)
-    xf = x.x.astype(jnp.float32)
-    inv = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1) + x.eps)
-    return x.x, (w, row, inv, Norm(1.0 if x.w is None else x.offset))
-
-
-def stacked_linears(x, ws: list, n_contract: int, residual=None):
-    """One kernel launch for several Stacked weights contracted with the same x (Q, K and V).
-    x may be `Normed` (then normalized in the kernel); `residual`, with one weight, is added to
-    its product (in the kernel's epilogue where nothing else has to come first)."""
+def stacked_linears(x, ws: list, n_contract: int):
+    """One kernel launch for several Stacked weights contracted with the same x (Q, K and V)."""
     arrs = [_arrays(w) for w in ws]
     om = ws[0].out_major
     if len({(_dims(a, n_contract, w.out_major)[0], w.out_major, a.dtype, s is None)
@@ -131,51 +113,36 @@ def stacked_linears(x, ws: list, n_contract: int, residual=None):
         return None
     desc = (math.prod(_dims(arrs[0][0], n_contract, om)[0]),
             "+".join(str(math.prod(_dims(a, n_contract, om)[1])) for a, _ in arrs), str(arrs[0][0].dtype))
-    xa = x.x if isinstance(x, Normed) else x
-    if _too_many_rows(xa, n_contract, "matmul", desc):
+    if _too_many_rows(x, n_contract, "matmul", desc):
         return None
-    layout, plan = _sharding_plan(ws, n_contract, xa)
+    layout, plan = _sharding_plan(ws, n_contract, x)
     if isinstance(plan, str):
         note("matmul", desc, f"xla (weights {plan} for the sharded kernels)")
         return None
-    K = desc[0]
-    if isinstance(x, Normed) and (n_contract != 1 or (plan is not None and plan[3])):
-        x = x.value()                       # a norm over rows the kernel does not see whole
-    x, norm = _norm_arg(x, K)
     quant = arrs[0][1] is not None
     lead = x.shape[:x.ndim - n_contract]
     n = len(ws)
-    res_in = residual is not None and plan is None          # else added after the psum
-    N0 = math.prod(_dims(arrs[0][0], n_contract, om)[1])
 
-    def body(x, layer, nw, nrow, inv, *flat):
-        pairs = list(zip(flat[:n], flat[n:2 * n] if quant else [None] * n))
+    def body(x, layer, *flat):
+        pairs = list(zip(flat[:n], flat[n:] if quant else [None] * n))
         mats = [_flat(a, s, n_contract, om) for a, s in pairs]
-        r = [flat[-1].reshape(-1, N0)] if res_in else None
         k_local = math.prod(_dims(pairs[0][0], n_contract, om)[0])      # K over a shard's rows
-        ys = stacked_matmuls(x.reshape(-1, k_local), mats, layer, out_major=om,
-                             norm=None if norm is None else (nw, nrow, inv.reshape(-1), norm[3]), residuals=r)
+        ys = stacked_matmuls(x.reshape(-1, k_local), mats, layer, out_major=om)
         ys = [y.reshape(lead + _dims(a, n_contract, om)[1]) for y, (a, _) in zip(ys, pairs)]
         if plan is not None and plan[3]:
             ys = [jax.lax.psum(y, "model") for y in ys]
         return tuple(ys)
 
-    nw, nrow, inv = (jnp.zeros((), jnp.float32),) * 3 if norm is None else norm[:3]
-    flat = [a for a, _ in arrs] + ([sc for _, sc in arrs] if quant else []) + ([residual] if res_in else [])
+    flat = [a for a, _ in arrs] + ([sc for _, sc in arrs] if quant else [])
     if plan is None:
-        ys = list(body(x, ws[0].idx, nw, nrow, inv, *flat))
-    else:
-        specs, xspec, outs, _ = plan
-        in_specs = ((xspec, P(), P(), P(), P()) + tuple(w for w, _ in specs)
-                    + (tuple(sc for _, sc in specs) if quant else ()))
-        ys = list(_local(body, layout, in_specs, tuple(outs))(x, ws[0].idx, nw, nrow, inv, *flat))
-    if residual is not None and not res_in:
-        ys = [residual + ys[0]]
-    return ys
+        return list(body(x, ws[0].idx, *flat))
+    specs, xspec, outs, _ = plan
+    in_specs = (xspec, P()) + tuple(w for w, _ in specs) + (tuple(sc for _, sc in specs) if quant else ())
+    return list(_local(body, layout, in_specs, tuple(outs))(x, ws[0].idx, *flat))
 
 
-def stacked_linear(x, w: Stacked, n_contract: int, residual=None):
-    ys = stacked_linears(x, [w], n_contract, residual)
+def stacked_linear(x, w: Stacked, n_contract: int):
+    ys = stacked_linears(x, [w], n_contract)
     return None if ys is None else ys[0]
 
 
@@ -189,30 +156,26 @@ def gated(x, gate, up, act):
             or up.out_major != om):
         return None
     (K,), (N,) = _dims(wg, 1, om)
-    xa = x.x if isinstance(x, Normed) else x
-    if _too_many_rows(xa, 1, "gated matmul", (K, N, str(wg.dtype))):
+    if _too_many_rows(x, 1, "gated matmul", (K, N, str(wg.dtype))):
         return None
-    layout, plan = _sharding_plan([gate, up], 1, xa)
+    layout, plan = _sharding_plan([gate, up], 1, x)
     if isinstance(plan, str) or (plan is not None and plan[3]):
         note("gated matmul", (K, N, str(wg.dtype)), "xla (sharding)")
         return None
-    x, norm = _norm_arg(x, K)
     lead = x.shape[:-1]
     quant = sg is not None
 
-    def body(x, layer, nw, nrow, inv, wg, wu, *scales):
+    def body(x, layer, wg, wu, *scales):
         sg, su = scales if quant else (None, None)
-        y = stacked_gated(x.reshape(-1, x.shape[-1]), (wg, sg), (wu, su), layer, act, out_major=om,
-                          norm=None if norm is None else (nw, nrow, inv.reshape(-1), norm[3]))
+        y = stacked_gated(x.reshape(-1, x.shape[-1]), (wg, sg), (wu, su), layer, act, out_major=om)
         return y.reshape(lead + y.shape[-1:])
 
-    nw, nrow, inv = (jnp.zeros((), jnp.float32),) * 3 if norm is None else norm[:3]
-    args = (x, gate.idx, nw, nrow, inv, wg, wu) + ((sg, su) if quant else ())
+    args = (x, gate.idx, wg, wu) + ((sg, su) if quant else ())
     if plan is None:
         return body(*args)
     (specs, xspec, outs, _) = plan
     (gspec, gs), (uspec, us) = specs
-    in_specs = (xspec, P(), P(), P(), P(), gspec, uspec) + ((gs, us) if quant else ())
+    in_specs = (xspec, P(), gspec, uspec) + ((gs, us) if quant else ())
     return _local(body, layout, in_specs, outs[0])(*args)
 
 

@@ -17,6 +17,7 @@ from .ops import AXES
 from ..quant import OutMajor, QuantArray
 
 CONTRACTED = {"o": 2}       # contracted dims of each layer weight the kernels take (the rest: 1)
+NAMES = tuple(AXES)         # the layer weights laid out output-major
 
 
 def _transposed(a, n_contract: int, donate: bool):
@@ -33,7 +34,7 @@ def _transposed(a, n_contract: int, donate: bool):
 
 
 def _one(name: str, w, donate: bool):
-    if isinstance(w, OutMajor) or name not in AXES:
+    if isinstance(w, OutMajor) or name not in NAMES:
         return w
     n = CONTRACTED.get(name, 1)
     if isinstance(w, QuantArray):

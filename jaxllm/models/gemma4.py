@@ -21,7 +21,7 @@ from ..layers import activation, gated_mlp, rms_norm
 from ..model import Branch, attention_block, branches
 from ..moe import moe_ffn
 from ..params import ParamSpec, abstract_weights, stack
-from ..quant import Normed, linear
+from ..quant import linear
 from .common import GEMMA_NORM_NAMES, HF_NAMES, eos_ids, layer_kinds, need, per_kind_rope
 
 # "unified" (Gemma 4 12B) is the same text model without per-layer inputs and MoE
@@ -224,10 +224,10 @@ def moe_block(cfg: ModelConfig, w: dict, x: jax.Array) -> jax.Array:
 
 def decoder_layer(cfg: ModelConfig, b: Branch, w: dict, x, positions, layer_cache, start, ple):
     eps = cfg.norm_eps
-    h = Normed(x, w["attn_norm"], eps)                    # normalized by the projections' kernels
+    h = rms_norm(x, w["attn_norm"], eps)
     a, layer_cache = attention_block(cfg, b.kind, w, h, positions, layer_cache, start, own_kv=b.own_kv)
     x = x + rms_norm(a, w["post_attn_norm"], eps)
-    m = gated_mlp(cfg, w, Normed(x, w["mlp_norm"], eps))
+    m = gated_mlp(cfg, w, rms_norm(x, w["mlp_norm"], eps))
     if cfg.extra("moe"):
         m = rms_norm(m, w["dense_out_norm"], eps) + moe_block(cfg, w, x)
     x = x + rms_norm(m, w["post_mlp_norm"], eps)
