@@ -176,8 +176,9 @@ def decode_attention(q, cache: Cache, layer, pos, *, scale: float, softcap=None,
     # registers) and 177 us at head_dim 256 in blocks of 16 with 4.
     if keys is not None:
         bs, warps = block or (16 if hd <= 256 else 32), warps or (4 if hd <= 256 else 8)
-    bs = block or (64 if hd <= 256 else 32)
-    warps = warps or (8 if bs * hd >= 16384 else 4)
+    else:
+        bs = block or (64 if hd <= 256 else 32)
+        warps = warps or (8 if bs * hd >= 16384 else 4)
     n = splits or choose_split(B, K, S, bs)
     chunk = -(-S // n)
     chunk = -(-chunk // bs) * bs
