@@ -188,9 +188,18 @@ def _params(t: Tiles):
     return plgpu.CompilerParams(num_warps=t.warps, num_stages=t.stages)
 
 
+def stack_dims(arr, n_contract: int, out_major: bool):
+    """(contracted, output) parts of a stack [L, *in, *out] ([L, *out, *in] if out_major): of its
+    shape, or of the entries of its PartitionSpec when given one."""
+    d = arr.shape[1:] if hasattr(arr, "shape") else tuple(arr)[1:]
+    n_out = len(d) - n_contract
+    return (d[n_out:], d[:n_out]) if out_major else (d[:n_contract], d[n_contract:])
+
+
 def _dims(w, out_major: bool):
     """(K, N) of a [L, K, N] stack, or of a [L, N, K] one when out_major."""
-    return (w.shape[2], w.shape[1]) if out_major else (w.shape[1], w.shape[2])
+    (K,), (N,) = stack_dims(w, 1, out_major)
+    return K, N
 
 
 def stacked_matmuls(x, weights, layer, tiles: Tiles | None = None, out_major: bool = False) -> list:

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import current_layout, enabled, note
 from .attention import Cache, decode_attention
-from .matmul import stacked_gated, stacked_matmuls
+from .matmul import stack_dims, stacked_gated, stacked_matmuls
 from ..quant import QuantArray, Stacked
 
 MAX_ROWS = 256         # above this many rows (a prefill) a step is compute-bound: XLA's GEMMs
@@ -32,14 +32,6 @@ def _arrays(w: Stacked):
     if isinstance(w.stack, QuantArray):
         return w.stack.q, w.stack.scale
     return w.stack, None
-
-
-def _dims(arr, n_contract: int, out_major: bool):
-    """(contracted, output) parts of a stack [L, *in, *out] ([L, *out, *in] if out_major): of its
-    shape, or of the entries of its PartitionSpec when given one."""
-    d = tuple(arr)[1:] if isinstance(arr, P) else arr.shape[1:]
-    n_out = len(d) - n_contract
-    return (d[n_out:], d[:n_out]) if out_major else (d[:n_contract], d[n_contract:])
 
 
 def weight_axes(name: str, n_contract: int, out_major: bool) -> tuple:
@@ -60,14 +52,14 @@ def _weight_specs(layout, w: Stacked, n_contract: int):
     contracted dim (a row-parallel weight)."""
     arr, scale = _arrays(w)
     spec = layout.spec(arr.shape, weight_axes(w.name, n_contract, w.out_major))
-    ins, outs = _dims(spec, n_contract, w.out_major)
+    ins, outs = stack_dims(spec, n_contract, w.out_major)
     sspec = None if scale is None else P(spec[0], *outs)
     return spec, sspec, any(s is not None for s in ins)
 
 
 def _flat(arr, scale, n_contract: int, out_major: bool):
     """[L, *in, *out] (and scales [L, *out]) -> [L, K, N], [L, N] | None; [L, N, K] if out_major."""
-    ins, outs = _dims(arr, n_contract, out_major)
+    ins, outs = stack_dims(arr, n_contract, out_major)
     L, K, N = arr.shape[0], math.prod(ins), math.prod(outs)
     return arr.reshape((L, N, K) if out_major else (L, K, N)), (None if scale is None else scale.reshape(L, N))
 
@@ -95,12 +87,12 @@ def _sharding_plan(ws, n_contract, x):
     specs = [(spec, sspec) for spec, sspec, _ in full]
     lead = [None] * (x.ndim - n_contract)
     if row_parallel:       # x arrives split along the contracted axes, like the weight
-        ins, _ = _dims(specs[0][0], n_contract, ws[0].out_major)
+        ins, _ = stack_dims(specs[0][0], n_contract, ws[0].out_major)
         xspec = P(*lead, *ins)
         outs = [P(*lead, *([None] * (len(s) - 1 - n_contract))) for s, _ in specs]
     else:
         xspec = P()
-        outs = [P(*lead, *_dims(s, n_contract, w.out_major)[1]) for (s, _), w in zip(specs, ws)]
+        outs = [P(*lead, *stack_dims(s, n_contract, w.out_major)[1]) for (s, _), w in zip(specs, ws)]
     return layout, (specs, xspec, outs, row_parallel)
 
 
@@ -108,11 +100,11 @@ def stacked_linears(x, ws: list, n_contract: int):
     """One kernel launch for several Stacked weights contracted with the same x (Q, K and V)."""
     arrs = [_arrays(w) for w in ws]
     om = ws[0].out_major
-    if len({(_dims(a, n_contract, w.out_major)[0], w.out_major, a.dtype, s is None)
+    if len({(stack_dims(a, n_contract, w.out_major)[0], w.out_major, a.dtype, s is None)
             for (a, s), w in zip(arrs, ws)}) != 1:
         return None
-    desc = (math.prod(_dims(arrs[0][0], n_contract, om)[0]),
-            "+".join(str(math.prod(_dims(a, n_contract, om)[1])) for a, _ in arrs), str(arrs[0][0].dtype))
+    desc = (math.prod(stack_dims(arrs[0][0], n_contract, om)[0]),
+            "+".join(str(math.prod(stack_dims(a, n_contract, om)[1])) for a, _ in arrs), str(arrs[0][0].dtype))
     if _too_many_rows(x, n_contract, "matmul", desc):
         return None
     layout, plan = _sharding_plan(ws, n_contract, x)
@@ -126,9 +118,9 @@ def stacked_linears(x, ws: list, n_contract: int):
     def body(x, layer, *flat):
         pairs = list(zip(flat[:n], flat[n:] if quant else [None] * n))
         mats = [_flat(a, s, n_contract, om) for a, s in pairs]
-        k_local = math.prod(_dims(pairs[0][0], n_contract, om)[0])      # K over a shard's rows
+        k_local = math.prod(stack_dims(pairs[0][0], n_contract, om)[0])      # K over a shard's rows
         ys = stacked_matmuls(x.reshape(-1, k_local), mats, layer, out_major=om)
-        ys = [y.reshape(lead + _dims(a, n_contract, om)[1]) for y, (a, _) in zip(ys, pairs)]
+        ys = [y.reshape(lead + stack_dims(a, n_contract, om)[1]) for y, (a, _) in zip(ys, pairs)]
         if plan is not None and plan[3]:
             ys = [jax.lax.psum(y, "model") for y in ys]
         return tuple(ys)
@@ -155,7 +147,7 @@ def gated(x, gate, up, act):
     if (wg.shape != wu.shape or wg.dtype != wu.dtype or (sg is None) != (su is None)
             or up.out_major != om):
         return None
-    (K,), (N,) = _dims(wg, 1, om)
+    (K,), (N,) = stack_dims(wg, 1, om)
     if _too_many_rows(x, 1, "gated matmul", (K, N, str(wg.dtype))):
         return None
     layout, plan = _sharding_plan([gate, up], 1, x)
