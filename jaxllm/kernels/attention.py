@@ -3,8 +3,8 @@
 One query token per row, at absolute position `pos[b]`, attends over the cache of layer `layer` in
 `[layers, B, S, K, hd]` stacks, read in place. A program takes one (row, KV head, sequence chunk):
 it loads the query heads that share that KV head once, streams the chunk's K/V blocks through an
-online softmax, and writes an unnormalised partial with its running max and sum; XLA merges the
-chunks by log-sum-exp.
+online softmax, and writes an unnormalised partial with its running max and sum; a second kernel
+merges the chunks by log-sum-exp.
 
 One kernel serves every cache the engine keeps (`Cache` below says which):
 - linear slots (slot s holds position s): chunks past the row's position, or before its window,
@@ -156,6 +156,37 @@ def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision
     plgpu.store(l_ref.at[sp, b, h, pl.ds(0, gp)], l, mask=gmask)
 
 
+def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, n, hd, dc):
+    """One (row, query head, slice of the head dimension): every chunk's partial loaded at once and
+    merged by log-sum-exp, as XLA's merge does (a loop over the chunks was latency-bound)."""
+    b, j, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    npd = _pow2(n)
+    nm = jnp.arange(npd) < n
+    dm = c * dc + jnp.arange(dc) < hd
+    m = plgpu.load(m_ref.at[pl.ds(0, npd), b, j], mask=nm, other=NEG)
+    l = plgpu.load(l_ref.at[pl.ds(0, npd), b, j], mask=nm, other=0.0)
+    wts = jnp.where(nm, jnp.exp(m - jnp.max(m)), 0.0)
+    den = jnp.sum(l * wts)
+    o = plgpu.load(o_ref.at[pl.ds(0, npd), b, j, pl.ds(c * dc, dc)], mask=nm[:, None] & dm[None, :], other=0.0)
+    acc = jnp.sum(o * wts[:, None], axis=0)
+    out = jnp.where(den > 0, acc / jnp.where(den > 0, den, 1.0), 0.0)    # 0: a row with no key to read
+    plgpu.store(out_ref.at[b, j, pl.ds(c * dc, dc)], out.astype(out_ref.dtype), mask=dm)
+
+
+def merge_chunks(o, m, l, dtype):
+    """Partials o [n, B, K, G, ...hd] with running max m and sum l [n, B, K, G] -> [B, K * G, hd] in
+    `dtype`, by one kernel (XLA's merge was three or four kernels a layer)."""
+    n, B, K, G = m.shape
+    hd = o.size // m.size
+    dc = min(_pow2(hd), max(16, 4096 // _pow2(n)))          # about 4096 partial values a program
+    kernel = functools.partial(_merge_kernel, n=n, hd=hd, dc=dc)
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((B, K * G, hd), dtype),
+                          grid=(B, K * G, pl.cdiv(hd, dc)),
+                          compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+                          interpret=interpret(), name="merge_chunks")(
+        o.reshape(n, B, K * G, hd), m.reshape(n, B, K * G), l.reshape(n, B, K * G))
+
+
 def choose_split(B: int, K: int, S: int, bs: int) -> int:
     """Sequence chunks per (row, KV head): enough programs for about two per multiprocessor."""
     want = -(-2 * SMS // (B * K))
@@ -208,9 +239,4 @@ def decode_attention(q, cache: Cache, layer, pos, *, scale: float, softcap=None,
     o, m, l = pl.pallas_call(kernel, out_shape=out_shape, grid=(B, K, n),
                              compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=2),
                              interpret=interpret(), name="decode_attention")(*ins.values())
-    top = jnp.max(m, axis=0)
-    w = jnp.exp(m - top)                                        # [n, B, K, G]
-    o = o.reshape(n, B, K, G, hd)
-    den = jnp.sum(l * w, axis=0)[..., None]           # 0 only for a row with no key to read
-    out = jnp.where(den > 0, jnp.sum(o * w[..., None], axis=0) / jnp.where(den > 0, den, 1.0), 0.0)
-    return out.reshape(B, H, hd).astype(q.dtype)
+    return merge_chunks(o, m, l, q.dtype).reshape(B, H, hd)
