@@ -65,6 +65,14 @@ class LayerKV:
     def layer(self) -> dict:
         return {name: a[self.idx] for name, a in self.stack.items()}
 
+    def kernel_stacks(self) -> tuple[dict, str]:
+        """The stacks a kernel writes this layer's new token into, and how it picks the slot
+        (`kernels.prologue.SLOTS`); `with_stacks` takes them back."""
+        return dict(self.stack), "clamp"
+
+    def with_stacks(self, stacks: dict) -> "LayerKV":
+        return LayerKV({**self.stack, **stacks}, self.idx)
+
 
 def write_layer(buf: jax.Array, idx: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     """Write new [B, T, K, hd] into layer idx of buf [n, B, S, K, hd] at row-wise offsets start [B]

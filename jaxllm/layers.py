@@ -7,13 +7,14 @@ import numpy as np
 
 from .config import AttnSpec, ModelConfig, RopeSpec
 from .errors import ModelError
-from .quant import linear, linears
+from .quant import layer_of, linear, linears
 
 NEG_INF = -1e30
 
 
 def rms_norm(x: jax.Array, w: jax.Array | None, eps: float, offset: float = 0.0) -> jax.Array:
     """RMSNorm in float32; `offset=1` is Gemma's (1 + w) scaling, `w=None` is parameter-free."""
+    w = layer_of(w)
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     if w is not None:
@@ -86,20 +87,20 @@ def attend(q, k, v, mask, scale: float, softcap: float | None) -> jax.Array:
     return o.reshape(B, T, H, hd).astype(q.dtype)
 
 
-def project_qkv(cfg: ModelConfig, a: AttnSpec, w: dict, h: jax.Array, positions: jax.Array, inv_freq):
-    """Q, K, V for one layer: projections, per-head norms, RoPE on Q and K."""
+def raw_qkv(cfg: ModelConfig, a: AttnSpec, w: dict, h: jax.Array):
+    """A layer's Q, K, V projections as they come out of the matmuls (V is the raw K where the
+    layer has no V projection of its own)."""
     q, k, *v = linears(h, [w["q"], w["k"]] + ([] if a.k_eq_v else [w["v"]]))
-    v = k if a.k_eq_v else v[0]
+    return q, k, k if a.k_eq_v else v[0]
+
+
+def finish_qkv(cfg: ModelConfig, w: dict, q, k, v, positions: jax.Array, inv_freq):
+    """Per-head norms, and RoPE on Q and K: what attention and the KV cache take."""
     if cfg.qk_norm:
         k = rms_norm(k, w["k_norm"], cfg.norm_eps, cfg.norm_offset)
     if cfg.v_norm:
         v = rms_norm(v, None, cfg.norm_eps)
     return finish_q(cfg, w, q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
-
-
-def project_q(cfg: ModelConfig, w: dict, h: jax.Array, positions: jax.Array, inv_freq):
-    """Q alone (a layer that attends over another layer's KV cache needs no K/V of its own)."""
-    return finish_q(cfg, w, linear(h, w["q"]), positions, inv_freq)
 
 
 def finish_q(cfg: ModelConfig, w: dict, q: jax.Array, positions: jax.Array, inv_freq):

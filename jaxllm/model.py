@@ -18,10 +18,11 @@ from . import cache as kv
 from . import split_cache as split
 from .config import GLOBAL, KIND_NAMES, SLIDING, ModelConfig
 from .errors import ModelError
-from .layers import (attend, attention_mask, gated_mlp, inv_frequencies, project_q, project_qkv,
+from .layers import (attend, attention_mask, finish_q, finish_qkv, gated_mlp, inv_frequencies, raw_qkv,
                      rms_norm)
 from . import kernels
-from .kernels.ops import cached_attention, embed_rows
+from .kernels.ops import cached_attention, embed_rows, prologue
+from .kernels.prologue import HeadPrep
 from .quant import OutMajor, Stacked, linear, matmul_rows, take_rows
 
 
@@ -100,22 +101,37 @@ def logits_from_hidden(cfg: ModelConfig, weights: dict, h: jax.Array) -> jax.Arr
     return out
 
 
+def head_prep(cfg: ModelConfig, w: dict, inv_freq) -> HeadPrep:
+    norm = (lambda n: w.get(n)) if cfg.qk_norm else (lambda n: None)   # no K norm: a layer reading another's KV
+    return HeadPrep(inv_freq, norm("q_norm"), norm("k_norm"), cfg.v_norm, cfg.norm_eps, cfg.norm_offset)
+
+
 def attention_block(cfg, kind, w, h, positions, layer_cache, start, own_kv: bool = True):
     """Project, write this step's K/V into the layer's cache, attend over the cache, project out.
-    With `own_kv=False` the layer only projects Q and attends over a cache an earlier layer wrote."""
+    With `own_kv=False` the layer only projects Q and attends over a cache an earlier layer wrote.
+    One decode token per row with the kernels on: the norms, RoPE and the cache write are one
+    kernel (`kernels.prologue`)."""
     a = cfg.attn[kind]
     inv_freq = inv_frequencies(a.rope, a.head_dim)
     if own_kv:
-        q, k, v = project_qkv(cfg, a, w, h, positions, inv_freq)
+        q, k, v = raw_qkv(cfg, a, w, h)
     else:
-        q = project_q(cfg, w, h, positions, inv_freq)
+        q, k, v = linear(h, w["q"]), None, None
+    fused = prologue(q, k, v, head_prep(cfg, w, inv_freq), positions, layer_cache)
+    if fused is not None:
+        q, layer_cache = fused
+    elif own_kv:
+        q, k, v = finish_qkv(cfg, w, q, k, v, positions, inv_freq)
+    else:
+        q = finish_q(cfg, w, q, positions, inv_freq)
+    written = fused is not None or not own_kv
     if not isinstance(layer_cache, kv.LayerKV):    # split cache (ring buffer / blockwise global)
-        if own_kv:
-            o, layer_cache = layer_cache.update_and_attend(cfg, a, w, q, k, v, positions)
-        else:
+        if written:
             o = layer_cache.attend(cfg, a, w, q, positions)
+        else:
+            o, layer_cache = layer_cache.update_and_attend(cfg, a, w, q, k, v, positions)
         return linear(o, w["o"], 2), layer_cache
-    if own_kv:
+    if not written:
         layer_cache = layer_cache.write(k, v, start)
     o = cached_attention(q, layer_cache, positions, scale=cfg.query_scale, softcap=cfg.attn_softcap,
                          window=a.window)
@@ -144,8 +160,10 @@ def take(tree, i):
     return jax.tree_util.tree_map(lambda a: a[i], tree)
 
 
-# Weights only ever contracted by `linear`: with the kernels on, these stay in their layer stack.
+# Weights only ever contracted by `linear`, and the per-head norms, which the decode prologue
+# kernel reads: with the kernels on, these stay in their layer stack.
 MATMUL_WEIGHTS = ("q", "k", "v", "o", "gate", "up", "down", "ple_gate", "ple_out")
+IN_PLACE = MATMUL_WEIGHTS + ("q_norm", "k_norm")
 
 
 def layer_weights(group: dict, idx):
@@ -157,7 +175,7 @@ def layer_weights(group: dict, idx):
     def one(k, v):
         if isinstance(v, OutMajor):
             return Stacked(v.w, idx, k, out_major=True)
-        return Stacked(v, idx, k) if on and k in MATMUL_WEIGHTS else take(v, idx)
+        return Stacked(v, idx, k) if on and k in IN_PLACE else take(v, idx)
     return {k: one(k, v) for k, v in group.items()}
 
 

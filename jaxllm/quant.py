@@ -61,6 +61,11 @@ class Stacked:
         return jax.tree_util.tree_map(lambda a: a[self.idx], self.stack)
 
 
+def layer_of(w):
+    """A layer's weight as an array: a `Stacked` view sliced, anything else as it is."""
+    return w.layer() if isinstance(w, Stacked) else w
+
+
 def linear(x: jax.Array, w, n_contract: int = 1) -> jax.Array:
     """Contract the last `n_contract` dims of x with the first `n_contract` dims of w (or, for an
     output-major `Stacked` weight, its last ones).

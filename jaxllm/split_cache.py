@@ -19,6 +19,7 @@ from .attention_blockwise import blockwise_attend, dequantize_kv, linear_loader,
 from .cache import init_cache
 from .config import KIND_NAMES, AttnSpec, ModelConfig
 from .errors import ModelError
+from .quant import layer_of
 from .layers import apply_rope, attend, attention_mask, inv_frequencies, rms_norm
 
 KV_QUANT_MODES = ("auto", "int8", "none")
@@ -245,6 +246,21 @@ class StackedLayer:
         nk, nks = store(c.k, c.k_scale, k)
         return StackedLayer(c.replace(k=nk, v=nv, k_scale=nks, v_scale=nvs), self.idx)
 
+    def kernel_stacks(self) -> tuple[dict, str]:
+        """The stacks a kernel writes this layer's new token into, and how it picks the slot
+        (`kernels.prologue.SLOTS`); `with_stacks` takes them back."""
+        c = self.stack
+        arrays = {"k": c.k, "v": c.v, "k_scale": c.k_scale, "v_scale": c.v_scale}
+        if isinstance(c, RingKV):
+            return {**arrays, "slot_pos": c.pos}, "ring"
+        return arrays, "drop"
+
+    def with_stacks(self, stacks: dict) -> "StackedLayer":
+        stacks = dict(stacks)
+        if isinstance(self.stack, RingKV):
+            stacks["pos"] = stacks.pop("slot_pos")
+        return StackedLayer(self.stack.replace(**stacks), self.idx)
+
     def attend(self, cfg: ModelConfig, a: AttnSpec, w, q, positions):
         from .kernels.attention import KeysFromValues
         from .kernels.ops import stacked_attention
@@ -256,7 +272,7 @@ class StackedLayer:
             arrays = {"k": c.k, "v": c.v, "k_scale": c.k_scale, "v_scale": c.v_scale}
             if c.shared:
                 keys = KeysFromValues(inv_frequencies(a.rope, a.head_dim),
-                                      w["k_norm"] if cfg.qk_norm else None, cfg.norm_eps, cfg.norm_offset)
+                                      layer_of(w["k_norm"]) if cfg.qk_norm else None, cfg.norm_eps, cfg.norm_offset)
         o = stacked_attention(q, arrays, self.idx, positions, scale=cfg.query_scale, softcap=cfg.attn_softcap,
                               window=a.window, keys=keys)
         if o is None:

@@ -16,6 +16,7 @@ from jaxllm.cache import slot_positions
 from jaxllm.errors import ModelError
 from jaxllm.attention_blockwise import dequantize_kv, quantize_kv
 from jaxllm.kernels.attention import Cache, KeysFromValues, decode_attention
+from jaxllm.kernels.prologue import HeadPrep, decode_prologue
 from jaxllm.kernels.matmul import Tiles, choose_tiles, stacked_gated, stacked_matmul, stacked_matmuls
 from jaxllm.split_cache import KVOptions
 from jaxllm.layers import apply_rope, attend, attention_mask, rms_norm
@@ -196,6 +197,70 @@ def test_decode_attention_split_caches(ring, int8, from_values):
         o = decode_attention(q, Cache(**cache, keys=keys), jnp.int32(1), jnp.asarray(pos), scale=0.3,
                              window=window, block=block, splits=splits)
         assert float(jnp.max(jnp.abs(o - ref))) < 1e-5, (block, splits)
+
+
+@pytest.mark.parametrize("slots,int8,hd,dtype,shared", [
+    ("clamp", False, 32, "float32", False),     # linear cache; position 12 clamps into 10 slots
+    ("drop", True, 48, "float32", True),        # int8 global layer, values only (k_eq_v), halves of 24
+    ("ring", True, 32, "float32", False),       # int8 ring: slot = position mod 8, slot positions set
+    ("ring", False, 64, "bfloat16", False),     # bf16 ring
+])
+def test_decode_prologue(slots, int8, hd, dtype, shared):
+    """Norms, RoPE and the cache write of one token per row in one kernel, against the XLA path's
+    functions: queries, the written slots (keys, values, int8 scales, ring positions), and every
+    other slot left as it was."""
+    rng = np.random.default_rng(5)
+    B, H, K, L, S = 3, 4, 2, 2, {"clamp": 10, "drop": 20, "ring": 8}[slots]
+    dt = jnp.dtype(dtype)
+    q, k = (jnp.asarray(rng.standard_normal((B, n, hd)), dt) for n in (H, K))
+    v = k if shared else jnp.asarray(rng.standard_normal((B, K, hd)), dt)
+    pos = jnp.asarray({"clamp": [3, 12, 0], "drop": [5, 40, 19], "ring": [25, -1, 6]}[slots], jnp.int32)
+    inv_freq = (1.0 / 100.0 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
+    qn, kn = (jnp.asarray(rng.standard_normal(hd) * 0.3, dt) for _ in range(2))
+    prep = HeadPrep(inv_freq, qn, kn, v_norm=shared, eps=1e-6, offset=1.0)
+    if dtype == "bfloat16":               # norm weights read in their layer stacks
+        prep = dataclasses.replace(prep, q_norm=jnp.stack([kn, qn]), k_norm=jnp.stack([qn, kn]), norm_layer=1)
+    store = jnp.int8 if int8 else dt
+    stacks = {"v": jnp.asarray(rng.integers(-9, 9, (L, B, S, K, hd)), store)}
+    if not shared:
+        stacks["k"] = jnp.asarray(rng.integers(-9, 9, (L, B, S, K, hd)), store)
+    if int8:
+        stacks.update({f"{n}_scale": jnp.full((L, B, S, K), 0.5, jnp.float32) for n in stacks})
+    if slots == "ring":
+        stacks["slot_pos"] = jnp.full((L, B, S), -1, jnp.int32)
+    before = {n: np.asarray(a) for n, a in stacks.items()}
+    qo, got = decode_prologue(q, k, v, prep, pos, stacks, jnp.int32(1), slots=slots)
+
+    p = pos[:, None]
+    assert _rel(qo, apply_rope(rms_norm(q[:, None], qn, 1e-6, 1.0), p, inv_freq)[:, 0]) < 1e-6
+    want = {"k": apply_rope(rms_norm(k[:, None], kn, 1e-6, 1.0), p, inv_freq)[:, 0],
+            "v": rms_norm(v, None, 1e-6) if shared else v}
+    slot = {"clamp": np.clip(pos, 0, S - 1), "drop": pos, "ring": pos % S}[slots]
+    for b in range(B):
+        written = 0 <= int(pos[b]) < S if slots == "drop" else int(pos[b]) >= 0 or slots == "clamp"
+        for n in ("k", "v"):
+            if n not in stacks:
+                continue
+            ref = want[n][b]
+            if int8:
+                rq, rs = quantize_kv(ref)
+                ref = (rq, rs)
+            for l in range(L):
+                row = np.asarray(got[n][l, b])
+                exp = before[n][l, b].copy()
+                if l == 1 and written:
+                    exp[int(slot[b])] = np.asarray(ref[0] if int8 else ref.astype(store))
+                    if int8:
+                        sc = before[n + "_scale"][l, b].copy()
+                        sc[int(slot[b])] = np.asarray(ref[1])
+                        np.testing.assert_allclose(np.asarray(got[n + "_scale"][l, b]), sc, rtol=1e-6)
+                np.testing.assert_allclose(row.astype(np.float32), exp.astype(np.float32),
+                                           atol=0 if int8 else 2e-2 if dtype == "bfloat16" else 1e-6)
+        if slots == "ring":
+            sp = before["slot_pos"][1, b].copy()
+            if written:
+                sp[int(slot[b])] = int(pos[b])
+            assert (np.asarray(got["slot_pos"][1, b]) == sp).all() and (np.asarray(got["slot_pos"][0]) == -1).all()
 
 
 def test_kernel_mode_switch(monkeypatch):

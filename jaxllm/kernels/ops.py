@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import current_layout, enabled, note
 from .attention import Cache, decode_attention
+from .prologue import HeadPrep, decode_prologue
 from .matmul import stack_dims, stacked_gated, stacked_matmuls
 from ..quant import QuantArray, Stacked
 
@@ -202,9 +203,7 @@ def stacked_attention(q, arrays: dict, idx, positions, *, scale, softcap, window
         return run(q[:, 0], idx, positions[:, 0], norm_w, **arrays)[:, None]
     qspec = layout.spec(q[:, 0].shape, ("batch", "q_heads", "head_dim"))
     specs = {k: layout.spec(a.shape, KV_AXES[k]) for k, a in arrays.items()}
-    heads_split, kv_split = qspec[1] is not None, specs["v"][3] is not None
-    if not (heads_split == kv_split or (heads_split and K == 1)):    # local heads must map to local KV
-        note("decode attention", (B, H, K, str(arrays["v"].dtype)), "xla (query and KV heads split differently)")
+    if not _kv_split_ok(layout, qspec[1], specs["v"][3], K, "decode attention", (B, H, K, str(arrays["v"].dtype))):
         return None
     names = tuple(arrays)
 
@@ -212,6 +211,61 @@ def stacked_attention(q, arrays: dict, idx, positions, *, scale, softcap, window
         return run(q, idx, pos, norm_w, **dict(zip(names, arrs)))
     fn = _local(body, layout, (qspec, P(), P(), P()) + tuple(specs[k] for k in names), qspec)
     return fn(q[:, 0], idx, positions[:, 0], norm_w, *arrays.values())[:, None]
+
+
+def _kv_split_ok(layout, q_heads_spec, kv_spec, K: int, what: str, desc: tuple) -> bool:
+    """Whether each device's query heads read only KV heads it holds: the same split, or one KV
+    head replicated on every device."""
+    heads_split, kv_split = q_heads_spec is not None, kv_spec is not None
+    if heads_split == kv_split or (heads_split and K == 1):
+        return True
+    note(what, desc, "xla (query and KV heads split differently)")
+    return False
+
+
+def prologue(q, k, v, prep: HeadPrep, positions, layer_cache):
+    """Rotated queries [B, 1, H, hd] and `layer_cache` with this step's K/V written, from raw
+    projections of one token per row (k, v None: queries alone, for a layer reading another's
+    cache), by `prologue.decode_prologue`. None where XLA should do it."""
+    B, T, H, hd = q.shape
+    if not enabled() or T != 1 or hd % 2:
+        return None
+    stacks, slots = layer_cache.kernel_stacks() if k is not None else ({}, "clamp")
+    stacks = {n: a for n, a in stacks.items() if a is not None}
+    idx = layer_cache.idx if k is not None else 0
+    norms = [n for n in (prep.q_norm, prep.k_norm) if n is not None]
+    widx = next((n.idx for n in norms if isinstance(n, Stacked)), 0)
+    if len({isinstance(n, Stacked) for n in norms}) > 1:
+        note("decode prologue", (B, H, hd), "xla (head norms not all in their layer stacks)")
+        return None
+    qn, kn = (n.stack if isinstance(n, Stacked) else n for n in (prep.q_norm, prep.k_norm))
+    names = tuple(stacks)
+
+    def run(q, k, v, pos, idx, widx, qn, kn, *arrs):
+        p = dataclasses.replace(prep, q_norm=qn, k_norm=kn, norm_layer=widx)
+        kk, vv = (None, None) if k is None else (k[:, 0], v[:, 0])
+        qo, out = decode_prologue(q[:, 0], kk, vv, p, pos, dict(zip(names, arrs)), idx, slots=slots)
+        return (qo[:, None],) + tuple(out[n] for n in names)
+
+    args = (q, k, v, positions[:, 0], idx, widx, qn, kn) + tuple(stacks.values())
+    layout = current_layout()
+    if layout is None or layout.mesh.size == 1:
+        got = run(*args)
+    else:
+        qspec = layout.spec(q.shape, ("batch", None, "q_heads", "head_dim"))
+        specs = [layout.spec(a.shape, KV_AXES[n]) for n, a in stacks.items()]
+        if k is not None:
+            K = stacks["v"].shape[3]
+            kvspec = layout.spec(k.shape, ("batch", None, "kv_heads", "head_dim"))
+            if not _kv_split_ok(layout, qspec[2], kvspec[2], K, "decode prologue", (B, H, K, hd)):
+                return None
+        else:
+            kvspec = P()
+        fn = _local(run, layout, (qspec, kvspec, kvspec, P(), P(), P(), P(), P()) + tuple(specs),
+                    (qspec,) + tuple(specs))
+        got = fn(*args)
+    new = layer_cache.with_stacks(dict(zip(names, got[1:]))) if k is not None else layer_cache
+    return got[0], new
 
 
 def embed_rows(table, ids, dtype):
