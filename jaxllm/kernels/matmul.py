@@ -66,7 +66,8 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, 
     times. Measured on an H100 (scripts/kernel_bench.py): input-major, shallow steps over narrow K
     ranges in many blocks of 8 warps streamed int8 weights fastest (bn=64, bk=32, about four blocks
     per multiprocessor); output-major, 16 output channels by 256 contiguous inputs per step, K
-    split until about three blocks per multiprocessor. (Narrower blocks of 4 channels timed
+    split until about three blocks per multiprocessor, but not at all where the blocks already cover
+    the GPU twice (the partials' sum is more kernels than the split gains). (Narrower blocks of 4 channels timed
     faster alone but slower inside the model's decode step.)"""
     if out_major and M == 1:
         bm, bn_, bk_, warps_ = 1, 16, min(256, max(16, _pow2(K))), 8
@@ -79,6 +80,8 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, 
     split = 1
     max_split = (4 if gated else 16) if M == 1 else 4 if M <= 64 else 2   # partials: M*N*4 bytes
     target = 3 * SMS if out_major and M == 1 else 4 * SMS
+    if out_major and M == 1 and blocks >= 2 * SMS:
+        target = blocks     # a split's partials cost XLA kernels of their own: 2.6% at batch 1 (Q/K/V)
     while split < max_split and blocks * split < target and K >= 2 * split * bk:
         split *= 2
     stages, n_w = 3, 2 if gated else 1
