@@ -230,8 +230,51 @@ def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.A
             x, caches = jax.lax.switch(s["branch"], [branch(b) for b in brs], x, caches, s)
         return (x, caches), None
 
-    (x, cache), _ = jax.lax.scan(step, (x, cache), xs, unroll=scan_unroll(cfg))
-    return x, cache
+    p = layer_period(cfg) if len(brs) > 1 and layer_scan_mode() == "period" else None
+    if p is None:
+        (x, cache), _ = jax.lax.scan(step, (x, cache), xs, unroll=scan_unroll(cfg))
+        return x, cache
+    # One scan step per period of the branch pattern (Gemma's 5 sliding + 1 global), each layer of
+    # it on its own static branch; the layers past the last whole period follow, unrolled.
+    pattern = schedule(cfg)["branch"][:p]
+    n = cfg.num_layers // p
+
+    def period_step(carry, s):
+        for j in range(p):
+            carry = branch(brs[pattern[j]])(*carry, jax.tree_util.tree_map(lambda a: a[j], s))
+        return carry, None
+    periods = jax.tree_util.tree_map(lambda a: a[:n * p].reshape((n, p) + a.shape[1:]), xs)
+    carry, _ = jax.lax.scan(period_step, (x, cache), periods, unroll=max(1, scan_unroll(cfg) // p))
+    for i in range(n * p, cfg.num_layers):
+        carry = branch(brs[pattern[i % p]])(*carry, jax.tree_util.tree_map(lambda a: a[i], xs))
+    return carry
+
+
+MAX_PERIOD = 16
+LAYER_SCANS = ("auto", "cond", "period")
+
+
+def layer_period(cfg: ModelConfig) -> int | None:
+    """The shortest period of the layers' branch pattern (every layer on the branch of its place in
+    the period, a last partial period included), or None above `MAX_PERIOD` layers."""
+    b = schedule(cfg)["branch"]
+    return next((p for p in range(1, min(MAX_PERIOD, len(b)) + 1)
+                 if all(b[i] == b[i % p] for i in range(len(b)))), None)
+
+
+def layer_scan_mode() -> str:
+    """How the scan reaches a layer's sliding or global branch: `cond`, a `lax.cond` per layer, or
+    `period`, a scan over whole periods of the pattern with each branch fixed. On a GPU XLA decides a
+    conditional on the host: a device-to-host copy and a wait each layer, so there `auto` (the
+    default; JAXLLM_LAYER_SCAN sets it) takes periods. TPUs and CPUs decide it on the device."""
+    m = os.environ.get("JAXLLM_LAYER_SCAN", "auto").strip().lower() or "auto"
+    if m not in LAYER_SCANS:
+        raise ModelError(f"JAXLLM_LAYER_SCAN must be one of {', '.join(LAYER_SCANS)}, got {m!r}")
+    if m != "auto":
+        return m
+    lay = kernels.current_layout()
+    platform = lay.mesh.devices.flat[0].platform if lay is not None else jax.default_backend()
+    return "period" if platform == "gpu" else "cond"
 
 
 def scan_unroll(cfg: ModelConfig) -> int:

@@ -98,3 +98,39 @@ def test_max_tokens_per_row_and_finish_reason(eng):
     assert out[0].finish_reason in ("length", "stop")
     if out[0].finish_reason == "length":
         assert len(out[0].token_ids) == 5
+
+
+@pytest.mark.parametrize("family,layers", [("gemma3", 8), ("gemma4", 8)])
+def test_period_scan_equals_conditional_scan(family, layers, tmp_path, monkeypatch):
+    """The layer scan over whole periods of the sliding/global pattern (what GPUs run: no
+    conditional per layer) against the scan with a `lax.cond` per layer: full forward and decode
+    steps. Gemma 3's 8 layers are one period of 6 and two more; Gemma 4's are one period of 8."""
+    from jaxllm.model import layer_period
+    if family == "gemma3":
+        tiny.make(family, tmp_path, seed=4, num_hidden_layers=layers)
+    else:
+        import gemma4_refs
+        gemma4_refs.build("31b").save_pretrained(tmp_path)
+    ids = np.random.default_rng(3).integers(0, 160, (2, 12)).astype(np.int32)
+    got = {}
+    for mode in ("cond", "period"):
+        monkeypatch.setenv("JAXLLM_LAYER_SCAN", mode)
+        eng = jaxllm.load(str(tmp_path), quant="none", dtype="float32", max_ctx=32)
+        cache, steps = eng.new_cache(2, 16), []
+        for t in range(ids.shape[1]):
+            lg, cache = eng.step(ids[:, t], np.full(2, t), cache)
+            steps.append(np.asarray(lg))
+        got[mode] = eng.logits(ids), np.stack(steps)
+    assert layer_period(eng.cfg) == {"gemma3": 6, "gemma4": 8}[family]
+    assert tiny.rel_err(got["period"][0], got["cond"][0]) < 1e-5
+    assert tiny.rel_err(got["period"][1], got["cond"][1]) < 1e-5
+
+
+def test_layer_scan_mode_is_checked(monkeypatch):
+    from jaxllm.errors import ModelError
+    from jaxllm.model import layer_scan_mode
+    monkeypatch.setenv("JAXLLM_LAYER_SCAN", "unrolled")
+    with pytest.raises(ModelError, match="JAXLLM_LAYER_SCAN must be one of"):
+        layer_scan_mode()
+    monkeypatch.setenv("JAXLLM_LAYER_SCAN", "auto")
+    assert layer_scan_mode() == "cond"                      # the CPU decides a conditional on device
