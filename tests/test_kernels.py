@@ -132,6 +132,10 @@ def test_tile_choice_fits_and_fills():
         assert smem <= 200 * 1024 and t.split >= 1 and t.bk <= K
         blocks = -(-M // t.bm) * -(-N // t.bn) * t.split
         assert blocks >= 132 or t.split == (4 if gated or M > 1 else 16), (M, K, N, t)
+    # Batch 1, output-major: a fused Q/K/V wide enough to cover the GPU twice is not split (each
+    # output's partial sum would be a kernel); a single output of the same width is (its sum fuses).
+    assert choose_tiles(1, 2560, 6144, out_major=True, outputs=3).split == 1
+    assert choose_tiles(1, 21504, 5376, out_major=True).split > 1
 
 
 @pytest.mark.parametrize("B,H,K,S,hd,window,softcap,pos", [

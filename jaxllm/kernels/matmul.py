@@ -57,7 +57,7 @@ SMEM = 200 * 1024     # of the 227 KiB a block may use on H100/H200, leaving Tri
 
 
 def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, *, bn=None, bk=None,
-                 warps=None, out_major: bool = False) -> Tiles:
+                 warps=None, out_major: bool = False, outputs: int = 1) -> Tiles:
     """Blocks for an [M, K] x [K, N] product (N summed over the weights of a fused call).
 
     M=1 is a vector product: each thread multiplies its part of a weight tile into a float32
@@ -66,8 +66,11 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, 
     times. Measured on an H100 (scripts/kernel_bench.py): input-major, shallow steps over narrow K
     ranges in many blocks of 8 warps streamed int8 weights fastest (bn=64, bk=32, about four blocks
     per multiprocessor); output-major, 16 output channels by 256 contiguous inputs per step, K
-    split until about three blocks per multiprocessor, but not at all where the blocks already cover
-    the GPU twice (the partials' sum is more kernels than the split gains). (Narrower blocks of 4 channels timed
+    split until about three blocks per multiprocessor. A single output's partials are summed in
+    whatever XLA fuses next (the residual add after O and down); a fused projection's `outputs`
+    (Q, K, V) go on to a kernel, so each sum would be an XLA kernel of its own: those are not split
+    where the blocks already cover the GPU twice (2.6% faster at batch 1 for Qwen3-4B; O and down
+    of Gemma 4 31B were 5-15% slower unsplit). (Narrower blocks of 4 channels timed
     faster alone but slower inside the model's decode step.)"""
     if out_major and M == 1:
         bm, bn_, bk_, warps_ = 1, 16, min(256, max(16, _pow2(K))), 8
@@ -80,8 +83,8 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, 
     split = 1
     max_split = (4 if gated else 16) if M == 1 else 4 if M <= 64 else 2   # partials: M*N*4 bytes
     target = 3 * SMS if out_major and M == 1 else 4 * SMS
-    if out_major and M == 1 and blocks >= 2 * SMS:
-        target = blocks     # a split's partials cost XLA kernels of their own: 2.6% at batch 1 (Q/K/V)
+    if out_major and M == 1 and outputs > 1 and blocks >= 2 * SMS:
+        target = blocks     # no split: the partials' sums would be a kernel per output
     while split < max_split and blocks * split < target and K >= 2 * split * bk:
         split *= 2
     stages, n_w = 3, 2 if gated else 1
@@ -214,7 +217,8 @@ def stacked_matmuls(x, weights, layer, tiles: Tiles | None = None, out_major: bo
         assert _dims(w, out_major)[0] == K, (x.shape, w.shape, out_major)
     scaled = weights[0][1] is not None
     assert all((sc is not None) == scaled for _, sc in weights)
-    t = tiles or choose_tiles(M, K, sum(Ns), w_bytes=weights[0][0].dtype.itemsize, out_major=out_major)
+    t = tiles or choose_tiles(M, K, sum(Ns), w_bytes=weights[0][0].dtype.itemsize, out_major=out_major,
+                              outputs=len(Ns))
     assert t.out_major == out_major, (t, out_major)
     note("matmul", (M, K, "+".join(map(str, Ns)), str(weights[0][0].dtype)), t.label())
     steps = -(-K // (t.bk * t.split))
