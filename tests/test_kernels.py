@@ -267,6 +267,18 @@ def test_decode_prologue(slots, int8, hd, dtype, shared):
             assert (np.asarray(got["slot_pos"][1, b]) == sp).all() and (np.asarray(got["slot_pos"][0]) == -1).all()
 
 
+def test_decode_prologue_queries_only():
+    """A layer reading another layer's KV cache: queries alone, nothing written."""
+    rng = np.random.default_rng(6)
+    q = jnp.asarray(rng.standard_normal((2, 4, 24)), jnp.float32)
+    qn = jnp.asarray(rng.standard_normal(24) * 0.3, jnp.float32)
+    inv_freq = (1.0 / 100.0 ** (np.arange(0, 24, 2) / 24)).astype(np.float32)
+    pos = jnp.asarray([7, 0], jnp.int32)
+    qo, got = decode_prologue(q, None, None, HeadPrep(inv_freq, qn, None), pos, {}, 0)
+    assert got == {}
+    assert _rel(qo, apply_rope(rms_norm(q[:, None], qn, 1e-6), pos[:, None], inv_freq)[:, 0]) < 1e-6
+
+
 def test_kernel_mode_switch(monkeypatch):
     monkeypatch.setenv("JAXLLM_KERNELS", "xla")
     assert not kernels.enabled()
