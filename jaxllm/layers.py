@@ -7,7 +7,7 @@ import numpy as np
 
 from .config import AttnSpec, ModelConfig, RopeSpec
 from .errors import ModelError
-from .quant import layer_of, linear, linears
+from .quant import layer_of, linear, linears, total
 
 NEG_INF = -1e30
 
@@ -20,6 +20,21 @@ def rms_norm(x: jax.Array, w: jax.Array | None, eps: float, offset: float = 0.0)
     if w is not None:
         y = y * (offset + w.astype(jnp.float32))
     return y.astype(x.dtype)
+
+
+def add_norm(x: jax.Array, y, post, pre, eps: float, offset: float = 0.0):
+    """The residual add after a block and the next block's input norm: (x + rms_norm(y, post), or
+    x + y with `post` None; and that normed with `pre`). One kernel on GPUs (`kernels.norm`), which
+    takes y as the matmul's unsummed `Partials` too."""
+    from .kernels.ops import add_norm as fused
+    out = fused(x, y, post, pre, eps, offset)
+    if out is not None:
+        return out
+    y = total(y)
+    if post is not None:
+        y = rms_norm(y, post, eps, offset)
+    x = x + y
+    return x, rms_norm(x, pre, eps, offset)
 
 
 def inv_frequencies(rope: RopeSpec, head_dim: int) -> np.ndarray:

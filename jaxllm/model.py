@@ -18,7 +18,7 @@ from . import cache as kv
 from . import split_cache as split
 from .config import GLOBAL, KIND_NAMES, SLIDING, ModelConfig
 from .errors import ModelError
-from .layers import (attend, attention_mask, finish_q, finish_qkv, gated_mlp, inv_frequencies, raw_qkv,
+from .layers import (add_norm, attend, attention_mask, finish_q, finish_qkv, gated_mlp, inv_frequencies, raw_qkv,
                      rms_norm)
 from . import kernels
 from .kernels.ops import cached_attention, embed_rows, prologue
@@ -106,8 +106,10 @@ def head_prep(cfg: ModelConfig, w: dict, inv_freq) -> HeadPrep:
     return HeadPrep(inv_freq, norm("q_norm"), norm("k_norm"), cfg.v_norm, cfg.norm_eps, cfg.norm_offset)
 
 
-def attention_block(cfg, kind, w, h, positions, layer_cache, start, own_kv: bool = True):
-    """Project, write this step's K/V into the layer's cache, attend over the cache, project out.
+def attention_block(cfg, kind, w, h, positions, layer_cache, start, own_kv: bool = True,
+                    partials: bool = False):
+    """Project, write this step's K/V into the layer's cache, attend over the cache, project out
+    (with `partials`, possibly as the O matmul's unsummed `Partials`, for `add_norm`).
     With `own_kv=False` the layer only projects Q and attends over a cache an earlier layer wrote.
     One decode token per row with the kernels on: the norms, RoPE and the cache write are one
     kernel (`kernels.prologue`)."""
@@ -130,7 +132,7 @@ def attention_block(cfg, kind, w, h, positions, layer_cache, start, own_kv: bool
             o = layer_cache.attend(cfg, a, w, q, positions)
         else:
             o, layer_cache = layer_cache.update_and_attend(cfg, a, w, q, k, v, positions)
-        return linear(o, w["o"], 2), layer_cache
+        return linear(o, w["o"], 2, partials), layer_cache
     if not written:
         layer_cache = layer_cache.write(k, v, start)
     o = cached_attention(q, layer_cache, positions, scale=cfg.query_scale, softcap=cfg.attn_softcap,
@@ -140,16 +142,14 @@ def attention_block(cfg, kind, w, h, positions, layer_cache, start, own_kv: bool
         B, S = lc["k"].shape[0], lc["k"].shape[1]
         mask = attention_mask(positions, kv.slot_positions(B, S), a.window)
         o = attend(q, lc["k"], lc["v"], mask, cfg.query_scale, cfg.attn_softcap)
-    return linear(o, w["o"], 2), layer_cache
+    return linear(o, w["o"], 2, partials), layer_cache
 
 
 def decoder_layer(cfg, kind, w, x, positions, layer_cache, start):
     h = rms_norm(x, w["attn_norm"], cfg.norm_eps, cfg.norm_offset)
-    a, layer_cache = attention_block(cfg, kind, w, h, positions, layer_cache, start)
-    if cfg.sandwich_norms:
-        a = rms_norm(a, w["post_attn_norm"], cfg.norm_eps, cfg.norm_offset)
-    x = x + a
-    h = rms_norm(x, w["mlp_norm"], cfg.norm_eps, cfg.norm_offset)
+    a, layer_cache = attention_block(cfg, kind, w, h, positions, layer_cache, start, partials=True)
+    x, h = add_norm(x, a, w["post_attn_norm"] if cfg.sandwich_norms else None, w["mlp_norm"],
+                    cfg.norm_eps, cfg.norm_offset)
     m = gated_mlp(cfg, w, h)
     if cfg.sandwich_norms:
         m = rms_norm(m, w["post_mlp_norm"], cfg.norm_eps, cfg.norm_offset)
@@ -160,10 +160,11 @@ def take(tree, i):
     return jax.tree_util.tree_map(lambda a: a[i], tree)
 
 
-# Weights only ever contracted by `linear`, and the per-head norms, which the decode prologue
-# kernel reads: with the kernels on, these stay in their layer stack.
+# Weights only ever contracted by `linear`, and the norms the decode kernels read (the per-head
+# ones in the prologue, those around the residual add in `add_norm`): with the kernels on, these
+# stay in their layer stack.
 MATMUL_WEIGHTS = ("q", "k", "v", "o", "gate", "up", "down", "ple_gate", "ple_out")
-IN_PLACE = MATMUL_WEIGHTS + ("q_norm", "k_norm")
+IN_PLACE = MATMUL_WEIGHTS + ("q_norm", "k_norm", "post_attn_norm", "mlp_norm")
 
 
 def layer_weights(group: dict, idx):

@@ -61,23 +61,44 @@ class Stacked:
         return jax.tree_util.tree_map(lambda a: a[self.idx], self.stack)
 
 
+@dataclass(frozen=True)
+class Partials:
+    """A matmul's output as the kernel left it when it split K: float32 partial products
+    `[split, ..., N]` not yet summed, nor scaled by the per-channel `scale` ([N], a `Stacked` view
+    of a stack [L, N], or None), nor cast to
+    `dtype`; a kernel downstream can take them as they are, anything else calls `total()`."""
+    parts: jax.Array
+    scale: jax.Array | None
+    dtype: object
+
+    def total(self) -> jax.Array:
+        y = self.parts.sum(axis=0)
+        return (y if self.scale is None else y * layer_of(self.scale)).astype(self.dtype)
+
+
+def total(y):
+    """A matmul's output as an array, `Partials` summed."""
+    return y.total() if isinstance(y, Partials) else y
+
+
 def layer_of(w):
     """A layer's weight as an array: a `Stacked` view sliced, anything else as it is."""
     return w.layer() if isinstance(w, Stacked) else w
 
 
-def linear(x: jax.Array, w, n_contract: int = 1) -> jax.Array:
+def linear(x: jax.Array, w, n_contract: int = 1, partials: bool = False) -> jax.Array:
     """Contract the last `n_contract` dims of x with the first `n_contract` dims of w (or, for an
     output-major `Stacked` weight, its last ones).
 
     The output is x's leading dims followed by w's output dims, so a per-output-channel scale
     broadcasts on the trailing dims and XLA fuses the dequantization into the dot's epilogue.
-    A `Stacked` weight goes to the stacked-matmul kernel when it takes the shape.
+    A `Stacked` weight goes to the stacked-matmul kernel when it takes the shape; with `partials`
+    its output may come back as `Partials` (K split, not yet summed).
     """
     out_major = False
     if isinstance(w, Stacked):
         from .kernels.ops import stacked_linear
-        y = stacked_linear(x, w, n_contract)
+        y = stacked_linear(x, w, n_contract, partials)
         if y is not None:
             return y
         out_major, w = w.out_major, w.layer()

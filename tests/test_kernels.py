@@ -279,6 +279,46 @@ def test_decode_prologue_queries_only():
     assert _rel(qo, apply_rope(rms_norm(q[:, None], qn, 1e-6), pos[:, None], inv_freq)[:, 0]) < 1e-6
 
 
+@pytest.mark.parametrize("split,post,dtype", [(0, False, "float32"), (2, True, "float32"),
+                                              (3, False, "float32"), (0, True, "bfloat16")])
+def test_residual_norm(split, post, dtype, monkeypatch):
+    """x + rms_norm(y, post) and its rms_norm with `pre` in one kernel, y as an array or as a
+    matmul's unsummed float32 partials with their per-channel scales; norm weights and scales read
+    in their layer stacks; D = 80 (not a power of two). Against the XLA path of `add_norm`."""
+    from jaxllm.layers import add_norm
+    from jaxllm.quant import Partials, Stacked
+    rng = np.random.default_rng(8)
+    M, D, L = 3, 80, 2
+    dt = jnp.dtype(dtype)
+    x = jnp.asarray(rng.standard_normal((M, D)), dt)
+    if split:
+        y = Partials(jnp.asarray(rng.standard_normal((split, M, D)), jnp.float32),
+                     Stacked(jnp.asarray(rng.uniform(0.5, 1.5, (L, D)), jnp.float32), jnp.int32(1)), dt)
+    else:
+        y = jnp.asarray(rng.standard_normal((M, D)), dt)
+    pw, qw = (Stacked(jnp.asarray(rng.standard_normal((L, D)) * 0.3, dt), jnp.int32(1)) for _ in range(2))
+    got = {}
+    for mode in ("xla", "pallas"):
+        monkeypatch.setenv("JAXLLM_KERNELS", mode)
+        got[mode] = add_norm(x, y, pw if post else None, qw, 1e-6, 1.0)
+    tol = 1e-6 if dtype == "float32" else 1e-2
+    for a, b in zip(got["pallas"], got["xla"]):
+        assert a.dtype == dt and _rel(a, b) < tol
+
+
+def test_matmul_partials_sum_to_the_product(monkeypatch):
+    """`linear(..., partials=True)` hands over a K-split product unsummed; summed it is the product."""
+    from jaxllm.quant import Partials, QuantArray, Stacked, linear
+    rng = np.random.default_rng(9)
+    w, s = _w(rng, 1024, 40, "int8")
+    x = jnp.asarray(rng.standard_normal((1, 1024)), jnp.float32)
+    monkeypatch.setenv("JAXLLM_KERNELS", "pallas")
+    wq = Stacked(QuantArray(w, s), jnp.int32(1), "down")
+    p, y = linear(x, wq, 1, partials=True), linear(x, wq, 1)
+    assert isinstance(p, Partials) and p.parts.shape[0] > 1
+    assert _rel(p.total(), y) < 1e-6 and _rel(y, _ref(x, w, s, 1)) < 1e-5
+
+
 def test_kernel_mode_switch(monkeypatch):
     monkeypatch.setenv("JAXLLM_KERNELS", "xla")
     assert not kernels.enabled()

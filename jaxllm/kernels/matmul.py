@@ -208,9 +208,12 @@ def _dims(w, out_major: bool):
     return K, N
 
 
-def stacked_matmuls(x, weights, layer, tiles: Tiles | None = None, out_major: bool = False) -> list:
+def stacked_matmuls(x, weights, layer, tiles: Tiles | None = None, out_major: bool = False,
+                    summed: bool = True) -> list:
     """[x @ w[layer] * scale[layer] for (w [L, K, N_i], scale [L, N_i] | None) in weights], in one
-    kernel launch (e.g. the Q, K and V projections of a layer); w is [L, N_i, K] when out_major."""
+    kernel launch (e.g. the Q, K and V projections of a layer); w is [L, N_i, K] when out_major.
+    With `summed=False` a K-split product comes back as its float32 partials [split, M, N_i],
+    unscaled (for a kernel that sums them itself)."""
     M, K = x.shape
     Ns = [_dims(w, out_major)[1] for w, _ in weights]
     for w, _ in weights:
@@ -230,7 +233,7 @@ def stacked_matmuls(x, weights, layer, tiles: Tiles | None = None, out_major: bo
             + (tuple(sc for _, sc in weights) if scaled else ()))
     outs = pl.pallas_call(kernel, out_shape=out_shape, grid=grid, compiler_params=_params(t),
                           interpret=interpret(), name="stacked_matmul")(*args)
-    if t.split == 1:
+    if t.split == 1 or not summed:
         return list(outs)
     res = []
     for out, (_, sc) in zip(outs, weights):

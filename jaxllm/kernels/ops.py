@@ -19,7 +19,8 @@ from . import current_layout, enabled, note
 from .attention import Cache, decode_attention
 from .prologue import HeadPrep, decode_prologue
 from .matmul import stack_dims, stacked_gated, stacked_matmuls
-from ..quant import QuantArray, Stacked
+from .norm import residual_norm
+from ..quant import Partials, QuantArray, Stacked
 
 MAX_ROWS = 256         # above this many rows (a prefill) a step is compute-bound: XLA's GEMMs
 
@@ -97,8 +98,9 @@ def _sharding_plan(ws, n_contract, x):
     return layout, (specs, xspec, outs, row_parallel)
 
 
-def stacked_linears(x, ws: list, n_contract: int):
-    """One kernel launch for several Stacked weights contracted with the same x (Q, K and V)."""
+def stacked_linears(x, ws: list, n_contract: int, partials: bool = False):
+    """One kernel launch for several Stacked weights contracted with the same x (Q, K and V). With
+    `partials`, a single weight with one output dim on one device may come back as `Partials`."""
     arrs = [_arrays(w) for w in ws]
     om = ws[0].out_major
     if len({(stack_dims(a, n_contract, w.out_major)[0], w.out_major, a.dtype, s is None)
@@ -115,12 +117,16 @@ def stacked_linears(x, ws: list, n_contract: int):
     quant = arrs[0][1] is not None
     lead = x.shape[:x.ndim - n_contract]
     n = len(ws)
+    keep = partials and plan is None and n == 1 and len(stack_dims(arrs[0][0], n_contract, om)[1]) == 1
 
     def body(x, layer, *flat):
         pairs = list(zip(flat[:n], flat[n:] if quant else [None] * n))
         mats = [_flat(a, s, n_contract, om) for a, s in pairs]
         k_local = math.prod(stack_dims(pairs[0][0], n_contract, om)[0])      # K over a shard's rows
-        ys = stacked_matmuls(x.reshape(-1, k_local), mats, layer, out_major=om)
+        ys = stacked_matmuls(x.reshape(-1, k_local), mats, layer, out_major=om, summed=not keep)
+        if keep and ys[0].ndim == 3:            # K split: the float32 partials, unscaled
+            scale = None if mats[0][1] is None else Stacked(mats[0][1], layer)
+            return (Partials(ys[0].reshape(ys[0].shape[:1] + lead + ys[0].shape[2:]), scale, x.dtype),)
         ys = [y.reshape(lead + stack_dims(a, n_contract, om)[1]) for y, (a, _) in zip(ys, pairs)]
         if plan is not None and plan[3]:
             ys = [jax.lax.psum(y, "model") for y in ys]
@@ -134,8 +140,8 @@ def stacked_linears(x, ws: list, n_contract: int):
     return list(_local(body, layout, in_specs, tuple(outs))(x, ws[0].idx, *flat))
 
 
-def stacked_linear(x, w: Stacked, n_contract: int):
-    ys = stacked_linears(x, [w], n_contract)
+def stacked_linear(x, w: Stacked, n_contract: int, partials: bool = False):
+    ys = stacked_linears(x, [w], n_contract, partials)
     return None if ys is None else ys[0]
 
 
@@ -266,6 +272,33 @@ def prologue(q, k, v, prep: HeadPrep, positions, layer_cache):
         got = fn(*args)
     new = layer_cache.with_stacks(dict(zip(names, got[1:]))) if k is not None else layer_cache
     return got[0], new
+
+
+def add_norm(x, y, post, pre, eps: float, offset: float):
+    """(x + rms_norm(y, post), rms_norm of that with `pre`) by `norm.residual_norm`, for up to
+    MAX_ROWS rows; y may be `Partials`. Under tensor parallelism every device computes it on the
+    whole (replicated) rows. None where XLA should do it."""
+    M = math.prod(x.shape[:-1])
+    if not enabled() or M > MAX_ROWS or pre is None:
+        return None
+    layout = current_layout()
+    if isinstance(y, Partials) and layout is not None and layout.mesh.size > 1:
+        return None
+
+    def split(w):
+        return (None, 0) if w is None else (w.stack, w.idx) if isinstance(w, Stacked) else (w, 0)
+    (pw, pi), (qw, qi) = split(post), split(pre)
+    parts, (sc, si) = (y.parts, split(y.scale)) if isinstance(y, Partials) else (y, (None, 0))
+
+    def run(x, parts, sc, si, pw, pi, qw, qi):
+        lead = x.shape[:-1]
+        ys = parts.reshape((parts.shape[0], M, -1) if isinstance(y, Partials) else (M, -1))
+        xo, h = residual_norm(x.reshape(M, -1), ys, (sc, si), (pw, pi), (qw, qi), eps=eps, offset=offset)
+        return xo.reshape(x.shape), h.reshape(lead + h.shape[-1:])
+    args = (x, parts, sc, si, pw, pi, qw, qi)
+    if layout is None or layout.mesh.size == 1:
+        return run(*args)
+    return _local(run, layout, (P(),) * len(args), (P(), P()))(*args)
 
 
 def embed_rows(table, ids, dtype):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from ..config import GLOBAL, KIND_NAMES, SLIDING, AttnSpec, ModelConfig, RopeSpec
 from ..errors import ModelError
-from ..layers import activation, gated_mlp, rms_norm
+from ..layers import activation, add_norm, gated_mlp, rms_norm
 from ..model import Branch, attention_block, branches
 from ..moe import moe_ffn
 from ..params import ParamSpec, abstract_weights, stack
@@ -225,9 +225,10 @@ def moe_block(cfg: ModelConfig, w: dict, x: jax.Array) -> jax.Array:
 def decoder_layer(cfg: ModelConfig, b: Branch, w: dict, x, positions, layer_cache, start, ple):
     eps = cfg.norm_eps
     h = rms_norm(x, w["attn_norm"], eps)
-    a, layer_cache = attention_block(cfg, b.kind, w, h, positions, layer_cache, start, own_kv=b.own_kv)
-    x = x + rms_norm(a, w["post_attn_norm"], eps)
-    m = gated_mlp(cfg, w, rms_norm(x, w["mlp_norm"], eps))
+    a, layer_cache = attention_block(cfg, b.kind, w, h, positions, layer_cache, start, own_kv=b.own_kv,
+                                     partials=True)
+    x, h = add_norm(x, a, w["post_attn_norm"], w["mlp_norm"], eps)
+    m = gated_mlp(cfg, w, h)
     if cfg.extra("moe"):
         m = rms_norm(m, w["dense_out_norm"], eps) + moe_block(cfg, w, x)
     x = x + rms_norm(m, w["post_mlp_norm"], eps)
