@@ -209,7 +209,7 @@ def stacked_attention(q, arrays: dict, idx, positions, *, scale, softcap, window
         return run(q[:, 0], idx, positions[:, 0], norm_w, **arrays)[:, None]
     qspec = layout.spec(q[:, 0].shape, ("batch", "q_heads", "head_dim"))
     specs = {k: layout.spec(a.shape, KV_AXES[k]) for k, a in arrays.items()}
-    if not _kv_split_ok(layout, qspec[1], specs["v"][3], K, "decode attention", (B, H, K, str(arrays["v"].dtype))):
+    if not _kv_split_ok(qspec[1], specs["v"][3], K, "decode attention", (B, H, K, str(arrays["v"].dtype))):
         return None
     names = tuple(arrays)
 
@@ -219,7 +219,7 @@ def stacked_attention(q, arrays: dict, idx, positions, *, scale, softcap, window
     return fn(q[:, 0], idx, positions[:, 0], norm_w, *arrays.values())[:, None]
 
 
-def _kv_split_ok(layout, q_heads_spec, kv_spec, K: int, what: str, desc: tuple) -> bool:
+def _kv_split_ok(q_heads_spec, kv_spec, K: int, what: str, desc: tuple) -> bool:
     """Whether each device's query heads read only KV heads it holds: the same split, or one KV
     head replicated on every device."""
     heads_split, kv_split = q_heads_spec is not None, kv_spec is not None
@@ -263,7 +263,7 @@ def prologue(q, k, v, prep: HeadPrep, positions, layer_cache):
         if k is not None:
             K = stacks["v"].shape[3]
             kvspec = layout.spec(k.shape, ("batch", None, "kv_heads", "head_dim"))
-            if not _kv_split_ok(layout, qspec[2], kvspec[2], K, "decode prologue", (B, H, K, hd)):
+            if not _kv_split_ok(qspec[2], kvspec[2], K, "decode prologue", (B, H, K, hd)):
                 return None
         else:
             kvspec = P()

@@ -95,14 +95,14 @@ def _kernel(*refs, names, outs, H, hd, S, slots, eps, offset, v_norm):
     def _key_value():
         h = j - H
         layer = r["layer"][0]
-        if slots == "clamp":
-            slot, ok = jnp.clip(pos, 0, S - 1), pos == pos
+        if slots == "clamp":           # every row writes, out-of-range positions at the nearest end
+            slot, ok = pos, True
         elif slots == "drop":
             slot, ok = pos, (pos >= 0) & (pos < S)
         else:
             slot, ok = pos % S, pos >= 0
         slot = jnp.clip(slot, 0, S - 1)
-        one = jnp.full((1,), ok)
+        one = jnp.full((1,), ok)        # the mask of a single-element store
 
         def put(name, x):
             if name + "_scale" in o:          # int8: a symmetric scale per slot and head
@@ -143,6 +143,7 @@ def decode_prologue(q, k, v, prep: HeadPrep, pos, stacks: dict, layer, *, slots:
 
     def segs(x):
         return None if x is None else x.reshape(*x.shape[:-1], 2, hd // 2)
+
     def stack(w):
         return None if w is None else segs(w if w.ndim == 2 else w[None])
     ins = {"layer": jnp.reshape(layer, (1,)).astype(jnp.int32), "pos": pos.astype(jnp.int32),
