@@ -273,9 +273,7 @@ def layer_scan_mode() -> str:
         raise ModelError(f"JAXLLM_LAYER_SCAN must be one of {', '.join(LAYER_SCANS)}, got {m!r}")
     if m != "auto":
         return m
-    lay = kernels.current_layout()
-    platform = lay.mesh.devices.flat[0].platform if lay is not None else jax.default_backend()
-    return "period" if platform == "gpu" else "cond"
+    return "period" if kernels.platform() == "gpu" else "cond"
 
 
 def scan_unroll(cfg: ModelConfig) -> int:

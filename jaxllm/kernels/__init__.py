@@ -47,6 +47,13 @@ def current_layout():
     return _layout.get()
 
 
+def platform() -> str:
+    """The platform what is traced now runs on: the declared layout's devices', else the default
+    backend's."""
+    lay = _layout.get()
+    return jax.default_backend() if lay is None else lay.mesh.devices.flat[0].platform
+
+
 def enabled() -> bool:
     """Whether the Pallas kernels are used for what is traced now: one GPU, or a tensor-parallel
     mesh of GPUs (no data-parallel axis) declared with `use_layout`."""
@@ -54,9 +61,9 @@ def enabled() -> bool:
     if m != "auto":
         return m == "pallas"
     lay = _layout.get()
-    if lay is None:
-        return jax.default_backend() == "gpu" and jax.device_count() == 1
-    return lay.mesh.devices.flat[0].platform == "gpu" and lay.dp == 1
+    if platform() != "gpu":
+        return False
+    return jax.device_count() == 1 if lay is None else lay.dp == 1
 
 
 def interpret() -> bool:
