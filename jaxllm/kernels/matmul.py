@@ -113,10 +113,23 @@ def _load_w(w_ref, layer, j, k0, t: Tiles, K, N):
                       mask=(ks < K)[:, None] & (cols < N)[None, :], other=0)
 
 
+MAGIC = 0x4B400000     # the bits of 1.5 * 2**23: adding an int8 to them gives that float plus it
+
+
+def _widen(w):
+    """int8 -> float32 exactly by integer arithmetic: the integer is added to the bits of 1.5*2**23
+    (whose float spacing is 1) and that float subtracted. Two full-rate operations, where the
+    conversion instruction runs at a quarter rate on Hopper and limits a memory-bound loop."""
+    if w.dtype != jnp.int8:
+        return w.astype(jnp.float32)
+    biased = jax.lax.bitcast_convert_type(w.astype(jnp.int32) + MAGIC, jnp.float32)
+    return biased - jnp.float32(1.5 * 2 ** 23)
+
+
 def _product(x, w, t: Tiles):
     if t.bm == 1:                  # elementwise into an accumulator shaped like the tile
         xf = x.astype(jnp.float32)
-        return w.astype(jnp.float32) * (xf[None, :] if t.out_major else xf[:, None])
+        return _widen(w) * (xf[None, :] if t.out_major else xf[:, None])
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     return jax.lax.dot_general(x, w.astype(x.dtype), (((1,), (1 if t.out_major else 0,)), ((), ())),
                                preferred_element_type=jnp.float32, precision=precision)
@@ -209,11 +222,13 @@ def _dims(w, out_major: bool):
 
 
 def stacked_matmuls(x, weights, layer, tiles: Tiles | None = None, out_major: bool = False,
-                    summed: bool = True) -> list:
+                    summed: bool = True, out_dtype=None, log_as: str = "matmul") -> list:
     """[x @ w[layer] * scale[layer] for (w [L, K, N_i], scale [L, N_i] | None) in weights], in one
     kernel launch (e.g. the Q, K and V projections of a layer); w is [L, N_i, K] when out_major.
-    With `summed=False` a K-split product comes back as its float32 partials [split, M, N_i],
-    unscaled (for a kernel that sums them itself)."""
+    The outputs are x's dtype unless `out_dtype` says otherwise; the tile choice is logged as
+    `log_as`. With `summed=False` a K-split product comes back as its float32 partials
+    [split, M, N_i], unscaled (for a kernel that sums them itself)."""
+    out_dtype = out_dtype or x.dtype
     M, K = x.shape
     Ns = [_dims(w, out_major)[1] for w, _ in weights]
     for w, _ in weights:
@@ -223,10 +238,10 @@ def stacked_matmuls(x, weights, layer, tiles: Tiles | None = None, out_major: bo
     t = tiles or choose_tiles(M, K, sum(Ns), w_bytes=weights[0][0].dtype.itemsize, out_major=out_major,
                               outputs=len(Ns))
     assert t.out_major == out_major, (t, out_major)
-    note("matmul", (M, K, "+".join(map(str, Ns)), str(weights[0][0].dtype)), t.label())
+    note(log_as, (M, K, "+".join(map(str, Ns)), str(weights[0][0].dtype)), t.label())
     steps = -(-K // (t.bk * t.split))
     grid = (-(-M // t.bm), sum(-(-N // t.bn) for N in Ns), t.split)
-    out_shape = [jax.ShapeDtypeStruct((M, N), x.dtype) if t.split == 1
+    out_shape = [jax.ShapeDtypeStruct((M, N), out_dtype) if t.split == 1
                  else jax.ShapeDtypeStruct((t.split, M, N), jnp.float32) for N in Ns]
     kernel = functools.partial(_matmul_kernel, t=t, M=M, K=K, Ns=tuple(Ns), steps=steps, scaled=scaled)
     args = ((jnp.reshape(layer, (1,)).astype(jnp.int32), x) + tuple(w for w, _ in weights)
@@ -240,7 +255,7 @@ def stacked_matmuls(x, weights, layer, tiles: Tiles | None = None, out_major: bo
         out = out.sum(axis=0)
         if sc is not None:
             out = out * jax.lax.dynamic_index_in_dim(sc, layer, keepdims=False)
-        res.append(out.astype(x.dtype))
+        res.append(out.astype(out_dtype))
     return res
 
 
