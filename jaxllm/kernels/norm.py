@@ -33,20 +33,20 @@ def _kernel(*refs, names, D, split, eps, offset):
     def row(name, *lead):
         return plgpu.load(r[name].at[lead + (pl.ds(0, dp),)], mask=dm, other=0.0).astype(jnp.float32)
 
+    # Every load first: each reduction below is a barrier, which no load issued after it can pass.
+    x = row("x", i)
+    ys = [row("y", jnp.int32(s), i) for s in range(split)] if split else [row("y", i)]
+    w = {n: row(n, r[n + "_idx"][0]) for n in ("scale", "post", "pre") if n in r}
+
     def norm(v, name):
         inv = jax.lax.rsqrt(jnp.sum(v * v) / D + eps)
-        return (v * inv * (offset + row(name, r[name + "_idx"][0]))).astype(dt).astype(jnp.float32)
+        return (v * inv * (offset + w[name])).astype(dt).astype(jnp.float32)
 
-    if split:
-        y = sum(row("y", jnp.int32(s), i) for s in range(split))
-        if "scale" in r:
-            y = y * row("scale", r["scale_idx"][0])
-    else:
-        y = row("y", i)
+    y = sum(ys) * w["scale"] if "scale" in w else sum(ys)
     y = y.astype(dt).astype(jnp.float32)          # the matmul's output, as it would have stored it
-    if "post" in r:
+    if "post" in w:
         y = norm(y, "post")
-    x = (row("x", i) + y).astype(dt)
+    x = (x + y).astype(dt)
     plgpu.store(xo_ref.at[i, pl.ds(0, dp)], x, mask=dm)
     plgpu.store(h_ref.at[i, pl.ds(0, dp)], norm(x.astype(jnp.float32), "pre").astype(dt), mask=dm)
 

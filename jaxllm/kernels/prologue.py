@@ -68,12 +68,13 @@ def _kernel(*refs, names, outs, H, hd, S, slots, eps, offset, v_norm):
         return [plgpu.load(r[name].at[b, i, jnp.int32(s), pl.ds(0, wp)], mask=dm, other=0.0).astype(jnp.float32)
                 for s in (0, 1)]
 
-    def norm(x, wname):
+    def norm(x, wname):               # the weight's load is issued before the reduction
+        ws = [] if wname is None else [
+            plgpu.load(r[wname].at[r["norm_layer"][0], jnp.int32(s), pl.ds(0, wp)], mask=dm, other=0.0).astype(jnp.float32)
+            for s in (0, 1)]
         inv = jax.lax.rsqrt(sum(jnp.sum(a * a) for a in x) / hd + eps)
         if wname is None:
             return [(a * inv).astype(dt).astype(jnp.float32) for a in x]
-        ws = [plgpu.load(r[wname].at[r["norm_layer"][0], jnp.int32(s), pl.ds(0, wp)], mask=dm, other=0.0).astype(jnp.float32)
-              for s in (0, 1)]
         return [(a * inv * (offset + wv)).astype(dt).astype(jnp.float32) for a, wv in zip(x, ws)]
 
     def rope(x):
@@ -113,12 +114,12 @@ def _kernel(*refs, names, outs, H, hd, S, slots, eps, offset, v_norm):
             for s, a in enumerate(x):
                 plgpu.store(o[name].at[layer, b, slot, h, jnp.int32(s), pl.ds(0, wp)],
                             a.astype(o[name].dtype), mask=dm & ok)
+        v = head("v", h)
         if "k" in o:
             k = head("k", h)
             if "k_norm" in r:
                 k = norm(k, "k_norm")
             put("k", rope(k))
-        v = head("v", h)
         put("v", norm(v, None) if v_norm else v)
         if slots == "ring":
             @pl.when(h == 0)
