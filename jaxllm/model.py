@@ -21,7 +21,7 @@ from .errors import ModelError
 from .layers import (add_norm, attend, attention_mask, finish_q, finish_qkv, gated_mlp, inv_frequencies, raw_qkv,
                      rms_norm)
 from . import kernels
-from .kernels.ops import cached_attention, embed_rows, prologue
+from .kernels.ops import cached_attention, embed_rows, output_head, prologue
 from .kernels.prologue import HeadPrep
 from .quant import OutMajor, Stacked, linear, matmul_rows, take_rows
 
@@ -92,10 +92,12 @@ def embed(cfg: ModelConfig, weights: dict, tokens: jax.Array, dtype) -> jax.Arra
 
 def logits_from_hidden(cfg: ModelConfig, weights: dict, h: jax.Array) -> jax.Array:
     h = rms_norm(h, weights["final_norm"], cfg.norm_eps, cfg.norm_offset)
-    if cfg.tie_embeddings:
-        out = matmul_rows(h, weights["embed"])
-    else:
-        out = linear(h, weights["lm_head"]).astype(jnp.float32)
+    head = weights["embed"] if cfg.tie_embeddings else weights["lm_head"]
+    out = output_head(h, head, cfg.tie_embeddings)
+    if out is None and cfg.tie_embeddings:
+        out = matmul_rows(h, head)
+    elif out is None:
+        out = linear(h, head).astype(jnp.float32)
     if cfg.final_softcap is not None:
         out = jnp.tanh(out / cfg.final_softcap) * cfg.final_softcap
     return out

@@ -319,6 +319,28 @@ def test_matmul_partials_sum_to_the_product(monkeypatch):
     assert _rel(p.total(), y) < 1e-6 and _rel(y, _ref(x, w, s, 1)) < 1e-5
 
 
+@pytest.mark.parametrize("M", [1, 5])
+@pytest.mark.parametrize("tied,dtype", [(True, "int8"), (False, "int8"), (True, "float32")])
+def test_output_head(M, tied, dtype, monkeypatch):
+    """The logits by the matmul kernel, against every row of a tied embedding table [V, D] with a
+    scale per row, or through an untied lm_head [D, V]; float32 out, an odd vocabulary."""
+    from jaxllm.kernels.ops import output_head
+    from jaxllm.quant import QuantArray
+    rng = np.random.default_rng(M + 2 * tied)
+    D, V = 48, 101
+    h = jnp.asarray(rng.standard_normal((M, 1, D)), jnp.float32)
+    w, s = _w(rng, D, V, dtype)                           # [L, D, V], [L, V]
+    ref = _ref(h[:, 0], w, s, 0)
+    q = w[0].T if tied else w[0]
+    table = q if s is None else QuantArray(q, s[0][:, None] if tied else s[0], 1)
+    monkeypatch.setenv("JAXLLM_KERNELS", "pallas")
+    got = output_head(h, table, tied)
+    assert got.shape == (M, 1, V) and got.dtype == jnp.float32
+    assert _rel(got[:, 0], ref) < 1e-5
+    monkeypatch.setenv("JAXLLM_KERNELS", "xla")
+    assert output_head(h, table, tied) is None
+
+
 def test_kernel_mode_switch(monkeypatch):
     monkeypatch.setenv("JAXLLM_KERNELS", "xla")
     assert not kernels.enabled()
@@ -360,7 +382,7 @@ def test_model_kernels_match_xla(family, quant, kv, tmp_path, monkeypatch):
     assert results["xla"][0] == results["pallas"][0]
     assert tiny.rel_err(results["pallas"][1], results["xla"][1]) < 1e-5
     chosen = {s["kernel"] for s in kernels.selections()}
-    assert {"matmul", "gated matmul", "decode attention"} <= chosen
+    assert {"matmul", "gated matmul", "decode attention", "output head"} <= chosen
     assert any(s["choice"].endswith("out-major") for s in kernels.selections())   # as loaded for them
     kinds = {s["shape"][-1] for s in kernels.selections() if s["kernel"] == "decode attention"}
     assert kv == "none" or ("linear" in kinds and (family == "qwen3" or "ring" in kinds))
@@ -386,6 +408,7 @@ def test_sharded_kernels_match_single_device_xla(tmp_path):
         assert res["forward_err"] < 2e-5 and res["step_err"] < 2e-5, (case, res)
     used = {(s["kernel"], s["choice"].split()[0]) for s in out["selections"]}
     assert ("decode attention", "pallas") in used and ("matmul", "pallas") in used
+    assert ("output head", "pallas") in used            # each device its vocabulary rows
     assert ("decode attention", "xla") in used          # 2 KV heads cannot follow 4-way split heads
     assert any(s["choice"].endswith("out-major") for s in out["selections"] if s["kernel"] == "matmul")
     split_kinds = {s["shape"][-1] for s in out["selections"]

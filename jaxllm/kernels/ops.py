@@ -23,6 +23,7 @@ from .norm import residual_norm
 from ..quant import Partials, QuantArray, Stacked
 
 MAX_ROWS = 256         # above this many rows (a prefill) a step is compute-bound: XLA's GEMMs
+HEAD_ROWS = 64         # the output head is wide enough to be compute-bound above this
 
 # Logical axes of each layer weight the kernels take, after the stacked layer axis.
 AXES = {"q": ("embed", "q_heads", "head_dim"), "k": ("embed", "kv_heads", "head_dim"),
@@ -66,10 +67,10 @@ def _flat(arr, scale, n_contract: int, out_major: bool):
     return arr.reshape((L, N, K) if out_major else (L, K, N)), (None if scale is None else scale.reshape(L, N))
 
 
-def _too_many_rows(x, n_contract, name, desc):
+def _too_many_rows(x, n_contract, name, desc, limit=MAX_ROWS):
     M = math.prod(x.shape[:x.ndim - n_contract])
-    if M > MAX_ROWS:
-        note(name, (M,) + desc, f"xla ({M} rows > {MAX_ROWS})")
+    if M > limit:
+        note(name, (M,) + desc, f"xla ({M} rows > {limit})")
         return True
     return False
 
@@ -299,6 +300,39 @@ def add_norm(x, y, post, pre, eps: float, offset: float):
     if layout is None or layout.mesh.size == 1:
         return run(*args)
     return _local(run, layout, (P(),) * len(args), (P(), P()))(*args)
+
+
+def output_head(h, table, tied: bool):
+    """float32 logits [..., V] of h [..., D] by the stacked-matmul kernel: against every row of a
+    tied embedding table [V, D] (already output-major), or through an untied lm_head [D, V]; int8
+    with a scale per vocabulary entry, or float. On a tensor-parallel mesh each device computes the
+    logits of its own vocabulary rows, so the result comes out vocabulary-sharded. None where XLA
+    should do it."""
+    if not enabled():
+        return None
+    q, scale = (table.q, table.scale) if isinstance(table, QuantArray) else (table, None)
+    V, D = q.shape if tied else q.shape[::-1]
+    desc = (D, V, str(q.dtype))
+    if _too_many_rows(h, 1, "output head", desc, HEAD_ROWS):
+        return None
+    scale = None if scale is None else scale.reshape(V)
+    lead = h.shape[:-1]
+
+    def run(h, q, *sc):
+        y = stacked_matmuls(h.reshape(-1, h.shape[-1]), [(q[None], sc[0][None] if sc else None)], 0,
+                            out_major=tied, out_dtype=jax.numpy.float32, log_as="output head")[0]
+        return y.reshape(lead + y.shape[-1:])
+    args = (h, q) + (() if scale is None else (scale,))
+    layout = current_layout()
+    if layout is None or layout.mesh.size == 1:
+        return run(*args)
+    tspec = layout.spec(q.shape, ("vocab", "embed") if tied else ("embed", "vocab"))
+    vocab, embed = tspec if tied else tspec[::-1]
+    if embed is not None:
+        note("output head", desc, "xla (the embedding dim is sharded)")
+        return None
+    in_specs = (P(), tspec) + (() if scale is None else (P(vocab),))
+    return _local(run, layout, in_specs, P(*([None] * len(lead)), vocab))(*args)
 
 
 def embed_rows(table, ids, dtype):
