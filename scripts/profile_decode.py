@@ -28,6 +28,7 @@ from jaxllm.harness.bench import decode_state  # noqa: E402
 from jaxllm.harness.shapes import resolve_shape  # noqa: E402
 from jaxllm.harness.synthetic import random_weights  # noqa: E402
 from jaxllm.kernels.weights import out_major  # noqa: E402
+from jaxllm.loading.weights import is_quantized  # noqa: E402
 from jaxllm.sampling import SamplingParams  # noqa: E402
 from jaxllm.split_cache import KVOptions  # noqa: E402
 
@@ -62,7 +63,7 @@ def main():
     cfg = cfg.replace(eos_ids=())
     layout = layout_for(a.tp)
     specs = fam.abstract(cfg)
-    shardings = layout.weight_shardings(specs, lambda s: a.quant == "int8" and bool(s.n_contract))
+    shardings = layout.weight_shardings(specs, lambda s: is_quantized(s, a.quant))
     weights = out_major(random_weights(specs, a.quant, dtype, 0, shardings), layout, donate=True)
     params = SamplingParams.make(a.batch)
     # The state is donated, as the engine does (else the loop's output cache is a second copy of

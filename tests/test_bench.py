@@ -37,20 +37,20 @@ def test_bytes_and_flops_per_step_by_hand(tmp_path):
     int8 = D * H * hd + 2 * D * K * hd + H * hd * D + 3 * D * F
     scales = 4 * (H * hd + 2 * K * hd + D + 2 * F + D)
     norms = 2 * (2 * D + 2 * hd)
-    tied_embed = V * D * 2
+    tied_embed = V * D + 4 * V                        # int8 rows and a float32 scale per row
     per_layer = int8 + scales + norms
     w = abstract_weights(cfg, fam, "int8")
-    assert isinstance(w["layers"]["global"]["q"], QuantArray)
-    assert weight_bytes_per_step(cfg, w, batch=1) == L * per_layer + tied_embed + 2 * D == 144128
-    assert nbytes(w) == 144128
-    # untied: the embedding is only gathered (batch rows), the int8 lm_head is read whole
+    assert isinstance(w["layers"]["global"]["q"], QuantArray) and isinstance(w["embed"], QuantArray)
+    assert weight_bytes_per_step(cfg, w, batch=1) == L * per_layer + tied_embed + 2 * D == 113408
+    assert nbytes(w) == 113408
+    # untied: the embedding is only gathered (batch rows, with their scales), the lm_head read whole
     cfg_u, fam_u = resolve_shape(shape_file(tmp_path, "untied", tie_word_embeddings=False))
     wu = abstract_weights(cfg_u, fam_u, "int8")
     lm_head = D * V + 4 * V
-    assert weight_bytes_per_step(cfg_u, wu, batch=3) == L * per_layer + 3 * D * 2 + 2 * D + lm_head
+    assert weight_bytes_per_step(cfg_u, wu, batch=3) == L * per_layer + 3 * (D + 4) + 2 * D + lm_head
     # bf16 weights: every matmul weight 2 bytes, no scales
     wb = abstract_weights(cfg, fam, "none")
-    assert weight_bytes_per_step(cfg, wb, batch=1) == L * (2 * int8 + norms) + tied_embed + 2 * D
+    assert weight_bytes_per_step(cfg, wb, batch=1) == L * (2 * int8 + norms) + 2 * V * D + 2 * D
     # KV: bf16 K and V over ctx for every layer
     assert kv_bytes_per_step(cfg, batch=2, ctx=32) == L * 2 * (2 * 32 * K * hd * 2) == 16384
     # FLOPs: 2 per MAC, matmuls + tied output projection + QK^T and PV over ctx
@@ -103,13 +103,13 @@ def test_sweep_on_tiny_shape_writes_json_png_and_table(tmp_path, capsys):
                       "--matmul-n", "128"], capsys)
     rep = json.loads(out.read_text())
     check_report(rep, [1, 2], 24)
-    assert rep["model"]["weight_bytes"] == 144128 and rep["model"]["quant"] == "int8"
+    assert rep["model"]["weight_bytes"] == 113408 and rep["model"]["quant"] == "int8"
     for p in rep["points"]:
         if p["batch"] == 1:          # TTFT is timed for a single prompt, with the smallest batch
             assert set(p["ttft_ms"]) == {"8"} and p["ttft_ms"]["8"] > 0 and p["ttft_compile_s"]["8"] > 0
         else:
             assert p["ttft_ms"] == {}
-        assert p["weight_bytes_per_step"] == 144128
+        assert p["weight_bytes_per_step"] == 113408
         assert p["kv_bytes_per_step"] == p["batch"] * 2 * 2 * 24 * 2 * 16 * 2
     png = out.with_suffix(".png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
@@ -126,8 +126,9 @@ def test_sweep_on_gemma3_270m_shape(tmp_path, capsys):
     check_report(rep, [1, 2], 16)
     m = rep["model"]
     assert (m["family"], m["num_layers"], m["hidden_size"], m["vocab_size"]) == ("gemma3", 18, 640, 262144)
-    # tied 262144 x 640 bf16 embedding, read whole as the output projection, dominates the bytes
-    assert rep["points"][0]["weight_bytes_per_step"] == m["weight_bytes"] > 262144 * 640 * 2
+    # the tied 262144 x 640 int8 embedding (with a scale per row), read whole as the output
+    # projection, is most of the bytes
+    assert rep["points"][0]["weight_bytes_per_step"] == m["weight_bytes"] > 262144 * (640 + 4)
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 

@@ -27,6 +27,7 @@ from ..cache import init_cache
 from ..sharding import check_divisible, layout_for
 from ..split_cache import KVOptions, RingKV, choose_layout, make_cache
 from ..engine import DTYPES
+from ..loading.weights import is_quantized
 from ..errors import JaxllmError, RequestError
 from ..sampling import SamplingParams
 from . import ceilings as ceil
@@ -115,7 +116,7 @@ def load_subject(a):
         cfg, fam = resolve_shape(a.shape)
         specs = fam.abstract(cfg)
         check_divisible(a.layout, specs)
-        shardings = a.layout.weight_shardings(specs, lambda s: a.quant == "int8" and bool(s.n_contract))
+        shardings = a.layout.weight_shardings(specs, lambda s: is_quantized(s, a.quant))
         weights = random_weights(specs, a.quant, DTYPES[a.dtype], a.seed, shardings)
         from ..kernels.weights import out_major
         return cfg, fam, out_major(weights, a.layout, donate=True), {"shape": a.shape}

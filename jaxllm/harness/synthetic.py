@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..loading.weights import is_quantized
 from ..params import ParamSpec, is_spec
 from ..quant import QuantArray
 
@@ -44,10 +45,12 @@ def random_leaf(spec: ParamSpec, quant: str, dtype, key):
     if spec.init in ("zeros", "ones"):
         return (jnp.zeros if spec.init == "zeros" else jnp.ones)(spec.shape, dtype)
     std = _fan_in(spec, stacked) ** -0.5
-    if quant == "int8" and spec.n_contract:
+    if is_quantized(spec, quant):      # int8 exactly where the checkpoint loader makes it int8
         q = sliced(lambda k, s: jax.random.randint(k, s, -127, 128, jnp.int8), key, spec.shape, stacked)
         lead = _lead(spec, stacked)
-        scale_shape = spec.shape[:lead] + spec.shape[lead + spec.n_contract:]
+        # matmul weights: a scale per output channel; the token embedding: a scale per row
+        scale_shape = (spec.shape[:lead] + spec.shape[lead + spec.n_contract:] if spec.n_contract
+                       else spec.shape[:1] + (1,))
         # uniform on [-127, 127] has std 127/sqrt(3); scale it to std = 1/sqrt(fan_in)
         scale = jnp.full(scale_shape, std * 3 ** 0.5 / 127, jnp.float32)
         return QuantArray(q, scale, spec.n_contract)
@@ -55,8 +58,9 @@ def random_leaf(spec: ParamSpec, quant: str, dtype, key):
 
 
 def random_weights(specs, quant: str, dtype, seed: int = 0, shardings=None):
-    """A weights pytree of the abstract `specs`, int8 QuantArrays for matmuls under quant='int8',
-    each leaf moved to its sharding (if given) as soon as it is made."""
+    """A weights pytree of the abstract `specs`, with int8 QuantArrays under quant='int8' where a
+    loaded checkpoint has them (matmul weights and the token embedding), each leaf moved to its
+    sharding (if given) as soon as it is made."""
     leaves, treedef = jax.tree_util.tree_flatten(specs, is_leaf=is_spec)
     shards = treedef.flatten_up_to(shardings) if shardings is not None else [None] * len(leaves)
     key = jax.random.key(seed)

@@ -14,6 +14,7 @@ from ..config import ModelConfig
 from ..errors import ModelError
 from ..models import family_for
 from ..params import ParamSpec, is_spec
+from ..loading.weights import is_quantized
 from ..quant import QuantArray
 
 PRESET_DIR = Path(__file__).parent
@@ -46,15 +47,16 @@ def load_preset(name: str, **overrides) -> tuple[ModelConfig, object]:
 
 def _random_leaf(spec: ParamSpec, key, dtype, quant: str):
     """A weight of the described shape made on the device (no host copy of a 30B-parameter model):
-    matmul weights with std 1/sqrt(fan_in), as int8 values plus scales under quant='int8'."""
+    matmul weights with std 1/sqrt(fan_in), as int8 values plus scales under quant='int8' (and the
+    token embedding, with a scale per row, as the checkpoint loader quantizes it)."""
     if spec.init in ("ones", "zeros"):
         return (jnp.ones if spec.init == "ones" else jnp.zeros)(spec.shape, dtype)
     lead = (1 if spec.axes[0] == "layers" else 0) + spec.n_batch
     n = max(spec.n_contract, 1)
     fan_in = int(np.prod(spec.shape[lead:lead + n]))
-    if quant == "int8" and spec.n_contract:
+    if is_quantized(spec, quant):     # matmul weights, and the token embedding as the loader does
         q = jnp.maximum(jax.lax.bitcast_convert_type(jax.random.bits(key, spec.shape, jnp.uint8), jnp.int8), -127)
-        scale_shape = spec.shape[:lead] + spec.shape[lead + n:]
+        scale_shape = spec.shape[:lead] + spec.shape[lead + n:] if spec.n_contract else spec.shape[:1] + (1,)
         # uniform integers in [-127, 127] have std about 127/sqrt(3)
         scale = jnp.full(scale_shape, np.sqrt(3.0) / (127.0 * np.sqrt(fan_in)), jnp.float32)
         return QuantArray(q, scale, spec.n_contract)
