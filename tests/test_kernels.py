@@ -42,7 +42,7 @@ def _rel(a, b):
 
 
 TILES = [None, Tiles(bm=1, bn=16, bk=32, split=3), Tiles(bm=16, bn=32, bk=16, split=1),
-         Tiles(bm=16, bn=16, bk=32, split=2)]
+         Tiles(bm=16, bn=16, bk=32, split=2), Tiles(bm=1, bn=16, bk=64, split=2, fold=16)]
 
 
 def _om(w, out_major):
@@ -64,7 +64,7 @@ def test_stacked_matmul(M, K, N, dtype, out_major):
     ref = _ref(x, w, s, 2)
     for t in TILES:
         if t is not None and t.bm == 1 and M > 1:
-            t = Tiles(bm=1, bn=t.bn, bk=t.bk, split=t.split)          # one program per row
+            t = Tiles(bm=1, bn=t.bn, bk=t.bk, split=t.split, fold=t.fold)   # a program per row
         got = stacked_matmul(x, _om(w, out_major), s, jnp.int32(2), _tiles(t, out_major), out_major)
         assert _rel(got, ref) < 1e-5, t
 
@@ -135,6 +135,8 @@ def test_tile_choice_fits_and_fills():
     # Batch 1, output-major: a fused Q/K/V wide enough to cover the GPU twice is not split (each
     # output's partial sum would be a kernel); a single output of the same width is (its sum fuses).
     assert choose_tiles(1, 2560, 6144, out_major=True, outputs=3).split == 1
+    # Batch 1, output-major: each thread folds its 16 contiguous inputs every step
+    assert choose_tiles(1, 2560, 9728, True, out_major=True).fold == 16
     assert choose_tiles(1, 21504, 5376, out_major=True).split > 1
 
 
