@@ -23,7 +23,7 @@ from .layers import (add_norm, attend, attention_mask, finish_q, finish_qkv, gat
 from . import kernels
 from .kernels.ops import cached_attention, embed_rows, output_head, prologue
 from .kernels.prologue import HeadPrep
-from .quant import OutMajor, Stacked, linear, matmul_rows, take_rows
+from .quant import Normed, OutMajor, Stacked, linear, matmul_rows, take_rows
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ def attention_block(cfg, kind, w, h, positions, layer_cache, start, own_kv: bool
 
 
 def decoder_layer(cfg, kind, w, x, positions, layer_cache, start):
-    h = rms_norm(x, w["attn_norm"], cfg.norm_eps, cfg.norm_offset)
+    h = Normed(x, w["attn_norm"], cfg.norm_eps, cfg.norm_offset)      # normed in the Q/K/V kernel
     a, layer_cache = attention_block(cfg, kind, w, h, positions, layer_cache, start, partials=True)
     x, h = add_norm(x, a, w["post_attn_norm"] if cfg.sandwich_norms else None, w["mlp_norm"],
                     cfg.norm_eps, cfg.norm_offset)
@@ -162,11 +162,11 @@ def take(tree, i):
     return jax.tree_util.tree_map(lambda a: a[i], tree)
 
 
-# Weights only ever contracted by `linear`, and the norms the decode kernels read (the per-head
-# ones in the prologue, those around the residual add in `add_norm`): with the kernels on, these
-# stay in their layer stack.
+# Weights only ever contracted by `linear`, and the norms the decode kernels read (the input norm
+# in the Q/K/V matmul, the per-head ones in the prologue, those around the residual add in
+# `add_norm`): with the kernels on, these stay in their layer stack.
 MATMUL_WEIGHTS = ("q", "k", "v", "o", "gate", "up", "down", "ple_gate", "ple_out")
-IN_PLACE = MATMUL_WEIGHTS + ("q_norm", "k_norm", "post_attn_norm", "mlp_norm")
+IN_PLACE = MATMUL_WEIGHTS + ("attn_norm", "q_norm", "k_norm", "post_attn_norm", "mlp_norm")
 
 
 def layer_weights(group: dict, idx):

@@ -81,6 +81,26 @@ def total(y):
     return y.total() if isinstance(y, Partials) else y
 
 
+@dataclass(frozen=True)
+class Normed:
+    """`rms_norm(x, w, eps, offset)` not yet computed: a matmul kernel that takes it normalizes x's
+    rows as it loads them, so the norm needs no kernels of its own; anything else calls `value()`.
+    `w` is [D], a `Stacked` view of a stack [L, D], or None (no weight)."""
+    x: jax.Array
+    w: object
+    eps: float
+    offset: float = 0.0
+
+    def value(self) -> jax.Array:
+        from .layers import rms_norm
+        return rms_norm(self.x, self.w, self.eps, self.offset)
+
+
+def value(x):
+    """An activation as an array: `Normed` normalized."""
+    return x.value() if isinstance(x, Normed) else x
+
+
 def layer_of(w):
     """A layer's weight as an array: a `Stacked` view sliced, anything else as it is."""
     return w.layer() if isinstance(w, Stacked) else w
@@ -93,7 +113,7 @@ def linear(x: jax.Array, w, n_contract: int = 1, partials: bool = False) -> jax.
     The output is x's leading dims followed by w's output dims, so a per-output-channel scale
     broadcasts on the trailing dims and XLA fuses the dequantization into the dot's epilogue.
     A `Stacked` weight goes to the stacked-matmul kernel when it takes the shape; with `partials`
-    its output may come back as `Partials` (K split, not yet summed).
+    its output may come back as `Partials` (K split, not yet summed). x may be `Normed`.
     """
     out_major = False
     if isinstance(w, Stacked):
@@ -102,6 +122,7 @@ def linear(x: jax.Array, w, n_contract: int = 1, partials: bool = False) -> jax.
         if y is not None:
             return y
         out_major, w = w.out_major, w.layer()
+    x = value(x)
     xa = tuple(range(x.ndim - n_contract, x.ndim))
     nd = len(w.shape)
     wa = tuple(range(nd - n_contract, nd)) if out_major else tuple(range(n_contract))
@@ -114,12 +135,14 @@ def linear(x: jax.Array, w, n_contract: int = 1, partials: bool = False) -> jax.
 
 
 def linears(x: jax.Array, ws: list, n_contract: int = 1) -> list:
-    """[linear(x, w) for w in ws]; Stacked weights of one layer go to a single kernel launch."""
+    """[linear(x, w) for w in ws]; Stacked weights of one layer go to a single kernel launch.
+    x may be `Normed` (normalized once, here or in the kernel)."""
     if all(isinstance(w, Stacked) for w in ws):
         from .kernels.ops import stacked_linears
         ys = stacked_linears(x, ws, n_contract)
         if ys is not None:
             return ys
+    x = value(x)
     return [linear(x, w, n_contract) for w in ws]
 
 

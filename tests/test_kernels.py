@@ -321,6 +321,37 @@ def test_matmul_partials_sum_to_the_product(monkeypatch):
     assert _rel(p.total(), y) < 1e-6 and _rel(y, _ref(x, w, s, 1)) < 1e-5
 
 
+@pytest.mark.parametrize("M,dtype,weight,offset,split", [
+    (1, "float32", True, 0.0, 1), (1, "bfloat16", True, 1.0, 2), (3, "float32", False, 0.0, 1),
+    (17, "bfloat16", True, 1.0, 2)])
+def test_matmul_normalizes_its_input_rows(M, dtype, weight, offset, split, monkeypatch):
+    """A `Normed` input: the Q/K/V kernel applies the RMSNorm to x's rows as it loads them (K=100:
+    the last tile partly filled; the weight read in its layer stack, or no weight), against
+    rms_norm and then the products on the XLA path."""
+    from jaxllm.quant import Normed, QuantArray, Stacked, linears
+    rng = np.random.default_rng(M + split)
+    K, dt = 100, jnp.dtype(dtype)
+    x = jnp.asarray(rng.standard_normal((M, K)) * 3, dt)
+    nw = Stacked(jnp.asarray(rng.standard_normal((L, K)) * 0.3, dt), jnp.int32(1)) if weight else None
+    ws = [_w(rng, K, n, "int8") for n in (48, 16)]
+    tiles = Tiles(bm=1 if M == 1 else 16, bn=16, bk=32, split=split, out_major=True,
+                  fold=16 if M == 1 else 0)
+    stacks = [Stacked(QuantArray(_om(w, True), s, 1), jnp.int32(2), name, out_major=True)
+              for (w, s), name in zip(ws, ("q", "k"))]
+    got, ref = {}, {}
+    for mode in ("pallas", "xla"):
+        monkeypatch.setenv("JAXLLM_KERNELS", mode)
+        got[mode] = linears(Normed(x, nw, 1e-6, offset), stacks)
+    monkeypatch.setenv("JAXLLM_KERNELS", "pallas")
+    from jaxllm.kernels.matmul import RowNorm, stacked_matmuls
+    direct = stacked_matmuls(x, [(_om(w, True), s) for w, s in ws], jnp.int32(2), tiles, True,
+                             norm=RowNorm(None if nw is None else nw.stack, 1, 1e-6, offset))
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    for a, b, c in zip(got["pallas"], got["xla"], direct):
+        assert a.dtype == dt and _rel(a, b) < tol and _rel(c, b) < tol
+    assert any(s["choice"].endswith("rms-norm") for s in kernels.selections())
+
+
 @pytest.mark.parametrize("M", [1, 5])
 @pytest.mark.parametrize("tied,dtype", [(True, "int8"), (False, "int8"), (True, "float32")])
 def test_output_head(M, tied, dtype, monkeypatch):
@@ -386,6 +417,7 @@ def test_model_kernels_match_xla(family, quant, kv, tmp_path, monkeypatch):
     chosen = {s["kernel"] for s in kernels.selections()}
     assert {"matmul", "gated matmul", "decode attention", "output head"} <= chosen
     assert any(s["choice"].endswith("out-major") for s in kernels.selections())   # as loaded for them
+    assert any(s["choice"].endswith("rms-norm") for s in kernels.selections())    # the input norm
     kinds = {s["shape"][-1] for s in kernels.selections() if s["kernel"] == "decode attention"}
     assert kv == "none" or ("linear" in kinds and (family == "qwen3" or "ring" in kinds))
 

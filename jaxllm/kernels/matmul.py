@@ -47,6 +47,17 @@ class Tiles:
                 + (f" fold={self.fold}" if self.fold else "") + (" out-major" if self.out_major else ""))
 
 
+@dataclass(frozen=True)
+class RowNorm:
+    """An RMSNorm the kernel applies to x's rows as it loads them: x * rsqrt(mean(x^2) + eps) *
+    (offset + w[idx]), in float32 and rounded to x's dtype, as `layers.rms_norm` does. w is a
+    weight [K] or a stack [L, K] (None: no weight)."""
+    w: jax.Array | None
+    idx: jax.Array | int
+    eps: float
+    offset: float = 0.0
+
+
 SMS = 132             # H100/H200 multiprocessors: the grid should cover them a few times
 
 
@@ -145,7 +156,34 @@ def _product(x, w, t: Tiles):
                                preferred_element_type=jnp.float32, precision=precision)
 
 
-def _accumulate(x_ref, w_refs, layer, i, j, s, steps, t: Tiles, M, K, N):
+def _x_loader(x_ref, i, t: Tiles, M, K, norm=None):
+    """k0 -> this program's x tile at k0. With norm = (weight stack ref or None, index, eps, offset),
+    each row normalized as `RowNorm` says; its mean square is summed over all of K first (the row
+    is a few kilobytes, read again from the cache)."""
+    def plain(k0):
+        return _load_x(x_ref, i, k0, t, M, K)
+    if norm is None:
+        return plain
+    w_ref, idx, eps, offset = norm
+
+    def squares(n, acc):
+        x = plain(n * t.bk).astype(jnp.float32)
+        return acc + x * x
+    acc = jnp.zeros((t.bk,) if t.bm == 1 else (t.bm, t.bk), jnp.float32)
+    inv = jax.lax.rsqrt(jnp.sum(jax.lax.fori_loop(0, -(-K // t.bk), squares, acc), axis=-1) / K + eps)
+
+    def normed(k0):
+        x = plain(k0)
+        y = x.astype(jnp.float32) * (inv if t.bm == 1 else inv[:, None])
+        if w_ref is not None:
+            ks = k0 + jnp.arange(t.bk)
+            w = plgpu.load(w_ref.at[idx, pl.ds(k0, t.bk)], mask=ks < K, other=0.0).astype(jnp.float32)
+            y = y * (offset + (w if t.bm == 1 else w[None, :]))
+        return y.astype(x.dtype)
+    return normed
+
+
+def _accumulate(load_x, w_refs, layer, j, s, steps, t: Tiles, K, N):
     """[bm, bn] float32 sums over this program's K range for each weight in w_refs."""
     k_lo = s * steps * t.bk
     shape = ((t.bn, t.bk // (t.fold or 1)) if t.out_major else (t.bk, t.bn)) if t.bm == 1 else (t.bm, t.bn)
@@ -153,7 +191,7 @@ def _accumulate(x_ref, w_refs, layer, i, j, s, steps, t: Tiles, M, K, N):
 
     def body(n, acc):
         k0 = k_lo + n * t.bk
-        x = _load_x(x_ref, i, k0, t, M, K)
+        x = load_x(k0)
         return tuple(a + _product(x, _load_w(w, layer, j, k0, t, K, N), t) for a, w in zip(acc, w_refs))
     acc = jax.lax.fori_loop(0, steps, body, acc)
     if t.bm == 1:
@@ -177,13 +215,21 @@ def _store(o_ref, val, i, j, t: Tiles, M, N, split_index=None):
     plgpu.store(ref, val.astype(o_ref.dtype), mask=mask)
 
 
-def _matmul_kernel(layer_ref, x_ref, *refs, t: Tiles, M, K, Ns, steps, scaled):
+def _matmul_kernel(layer_ref, x_ref, *refs, t: Tiles, M, K, Ns, steps, scaled, norm):
     """Column blocks of several weights side by side in one grid: block j belongs to the weight
-    whose range of blocks holds it, and only that weight's branch runs."""
+    whose range of blocks holds it, and only that weight's branch runs. With `norm` = (has a
+    weight, eps, offset), x's rows are normalized on the way in (the first refs: index, weight)."""
+    i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if norm is not None:
+        has_w, eps, offset = norm
+        w_ref = refs[1] if has_w else None
+        load_x = _x_loader(x_ref, i, t, M, K, (w_ref, refs[0][0], eps, offset))
+        refs = refs[1 + has_w:]
+    else:
+        load_x = _x_loader(x_ref, i, t, M, K)
     n = len(Ns)
     w_refs, o_refs = refs[:n], refs[-n:]
     s_refs = refs[n:2 * n] if scaled else (None,) * n
-    i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     first = 0
     for w_ref, s_ref, o_ref, N in zip(w_refs, s_refs, o_refs, Ns):
@@ -191,7 +237,7 @@ def _matmul_kernel(layer_ref, x_ref, *refs, t: Tiles, M, K, Ns, steps, scaled):
 
         @pl.when((j >= first) & (j < first + nb))
         def _(w_ref=w_ref, s_ref=s_ref, o_ref=o_ref, N=N, jj=j - first):
-            (acc,) = _accumulate(x_ref, (w_ref,), layer, i, jj, s, steps, t, M, K, N)
+            (acc,) = _accumulate(load_x, (w_ref,), layer, jj, s, steps, t, K, N)
             if t.split == 1:
                 _store(o_ref, _scaled(acc, s_ref, layer, jj, t, N), i, jj, t, M, N)
             else:
@@ -203,7 +249,7 @@ def _gated_kernel(layer_ref, x_ref, wg_ref, wu_ref, *rest, t: Tiles, M, K, N, st
     sg_ref, su_ref = rest[:2] if scaled else (None, None)
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
-    g, u = _accumulate(x_ref, (wg_ref, wu_ref), layer, i, j, s, steps, t, M, K, N)
+    g, u = _accumulate(_x_loader(x_ref, i, t, M, K), (wg_ref, wu_ref), layer, j, s, steps, t, K, N)
     if t.split == 1:
         g = _scaled(g, sg_ref, layer, j, t, N)
         u = _scaled(u, su_ref, layer, j, t, N)
@@ -232,12 +278,14 @@ def _dims(w, out_major: bool):
 
 
 def stacked_matmuls(x, weights, layer, tiles: Tiles | None = None, out_major: bool = False,
-                    summed: bool = True, out_dtype=None, log_as: str = "matmul") -> list:
+                    summed: bool = True, out_dtype=None, log_as: str = "matmul",
+                    norm: RowNorm | None = None) -> list:
     """[x @ w[layer] * scale[layer] for (w [L, K, N_i], scale [L, N_i] | None) in weights], in one
     kernel launch (e.g. the Q, K and V projections of a layer); w is [L, N_i, K] when out_major.
     The outputs are x's dtype unless `out_dtype` says otherwise; the tile choice is logged as
     `log_as`. With `summed=False` a K-split product comes back as its float32 partials
-    [split, M, N_i], unscaled (for a kernel that sums them itself)."""
+    [split, M, N_i], unscaled (for a kernel that sums them itself). With `norm`, x is the input of
+    an RMSNorm the kernel applies to each row as it loads it."""
     out_dtype = out_dtype or x.dtype
     M, K = x.shape
     Ns = [_dims(w, out_major)[1] for w, _ in weights]
@@ -248,13 +296,20 @@ def stacked_matmuls(x, weights, layer, tiles: Tiles | None = None, out_major: bo
     t = tiles or choose_tiles(M, K, sum(Ns), w_bytes=weights[0][0].dtype.itemsize, out_major=out_major,
                               outputs=len(Ns))
     assert t.out_major == out_major, (t, out_major)
-    note(log_as, (M, K, "+".join(map(str, Ns)), str(weights[0][0].dtype)), t.label())
+    note(log_as, (M, K, "+".join(map(str, Ns)), str(weights[0][0].dtype)),
+         t.label() + (" rms-norm" if norm is not None else ""))
     steps = -(-K // (t.bk * t.split))
     grid = (-(-M // t.bm), sum(-(-N // t.bn) for N in Ns), t.split)
     out_shape = [jax.ShapeDtypeStruct((M, N), out_dtype) if t.split == 1
                  else jax.ShapeDtypeStruct((t.split, M, N), jnp.float32) for N in Ns]
-    kernel = functools.partial(_matmul_kernel, t=t, M=M, K=K, Ns=tuple(Ns), steps=steps, scaled=scaled)
-    args = ((jnp.reshape(layer, (1,)).astype(jnp.int32), x) + tuple(w for w, _ in weights)
+    normed, norm_args = None, ()
+    if norm is not None:
+        normed = (norm.w is not None, norm.eps, norm.offset)
+        norm_args = (jnp.reshape(norm.idx, (1,)).astype(jnp.int32),) + (
+            () if norm.w is None else (norm.w if norm.w.ndim == 2 else norm.w[None],))
+    kernel = functools.partial(_matmul_kernel, t=t, M=M, K=K, Ns=tuple(Ns), steps=steps, scaled=scaled,
+                               norm=normed)
+    args = ((jnp.reshape(layer, (1,)).astype(jnp.int32), x) + norm_args + tuple(w for w, _ in weights)
             + (tuple(sc for _, sc in weights) if scaled else ()))
     outs = pl.pallas_call(kernel, out_shape=out_shape, grid=grid, compiler_params=_params(t),
                           interpret=interpret(), name="stacked_matmul")(*args)

@@ -18,9 +18,9 @@ from jax.sharding import PartitionSpec as P
 from . import current_layout, enabled, note
 from .attention import Cache, decode_attention
 from .prologue import HeadPrep, decode_prologue
-from .matmul import stack_dims, stacked_gated, stacked_matmuls
+from .matmul import RowNorm, stack_dims, stacked_gated, stacked_matmuls
 from .norm import residual_norm
-from ..quant import Partials, QuantArray, Stacked
+from ..quant import Normed, Partials, QuantArray, Stacked
 
 MAX_ROWS = 256         # above this many rows (a prefill) a step is compute-bound: XLA's GEMMs
 HEAD_ROWS = 64         # the output head is wide enough to be compute-bound above this
@@ -101,7 +101,13 @@ def _sharding_plan(ws, n_contract, x):
 
 def stacked_linears(x, ws: list, n_contract: int, partials: bool = False):
     """One kernel launch for several Stacked weights contracted with the same x (Q, K and V). With
-    `partials`, a single weight with one output dim on one device may come back as `Partials`."""
+    `partials`, a single weight with one output dim on one device may come back as `Partials`.
+    x may be `Normed`: the kernel normalizes its rows as it loads them."""
+    norm = x if isinstance(x, Normed) else None
+    if norm is not None:
+        if n_contract != 1:
+            return None
+        x = norm.x
     arrs = [_arrays(w) for w in ws]
     om = ws[0].out_major
     if len({(stack_dims(a, n_contract, w.out_major)[0], w.out_major, a.dtype, s is None)
@@ -115,16 +121,21 @@ def stacked_linears(x, ws: list, n_contract: int, partials: bool = False):
     if isinstance(plan, str):
         note("matmul", desc, f"xla (weights {plan} for the sharded kernels)")
         return None
+    if norm is not None and plan is not None and plan[3]:
+        return None                       # rows split over devices: no device sees a whole row
     quant = arrs[0][1] is not None
     lead = x.shape[:x.ndim - n_contract]
     n = len(ws)
     keep = partials and plan is None and n == 1 and len(stack_dims(arrs[0][0], n_contract, om)[1]) == 1
+    nw, nidx = _in_stack(None if norm is None else norm.w)
 
-    def body(x, layer, *flat):
+    def body(x, layer, nw, nidx, *flat):
         pairs = list(zip(flat[:n], flat[n:] if quant else [None] * n))
         mats = [_flat(a, s, n_contract, om) for a, s in pairs]
         k_local = math.prod(stack_dims(pairs[0][0], n_contract, om)[0])      # K over a shard's rows
-        ys = stacked_matmuls(x.reshape(-1, k_local), mats, layer, out_major=om, summed=not keep)
+        rows = None if norm is None else RowNorm(nw, nidx, norm.eps, norm.offset)
+        ys = stacked_matmuls(x.reshape(-1, k_local), mats, layer, out_major=om, summed=not keep,
+                             norm=rows)
         if keep and ys[0].ndim == 3:            # K split: the float32 partials, unscaled
             scale = None if mats[0][1] is None else Stacked(mats[0][1], layer)
             return (Partials(ys[0].reshape(ys[0].shape[:1] + lead + ys[0].shape[2:]), scale, x.dtype),)
@@ -135,10 +146,18 @@ def stacked_linears(x, ws: list, n_contract: int, partials: bool = False):
 
     flat = [a for a, _ in arrs] + ([sc for _, sc in arrs] if quant else [])
     if plan is None:
-        return list(body(x, ws[0].idx, *flat))
+        return list(body(x, ws[0].idx, nw, nidx, *flat))
     specs, xspec, outs, _ = plan
-    in_specs = (xspec, P()) + tuple(w for w, _ in specs) + (tuple(sc for _, sc in specs) if quant else ())
-    return list(_local(body, layout, in_specs, tuple(outs))(x, ws[0].idx, *flat))
+    in_specs = ((xspec, P(), P(), P()) + tuple(w for w, _ in specs)
+                + (tuple(sc for _, sc in specs) if quant else ()))
+    return list(_local(body, layout, in_specs, tuple(outs))(x, ws[0].idx, nw, nidx, *flat))
+
+
+def _in_stack(w):
+    """(weight, or the stack a `Stacked` view reads, and its index); (None, 0) for None."""
+    if w is None:
+        return None, 0
+    return (w.stack, w.idx) if isinstance(w, Stacked) else (w, 0)
 
 
 def stacked_linear(x, w: Stacked, n_contract: int, partials: bool = False):
@@ -286,10 +305,8 @@ def add_norm(x, y, post, pre, eps: float, offset: float):
     if isinstance(y, Partials) and layout is not None and layout.mesh.size > 1:
         return None
 
-    def split(w):
-        return (None, 0) if w is None else (w.stack, w.idx) if isinstance(w, Stacked) else (w, 0)
-    (pw, pi), (qw, qi) = split(post), split(pre)
-    parts, (sc, si) = (y.parts, split(y.scale)) if isinstance(y, Partials) else (y, (None, 0))
+    (pw, pi), (qw, qi) = _in_stack(post), _in_stack(pre)
+    parts, (sc, si) = (y.parts, _in_stack(y.scale)) if isinstance(y, Partials) else (y, (None, 0))
 
     def run(x, parts, sc, si, pw, pi, qw, qi):
         lead = x.shape[:-1]

@@ -21,7 +21,7 @@ from ..layers import activation, add_norm, gated_mlp, rms_norm
 from ..model import Branch, attention_block, branches
 from ..moe import moe_ffn
 from ..params import ParamSpec, abstract_weights, stack
-from ..quant import linear
+from ..quant import Normed, linear
 from .common import GEMMA_NORM_NAMES, HF_NAMES, eos_ids, layer_kinds, need, per_kind_rope
 
 # "unified" (Gemma 4 12B) is the same text model without per-layer inputs and MoE
@@ -224,7 +224,7 @@ def moe_block(cfg: ModelConfig, w: dict, x: jax.Array) -> jax.Array:
 
 def decoder_layer(cfg: ModelConfig, b: Branch, w: dict, x, positions, layer_cache, start, ple):
     eps = cfg.norm_eps
-    h = rms_norm(x, w["attn_norm"], eps)
+    h = Normed(x, w["attn_norm"], eps)                 # normed in the Q/K/V kernel
     a, layer_cache = attention_block(cfg, b.kind, w, h, positions, layer_cache, start, own_kv=b.own_kv,
                                      partials=True)
     x, h = add_norm(x, a, w["post_attn_norm"], w["mlp_norm"], eps)
