@@ -388,6 +388,7 @@ def test_kernel_mode_switch(monkeypatch):
 
 def _run(eng, prompts, ids):
     out = [c.token_ids for c in eng.generate_ids(prompts, max_tokens=10)]
+    out += [c.token_ids for c in eng.generate_ids(prompts[:1], max_tokens=6)]     # one row
     cache, logits = eng.new_cache(2, 32), []
     for t in range(ids.shape[1]):
         lg, cache = eng.step(ids[:, t], np.full(2, t), cache)
