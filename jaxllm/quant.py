@@ -140,6 +140,9 @@ def linears(x: jax.Array, ws: list, n_contract: int = 1) -> list:
     if all(isinstance(w, Stacked) for w in ws):
         from .kernels.ops import stacked_linears
         ys = stacked_linears(x, ws, n_contract)
+        if ys is None and isinstance(x, Normed):       # the kernel takes the rows normalized
+            x = x.value()
+            ys = stacked_linears(x, ws, n_contract)
         if ys is not None:
             return ys
     x = value(x)

@@ -342,6 +342,10 @@ def test_matmul_normalizes_its_input_rows(M, dtype, weight, offset, split, monke
     for mode in ("pallas", "xla"):
         monkeypatch.setenv("JAXLLM_KERNELS", mode)
         got[mode] = linears(Normed(x, nw, 1e-6, offset), stacks)
+        if mode == "pallas":       # one launch for both projections, normalizing one row itself
+            fused = {s["choice"] for s in kernels.selections()
+                     if s["kernel"] == "matmul" and s["shape"][:3] == [M, K, "48+16"]}
+            assert len(fused) == 1 and fused.pop().endswith("rms-norm") == (M == 1)
     monkeypatch.setenv("JAXLLM_KERNELS", "pallas")
     from jaxllm.kernels.matmul import RowNorm, stacked_matmuls
     direct = stacked_matmuls(x, [(_om(w, True), s) for w, s in ws], jnp.int32(2), tiles, True,
