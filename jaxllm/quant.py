@@ -119,6 +119,9 @@ def linear(x: jax.Array, w, n_contract: int = 1, partials: bool = False) -> jax.
     if isinstance(w, Stacked):
         from .kernels.ops import stacked_linear
         y = stacked_linear(x, w, n_contract, partials)
+        if y is None and isinstance(x, Normed):        # the kernel takes the rows normalized
+            x = x.value()
+            y = stacked_linear(x, w, n_contract, partials)
         if y is not None:
             return y
         out_major, w = w.out_major, w.layer()
