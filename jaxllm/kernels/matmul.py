@@ -145,7 +145,7 @@ def _widen(w):
 
 
 def _product(x, w, t: Tiles):
-    if t.bm == 1:                  # elementwise into an accumulator shaped like the tile
+    if t.bm == 1:                  # elementwise; runs of `fold` inputs summed within the thread
         xf = x.astype(jnp.float32)
         p = _widen(w) * (xf[None, :] if t.out_major else xf[:, None])
         if t.fold and t.out_major:
