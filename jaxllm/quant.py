@@ -119,9 +119,6 @@ def linear(x: jax.Array, w, n_contract: int = 1, partials: bool = False) -> jax.
     if isinstance(w, Stacked):
         from .kernels.ops import stacked_linear
         y = stacked_linear(x, w, n_contract, partials)
-        if y is None and isinstance(x, Normed):        # the kernel takes the rows normalized
-            x = x.value()
-            y = stacked_linear(x, w, n_contract, partials)
         if y is not None:
             return y
         out_major, w = w.out_major, w.layer()
@@ -143,9 +140,6 @@ def linears(x: jax.Array, ws: list, n_contract: int = 1) -> list:
     if all(isinstance(w, Stacked) for w in ws):
         from .kernels.ops import stacked_linears
         ys = stacked_linears(x, ws, n_contract)
-        if ys is None and isinstance(x, Normed):       # the kernel takes the rows normalized
-            x = x.value()
-            ys = stacked_linears(x, ws, n_contract)
         if ys is not None:
             return ys
     x = value(x)

@@ -106,12 +106,12 @@ def _sharding_plan(ws, n_contract, x):
 def stacked_linears(x, ws: list, n_contract: int, partials: bool = False):
     """One kernel launch for several Stacked weights contracted with the same x (Q, K and V). With
     `partials`, a single weight with one output dim on one device may come back as `Partials`.
-    x may be `Normed`: the kernel normalizes its rows as it loads them."""
+    x may be `Normed`: the kernel normalizes its rows as it loads them where it can, and XLA does
+    it first where it cannot (too many rows, rows split over devices)."""
     norm = x if isinstance(x, Normed) else None
     if norm is not None:
-        if n_contract != 1 or math.prod(norm.x.shape[:-1]) > NORM_ROWS:
-            return None
-        x = norm.x
+        fuse = n_contract == 1 and math.prod(norm.x.shape[:-1]) <= NORM_ROWS
+        x, norm = (norm.x, norm) if fuse else (norm.value(), None)
     arrs = [_arrays(w) for w in ws]
     om = ws[0].out_major
     if len({(stack_dims(a, n_contract, w.out_major)[0], w.out_major, a.dtype, s is None)
@@ -126,7 +126,7 @@ def stacked_linears(x, ws: list, n_contract: int, partials: bool = False):
         note("matmul", desc, f"xla (weights {plan} for the sharded kernels)")
         return None
     if norm is not None and plan is not None and plan[3]:
-        return None                       # rows split over devices: no device sees a whole row
+        x, norm = norm.value(), None      # rows split over devices: no device sees a whole row
     quant = arrs[0][1] is not None
     lead = x.shape[:x.ndim - n_contract]
     n = len(ws)
