@@ -57,6 +57,7 @@ def main():
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the first GPU is traced)")
     p.add_argument("--kv-quant", default="none", choices=("none", "int8"))
     p.add_argument("--int8-rings", action="store_true", help="with --kv-quant int8, int8 sliding rings too")
+    p.add_argument("--hlo", help="also write the compiled step's HLO text here, to look up the fusions named")
     a = p.parse_args()
     dtype = DTYPES["bfloat16"]
     cfg, fam = resolve_shape(a.shape)
@@ -75,6 +76,9 @@ def main():
         return jax.block_until_ready(decode_state(cfg, a.batch, a.ctx, a.steps, dtype, 0, a.kv_quant, layout, opts))
     with kernels.use_layout(layout):
         loop(weights, state(), params).tokens.block_until_ready()
+        if a.hlo:
+            with open(a.hlo, "w") as f:
+                f.write(loop.lower(weights, state(), params).compile().as_text())
     s = state()
     t0 = time.perf_counter()
     loop(weights, s, params).tokens.block_until_ready()
