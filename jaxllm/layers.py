@@ -102,10 +102,10 @@ def attend(q, k, v, mask, scale: float, softcap: float | None) -> jax.Array:
     return o.reshape(B, T, H, hd).astype(q.dtype)
 
 
-def raw_qkv(cfg: ModelConfig, a: AttnSpec, w: dict, h: jax.Array):
+def raw_qkv(cfg: ModelConfig, a: AttnSpec, w: dict, h: jax.Array, partials: bool = False):
     """A layer's Q, K, V projections as they come out of the matmuls (V is the raw K where the
-    layer has no V projection of its own)."""
-    q, k, *v = linears(h, [w["q"], w["k"]] + ([] if a.k_eq_v else [w["v"]]))
+    layer has no V projection of its own); with `partials`, possibly as unsummed `Partials`."""
+    q, k, *v = linears(h, [w["q"], w["k"]] + ([] if a.k_eq_v else [w["v"]]), partials=partials)
     return q, k, k if a.k_eq_v else v[0]
 
 

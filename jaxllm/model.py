@@ -21,9 +21,9 @@ from .errors import ModelError
 from .layers import (add_norm, attend, attention_mask, finish_q, finish_qkv, gated_mlp, inv_frequencies, raw_qkv,
                      rms_norm)
 from . import kernels
-from .kernels.ops import cached_attention, embed_rows, output_head, prologue
+from .kernels.ops import NORM_ROWS, cached_attention, embed_rows, output_head, prologue
 from .kernels.prologue import HeadPrep
-from .quant import Normed, OutMajor, Stacked, linear, matmul_rows, take_rows
+from .quant import Normed, OutMajor, Stacked, linear, matmul_rows, take_rows, total
 
 
 @dataclass(frozen=True)
@@ -117,17 +117,17 @@ def attention_block(cfg, kind, w, h, positions, layer_cache, start, own_kv: bool
     kernel (`kernels.prologue`)."""
     a = cfg.attn[kind]
     inv_freq = inv_frequencies(a.rope, a.head_dim)
-    if own_kv:
-        q, k, v = raw_qkv(cfg, a, w, h)
+    if own_kv:                           # K-split projections may be left for the prologue to sum
+        q, k, v = raw_qkv(cfg, a, w, h, partials=True)
     else:
-        q, k, v = linear(h, w["q"]), None, None
+        q, k, v = linear(h, w["q"], partials=True), None, None
     fused = prologue(q, k, v, head_prep(cfg, w, inv_freq), positions, layer_cache)
     if fused is not None:
         q, layer_cache = fused
     elif own_kv:
-        q, k, v = finish_qkv(cfg, w, q, k, v, positions, inv_freq)
+        q, k, v = finish_qkv(cfg, w, total(q), total(k), total(v), positions, inv_freq)
     else:
-        q = finish_q(cfg, w, q, positions, inv_freq)
+        q = finish_q(cfg, w, total(q), positions, inv_freq)
     written = fused is not None or not own_kv
     if not isinstance(layer_cache, kv.LayerKV):    # split cache (ring buffer / blockwise global)
         if written:

@@ -134,12 +134,13 @@ def linear(x: jax.Array, w, n_contract: int = 1, partials: bool = False) -> jax.
                                preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def linears(x: jax.Array, ws: list, n_contract: int = 1) -> list:
-    """[linear(x, w) for w in ws]; Stacked weights of one layer go to a single kernel launch.
-    x may be `Normed` (normalized once, here or in the kernel)."""
+def linears(x: jax.Array, ws: list, n_contract: int = 1, partials: bool = False) -> list:
+    """[linear(x, w) for w in ws]; Stacked weights of one layer go to a single kernel launch, whose
+    outputs may come back as `Partials` with `partials`. x may be `Normed` (normalized once, here or
+    in the kernel)."""
     if all(isinstance(w, Stacked) for w in ws):
         from .kernels.ops import stacked_linears
-        ys = stacked_linears(x, ws, n_contract)
+        ys = stacked_linears(x, ws, n_contract, partials)
         if ys is not None:
             return ys
     x = value(x)

@@ -16,7 +16,8 @@ from jaxllm.cache import slot_positions
 from jaxllm.errors import ModelError
 from jaxllm.attention_blockwise import dequantize_kv, quantize_kv
 from jaxllm.kernels.attention import Cache, KeysFromValues, decode_attention
-from jaxllm.kernels.prologue import HeadPrep, decode_prologue
+from jaxllm.kernels.prologue import HeadPrep, SplitQKV, decode_prologue
+from jaxllm.kernels import matmul
 from jaxllm.kernels.matmul import Tiles, choose_tiles, stacked_gated, stacked_matmul, stacked_matmuls
 from jaxllm.split_cache import KVOptions
 from jaxllm.layers import apply_rope, attend, attention_mask, rms_norm
@@ -269,6 +270,42 @@ def test_decode_prologue(slots, int8, hd, dtype, shared):
             assert (np.asarray(got["slot_pos"][1, b]) == sp).all() and (np.asarray(got["slot_pos"][0]) == -1).all()
 
 
+@pytest.mark.parametrize("shared,dtype,scaled,int8", [(False, "float32", True, False), (True, "bfloat16", False, True),
+                                                      (False, "bfloat16", True, True)])
+def test_decode_prologue_sums_split_projections(shared, dtype, scaled, int8):
+    """Q/K/V as a K-split matmul's float32 partials: summed, scaled per channel from the scale
+    stacks at their index and rounded to the model dtype in the kernel, as if they had arrived
+    summed; and the same for queries alone."""
+    rng = np.random.default_rng(8)
+    B, H, K, L, S, hd, n = 2, 4, 2, 3, 6, 32, 3
+    dt = jnp.dtype(dtype)
+    parts = {m: jnp.asarray(rng.standard_normal((n, B, c, hd)), jnp.float32) for m, c in (("q", H), ("k", K), ("v", K))}
+    scales = {m: jnp.asarray(rng.uniform(0.5, 2.0, (L, c, hd)), jnp.float32) if scaled else None
+              for m, c in (("q", H), ("k", K), ("v", K))}
+    if shared:
+        parts["v"], scales["v"] = parts["k"], scales["k"]
+    whole = {m: ((p.sum(0) * scales[m][2]) if scaled else p.sum(0)).astype(dt) for m, p in parts.items()}
+    inv_freq = (1.0 / 100.0 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
+    qn, kn = (jnp.asarray(rng.standard_normal(hd) * 0.3, dt) for _ in range(2))
+    prep = HeadPrep(inv_freq, qn, kn, v_norm=shared, eps=1e-6, offset=1.0)
+    store = jnp.int8 if int8 else dt
+    stacks = {"v": jnp.zeros((L, B, S, K, hd), store)}
+    if not shared:
+        stacks["k"] = jnp.zeros((L, B, S, K, hd), store)
+    if int8:
+        stacks.update({f"{m}_scale": jnp.ones((L, B, S, K), jnp.float32) for m in list(stacks)})
+    pos = jnp.asarray([4, 1], jnp.int32)
+    split = SplitQKV((scales["q"], scales["k"], scales["v"]), jnp.int32(2), dt)
+    want_q, want = decode_prologue(whole["q"], whole["k"], whole["v"], prep, pos, stacks, jnp.int32(1))
+    got_q, got = decode_prologue(parts["q"], parts["k"], parts["v"], prep, pos, stacks, jnp.int32(1), split=split)
+    assert got_q.dtype == dt and _rel(got_q, want_q) < 1e-6
+    for m in want:
+        np.testing.assert_array_equal(np.asarray(got[m], np.float32), np.asarray(want[m], np.float32))
+    only = SplitQKV((scales["q"], None, None), jnp.int32(2), dt)
+    got_q, none = decode_prologue(parts["q"], None, None, prep, pos, {}, 0, split=only)
+    assert none == {} and _rel(got_q, decode_prologue(whole["q"], None, None, prep, pos, {}, 0)[0]) < 1e-6
+
+
 def test_decode_prologue_queries_only():
     """A layer reading another layer's KV cache: queries alone, nothing written."""
     rng = np.random.default_rng(6)
@@ -411,6 +448,13 @@ def test_model_kernels_match_xla(family, quant, kv, tmp_path, monkeypatch):
     kv="int8" the split cache (rings, int8 global layers; "int8-rings": int8 rings too), which the
     decode kernel reads in place."""
     tiny.make(family, tmp_path, seed=3)
+    if kv == "int8":          # every matmul split over K, as larger models are: partials downstream
+        orig = matmul.choose_tiles
+
+        def split_tiles(M, K, N, *a, **kw):
+            t = orig(M, K, N, *a, **kw)
+            return dataclasses.replace(t, bk=16, split=max(1, min(4, K // 32)), fold=16 if t.fold else 0)
+        monkeypatch.setattr(matmul, "choose_tiles", split_tiles)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(1, 160, n).tolist() for n in (5, 12, 9)]
     ids = rng.integers(0, 160, (2, 20)).astype(np.int32)
@@ -428,6 +472,9 @@ def test_model_kernels_match_xla(family, quant, kv, tmp_path, monkeypatch):
     assert any(s["choice"].endswith("rms-norm") for s in kernels.selections())    # the input norm
     kinds = {s["shape"][-1] for s in kernels.selections() if s["kernel"] == "decode attention"}
     assert kv == "none" or ("linear" in kinds and (family == "qwen3" or "ring" in kinds))
+    if kv == "int8":                    # several rows' Q/K/V partials summed in the prologue
+        assert any(" partials" in s["choice"] for s in kernels.selections()
+                   if s["kernel"] == "decode prologue")
 
 
 def test_sharded_kernels_match_single_device_xla(tmp_path):

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import current_layout, enabled, note
 from .attention import Cache, decode_attention
-from .prologue import HeadPrep, decode_prologue
+from .prologue import HeadPrep, SplitQKV, decode_prologue
 from .matmul import RowNorm, stack_dims, stacked_gated, stacked_matmuls
 from .norm import residual_norm
 from ..quant import Normed, Partials, QuantArray, Stacked
@@ -105,7 +105,7 @@ def _sharding_plan(ws, n_contract, x):
 
 def stacked_linears(x, ws: list, n_contract: int, partials: bool = False):
     """One kernel launch for several Stacked weights contracted with the same x (Q, K and V). With
-    `partials`, a single weight with one output dim on one device may come back as `Partials`.
+    `partials`, on one device, the outputs of a K-split launch come back as `Partials`.
     x may be `Normed`: the kernel normalizes its rows as it loads them where it can, and XLA does
     it first where it cannot (too many rows, rows split over devices)."""
     norm = x if isinstance(x, Normed) else None
@@ -130,7 +130,7 @@ def stacked_linears(x, ws: list, n_contract: int, partials: bool = False):
     quant = arrs[0][1] is not None
     lead = x.shape[:x.ndim - n_contract]
     n = len(ws)
-    keep = partials and plan is None and n == 1 and len(stack_dims(arrs[0][0], n_contract, om)[1]) == 1
+    keep = partials and plan is None
     nw, nidx = _in_stack(None if norm is None else norm.w)
 
     def body(x, layer, nw, nidx, *flat):
@@ -141,8 +141,9 @@ def stacked_linears(x, ws: list, n_contract: int, partials: bool = False):
         ys = stacked_matmuls(x.reshape(-1, k_local), mats, layer, out_major=om, summed=not keep,
                              norm=rows)
         if keep and ys[0].ndim == 3:            # K split: the float32 partials, unscaled
-            scale = None if mats[0][1] is None else Stacked(mats[0][1], layer)
-            return (Partials(ys[0].reshape(ys[0].shape[:1] + lead + ys[0].shape[2:]), scale, x.dtype),)
+            return tuple(Partials(y.reshape(y.shape[:1] + lead + stack_dims(a, n_contract, om)[1]),
+                                  None if s is None else Stacked(s, layer), x.dtype)
+                         for y, (a, s) in zip(ys, pairs))
         ys = [y.reshape(lead + stack_dims(a, n_contract, om)[1]) for y, (a, _) in zip(ys, pairs)]
         if plan is not None and plan[3]:
             ys = [jax.lax.psum(y, "model") for y in ys]
@@ -257,7 +258,12 @@ def prologue(q, k, v, prep: HeadPrep, positions, layer_cache):
     """Rotated queries [B, 1, H, hd] and `layer_cache` with this step's K/V written, from raw
     projections of one token per row (k, v None: queries alone, for a layer reading another's
     cache), by `prologue.decode_prologue`. None where XLA should do it."""
-    B, T, H, hd = q.shape
+    layout = current_layout()
+    parts = [y for y in (q, k, v) if isinstance(y, Partials)]
+    if parts and (len(parts) != len([y for y in (q, k, v) if y is not None]) or not enabled()
+                  or (layout is not None and layout.mesh.size > 1)):
+        return None
+    B, T, H, hd = q.shape if not parts else q.parts.shape[1:]
     if not enabled() or T != 1 or hd % 2:
         return None
     stacks, slots = layer_cache.kernel_stacks() if k is not None else ({}, "clamp")
@@ -271,28 +277,35 @@ def prologue(q, k, v, prep: HeadPrep, positions, layer_cache):
     qn, kn = (n.stack if isinstance(n, Stacked) else n for n in (prep.q_norm, prep.k_norm))
     names = tuple(stacks)
 
+    split = None
+    if parts:                       # K-split projections, summed in the kernel
+        scales = [None if y is None or y.scale is None else y.scale for y in (q, k, v)]
+        sidx = next((sc.idx for sc in scales if sc is not None), 0)
+        split = SplitQKV(tuple(None if sc is None else sc.stack for sc in scales), sidx, q.dtype)
+        q, k, v = (None if y is None else y.parts[:, :, 0] for y in (q, k, v))
+    else:
+        q, k, v = (None if y is None else y[:, 0] for y in (q, k, v))
+
     def run(q, k, v, pos, idx, widx, qn, kn, *arrs):
         p = dataclasses.replace(prep, q_norm=qn, k_norm=kn, norm_layer=widx)
-        kk, vv = (None, None) if k is None else (k[:, 0], v[:, 0])
-        qo, out = decode_prologue(q[:, 0], kk, vv, p, pos, dict(zip(names, arrs)), idx, slots=slots)
+        qo, out = decode_prologue(q, k, v, p, pos, dict(zip(names, arrs)), idx, slots=slots, split=split)
         return (qo[:, None],) + tuple(out[n] for n in names)
 
     args = (q, k, v, positions[:, 0], idx, widx, qn, kn) + tuple(stacks.values())
-    layout = current_layout()
     if layout is None or layout.mesh.size == 1:
         got = run(*args)
     else:
-        qspec = layout.spec(q.shape, ("batch", None, "q_heads", "head_dim"))
+        qspec = layout.spec(q.shape, ("batch", "q_heads", "head_dim"))
         specs = [layout.spec(a.shape, KV_AXES[n]) for n, a in stacks.items()]
         if k is not None:
             K = stacks["v"].shape[3]
-            kvspec = layout.spec(k.shape, ("batch", None, "kv_heads", "head_dim"))
-            if not _kv_split_ok(qspec[2], kvspec[2], K, "decode prologue", (B, H, K, hd)):
+            kvspec = layout.spec(k.shape, ("batch", "kv_heads", "head_dim"))
+            if not _kv_split_ok(qspec[1], kvspec[1], K, "decode prologue", (B, H, K, hd)):
                 return None
         else:
             kvspec = P()
         fn = _local(run, layout, (qspec, kvspec, kvspec, P(), P(), P(), P(), P()) + tuple(specs),
-                    (qspec,) + tuple(specs))
+                    (P(qspec[0], None, *qspec[1:]),) + tuple(specs))
         got = fn(*args)
     new = layer_cache.with_stacks(dict(zip(names, got[1:]))) if k is not None else layer_cache
     return got[0], new

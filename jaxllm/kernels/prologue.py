@@ -51,7 +51,7 @@ class HeadPrep:
     norm_layer: jax.Array | int = 0
 
 
-def _kernel(*refs, names, outs, H, hd, S, slots, eps, offset, v_norm):
+def _kernel(*refs, names, outs, H, hd, S, slots, eps, offset, v_norm, split):
     r = dict(zip(names, refs))
     o = dict(zip(outs, refs[len(names):]))
     b, j = pl.program_id(0), pl.program_id(1)
@@ -65,8 +65,15 @@ def _kernel(*refs, names, outs, H, hd, S, slots, eps, offset, v_norm):
     cos, sin = jnp.cos(ang), jnp.sin(ang)
 
     def head(name, i):
-        return [plgpu.load(r[name].at[b, i, jnp.int32(s), pl.ds(0, wp)], mask=dm, other=0.0).astype(jnp.float32)
-                for s in (0, 1)]
+        if not split:
+            return [plgpu.load(r[name].at[b, i, jnp.int32(s), pl.ds(0, wp)], mask=dm, other=0.0).astype(jnp.float32)
+                    for s in (0, 1)]
+        # A K-split projection's partials: summed, scaled and rounded as the matmul would have stored it.
+        parts = [[plgpu.load(r[name].at[jnp.int32(p), b, i, jnp.int32(s), pl.ds(0, wp)], mask=dm, other=0.0)
+                  for p in range(split)] for s in (0, 1)]
+        scale = [plgpu.load(r[name + "_w_scale"].at[r["scale_idx"][0], i, jnp.int32(s), pl.ds(0, wp)], mask=dm,
+                            other=0.0) if name + "_w_scale" in r else 1.0 for s in (0, 1)]
+        return [(sum(ps) * sc).astype(dt).astype(jnp.float32) for ps, sc in zip(parts, scale)]
 
     def norm(x, wname):               # the weight's load is issued before the reduction
         ws = [] if wname is None else [
@@ -127,13 +134,27 @@ def _kernel(*refs, names, outs, H, hd, S, slots, eps, offset, v_norm):
                 plgpu.store(o["slot_pos"].at[layer, b, pl.ds(slot, 1)], jnp.full((1,), pos), mask=one)
 
 
-def decode_prologue(q, k, v, prep: HeadPrep, pos, stacks: dict, layer, *, slots: str = "clamp"):
+@dataclass(frozen=True)
+class SplitQKV:
+    """Q/K/V handed over as the float32 partial products [n, B, heads, hd] of a matmul that split
+    its K dimension: the kernel sums them, scales them per channel by the stacks `scales` ([L,
+    heads, hd] each, or None) at `idx`, and rounds them to `dtype`, as the matmul would have."""
+    scales: tuple
+    idx: jax.Array | int
+    dtype: object
+
+
+def decode_prologue(q, k, v, prep: HeadPrep, pos, stacks: dict, layer, *, slots: str = "clamp",
+                    split: SplitQKV | None = None):
     """q [B, H, hd] and k, v [B, K, hd] (raw projections; v is k itself where a family's values are
     its raw keys), positions pos [B], and the cache `stacks` to write at layer `layer`: `k` (absent
     where keys are rebuilt from values), `v` [L, B, S, K, hd], with `k_scale`, `v_scale` [L, B, S, K]
-    for int8, and `slot_pos` [L, B, S] for `ring` slots. With no stacks only q is prepared.
+    for int8, and `slot_pos` [L, B, S] for `ring` slots. With no stacks only q is prepared. With
+    `split`, q, k and v are K-split partials [n, B, heads, hd] (see `SplitQKV`).
     Returns (q rotated [B, H, hd], the stacks written)."""
-    B, H, hd = q.shape
+    n = 0 if split is None else q.shape[0]
+    B, H, hd = q.shape[1:] if split else q.shape
+    dtype = q.dtype if split is None else split.dtype
     if hd % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {hd}")
     if slots not in SLOTS:
@@ -152,15 +173,20 @@ def decode_prologue(q, k, v, prep: HeadPrep, pos, stacks: dict, layer, *, slots:
            "inv_freq": jnp.asarray(np.asarray(prep.inv_freq, np.float32)), "q": segs(q),
            "k": segs(k) if K and "k" in stacks else None, "v": segs(v) if K else None,
            "q_norm": stack(prep.q_norm), "k_norm": stack(prep.k_norm) if K else None}
+    if split is not None:
+        sq, sk, sv = split.scales
+        ins.update(scale_idx=jnp.reshape(split.idx, (1,)).astype(jnp.int32), q_w_scale=segs(sq),
+                   k_w_scale=segs(sk) if K and "k" in stacks else None, v_w_scale=segs(sv) if K else None)
     ins = {n: a for n, a in ins.items() if a is not None}
     cache = {n: segs(a) if n in ("k", "v") else a for n, a in stacks.items()}
     names = tuple(ins) + tuple("old_" + n for n in cache)     # aliased to the outputs, which are written
     outs = ("q",) + tuple(cache)
-    out_shape = (jax.ShapeDtypeStruct(ins["q"].shape, q.dtype),) + tuple(
+    out_shape = (jax.ShapeDtypeStruct(ins["q"].shape[1:] if split else ins["q"].shape, dtype),) + tuple(
         jax.ShapeDtypeStruct(a.shape, a.dtype) for a in cache.values())
-    note("decode prologue", (B, H, K, S, hd, str(stacks["v"].dtype) if K else "-", slots), "pallas")
+    note("decode prologue", (B, H, K, S, hd, str(stacks["v"].dtype) if K else "-", slots),
+         "pallas" + (f" summing {n} partials" if split else ""))
     kernel = functools.partial(_kernel, names=names, outs=outs, H=H, hd=hd, S=S, slots=slots,
-                               eps=prep.eps, offset=prep.offset, v_norm=prep.v_norm)
+                               eps=prep.eps, offset=prep.offset, v_norm=prep.v_norm, split=n)
     got = pl.pallas_call(kernel, out_shape=out_shape, grid=(B, H + K),
                          input_output_aliases={len(ins) + i: 1 + i for i in range(len(cache))},
                          compiler_params=plgpu.CompilerParams(num_warps=1 if hd <= 256 else 2, num_stages=1),
