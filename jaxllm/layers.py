@@ -22,12 +22,13 @@ def rms_norm(x: jax.Array, w: jax.Array | None, eps: float, offset: float = 0.0)
     return y.astype(x.dtype)
 
 
-def add_norm(x: jax.Array, y, post, pre, eps: float, offset: float = 0.0):
+def add_norm(x: jax.Array, y, post, pre, eps: float, offset: float = 0.0, h_into=None):
     """The residual add after a block and the next block's input norm: (x + rms_norm(y, post), or
     x + y with `post` None; and that normed with `pre`). One kernel on GPUs (`kernels.norm`), which
-    takes y as the matmul's unsummed `Partials` too."""
+    takes y as the matmul's unsummed `Partials` too, and may write the norm over `h_into` (an array
+    of the same shape the caller no longer needs) rather than a new buffer."""
     from .kernels.ops import add_norm as fused
-    out = fused(x, y, post, pre, eps, offset)
+    out = fused(x, y, post, pre, eps, offset, h_into)
     if out is not None:
         return out
     y = total(y)
@@ -67,12 +68,13 @@ def activation(name: str, x: jax.Array) -> jax.Array:
     raise ModelError(f"unsupported activation {name!r}")
 
 
-def gated_mlp(cfg: ModelConfig, w: dict, x: jax.Array) -> jax.Array:
+def gated_mlp(cfg: ModelConfig, w: dict, x: jax.Array, partials: bool = False) -> jax.Array:
+    """down(act(x @ gate) * (x @ up)); with `partials`, possibly as down's unsummed `Partials`."""
     from .kernels.ops import gated
     h = gated(x, w["gate"], w["up"], lambda g: activation(cfg.activation, g))
     if h is None:
         h = activation(cfg.activation, linear(x, w["gate"])) * linear(x, w["up"])
-    return linear(h, w["down"])
+    return linear(h, w["down"], partials=partials)
 
 
 def attention_mask(q_pos: jax.Array, kv_pos: jax.Array, window: int | None) -> jax.Array:

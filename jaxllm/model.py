@@ -147,14 +147,23 @@ def attention_block(cfg, kind, w, h, positions, layer_cache, start, own_kv: bool
     return linear(o, w["o"], 2, partials), layer_cache
 
 
-def decoder_layer(cfg, kind, w, x, positions, layer_cache, start):
-    h = Normed(x, w["attn_norm"], cfg.norm_eps, cfg.norm_offset)      # normed in the Q/K/V kernel
+def decoder_layer(cfg, kind, w, x, positions, layer_cache, start, h=None, next_norm=None):
+    """One layer on the residual stream x. With `next_norm` (the next layer's input norm weight),
+    `h` is x already normed for this layer, and the layer returns (x', next_norm applied to x'), the
+    residual add after the MLP and that norm one kernel (`add_norm`)."""
+    post_mlp = w["post_mlp_norm"] if cfg.sandwich_norms else None
+    h_in = h
+    if h is None:
+        h = Normed(x, w["attn_norm"], cfg.norm_eps, cfg.norm_offset)      # normed in the Q/K/V kernel
     a, layer_cache = attention_block(cfg, kind, w, h, positions, layer_cache, start, partials=True)
     x, h = add_norm(x, a, w["post_attn_norm"] if cfg.sandwich_norms else None, w["mlp_norm"],
                     cfg.norm_eps, cfg.norm_offset)
+    if next_norm is not None:
+        m = gated_mlp(cfg, w, h, partials=True)
+        return add_norm(x, m, post_mlp, next_norm, cfg.norm_eps, cfg.norm_offset, h_into=h_in), layer_cache
     m = gated_mlp(cfg, w, h)
-    if cfg.sandwich_norms:
-        m = rms_norm(m, w["post_mlp_norm"], cfg.norm_eps, cfg.norm_offset)
+    if post_mlp is not None:
+        m = rms_norm(m, post_mlp, cfg.norm_eps, cfg.norm_offset)
     return x + m, layer_cache
 
 
@@ -166,7 +175,7 @@ def take(tree, i):
 # in the Q/K/V matmul, the per-head ones in the prologue, those around the residual add in
 # `add_norm`): with the kernels on, these stay in their layer stack.
 MATMUL_WEIGHTS = ("q", "k", "v", "o", "gate", "up", "down", "ple_gate", "ple_out")
-IN_PLACE = MATMUL_WEIGHTS + ("attn_norm", "q_norm", "k_norm", "post_attn_norm", "mlp_norm")
+IN_PLACE = MATMUL_WEIGHTS + ("attn_norm", "q_norm", "k_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm")
 
 
 def layer_weights(group: dict, idx):
@@ -201,6 +210,13 @@ def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.A
         xs["inputs"] = hooks.layer_inputs(cfg, weights, tokens, x)     # leading axis: layers
     layer_fn = getattr(hooks, "decoder_layer", None)
     brs = branches(cfg)
+    next_norms = None
+    if layer_fn is None and tokens.size > NORM_ROWS:
+        # Several rows: each layer ends with its residual add and the next layer's input norm in
+        # one kernel, and the stream carries x normed for the layer ahead.
+        next_norms = next_input_norms(cfg, weights)
+        first = weights["layers"][cfg.group_of(0)]["attn_norm"][0]
+        x = (x, rms_norm(x, first, cfg.norm_eps, cfg.norm_offset))
 
     def branch(b: Branch):
         name = KIND_NAMES[b.kind]
@@ -212,7 +228,10 @@ def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.A
                 lc = kv.LayerKV(lc, s["cache_idx"])
             else:
                 lc = split.layer_view(lc, s["cache_idx"], tokens.shape[1])
-            if layer_fn is None:
+            if next_norms is not None:
+                x, lc = decoder_layer(cfg, b.kind, w, x[0], positions, lc, start, h=x[1],
+                                      next_norm=Stacked(next_norms[b.group], s["idx"], "attn_norm"))
+            elif layer_fn is None:
                 x, lc = decoder_layer(cfg, b.kind, w, x, positions, lc, start)
             else:
                 x, lc = layer_fn(cfg, b, w, x, positions, lc, start, s.get("inputs"))
@@ -236,7 +255,7 @@ def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.A
     p = layer_period(cfg) if len(brs) > 1 and layer_scan_mode() == "period" else None
     if p is None:
         (x, cache), _ = jax.lax.scan(step, (x, cache), xs, unroll=scan_unroll(cfg))
-        return x, cache
+        return (x, cache) if next_norms is None else (x[0], cache)
     # One scan step per period of the branch pattern (Gemma's 5 sliding + 1 global), each layer of
     # it on its own static branch; the layers past the last whole period follow, unrolled.
     pattern = schedule(cfg)["branch"][:p]
@@ -250,7 +269,22 @@ def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.A
     carry, _ = jax.lax.scan(period_step, (x, cache), periods, unroll=max(1, scan_unroll(cfg) // p))
     for i in range(n * p, cfg.num_layers):
         carry = branch(brs[pattern[i % p]])(*carry, jax.tree_util.tree_map(lambda a: a[i], xs))
-    return carry
+    return carry if next_norms is None else (carry[0][0], carry[1])
+
+
+def next_input_norms(cfg: ModelConfig, weights: dict) -> dict:
+    """Per layer group, a stack [layers in the group, D] of the input norm weight of the layer after
+    each (the final norm's after the last layer), in the group's own order."""
+    idx = schedule(cfg)["idx"]
+
+    def after(i):
+        if i + 1 == cfg.num_layers:
+            return weights["final_norm"]
+        return weights["layers"][cfg.group_of(i + 1)]["attn_norm"][int(idx[i + 1])]
+    groups = {}
+    for i in range(cfg.num_layers):
+        groups.setdefault(cfg.group_of(i), []).append(after(i))
+    return {g: jnp.stack(rows) for g, rows in groups.items()}
 
 
 MAX_PERIOD = 16

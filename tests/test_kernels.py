@@ -346,6 +346,13 @@ def test_residual_norm(split, post, dtype, monkeypatch):
     tol = 1e-6 if dtype == "float32" else 1e-2
     for a, b in zip(got["pallas"], got["xla"]):
         assert a.dtype == dt and _rel(a, b) < tol
+    # In a jitted step the outputs may take over x's buffer and a spent one's (`h_into`): the same
+    # values, and the caller's arrays are left as they were.
+    x0, spent = np.asarray(x), jnp.zeros_like(x)
+    step = jax.jit(lambda x, h: add_norm(x, y, pw if post else None, qw, 1e-6, 1.0, h_into=h))
+    for a, b in zip(step(x, spent), got["pallas"]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(x), x0)
 
 
 def test_matmul_partials_sum_to_the_product(monkeypatch):

@@ -51,10 +51,12 @@ def _kernel(*refs, names, D, split, eps, offset):
     plgpu.store(h_ref.at[i, pl.ds(0, dp)], norm(x.astype(jnp.float32), "pre").astype(dt), mask=dm)
 
 
-def residual_norm(x, y, scale, post, pre, *, eps: float, offset: float = 0.0):
+def residual_norm(x, y, scale, post, pre, *, eps: float, offset: float = 0.0, h_into=None):
     """x [M, D]; y [M, D], or float32 partials [split, M, D] with `scale` = (per-channel scales [D]
     or a stack [L, D], index) or (None, 0), summed, scaled and cast to x's dtype; `post`, `pre` =
-    (norm weight [D] or stack [L, D], index), `post` (None, 0) for none. Returns (x', h), x's dtype."""
+    (norm weight [D] or stack [L, D], index), `post` (None, 0) for none. Returns (x', h), x's dtype.
+    x' is written over x's buffer, and h over `h_into`'s ([M, D], x's dtype) where one is given, so
+    a residual stream carried through a loop is updated in place rather than copied."""
     M, D = x.shape
     split = y.shape[0] if y.ndim == 3 else 0
     ins = {"x": x, "y": y}
@@ -62,9 +64,14 @@ def residual_norm(x, y, scale, post, pre, *, eps: float, offset: float = 0.0):
         if w is not None:
             ins[name] = w if w.ndim == 2 else w[None]
             ins[name + "_idx"] = jnp.reshape(idx, (1,)).astype(jnp.int32)
+    aliases = {0: 0}                     # each program reads its row whole before writing it
+    if h_into is not None:
+        assert h_into.shape == x.shape and h_into.dtype == x.dtype, (h_into.shape, x.shape)
+        aliases[len(ins)] = 1
+        ins["h_into"] = h_into
     note("residual norm", (M, D, split or "-", str(x.dtype)), "pallas")
     kernel = functools.partial(_kernel, names=tuple(ins), D=D, split=split, eps=eps, offset=offset)
     out = jax.ShapeDtypeStruct((M, D), x.dtype)
-    return pl.pallas_call(kernel, out_shape=(out, out), grid=(M,),
+    return pl.pallas_call(kernel, out_shape=(out, out), grid=(M,), input_output_aliases=aliases,
                           compiler_params=plgpu.CompilerParams(num_warps=8 if _pow2(D) >= 4096 else 4, num_stages=1),
                           interpret=interpret(), name="residual_norm")(*ins.values())

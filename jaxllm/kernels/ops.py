@@ -311,10 +311,11 @@ def prologue(q, k, v, prep: HeadPrep, positions, layer_cache):
     return got[0], new
 
 
-def add_norm(x, y, post, pre, eps: float, offset: float):
+def add_norm(x, y, post, pre, eps: float, offset: float, h_into=None):
     """(x + rms_norm(y, post), rms_norm of that with `pre`) by `norm.residual_norm`, for up to
-    MAX_ROWS rows; y may be `Partials`. Under tensor parallelism every device computes it on the
-    whole (replicated) rows. None where XLA should do it."""
+    MAX_ROWS rows; y may be `Partials`; the second is written over `h_into` where one is given.
+    Under tensor parallelism every device computes it on the whole (replicated) rows. None where
+    XLA should do it."""
     M = math.prod(x.shape[:-1])
     if not enabled() or M > MAX_ROWS or pre is None:
         return None
@@ -325,12 +326,14 @@ def add_norm(x, y, post, pre, eps: float, offset: float):
     (pw, pi), (qw, qi) = _in_stack(post), _in_stack(pre)
     parts, (sc, si) = (y.parts, _in_stack(y.scale)) if isinstance(y, Partials) else (y, (None, 0))
 
-    def run(x, parts, sc, si, pw, pi, qw, qi):
+    def run(x, parts, sc, si, pw, pi, qw, qi, *into):
         lead = x.shape[:-1]
         ys = parts.reshape((parts.shape[0], M, -1) if isinstance(y, Partials) else (M, -1))
-        xo, h = residual_norm(x.reshape(M, -1), ys, (sc, si), (pw, pi), (qw, qi), eps=eps, offset=offset)
+        xo, h = residual_norm(x.reshape(M, -1), ys, (sc, si), (pw, pi), (qw, qi), eps=eps, offset=offset,
+                              h_into=into[0].reshape(M, -1) if into else None)
         return xo.reshape(x.shape), h.reshape(lead + h.shape[-1:])
-    args = (x, parts, sc, si, pw, pi, qw, qi)
+    into = () if h_into is None or h_into.shape != x.shape or h_into.dtype != x.dtype else (h_into,)
+    args = (x, parts, sc, si, pw, pi, qw, qi) + into
     if layout is None or layout.mesh.size == 1:
         return run(*args)
     return _local(run, layout, (P(),) * len(args), (P(), P()))(*args)
