@@ -50,8 +50,9 @@ class Tiles:
 @dataclass(frozen=True)
 class RowNorm:
     """An RMSNorm the kernel applies to x's rows as it loads them: x * rsqrt(mean(x^2) + eps) *
-    (offset + w[idx]), in float32 and rounded to x's dtype, as `layers.rms_norm` does. w is a
-    weight [K] or a stack [L, K] (None: no weight)."""
+    (offset + w[idx]) in float32, rounded to x's dtype as `layers.rms_norm` does (a program that
+    sees a whole row applies the rsqrt to its sums instead, unrounded). w is a weight [K] or a
+    stack [L, K] (None: no weight)."""
     w: jax.Array | None
     idx: jax.Array | int
     eps: float
@@ -160,14 +161,28 @@ def _product(x, w, t: Tiles):
 
 
 def _x_loader(x_ref, i, t: Tiles, M, K, norm=None):
-    """k0 -> this program's x tile at k0. With norm = (weight stack ref or None, index, eps, offset),
-    each row normalized as `RowNorm` says; its mean square is summed over all of K first (the row
-    is a few kilobytes, read again from the cache)."""
+    """(load, finish): load(k0) is this program's x tile at k0. With norm = (weight stack ref or
+    None, index, eps, offset), each row normalized as `RowNorm` says. Where one program covers a
+    whole row (one row, K not split), the row's mean square is summed in the main loop: load
+    returns (x times the norm weight, x squared) and the sums are scaled by finish(summed squares)
+    at the end, the norm being linear in x. Otherwise the mean square is summed over all of K first
+    (the row is a few kilobytes, read again from the cache) and finish is None."""
     def plain(k0):
         return _load_x(x_ref, i, k0, t, M, K)
     if norm is None:
-        return plain
+        return plain, None
     w_ref, idx, eps, offset = norm
+
+    def weight(k0):
+        ks = k0 + jnp.arange(t.bk)
+        w = plgpu.load(w_ref.at[idx, pl.ds(k0, t.bk)], mask=ks < K, other=0.0).astype(jnp.float32)
+        return offset + (w if t.bm == 1 else w[None, :])
+
+    if t.bm == 1 and t.split == 1:
+        def weighted(k0):
+            x = plain(k0).astype(jnp.float32)
+            return (x if w_ref is None else x * weight(k0)), x * x
+        return weighted, lambda sq: jax.lax.rsqrt(jnp.sum(sq) / K + eps)
 
     def squares(n, acc):
         x = plain(n * t.bk).astype(jnp.float32)
@@ -179,26 +194,33 @@ def _x_loader(x_ref, i, t: Tiles, M, K, norm=None):
         x = plain(k0)
         y = x.astype(jnp.float32) * (inv if t.bm == 1 else inv[:, None])
         if w_ref is not None:
-            ks = k0 + jnp.arange(t.bk)
-            w = plgpu.load(w_ref.at[idx, pl.ds(k0, t.bk)], mask=ks < K, other=0.0).astype(jnp.float32)
-            y = y * (offset + (w if t.bm == 1 else w[None, :]))
+            y = y * weight(k0)
         return y.astype(x.dtype)
-    return normed
+    return normed, None
 
 
-def _accumulate(load_x, w_refs, layer, j, s, steps, t: Tiles, K, N):
+def _accumulate(loader, w_refs, layer, j, s, steps, t: Tiles, K, N):
     """[bm, bn] float32 sums over this program's K range for each weight in w_refs."""
+    load_x, finish = loader
     k_lo = s * steps * t.bk
     shape = ((t.bn, t.bk // (t.fold or 1)) if t.out_major else (t.bk, t.bn)) if t.bm == 1 else (t.bm, t.bn)
     acc = tuple(jnp.zeros(shape, jnp.float32) for _ in w_refs)
+    sq = () if finish is None else (jnp.zeros((t.bk,), jnp.float32),)   # the row's squares
 
-    def body(n, acc):
+    def body(n, carry):
+        acc, sq = carry
         k0 = k_lo + n * t.bk
         x = load_x(k0)
-        return tuple(a + _product(x, _load_w(w, layer, j, k0, t, K, N), t) for a, w in zip(acc, w_refs))
-    acc = jax.lax.fori_loop(0, steps, body, acc)
+        if finish is not None:
+            x, x2 = x
+            sq = (sq[0] + x2,)
+        return tuple(a + _product(x, _load_w(w, layer, j, k0, t, K, N), t) for a, w in zip(acc, w_refs)), sq
+    acc, sq = jax.lax.fori_loop(0, steps, body, (acc, sq))
     if t.bm == 1:
-        return tuple(jnp.sum(a, axis=1 if t.out_major else 0)[None, :] for a in acc)
+        acc = tuple(jnp.sum(a, axis=1 if t.out_major else 0)[None, :] for a in acc)
+    if finish is not None:
+        inv = finish(sq[0])
+        acc = tuple(a * inv for a in acc)
     return acc
 
 
@@ -226,10 +248,10 @@ def _matmul_kernel(layer_ref, x_ref, *refs, t: Tiles, M, K, Ns, steps, scaled, n
     if norm is not None:
         has_w, eps, offset = norm
         w_ref = refs[1] if has_w else None
-        load_x = _x_loader(x_ref, i, t, M, K, (w_ref, refs[0][0], eps, offset))
+        loader = _x_loader(x_ref, i, t, M, K, (w_ref, refs[0][0], eps, offset))
         refs = refs[1 + has_w:]
     else:
-        load_x = _x_loader(x_ref, i, t, M, K)
+        loader = _x_loader(x_ref, i, t, M, K)
     n = len(Ns)
     w_refs, o_refs = refs[:n], refs[-n:]
     s_refs = refs[n:2 * n] if scaled else (None,) * n
@@ -240,7 +262,7 @@ def _matmul_kernel(layer_ref, x_ref, *refs, t: Tiles, M, K, Ns, steps, scaled, n
 
         @pl.when((j >= first) & (j < first + nb))
         def _(w_ref=w_ref, s_ref=s_ref, o_ref=o_ref, N=N, jj=j - first):
-            (acc,) = _accumulate(load_x, (w_ref,), layer, jj, s, steps, t, K, N)
+            (acc,) = _accumulate(loader, (w_ref,), layer, jj, s, steps, t, K, N)
             if t.split == 1:
                 _store(o_ref, _scaled(acc, s_ref, layer, jj, t, N), i, jj, t, M, N)
             else:
