@@ -24,9 +24,10 @@ from ..quant import Normed, Partials, QuantArray, Stacked
 
 MAX_ROWS = 256         # above this many rows (a prefill) a step is compute-bound: XLA's GEMMs
 HEAD_ROWS = 64         # the output head is wide enough to be compute-bound above this
-# A matmul normalizes its input rows (`Normed`) for up to this many: every program reads the whole
-# rows once more for their mean square, 5 KB for one row of Qwen3-4B, but at 8 rows that cost more
-# than the two XLA kernels it saves (one H100: batch 1 +5%, batch 8 -2%, batch 64 -3%).
+# A matmul normalizes its input rows (`Normed`) for up to this many. Each program needs the rows'
+# mean squares: one row it sums in its main loop, but several rows it read once more first, which
+# at 8 rows cost more than the two XLA kernels it saved (one H100: batch 1 +5%, batch 8 -2%, batch
+# 64 -3%). Above this, the model ends each layer with the next layer's norm instead (`add_norm`).
 NORM_ROWS = 1
 
 # Logical axes of each layer weight the kernels take, after the stacked layer axis.
