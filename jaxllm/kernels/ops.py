@@ -259,13 +259,15 @@ def prologue(q, k, v, prep: HeadPrep, positions, layer_cache):
     """Rotated queries [B, 1, H, hd] and `layer_cache` with this step's K/V written, from raw
     projections of one token per row (k, v None: queries alone, for a layer reading another's
     cache), by `prologue.decode_prologue`. None where XLA should do it."""
+    if not enabled():
+        return None
     layout = current_layout()
     parts = [y for y in (q, k, v) if isinstance(y, Partials)]
-    if parts and (len(parts) != len([y for y in (q, k, v) if y is not None]) or not enabled()
+    if parts and (len(parts) != len([y for y in (q, k, v) if y is not None])
                   or (layout is not None and layout.mesh.size > 1)):
-        return None
+        return None                   # partials only all together, on one device
     B, T, H, hd = q.shape if not parts else q.parts.shape[1:]
-    if not enabled() or T != 1 or hd % 2:
+    if T != 1 or hd % 2:
         return None
     stacks, slots = layer_cache.kernel_stacks() if k is not None else ({}, "clamp")
     stacks = {n: a for n, a in stacks.items() if a is not None}
