@@ -144,6 +144,7 @@ def test_tile_choice_fits_and_fills():
     assert choose_tiles(8, 2560, 6144, out_major=True, outputs=3).split > 1
     # ... in blocks of 64 channels, or 32 where an output is too narrow for 64 to fill the GPU
     assert [choose_tiles(8, K, N, out_major=True).bn for K, N in ((2560, 6144), (9728, 2560))] == [64, 32]
+    assert choose_tiles(8, 2560, 9728, True, out_major=True).bn == 32
 
 
 @pytest.mark.parametrize("B,H,K,S,hd,window,softcap,pos", [
