@@ -253,6 +253,16 @@ def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.A
         return (x, caches), None
 
     p = layer_period(cfg) if len(brs) > 1 and layer_scan_mode() == "period" else None
+    if p is None and counted_layers(cfg) and "inputs" not in xs:
+        # Layer i reads stack entry i and cache i: the scan carries i itself instead of slicing the
+        # schedule, whose index clamp was a kernel of its own each layer on GPUs.
+        def counted(carry, _):
+            c, i = carry
+            c, _ = step(c, {"idx": i, "cache_idx": i})
+            return (c, i + 1), None
+        ((x, cache), _), _ = jax.lax.scan(counted, ((x, cache), jnp.int32(0)), None, length=cfg.num_layers,
+                                          unroll=scan_unroll(cfg))
+        return (x, cache) if next_norms is None else (x[0], cache)
     if p is None:
         (x, cache), _ = jax.lax.scan(step, (x, cache), xs, unroll=scan_unroll(cfg))
         return (x, cache) if next_norms is None else (x[0], cache)
@@ -285,6 +295,13 @@ def next_input_norms(cfg: ModelConfig, weights: dict) -> dict:
     for i in range(cfg.num_layers):
         groups.setdefault(cfg.group_of(i), []).append(after(i))
     return {g: jnp.stack(rows) for g, rows in groups.items()}
+
+
+def counted_layers(cfg: ModelConfig) -> bool:
+    """Whether every layer takes the one branch at its own index in its weight and cache stacks."""
+    s = schedule(cfg)
+    n = np.arange(cfg.num_layers)
+    return len(branches(cfg)) == 1 and (s["idx"] == n).all() and (s["cache_idx"] == n).all()
 
 
 MAX_PERIOD = 16
