@@ -105,7 +105,7 @@ def test_period_scan_equals_conditional_scan(family, layers, tmp_path, monkeypat
     """The layer scan over whole periods of the sliding/global pattern (what GPUs run: no
     conditional per layer) against the scan with a `lax.cond` per layer: full forward and decode
     steps. Gemma 3's 8 layers are one period of 6 and two more; Gemma 4's are one period of 8."""
-    from jaxllm.model import layer_period
+    from jaxllm.model import counted_layers, layer_period
     if family == "gemma3":
         tiny.make(family, tmp_path, seed=4, num_hidden_layers=layers)
     else:
@@ -121,9 +121,30 @@ def test_period_scan_equals_conditional_scan(family, layers, tmp_path, monkeypat
             lg, cache = eng.step(ids[:, t], np.full(2, t), cache)
             steps.append(np.asarray(lg))
         got[mode] = eng.logits(ids), np.stack(steps)
-    assert layer_period(eng.cfg) == {"gemma3": 6, "gemma4": 8}[family]
+    assert layer_period(eng.cfg) == {"gemma3": 6, "gemma4": 8}[family] and not counted_layers(eng.cfg)
     assert tiny.rel_err(got["period"][0], got["cond"][0]) < 1e-5
     assert tiny.rel_err(got["period"][1], got["cond"][1]) < 1e-5
+
+
+def test_carried_layer_index_equals_the_schedule_scan(tmp_path, monkeypatch):
+    """Qwen3 (one branch, layer i on stack and cache entry i) scans with the layer index in the
+    carry; against the scan over the schedule's index arrays: full forward and decode steps."""
+    from jaxllm import model
+    tiny.make("qwen3", tmp_path, seed=5)
+    ids = np.random.default_rng(4).integers(0, 160, (2, 10)).astype(np.int32)
+    got = {}
+    for counted in (True, False):
+        monkeypatch.setattr(model, "counted_layers", lambda cfg, c=counted: c)
+        eng = jaxllm.load(str(tmp_path), quant="none", dtype="float32", max_ctx=32)
+        cache, steps = eng.new_cache(2, 16), []
+        for t in range(ids.shape[1]):
+            lg, cache = eng.step(ids[:, t], np.full(2, t), cache)
+            steps.append(np.asarray(lg))
+        got[counted] = eng.logits(ids), np.stack(steps)
+    monkeypatch.undo()
+    assert model.counted_layers(eng.cfg)
+    assert tiny.rel_err(got[True][0], got[False][0]) < 1e-6
+    assert tiny.rel_err(got[True][1], got[False][1]) < 1e-6
 
 
 def test_layer_scan_mode_is_checked(monkeypatch):
