@@ -100,6 +100,15 @@ def test_max_tokens_per_row_and_finish_reason(eng):
         assert len(out[0].token_ids) == 5
 
 
+def forward_and_steps(eng, ids):
+    """Full-forward logits of ids [2, T] and the logits of decoding them one step at a time."""
+    cache, steps = eng.new_cache(2, 16), []
+    for t in range(ids.shape[1]):
+        lg, cache = eng.step(ids[:, t], np.full(2, t), cache)
+        steps.append(np.asarray(lg))
+    return eng.logits(ids), np.stack(steps)
+
+
 @pytest.mark.parametrize("family,layers", [("gemma3", 8), ("gemma4", 8)])
 def test_period_scan_equals_conditional_scan(family, layers, tmp_path, monkeypatch):
     """The layer scan over whole periods of the sliding/global pattern (what GPUs run: no
@@ -116,11 +125,7 @@ def test_period_scan_equals_conditional_scan(family, layers, tmp_path, monkeypat
     for mode in ("cond", "period"):
         monkeypatch.setenv("JAXLLM_LAYER_SCAN", mode)
         eng = jaxllm.load(str(tmp_path), quant="none", dtype="float32", max_ctx=32)
-        cache, steps = eng.new_cache(2, 16), []
-        for t in range(ids.shape[1]):
-            lg, cache = eng.step(ids[:, t], np.full(2, t), cache)
-            steps.append(np.asarray(lg))
-        got[mode] = eng.logits(ids), np.stack(steps)
+        got[mode] = forward_and_steps(eng, ids)
     assert layer_period(eng.cfg) == {"gemma3": 6, "gemma4": 8}[family] and not counted_layers(eng.cfg)
     assert tiny.rel_err(got["period"][0], got["cond"][0]) < 1e-5
     assert tiny.rel_err(got["period"][1], got["cond"][1]) < 1e-5
@@ -136,11 +141,7 @@ def test_carried_layer_index_equals_the_schedule_scan(tmp_path, monkeypatch):
     for counted in (True, False):
         monkeypatch.setattr(model, "counted_layers", lambda cfg, c=counted: c)
         eng = jaxllm.load(str(tmp_path), quant="none", dtype="float32", max_ctx=32)
-        cache, steps = eng.new_cache(2, 16), []
-        for t in range(ids.shape[1]):
-            lg, cache = eng.step(ids[:, t], np.full(2, t), cache)
-            steps.append(np.asarray(lg))
-        got[counted] = eng.logits(ids), np.stack(steps)
+        got[counted] = forward_and_steps(eng, ids)
     monkeypatch.undo()
     assert model.counted_layers(eng.cfg)
     assert tiny.rel_err(got[True][0], got[False][0]) < 1e-6
