@@ -2,6 +2,11 @@
 preset, with the weights stacked as the model holds them (so nothing stays in L2 between layers).
 
     python scripts/kernel_bench.py --shape qwen3-4b --rows 1,8,64 --ctx 2048 --out DIR
+    python scripts/kernel_bench.py --shape gemma4-31b --tp 4 --rows 1 --layouts out --out DIR
+
+With `--tp N` the shapes are one device's shards under N-way tensor parallelism (Q/K/V and gate/up
+split along their outputs, O and down along their inputs, attention over 1/N of the heads), so the
+tiles of a tensor-parallel run can be tuned on a single GPU.
 
 For each matmul it reports GB/s of weight bytes moved (int8 weights plus scales) next to the
 device's measured bandwidth, for each tile configuration tried, with the weights input-major and
@@ -62,11 +67,13 @@ def _one_layer(gated, x, w, w2, s, layer, t):
     return stacked_matmul(x, w, s, layer, t, t.out_major).astype(jnp.float32)
 
 
-def matmul_cases(cfg):
+def matmul_cases(cfg, tp: int = 1):
+    """(K, N) of each matmul of the first layer kind, as one of `tp` devices holds it."""
     a = cfg.attn[cfg.layer_kinds[0]]
     D, F = cfg.hidden_size, cfg.intermediate_size
-    return {"qkv": (D, (a.num_heads + 2 * a.num_kv_heads) * a.head_dim),
-            "o": (a.num_heads * a.head_dim, D), "down": (F, D), "gate_up": (D, F)}
+    n_kv = 1 if a.k_eq_v else 2
+    return {"qkv": (D, (a.num_heads + n_kv * a.num_kv_heads) * a.head_dim // tp),
+            "o": (a.num_heads * a.head_dim // tp, D), "down": (F // tp, D), "gate_up": (D, F // tp)}
 
 
 def variants(M, K, N, gated, out_major, quick):
@@ -78,7 +85,7 @@ def variants(M, K, N, gated, out_major, quick):
     if quick:
         return out
     if M == 1 and out_major:
-        shapes = [(bn, bk) for bn in (4, 8, 16, 32) for bk in (128, 256, 512) if 1024 <= bn * bk <= 8192]
+        shapes = [(bn, bk) for bn in (4, 8, 16, 32) for bk in (128, 256, 512, 1024) if 1024 <= bn * bk <= 8192]
     elif M == 1:
         shapes = [(bn, bk) for bn in (64, 128, 256, 512) for bk in (16, 32, 64, 128) if bn * bk <= 16384]
     else:
@@ -96,6 +103,7 @@ def main():
     p.add_argument("--rows", default="1,8,64")
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--out", default="kernel_bench")
+    p.add_argument("--tp", type=int, default=1, help="time one device's shards of an N-way tensor-parallel layer")
     p.add_argument("--quick", action="store_true", help="only the automatic tiles and XLA")
     p.add_argument("--tune-rows", type=int, default=8, help="try tile variants up to this many rows")
     p.add_argument("--cases", default="", help="matmuls to time, comma-separated (default: all)")
@@ -106,11 +114,15 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     cfg, _ = resolve_shape(a.shape)
     L = cfg.num_layers
+    a_spec = cfg.attn[cfg.layer_kinds[0]]
+    if a.tp < 1 or any(n % a.tp for n in (a_spec.num_heads, a_spec.num_kv_heads, cfg.intermediate_size)):
+        sys.exit(f"--tp {a.tp}: does not divide the heads ({a_spec.num_heads} query, {a_spec.num_kv_heads} "
+                 f"key/value) and the MLP width ({cfg.intermediate_size}) of {a.shape}")
     bw = ceil.measure_bandwidth(ceil.default_probe_bytes(jax.devices()[0]))
     print(f"bandwidth {bw[1] / 1e9:.0f} GB/s ({bw[0]})", flush=True)
     key = jax.random.key(0)
     rows = []
-    for name, (K, N) in matmul_cases(cfg).items():
+    for name, (K, N) in matmul_cases(cfg, a.tp).items():
         if a.cases and name not in a.cases.split(","):
             continue
         gated = name == "gate_up"
@@ -161,8 +173,7 @@ def main():
             print(f"{name:8s} M={M:3d} K={K:5d} N={N:5d}  xla {row['xla_GBps']:7.0f}  auto "
                   f"{row['auto_GBps'] or 0:7.0f}  auto out-major {row['auto_out_major_GBps'] or 0:7.0f}  "
                   f"best {row['best_GBps'] or 0:7.0f} GB/s  ({best})", flush=True)
-    a_spec = cfg.attn[cfg.layer_kinds[0]]
-    H, Kh, hd = a_spec.num_heads, a_spec.num_kv_heads, a_spec.head_dim
+    H, Kh, hd = a_spec.num_heads // a.tp, a_spec.num_kv_heads // a.tp, a_spec.head_dim
     att = []
     for B in [int(r) for r in a.rows.split(",")]:
         S = a.ctx
@@ -178,6 +189,7 @@ def main():
         att.append({"B": B, "S": S, "bytes": nbytes, "pallas_GBps": nbytes / tk / 1e9, "xla_GBps": nbytes / tx / 1e9})
         print(f"attention B={B:3d} S={S}  xla {nbytes / tx / 1e9:7.0f}  pallas {nbytes / tk / 1e9:7.0f} GB/s", flush=True)
     json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "bandwidth_GBps": bw[1] / 1e9,
+               "shape": a.shape, "tp": a.tp,
                "matmuls": rows, "attention": att}, open(os.path.join(a.out, "kernel_bench.json"), "w"), indent=1)
 
 
