@@ -17,6 +17,9 @@ import os
 import jax
 
 from ..errors import ModelError
+from . import offsets
+
+offsets.install()
 
 MODES = ("auto", "xla", "pallas")
 log = logging.getLogger("jaxllm.kernels")
@@ -69,6 +72,19 @@ def enabled() -> bool:
 def interpret() -> bool:
     """Pallas runs compiled (Triton) on a GPU and interpreted anywhere else."""
     return jax.default_backend() != "gpu"
+
+
+def pallas_call(kernel, **kw):
+    """`pl.pallas_call`, compiled on a GPU and interpreted anywhere else; compiled, its operands
+    are first checked against what the lowering's offsets can address (`offsets`)."""
+    from jax.experimental import pallas as pl
+    call = pl.pallas_call(kernel, interpret=interpret(), **kw)
+
+    def run(*args):
+        if not interpret():
+            offsets.check(*args)
+        return call(*args)
+    return run
 
 
 def note(kernel: str, shape: tuple, choice: str) -> None:

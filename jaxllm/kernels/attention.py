@@ -26,7 +26,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from . import interpret, note
+from . import note, pallas_call
 from .matmul import SMS, _pow2
 
 NEG = -1e30
@@ -180,10 +180,9 @@ def merge_chunks(o, m, l, dtype):
     hd = o.size // m.size
     dc = min(_pow2(hd), max(16, 4096 // _pow2(n)))          # about 4096 partial values a program
     kernel = functools.partial(_merge_kernel, n=n, hd=hd, dc=dc)
-    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((B, K * G, hd), dtype),
-                          grid=(B, K * G, pl.cdiv(hd, dc)),
-                          compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-                          interpret=interpret(), name="merge_chunks")(
+    return pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((B, K * G, hd), dtype),
+                       grid=(B, K * G, pl.cdiv(hd, dc)),
+                       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), name="merge_chunks")(
         o.reshape(n, B, K * G, hd), m.reshape(n, B, K * G), l.reshape(n, B, K * G))
 
 
@@ -236,7 +235,7 @@ def decode_attention(q, cache: Cache, layer, pos, *, scale: float, softcap=None,
     out_shape = (jax.ShapeDtypeStruct((n, B, K, G, nseg, hd // nseg), jnp.float32),
                  jax.ShapeDtypeStruct((n, B, K, G), jnp.float32),
                  jax.ShapeDtypeStruct((n, B, K, G), jnp.float32))
-    o, m, l = pl.pallas_call(kernel, out_shape=out_shape, grid=(B, K, n),
-                             compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=2),
-                             interpret=interpret(), name="decode_attention")(*ins.values())
+    o, m, l = pallas_call(kernel, out_shape=out_shape, grid=(B, K, n),
+                          compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=2),
+                          name="decode_attention")(*ins.values())
     return merge_chunks(o, m, l, q.dtype).reshape(B, H, hd)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from . import interpret, note
+from . import note, pallas_call
 
 
 @dataclass(frozen=True)
@@ -344,8 +344,8 @@ def stacked_matmuls(x, weights, layer, tiles: Tiles | None = None, out_major: bo
                                norm=normed)
     args = ((jnp.reshape(layer, (1,)).astype(jnp.int32), x) + norm_args + tuple(w for w, _ in weights)
             + (tuple(sc for _, sc in weights) if scaled else ()))
-    outs = pl.pallas_call(kernel, out_shape=out_shape, grid=grid, compiler_params=_params(t),
-                          interpret=interpret(), name="stacked_matmul")(*args)
+    outs = pallas_call(kernel, out_shape=out_shape, grid=grid, compiler_params=_params(t),
+                       name="stacked_matmul")(*args)
     if t.split == 1 or not summed:
         return list(outs)
     res = []
@@ -381,8 +381,8 @@ def stacked_gated(x, gate, up, layer, act, tiles: Tiles | None = None, out_major
         out_shape = jax.ShapeDtypeStruct((M, N), x.dtype)
     else:
         out_shape = [jax.ShapeDtypeStruct((t.split, M, N), jnp.float32)] * 2
-    out = pl.pallas_call(kernel, out_shape=out_shape, grid=grid, compiler_params=_params(t),
-                         interpret=interpret(), name="stacked_gated")(*args)
+    out = pallas_call(kernel, out_shape=out_shape, grid=grid, compiler_params=_params(t),
+                      name="stacked_gated")(*args)
     if t.split == 1:
         return out
     g, u = out[0].sum(axis=0), out[1].sum(axis=0)

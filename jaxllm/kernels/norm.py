@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from . import interpret, note
+from . import note, pallas_call
 from .matmul import _pow2
 
 
@@ -72,6 +72,6 @@ def residual_norm(x, y, scale, post, pre, *, eps: float, offset: float = 0.0, h_
     note("residual norm", (M, D, split or "-", str(x.dtype)), "pallas")
     kernel = functools.partial(_kernel, names=tuple(ins), D=D, split=split, eps=eps, offset=offset)
     out = jax.ShapeDtypeStruct((M, D), x.dtype)
-    return pl.pallas_call(kernel, out_shape=(out, out), grid=(M,), input_output_aliases=aliases,
-                          compiler_params=plgpu.CompilerParams(num_warps=8 if _pow2(D) >= 4096 else 4, num_stages=1),
-                          interpret=interpret(), name="residual_norm")(*ins.values())
+    return pallas_call(kernel, out_shape=(out, out), grid=(M,), input_output_aliases=aliases,
+                       compiler_params=plgpu.CompilerParams(num_warps=8 if _pow2(D) >= 4096 else 4, num_stages=1),
+                       name="residual_norm")(*ins.values())

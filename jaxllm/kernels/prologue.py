@@ -24,7 +24,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from . import interpret, note
+from . import note, pallas_call
 from .matmul import _pow2
 
 SLOTS = ("clamp", "drop", "ring")
@@ -187,9 +187,9 @@ def decode_prologue(q, k, v, prep: HeadPrep, pos, stacks: dict, layer, *, slots:
          "pallas" + (f" summing {n} partials" if split else ""))
     kernel = functools.partial(_kernel, names=names, outs=outs, H=H, hd=hd, S=S, slots=slots,
                                eps=prep.eps, offset=prep.offset, v_norm=prep.v_norm, split=n)
-    got = pl.pallas_call(kernel, out_shape=out_shape, grid=(B, H + K),
-                         input_output_aliases={len(ins) + i: 1 + i for i in range(len(cache))},
-                         compiler_params=plgpu.CompilerParams(num_warps=1 if hd <= 256 else 2, num_stages=1),
-                         interpret=interpret(), name="decode_prologue")(*ins.values(), *cache.values())
+    got = pallas_call(kernel, out_shape=out_shape, grid=(B, H + K),
+                      input_output_aliases={len(ins) + i: 1 + i for i in range(len(cache))},
+                      compiler_params=plgpu.CompilerParams(num_warps=1 if hd <= 256 else 2, num_stages=1),
+                      name="decode_prologue")(*ins.values(), *cache.values())
     written = {n: a.reshape(stacks[n].shape) for n, a in zip(cache, got[1:])}
     return got[0].reshape(B, H, hd), written
