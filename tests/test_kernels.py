@@ -139,6 +139,11 @@ def test_tile_choice_fits_and_fills():
     # Batch 1, output-major: each thread folds its 16 contiguous inputs every step
     assert choose_tiles(1, 2560, 9728, True, out_major=True).fold == 16
     assert choose_tiles(1, 21504, 5376, out_major=True).split > 1
+    # ... unless XLA would sum the partials (a row-parallel shard): then narrower blocks, unsplit,
+    # where they cover the GPU twice
+    t = choose_tiles(1, 21504 // 4, 5376, out_major=True, xla_sums=True)
+    assert (t.bn, t.split) == (8, 1)
+    assert choose_tiles(1, 2560, 1024, out_major=True, xla_sums=True).split > 1
     # 8 rows: a gated product is not split (its partials' sum would be an XLA kernel); others are
     assert choose_tiles(8, 2560, 9728, True, out_major=True).split == 1
     assert choose_tiles(8, 2560, 6144, out_major=True, outputs=3).split > 1

@@ -70,7 +70,7 @@ SMEM = 200 * 1024     # of the 227 KiB a block may use on H100/H200, leaving Tri
 
 
 def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, *, bn=None, bk=None,
-                 warps=None, out_major: bool = False, outputs: int = 1) -> Tiles:
+                 warps=None, out_major: bool = False, outputs: int = 1, xla_sums: bool = False) -> Tiles:
     """Blocks for an [M, K] x [K, N] product (N summed over the weights of a fused call).
 
     M=1 is a vector product: each thread multiplies its part of a weight tile into a float32
@@ -88,7 +88,11 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, 
     (Q, K, V) go on to a kernel, so each sum would be an XLA kernel of its own: those are not split
     where the blocks already cover the GPU twice (2.6% faster at batch 1 for Qwen3-4B; O and down
     of Gemma 4 31B were 5-15% slower unsplit). (Narrower blocks of 4 channels timed
-    faster alone but slower inside the model's decode step.)"""
+    faster alone but slower inside the model's decode step.) With `xla_sums` a split's partials
+    would be summed by an XLA kernel of their own (a row-parallel shard under tensor parallelism,
+    before its all-reduce): a single output then takes blocks of 8 channels unsplit where those
+    cover the GPU twice (Gemma 4 31B's O on one H200, as one of 4 / 2 devices holds it: 2903 / 3318
+    GB/s against 1688 / 2385 split; its down projection at TP=2 2380 against 2044, at TP=4 even)."""
     if out_major and M == 1:
         bm, bn_, bk_, warps_ = 1, 16, min(512, max(16, _pow2(K))), 8
     elif M == 1:
@@ -103,6 +107,10 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, 
             # and O and down on 32; then 2343-2366 against 2295-2312 with the gated product on 32
             # (16: 1990).
             bn_, warps_ = 64 if not gated and -(-N // 64) * 4 >= 2 * SMS else 32, 4
+    target = 3 * SMS if out_major and M == 1 else 4 * SMS
+    if (out_major and M == 1 and xla_sums and outputs == 1 and bn is None
+            and -(-N // bn_) < target and -(-N // 8) >= 2 * SMS):
+        bn_ = 8
     bn, bk, warps = bn or bn_, bk or bk_, warps or warps_
     blocks = -(-M // bm) * -(-N // bn)
     split = 1
@@ -110,7 +118,8 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, 
     # partials is an XLA kernel of its own (Qwen3-4B batch 8 on one H100: 2108-2114 tok/s unsplit,
     # 2074-2092 split in 4).
     max_split = (4 if gated else 16) if M == 1 else (1 if gated and bm <= 16 else 4) if M <= 64 else 2
-    target = 3 * SMS if out_major and M == 1 else 4 * SMS
+    if bn == 8 and xla_sums and out_major and M == 1:
+        target = blocks     # the narrow blocks stand in for the split
     if out_major and M == 1 and outputs > 1 and blocks >= 2 * SMS:
         target = blocks     # no split: the partials' sums would be a kernel per output
     while split < max_split and blocks * split < target and K >= 2 * split * bk:
@@ -327,7 +336,7 @@ def stacked_matmuls(x, weights, layer, tiles: Tiles | None = None, out_major: bo
     scaled = weights[0][1] is not None
     assert all((sc is not None) == scaled for _, sc in weights)
     t = tiles or choose_tiles(M, K, sum(Ns), w_bytes=weights[0][0].dtype.itemsize, out_major=out_major,
-                              outputs=len(Ns))
+                              outputs=len(Ns), xla_sums=summed)
     assert t.out_major == out_major, (t, out_major)
     note(log_as, (M, K, "+".join(map(str, Ns)), str(weights[0][0].dtype)),
          t.label() + (" rms-norm" if norm is not None else ""))
