@@ -139,17 +139,25 @@ def test_tile_choice_fits_and_fills():
     # Batch 1, output-major: each thread folds its 16 contiguous inputs every step
     assert choose_tiles(1, 2560, 9728, True, out_major=True).fold == 16
     assert choose_tiles(1, 21504, 5376, out_major=True).split > 1
-    # ... unless XLA would sum the partials (a row-parallel shard): then narrower blocks, unsplit,
-    # where they cover the GPU twice
-    t = choose_tiles(1, 21504 // 4, 5376, out_major=True, xla_sums=True)
+    # ... unless it is a row-parallel shard, all-reduced next (its partials' sum would be a kernel
+    # of its own): then narrower blocks, unsplit, where they cover the GPU twice
+    t = choose_tiles(1, 21504 // 4, 5376, out_major=True, psum_after=True)
     assert (t.bn, t.split) == (8, 1)
-    assert choose_tiles(1, 2560, 1024, out_major=True, xla_sums=True).split > 1
+    assert choose_tiles(1, 2560, 1024, out_major=True, psum_after=True).split > 1
     # 8 rows: a gated product is not split (its partials' sum would be an XLA kernel); others are
     assert choose_tiles(8, 2560, 9728, True, out_major=True).split == 1
     assert choose_tiles(8, 2560, 6144, out_major=True, outputs=3).split > 1
     # ... in blocks of 64 channels, or 32 where an output is too narrow for 64 to fill the GPU
     assert [choose_tiles(8, K, N, out_major=True).bn for K, N in ((2560, 6144), (9728, 2560))] == [64, 32]
     assert choose_tiles(8, 2560, 9728, True, out_major=True).bn == 32
+
+
+def test_batch1_gated_warps_per_gpu(monkeypatch):
+    """The batch-1 gated product runs 4 warps a block on an H200, 8 elsewhere."""
+    for kind, warps in (("NVIDIA H200", 4), ("NVIDIA H100 80GB HBM3", 8)):
+        monkeypatch.setattr(matmul, "device_kind", lambda kind=kind: kind)
+        assert choose_tiles(1, 5376, 10752, True, out_major=True).warps == warps
+        assert choose_tiles(1, 5376, 10752, out_major=True).warps == 8
 
 
 @pytest.mark.parametrize("B,H,K,S,hd,window,softcap,pos", [

@@ -69,6 +69,12 @@ def enabled() -> bool:
     return jax.device_count() == 1 if lay is None else lay.dp == 1
 
 
+def device_kind() -> str:
+    """The kind of device what is traced now runs on (e.g. "NVIDIA H200"), for tiles tuned per GPU."""
+    lay = _layout.get()
+    return (jax.devices()[0] if lay is None else lay.mesh.devices.flat[0]).device_kind
+
+
 def interpret() -> bool:
     """Pallas runs compiled (Triton) on a GPU and interpreted anywhere else."""
     return jax.default_backend() != "gpu"

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from . import note, pallas_call
+from . import device_kind, note, pallas_call
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ SMEM = 200 * 1024     # of the 227 KiB a block may use on H100/H200, leaving Tri
 
 
 def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, *, bn=None, bk=None,
-                 warps=None, out_major: bool = False, outputs: int = 1, xla_sums: bool = False) -> Tiles:
+                 warps=None, out_major: bool = False, outputs: int = 1, psum_after: bool = False) -> Tiles:
     """Blocks for an [M, K] x [K, N] product (N summed over the weights of a fused call).
 
     M=1 is a vector product: each thread multiplies its part of a weight tile into a float32
@@ -88,13 +88,19 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, 
     (Q, K, V) go on to a kernel, so each sum would be an XLA kernel of its own: those are not split
     where the blocks already cover the GPU twice (2.6% faster at batch 1 for Qwen3-4B; O and down
     of Gemma 4 31B were 5-15% slower unsplit). (Narrower blocks of 4 channels timed
-    faster alone but slower inside the model's decode step.) With `xla_sums` a split's partials
-    would be summed by an XLA kernel of their own (a row-parallel shard under tensor parallelism,
-    before its all-reduce): a single output then takes blocks of 8 channels unsplit where those
-    cover the GPU twice (Gemma 4 31B's O on one H200, as one of 4 / 2 devices holds it: 2903 / 3318
-    GB/s against 1688 / 2385 split; its down projection at TP=2 2380 against 2044, at TP=4 even)."""
+    faster alone but slower inside the model's decode step.) With `psum_after` (a row-parallel
+    shard under tensor parallelism, all-reduced next) a split's partials would be summed by an XLA
+    kernel of their own before the all-reduce, not in the residual add after it: a single output
+    then takes blocks of 8 channels unsplit where those cover the GPU twice (Gemma 4 31B's O on one
+    H200, as one of 4 / 2 devices holds it: 2903 / 3318 GB/s against 1688 / 2385 split; its down
+    projection at TP=2 2380 against 2044, at TP=4 even; the model at TP=2 on two H200s, batch 1:
+    106.9-107.2 tok/s against 101.7-102.3). On one device the sum of the down projection's
+    partials fuses into that residual add, and 8-channel blocks there cost 6% at batch 1 (Qwen3-4B,
+    one H100). The batch-1 gated product runs 4 warps a block on an H200, whose HBM wants more
+    loads in flight than an H100's (Gemma 4 31B batch 1: 83.9 tok/s against 79.9 on one H200, 111.3
+    and 111.7 against 106.7 and 106.9 at TP=2; Qwen3-4B on one H100: 380.1-380.2 against 382.8-384.0)."""
     if out_major and M == 1:
-        bm, bn_, bk_, warps_ = 1, 16, min(512, max(16, _pow2(K))), 8
+        bm, bn_, bk_, warps_ = 1, 16, min(512, max(16, _pow2(K))), 4 if gated and "H200" in device_kind() else 8
     elif M == 1:
         bm, bn_, bk_, warps_ = 1, (128 if gated else 64), 32, 8
     else:
@@ -108,7 +114,7 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, 
             # (16: 1990).
             bn_, warps_ = 64 if not gated and -(-N // 64) * 4 >= 2 * SMS else 32, 4
     target = 3 * SMS if out_major and M == 1 else 4 * SMS
-    if (out_major and M == 1 and xla_sums and outputs == 1 and bn is None
+    if (out_major and M == 1 and psum_after and outputs == 1 and bn is None
             and -(-N // bn_) < target and -(-N // 8) >= 2 * SMS):
         bn_ = 8
     bn, bk, warps = bn or bn_, bk or bk_, warps or warps_
@@ -118,7 +124,7 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, 
     # partials is an XLA kernel of its own (Qwen3-4B batch 8 on one H100: 2108-2114 tok/s unsplit,
     # 2074-2092 split in 4).
     max_split = (4 if gated else 16) if M == 1 else (1 if gated and bm <= 16 else 4) if M <= 64 else 2
-    if bn == 8 and xla_sums and out_major and M == 1:
+    if bn == 8 and psum_after and out_major and M == 1:
         target = blocks     # the narrow blocks stand in for the split
     if out_major and M == 1 and outputs > 1 and blocks >= 2 * SMS:
         target = blocks     # no split: the partials' sums would be a kernel per output
@@ -321,13 +327,14 @@ def _dims(w, out_major: bool):
 
 def stacked_matmuls(x, weights, layer, tiles: Tiles | None = None, out_major: bool = False,
                     summed: bool = True, out_dtype=None, log_as: str = "matmul",
-                    norm: RowNorm | None = None) -> list:
+                    norm: RowNorm | None = None, psum_after: bool = False) -> list:
     """[x @ w[layer] * scale[layer] for (w [L, K, N_i], scale [L, N_i] | None) in weights], in one
     kernel launch (e.g. the Q, K and V projections of a layer); w is [L, N_i, K] when out_major.
     The outputs are x's dtype unless `out_dtype` says otherwise; the tile choice is logged as
     `log_as`. With `summed=False` a K-split product comes back as its float32 partials
     [split, M, N_i], unscaled (for a kernel that sums them itself). With `norm`, x is the input of
-    an RMSNorm the kernel applies to each row as it loads it."""
+    an RMSNorm the kernel applies to each row as it loads it. `psum_after`: the product is a
+    row-parallel shard, all-reduced next (see `choose_tiles`)."""
     out_dtype = out_dtype or x.dtype
     M, K = x.shape
     Ns = [_dims(w, out_major)[1] for w, _ in weights]
@@ -336,7 +343,7 @@ def stacked_matmuls(x, weights, layer, tiles: Tiles | None = None, out_major: bo
     scaled = weights[0][1] is not None
     assert all((sc is not None) == scaled for _, sc in weights)
     t = tiles or choose_tiles(M, K, sum(Ns), w_bytes=weights[0][0].dtype.itemsize, out_major=out_major,
-                              outputs=len(Ns), xla_sums=summed)
+                              outputs=len(Ns), psum_after=psum_after)
     assert t.out_major == out_major, (t, out_major)
     note(log_as, (M, K, "+".join(map(str, Ns)), str(weights[0][0].dtype)),
          t.label() + (" rms-norm" if norm is not None else ""))

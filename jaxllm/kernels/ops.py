@@ -140,7 +140,7 @@ def stacked_linears(x, ws: list, n_contract: int, partials: bool = False):
         k_local = math.prod(stack_dims(pairs[0][0], n_contract, om)[0])      # K over a shard's rows
         rows = None if norm is None else RowNorm(nw, nidx, norm.eps, norm.offset)
         ys = stacked_matmuls(x.reshape(-1, k_local), mats, layer, out_major=om, summed=not keep,
-                             norm=rows)
+                             norm=rows, psum_after=plan is not None and plan[3])
         if keep and ys[0].ndim == 3:            # K split: the float32 partials, unscaled
             return tuple(Partials(y.reshape(y.shape[:1] + lead + stack_dims(a, n_contract, om)[1]),
                                   None if s is None else Stacked(s, layer), x.dtype)
