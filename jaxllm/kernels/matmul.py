@@ -98,13 +98,17 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, 
     partials fuses into that residual add, and 8-channel blocks there cost 6% at batch 1 (Qwen3-4B,
     one H100). The batch-1 gated product runs 4 warps a block on an H200, whose HBM wants more
     loads in flight than an H100's (Gemma 4 31B batch 1: 83.9 tok/s against 79.9 on one H200, 111.3
-    and 111.7 against 106.7 and 106.9 at TP=2; Qwen3-4B on one H100: 380.1-380.2 against 382.8-384.0)."""
+    and 111.7 against 106.7 and 106.9 at TP=2; Qwen3-4B on one H100: 380.1-380.2 against 382.8-384.0),
+    and so do its tensor-core tiles of 32-64 rows (on an H100 even: Qwen3-4B batch 64, 5815-5872
+    against 5837-5853)."""
     if out_major and M == 1:
         bm, bn_, bk_, warps_ = 1, 16, min(512, max(16, _pow2(K))), 4 if gated and "H200" in device_kind() else 8
     elif M == 1:
         bm, bn_, bk_, warps_ = 1, (128 if gated else 64), 32, 8
     else:
         bm, bn_, bk_, warps_ = min(64, max(16, _pow2(M))), 128, 128, 8
+        if bm >= 32 and out_major and "H200" in device_kind():
+            warps_ = 4      # Gemma 4 31B batch 64 on one H200: 1453-1457 tok/s against 1409-1413
         if bm == 16 and out_major:
             # More, smaller blocks of 4 warps: 64 channels for a projection, or 32 where 64 (split
             # in 4) would not cover the GPU twice, and 32 for the (unsplit) gated product.
