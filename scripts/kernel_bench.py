@@ -203,8 +203,8 @@ def main():
             except jax.errors.JaxRuntimeError as e:     # e.g. XLA's scores not fitting: note it, go on
                 got[path] = str(e).splitlines()[0][:120]
         att.append({"B": B, "S": S, "bytes": nbytes, **{f"{p}_GBps": g for p, g in got.items()}})
-        print(f"attention B={B:3d} S={S}  " + "  ".join(
-            f"{p} {g:7.0f}" if isinstance(g, float) else f"{p} ({g})" for p, g in got.items()) + " GB/s", flush=True)
+        shown = [f"{p} {g:7.0f}" if isinstance(g, float) else f"{p} ({g})" for p, g in got.items()]
+        print(f"attention B={B:3d} S={S}  " + "  ".join(shown) + " GB/s", flush=True)
         del k, v
     json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "bandwidth_GBps": bw[1] / 1e9,
                "shape": a.shape, "tp": a.tp,

@@ -182,7 +182,8 @@ def merge_chunks(o, m, l, dtype):
     kernel = functools.partial(_merge_kernel, n=n, hd=hd, dc=dc)
     return pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((B, K * G, hd), dtype),
                        grid=(B, K * G, pl.cdiv(hd, dc)),
-                       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), name="merge_chunks")(
+                       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+                       name="merge_chunks")(
         o.reshape(n, B, K * G, hd), m.reshape(n, B, K * G), l.reshape(n, B, K * G))
 
 

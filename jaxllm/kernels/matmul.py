@@ -102,7 +102,9 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, 
     and so do its tensor-core tiles of 32-64 rows (on an H100 even: Qwen3-4B batch 64, 5815-5872
     against 5837-5853)."""
     if out_major and M == 1:
-        bm, bn_, bk_, warps_ = 1, 16, min(512, max(16, _pow2(K))), 4 if gated and "H200" in device_kind() else 8
+        bm, bn_, bk_, warps_ = 1, 16, min(512, max(16, _pow2(K))), 8
+        if gated and "H200" in device_kind():
+            warps_ = 4
     elif M == 1:
         bm, bn_, bk_, warps_ = 1, (128 if gated else 64), 32, 8
     else:

@@ -9,10 +9,10 @@ fault) and stores into them. Such arrays are ordinary here: the int8 weight stac
 (Qwen3-14B's gate and up, Gemma 4 31B's Q on one GPU and most of its projections at TP=2) and the
 int8 KV cache of a few dozen rows.
 
-`install()` makes the lowering take 64-bit offsets for every array of 2**31 elements or more (the
-bound it already applies above 4 GiB, where the kernels measured no slower). Where this JAX's
-lowering is not laid out as expected it installs nothing and returns False; `check()` then refuses,
-by name, any operand the 32-bit offsets cannot address.
+`install()` makes the lowering take 64-bit offsets for every array of 2**31 elements or more, as
+it already does for every array over 4 GiB. Where this JAX's lowering is not laid out as expected
+it installs nothing and returns False; `check()` then refuses, by name, any operand the 32-bit
+offsets cannot address.
 """
 from __future__ import annotations
 
