@@ -76,11 +76,11 @@ def matmul_cases(cfg, tp: int = 1):
             "o": (a.num_heads * a.head_dim // tp, D), "down": (F // tp, D), "gate_up": (D, F // tp)}
 
 
-def variants(M, K, N, gated, out_major, quick):
+def variants(M, K, N, gated, out_major, quick, psum_after=False):
     """The automatic tiles and, unless quick, other shapes around them (each with its own
     automatic K split): at M=1 wide column blocks over shallow steps input-major, a few output
     channels over long contiguous steps output-major, as the accumulator allows."""
-    auto = choose_tiles(M, K, N, gated, out_major=out_major)
+    auto = choose_tiles(M, K, N, gated, out_major=out_major, psum_after=psum_after)
     out = {("auto out-major" if out_major else "auto"): auto}
     if quick:
         return out
@@ -92,7 +92,8 @@ def variants(M, K, N, gated, out_major, quick):
         shapes = [(bn, bk) for bn in (64, 128) for bk in (64, 128)]
     for bn, bk in shapes:
         for warps in (4, 8):
-            t = choose_tiles(M, K, N, gated, bn=bn, bk=bk, warps=warps, out_major=out_major)
+            t = choose_tiles(M, K, N, gated, bn=bn, bk=bk, warps=warps, out_major=out_major,
+                             psum_after=psum_after)
             out[t.label()] = t
     return out
 
@@ -148,7 +149,9 @@ def main():
             errs, res = {}, {}
             vs = {}
             for om in layouts:
-                vs.update({k: (t, stacks[om]) for k, t in variants(M, K, N, gated, om, quick).items()})
+                # under --tp, O and down are row-parallel shards: "auto" is what the model picks there
+                row_par = a.tp > 1 and name in ("o", "down")
+                vs.update({k: (t, stacks[om]) for k, t in variants(M, K, N, gated, om, quick, row_par).items()})
             for label, (t, (wl, w2l)) in vs.items():
                 if gated:
                     f = over_layers(lambda l, x, w, w2, s, t=t: stacked_gated(x, (w, s), (w2, s), l, jax.nn.silu, t,

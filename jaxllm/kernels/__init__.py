@@ -15,6 +15,7 @@ import logging
 import os
 
 import jax
+from jax.experimental import pallas as pl
 
 from ..errors import ModelError
 from . import offsets
@@ -83,7 +84,6 @@ def interpret() -> bool:
 def pallas_call(kernel, **kw):
     """`pl.pallas_call`, compiled on a GPU and interpreted anywhere else; compiled, its operands
     are first checked against what the lowering's offsets can address (`offsets`)."""
-    from jax.experimental import pallas as pl
     call = pl.pallas_call(kernel, interpret=interpret(), **kw)
 
     def run(*args):
