@@ -22,6 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxllm.kernels.attention import Cache, KeysFromValues, decode_attention  # noqa: E402
+from jaxllm.kernels.widen import WAYS  # noqa: E402
 from kernel_bench import timed  # noqa: E402  (this directory is on the path of a script run from it)
 
 L = 3
@@ -53,8 +54,12 @@ def main():
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--blocks", default="16,32,64")
     p.add_argument("--warps", default="4,8")
+    p.add_argument("--widen", default="convert", help="ways of widening int8 K/V to time (convert, magic, bits; "
+                   "comma-separated; `kernels.widen`), each with the default block and warps")
     p.add_argument("--out", default="attention_bench")
     a = p.parse_args()
+    if any(w not in WAYS for w in a.widen.split(",")):
+        sys.exit(f"--widen: each of {a.widen!r} must be one of {', '.join(WAYS)}")
     key = jax.random.key(0)
     # name, query heads, KV heads, head_dim, slots: Gemma 4 31B's layers on one GPU, and Qwen3-4B's
     cases = [("ring bf16", 32, 16, 256, 1024), ("ring int8", 32, 16, 256, 1024),
@@ -66,18 +71,21 @@ def main():
         arrs, keys, window = case(name, a.batch, S, H, K, hd, a.ctx, key)
         q = jax.random.normal(key, (a.batch, H, hd), jnp.bfloat16)
         nbytes = sum(x[0].size * x.dtype.itemsize for x in arrs.values())
-        configs = [(None, None)] + [(int(b), int(w)) for b in a.blocks.split(",") for w in a.warps.split(",")]
-        for bs, warps in configs:
-            fn = jax.jit(lambda q, arrs, pos, bs=bs, warps=warps: decode_attention(
+        ways = a.widen.split(",") if "int8" in name else ["convert"]
+        configs = [(None, None, w) for w in ways] + [(int(b), int(w), ways[0]) for b in a.blocks.split(",")
+                                                      for w in a.warps.split(",")]
+        for bs, warps, way in configs:
+            fn = jax.jit(lambda q, arrs, pos, bs=bs, warps=warps, way=way: decode_attention(
                 q, Cache(**{"k": None, **arrs}, keys=keys), jnp.int32(1), pos, scale=0.05, window=window,
-                block=bs, warps=warps))
+                block=bs, warps=warps, widen=way))
             try:
                 t = timed(fn, q, arrs, pos)
             except Exception as e:                 # a tiling the compiler rejects
-                print(f"{name:24s} block={bs} warps={warps}: {type(e).__name__}", flush=True)
+                print(f"{name:24s} block={bs} warps={warps} widen={way}: {type(e).__name__}", flush=True)
                 continue
-            rows.append({"cache": name, "block": bs, "warps": warps, "us": t * 1e6, "GBps": nbytes / t / 1e9})
-            print(f"{name:24s} block={str(bs or 'default'):7s} warps={str(warps or 'default'):7s} "
+            rows.append({"cache": name, "block": bs, "warps": warps, "widen": way, "us": t * 1e6,
+                         "GBps": nbytes / t / 1e9})
+            print(f"{name:24s} block={str(bs or 'default'):7s} warps={str(warps or 'default'):7s} widen={way:7s} "
                   f"{t * 1e6:9.1f} us {nbytes / t / 1e9:7.0f} GB/s", flush=True)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "attention_bench.json"), "w") as f:

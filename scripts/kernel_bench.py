@@ -16,6 +16,7 @@ subtracted, and each kernel's largest error against a float32 product.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -31,6 +32,7 @@ from jaxllm.harness import ceilings as ceil  # noqa: E402
 from jaxllm.harness.shapes import resolve_shape  # noqa: E402
 from jaxllm.kernels.attention import Cache, decode_attention  # noqa: E402
 from jaxllm.kernels.matmul import choose_tiles, stacked_gated, stacked_matmul  # noqa: E402
+from jaxllm.kernels.widen import WAYS  # noqa: E402
 from jaxllm.layers import attend, attention_mask  # noqa: E402
 from jaxllm.cache import slot_positions  # noqa: E402
 
@@ -76,12 +78,17 @@ def matmul_cases(cfg, tp: int = 1):
             "o": (a.num_heads * a.head_dim // tp, D), "down": (F // tp, D), "gate_up": (D, F // tp)}
 
 
-def variants(M, K, N, gated, out_major, quick, psum_after=False):
+def variants(M, K, N, gated, out_major, quick, psum_after=False, widen=()):
     """The automatic tiles and, unless quick, other shapes around them (each with its own
     automatic K split): at M=1 wide column blocks over shallow steps input-major, a few output
-    channels over long contiguous steps output-major, as the accumulator allows."""
+    channels over long contiguous steps output-major, as the accumulator allows. Above one row,
+    the automatic tiles again for each other way of widening int8 in `widen` (`kernels.widen`)."""
     auto = choose_tiles(M, K, N, gated, out_major=out_major, psum_after=psum_after)
     out = {("auto out-major" if out_major else "auto"): auto}
+    for way in widen:
+        if M > 1 and way != auto.widen:
+            t = dataclasses.replace(auto, widen=way)
+            out[t.label()] = t
     if quick:
         return out
     if M == 1 and out_major:
@@ -110,10 +117,15 @@ def main():
     p.add_argument("--reps", type=int, default=30, help="calls timed per round (their median is the round's time)")
     p.add_argument("--tune-rows", type=int, default=8, help="try tile variants up to this many rows")
     p.add_argument("--cases", default="", help="matmuls to time, comma-separated (default: all)")
+    p.add_argument("--widen", default="", help="ways of widening int8 to time beside the automatic tiles' "
+                   "(convert, magic, bits; comma-separated), above one row")
     p.add_argument("--layouts", default="in,out",
                    help="weight layouts to time: in (input-major [L, K, N]), out (output-major [L, N, K])")
     a = p.parse_args()
     layouts = [{"in": False, "out": True}[x] for x in a.layouts.split(",")]
+    ways = [w for w in a.widen.split(",") if w]
+    if any(w not in WAYS for w in ways):
+        sys.exit(f"--widen: each of {a.widen!r} must be one of {', '.join(WAYS)}")
     os.makedirs(a.out, exist_ok=True)
     cfg, _ = resolve_shape(a.shape)
     L = cfg.num_layers
@@ -151,7 +163,8 @@ def main():
             for om in layouts:
                 # under --tp, O and down are row-parallel shards: "auto" is what the model picks there
                 row_par = a.tp > 1 and name in ("o", "down")
-                vs.update({k: (t, stacks[om]) for k, t in variants(M, K, N, gated, om, quick, row_par).items()})
+                vs.update({k: (t, stacks[om]) for k, t in variants(M, K, N, gated, om, quick, row_par,
+                                                                    ways).items()})
             for label, (t, (wl, w2l)) in vs.items():
                 if gated:
                     f = over_layers(lambda l, x, w, w2, s, t=t: stacked_gated(x, (w, s), (w2, s), l, jax.nn.silu, t,

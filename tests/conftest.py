@@ -9,3 +9,29 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # compiled there. CPUs compute float32 dots in full either way.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def lower_for_cuda(monkeypatch):
+    """lower(f, *abstract_args): f's kernels lowered for an H100 (Pallas to Triton) from this
+    machine, without a GPU and without allocating anything; returns the lowered program."""
+    import types
+
+    import jax
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    import jaxllm.kernels as kernels
+    monkeypatch.setattr(kernels, "interpret", lambda: False)
+    info = getattr(reg, "gpu_info_lib", None)       # newer JAX asks the GPU for its compute capability
+    if info is not None:
+        try:
+            info.get_gpu_info()
+        except ValueError:                          # none here: lower for an H100's
+            monkeypatch.setattr(info, "get_gpu_info", lambda *a, **k: types.SimpleNamespace(compute_capability=90))
+
+    def lower(f, *args):
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    return lower

@@ -2,21 +2,17 @@
 
 Lowered for CUDA from the CPU with abstract operands, so no memory is allocated: the offsets the
 lowering builds for each ref are recorded, and their integer width checked."""
-import types
-
 import jax
 import jax.numpy as jnp
 import pytest
 from jax._src.lib.mlir import ir
 from jax._src.pallas.triton import lowering as tl
-from jax._src.pallas.triton import pallas_call_registration as reg
 
-import jaxllm.kernels as kernels
 from jaxllm.errors import ModelError
 from jaxllm.kernels import matmul, offsets
 
 
-def _offset_widths(monkeypatch, w_shape):
+def _offset_widths(monkeypatch, lower, w_shape):
     """{bit width of the offsets built for refs of each shape} while lowering a batch-1 product
     that reads the last layer of an int8 stack of w_shape [L, N, K]."""
     seen = {}
@@ -29,18 +25,10 @@ def _offset_widths(monkeypatch, w_shape):
         seen.setdefault(tuple(block_info.full_shape_dtype.shape), set()).add(ir.IntegerType(el).width)
         return out
     monkeypatch.setattr(tl, "_compute_offsets_from_indices", record)
-    monkeypatch.setattr(kernels, "interpret", lambda: False)
-    info = getattr(reg, "gpu_info_lib", None)       # newer JAX asks the GPU for its compute capability
-    if info is not None:
-        try:
-            info.get_gpu_info()
-        except ValueError:                          # none here: lower for an H100's
-            monkeypatch.setattr(info, "get_gpu_info", lambda *a, **k: types.SimpleNamespace(compute_capability=90))
     L, N, K = w_shape
     args = (jax.ShapeDtypeStruct((1, K), jnp.bfloat16), jax.ShapeDtypeStruct(w_shape, jnp.int8),
             jax.ShapeDtypeStruct((L, N), jnp.float32))
-    f = lambda x, w, s: matmul.stacked_matmul(x, w, s, L - 1, out_major=True)      # noqa: E731
-    jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    lower(lambda x, w, s: matmul.stacked_matmul(x, w, s, L - 1, out_major=True), *args)
     return seen
 
 
@@ -51,8 +39,8 @@ def test_installed():
 @pytest.mark.parametrize("w_shape, width", [((5, 8192, 65536), 64),     # 2.5 GiB: past 2**31 elements
                                             ((3, 8192, 65536), 32),     # 1.5 GiB
                                             ((9, 8192, 65536), 64)])    # 4.5 GiB: the lowering's own bound
-def test_int8_stack_offsets(monkeypatch, w_shape, width):
-    seen = _offset_widths(monkeypatch, w_shape)
+def test_int8_stack_offsets(monkeypatch, lower_for_cuda, w_shape, width):
+    seen = _offset_widths(monkeypatch, lower_for_cuda, w_shape)
     assert seen[w_shape] == {width}
     assert seen[(1, w_shape[2])] == {32}          # the bf16 input row keeps 32-bit offsets
 

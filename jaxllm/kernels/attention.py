@@ -28,6 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from . import note, pallas_call
 from .matmul import SMS, _pow2
+from . import widen as widening
 
 NEG = -1e30
 
@@ -52,7 +53,7 @@ class Cache:
     keys: KeysFromValues | None = None
 
 
-def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision, keys):
+def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision, keys, way):
     r = dict(zip(names, refs))
     o_ref, m_ref, l_ref = refs[len(names):]
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -86,7 +87,7 @@ def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision
         return plgpu.load(r[name].at[layer, b, pl.ds(t * bs, bs), h], mask=valid, other=0.0)
 
     def rebuilt_keys(vals, vscale, kv_pos, t):
-        x = [a.astype(jnp.float32) * (1.0 if vscale is None else vscale[:, None]) for a in vals]
+        x = [widening.widen(a, jnp.float32, way) * (1.0 if vscale is None else vscale[:, None]) for a in vals]
         x = [a.astype(dt).astype(jnp.float32) for a in x]          # the values as the model holds them
         eps, offset, has_norm = keys
         if has_norm:
@@ -126,7 +127,7 @@ def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision
         if keys is not None:
             ks, kscale = rebuilt_keys(vals, vscale, kv_pos, t), None
         else:
-            ks = [a.astype(dt) for a in load_kv("k", t, valid)]
+            ks = [widening.widen(a, dt, way) for a in load_kv("k", t, valid)]
             kscale = load_scale("k_scale", t, valid) if "k_scale" in r else None
         s = sum(jax.lax.dot_general(qa, ka, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                                     precision=precision) for qa, ka in zip(qs, ks))
@@ -143,7 +144,7 @@ def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision
         if vscale is not None:                    # fold V's scales into the probabilities
             p = p * vscale[None, :]
         accs = [acc * corr[:, None] + jax.lax.dot_general(
-            p.astype(dt), va.astype(dt), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+            p.astype(dt), widening.widen(va, dt, way), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
             precision=precision) for acc, va in zip(accs, vals)]
         return accs, m_new, l
 
@@ -194,8 +195,10 @@ def choose_split(B: int, K: int, S: int, bs: int) -> int:
 
 
 def decode_attention(q, cache: Cache, layer, pos, *, scale: float, softcap=None, window=None,
-                     block: int | None = None, splits: int | None = None, warps: int | None = None):
-    """q [B, H, hd], a layer `layer` [] of `cache`, positions pos [B] -> [B, H, hd] in q's dtype."""
+                     block: int | None = None, splits: int | None = None, warps: int | None = None,
+                     widen: str | None = None):
+    """q [B, H, hd], a layer `layer` [] of `cache`, positions pos [B] -> [B, H, hd] in q's dtype.
+    `widen`: how int8 K/V reach the dots (`kernels.widen`; default `JAXLLM_INT8_WIDEN`)."""
     B, H, hd = q.shape
     _, _, S, K, _ = cache.v.shape
     G = H // K
@@ -215,7 +218,9 @@ def decode_attention(q, cache: Cache, layer, pos, *, scale: float, softcap=None,
     chunk = -(-chunk // bs) * bs
     n = -(-S // chunk)
     kind = ("ring" if cache.slot_pos is not None else "linear") + (" keys-from-values" if keys else "")
-    note("decode attention", (B, H, K, S, hd, str(cache.v.dtype), kind), f"pallas block={bs} splits={n}")
+    way = widen or widening.default()
+    note("decode attention", (B, H, K, S, hd, str(cache.v.dtype), kind), f"pallas block={bs} splits={n}"
+         + (f" widen={way}" if cache.v.dtype == jnp.int8 and way != "convert" else ""))
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     nseg = 1 if keys is None else 2
 
@@ -232,7 +237,8 @@ def decode_attention(q, cache: Cache, layer, pos, *, scale: float, softcap=None,
     ins = {k: v for k, v in ins.items() if v is not None}
     kernel = functools.partial(_kernel, names=tuple(ins), G=G, hd=hd, S=S, bs=bs, chunk=chunk, scale=scale,
                                softcap=softcap, window=window, precision=precision,
-                               keys=None if keys is None else (keys.eps, keys.offset, keys.norm_w is not None))
+                               keys=None if keys is None else (keys.eps, keys.offset, keys.norm_w is not None),
+                               way=way)
     out_shape = (jax.ShapeDtypeStruct((n, B, K, G, nseg, hd // nseg), jnp.float32),
                  jax.ShapeDtypeStruct((n, B, K, G), jnp.float32),
                  jax.ShapeDtypeStruct((n, B, K, G), jnp.float32))

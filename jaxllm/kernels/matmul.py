@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import device_kind, note, pallas_call
+from . import widen as widening
 
 
 @dataclass(frozen=True)
@@ -41,10 +42,12 @@ class Tiles:
     stages: int = 3
     out_major: bool = False  # the weight stack is [L, N, K] rather than [L, K, N]
     fold: int = 0    # bm=1, out-major: sum each run of `fold` inputs within a thread every step
+    widen: str = "convert"   # how int8 weights reach the tensor cores (bm > 1), see `widen`
 
     def label(self) -> str:
         return (f"pallas bm={self.bm} bn={self.bn} bk={self.bk} split={self.split} warps={self.warps}"
-                + (f" fold={self.fold}" if self.fold else "") + (" out-major" if self.out_major else ""))
+                + (f" fold={self.fold}" if self.fold else "") + (" out-major" if self.out_major else "")
+                + (f" widen={self.widen}" if self.bm > 1 and self.widen != "convert" else ""))
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,8 @@ SMEM = 200 * 1024     # of the 227 KiB a block may use on H100/H200, leaving Tri
 
 
 def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, *, bn=None, bk=None,
-                 warps=None, out_major: bool = False, outputs: int = 1, psum_after: bool = False) -> Tiles:
+                 warps=None, out_major: bool = False, outputs: int = 1, psum_after: bool = False,
+                 widen: str | None = None) -> Tiles:
     """Blocks for an [M, K] x [K, N] product (N summed over the weights of a fused call).
 
     M=1 is a vector product: each thread multiplies its part of a weight tile into a float32
@@ -141,7 +145,7 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, 
         stages -= 1
     fold = 16 if out_major and bm == 1 and bk % 16 == 0 else 0
     return Tiles(bm=bm, bn=bn, bk=bk, split=split, warps=warps, stages=stages, out_major=out_major,
-                 fold=fold)
+                 fold=fold, widen=widen or widening.default())
 
 
 def _load_x(x_ref, i, k0, t: Tiles, M, K):
@@ -164,28 +168,15 @@ def _load_w(w_ref, layer, j, k0, t: Tiles, K, N):
                       mask=(ks < K)[:, None] & (cols < N)[None, :], other=0)
 
 
-MAGIC = 0x4B400000     # the bits of 1.5 * 2**23: adding an int8 to them gives that float plus it
-
-
-def _widen(w):
-    """int8 -> float32 exactly by integer arithmetic: the integer is added to the bits of 1.5*2**23
-    (whose float spacing is 1) and that float subtracted. Two full-rate operations, where the
-    conversion instruction runs at a quarter rate on Hopper and limits a memory-bound loop."""
-    if w.dtype != jnp.int8:
-        return w.astype(jnp.float32)
-    biased = jax.lax.bitcast_convert_type(w.astype(jnp.int32) + MAGIC, jnp.float32)
-    return biased - jnp.float32(1.5 * 2 ** 23)
-
-
 def _product(x, w, t: Tiles):
     if t.bm == 1:                  # elementwise; runs of `fold` inputs summed within the thread
         xf = x.astype(jnp.float32)
-        p = _widen(w) * (xf[None, :] if t.out_major else xf[:, None])
+        p = widening.widen(w, jnp.float32, "magic") * (xf[None, :] if t.out_major else xf[:, None])
         if t.fold and t.out_major:
             p = jnp.sum(p.reshape(t.bn, t.bk // t.fold, t.fold), axis=2)
         return p
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    return jax.lax.dot_general(x, w.astype(x.dtype), (((1,), (1 if t.out_major else 0,)), ((), ())),
+    return jax.lax.dot_general(x, widening.widen(w, x.dtype, t.widen), (((1,), (1 if t.out_major else 0,)), ((), ())),
                                preferred_element_type=jnp.float32, precision=precision)
 
 

@@ -1,0 +1,102 @@
+"""The three ways the kernels widen int8 (`kernels.widen`) give the conversion's values bit for bit:
+alone over every int8, inside the tensor-core matmul and the decode-attention kernel (interpreted),
+and each lowers to Triton for an H100."""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.attention_blockwise import quantize_kv
+from jaxllm.errors import ModelError
+from jaxllm.kernels import widen as widening
+from jaxllm.kernels.attention import Cache, KeysFromValues, decode_attention
+from jaxllm.kernels.matmul import Tiles, stacked_gated, stacked_matmul
+
+L = 3
+ALL = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8)
+
+
+@pytest.mark.parametrize("way", widening.WAYS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
+def test_every_int8_exactly(way, dtype):
+    got = widening.widen(ALL, dtype, way)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.arange(-128, 128))
+    assert widening.widen(got, jnp.float32, way).dtype == jnp.float32      # not int8: a plain cast
+
+
+def test_default_from_the_environment(monkeypatch):
+    monkeypatch.delenv("JAXLLM_INT8_WIDEN", raising=False)
+    assert widening.default() == "convert"
+    monkeypatch.setenv("JAXLLM_INT8_WIDEN", "Bits")
+    assert widening.default() == "bits"
+    monkeypatch.setenv("JAXLLM_INT8_WIDEN", "fast")
+    with pytest.raises(ModelError, match="JAXLLM_INT8_WIDEN must be one of convert, magic, bits, got 'fast'"):
+        widening.default()
+
+
+def _matmul_inputs(M=17, K=70, N=45):
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+    w = jnp.asarray(rng.integers(-128, 128, (L, N, K)), jnp.int8)
+    s = jnp.asarray(rng.random((L, N)) * 0.02 + 0.001, jnp.float32)
+    return x, w, s
+
+
+def test_tensor_core_matmuls_identical():
+    x, w, s = _matmul_inputs()
+    base = Tiles(bm=16, bn=16, bk=32, split=2, out_major=True)
+    act = jax.nn.silu
+    ref = stacked_matmul(x, w, s, jnp.int32(2), base, True)
+    ref_g = stacked_gated(x, (w, s), (w[::-1], s[::-1]), jnp.int32(1), act, base, True)
+    assert jnp.all(jnp.isfinite(ref.astype(jnp.float32)))
+    for way in ("magic", "bits"):
+        t = dataclasses.replace(base, widen=way)
+        assert f"widen={way}" in t.label()
+        np.testing.assert_array_equal(np.asarray(stacked_matmul(x, w, s, jnp.int32(2), t, True)), np.asarray(ref))
+        got_g = stacked_gated(x, (w, s), (w[::-1], s[::-1]), jnp.int32(1), act, t, True)
+        np.testing.assert_array_equal(np.asarray(got_g), np.asarray(ref_g))
+
+
+def _int8_caches(B=2, H=8, K=2, S=40, hd=32):
+    """(q, {name: Cache}) for the int8 kinds: linear, ring, keys rebuilt from values."""
+    rng = np.random.default_rng(9)
+    q = jnp.asarray(rng.standard_normal((B, H, hd)), jnp.bfloat16)
+    (kq, ks), (vq, vs) = (quantize_kv(jnp.asarray(rng.standard_normal((L, B, S, K, hd)), jnp.float32))
+                          for _ in range(2))
+    ring = jnp.asarray(np.broadcast_to((np.arange(S) + 7) % S + 30, (L, B, S)).astype(np.int32))
+    inv = (1.0 / 100.0 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
+    keys = KeysFromValues(inv, jnp.asarray(rng.standard_normal(hd) * 0.3, jnp.bfloat16), 1e-6, 1.0)
+    return q, {"linear": Cache(kq, vq, ks, vs), "ring": Cache(kq, vq, ks, vs, slot_pos=ring),
+               "keys from values": Cache(None, vq, None, vs, keys=keys)}
+
+
+def test_decode_attention_identical():
+    """Int8 K and V into bf16 dots (ring), and values into float32 for the rebuilt keys (whose
+    code path the linear int8 cache shares, but for slot positions)."""
+    q, caches = _int8_caches()
+    pos = jnp.asarray([35, 69], jnp.int32)
+    for name, ways in (("ring", ("magic", "bits")), ("keys from values", ("bits",))):
+        run = functools.partial(decode_attention, q, caches[name], jnp.int32(1), pos, scale=0.2, block=16,
+                                splits=2, window=24 if name == "ring" else None)
+        ref = run(widen="convert")
+        assert jnp.all(jnp.isfinite(ref.astype(jnp.float32))) and float(jnp.max(jnp.abs(ref))) > 0, name
+        for way in ways:
+            np.testing.assert_array_equal(np.asarray(run(widen=way)), np.asarray(ref), err_msg=f"{name} {way}")
+
+
+@pytest.mark.parametrize("way", widening.WAYS)
+def test_lowers_for_cuda(lower_for_cuda, way):
+    """Each way's operations (integer widening, bit casts between int16 and bf16, bf16 arithmetic)
+    are ones the Triton lowering takes, in the matmul and in every int8 attention kind."""
+    x, w, s = _matmul_inputs(M=16, K=256, N=128)
+    t = Tiles(bm=16, bn=32, bk=64, out_major=True, widen=way)
+    lowered = lower_for_cuda(lambda x, w, s: stacked_matmul(x, w, s, 1, t, True), x, w, s)
+    assert "triton" in lowered.as_text().lower()
+    q, caches = _int8_caches(hd=64)
+    pos = jnp.asarray([35, 69], jnp.int32)
+    for cache in caches.values():
+        lower_for_cuda(lambda q, c=cache: decode_attention(q, c, 1, pos, scale=0.2, widen=way), q)
