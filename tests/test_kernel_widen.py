@@ -69,6 +69,7 @@ def _int8_caches(B=2, H=8, K=2, S=40, hd=32):
                           for _ in range(2))
     ring = jnp.asarray(np.broadcast_to((np.arange(S) + 7) % S + 30, (L, B, S)).astype(np.int32))
     inv = (1.0 / 100.0 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
+    inv[hd // 8:] = 0.0                              # partial rotary, as Gemma 4's global layers
     keys = KeysFromValues(inv, jnp.asarray(rng.standard_normal(hd) * 0.3, jnp.bfloat16), 1e-6, 1.0)
     return q, {"linear": Cache(kq, vq, ks, vs), "ring": Cache(kq, vq, ks, vs, slot_pos=ring),
                "keys from values": Cache(None, vq, None, vs, keys=keys)}

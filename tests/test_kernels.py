@@ -228,6 +228,24 @@ def test_decode_attention_split_caches(ring, int8, from_values):
         assert float(jnp.max(jnp.abs(o - ref))) < 1e-5, (block, splits)
 
 
+def test_head_pieces_cover_the_head_once():
+    """Rebuilt keys read the head dimension as the rotated part of each half, then the rest in
+    power-of-two pieces: Gemma 4's global layers (512, a quarter rotated) exactly so."""
+    from jaxllm.kernels.attention import head_pieces
+    from jaxllm.config import RopeSpec
+    from jaxllm.layers import inv_frequencies
+    inv = inv_frequencies(RopeSpec(kind="proportional", theta=1e6, partial=0.25), 512)
+    assert head_pieces(512, inv) == (64, ((0, 64), (256, 64), (64, 128), (192, 64), (320, 128), (448, 64)))
+    assert head_pieces(512, None) == (0, ((0, 512),))
+    for hd, n_rot in [(48, 12), (32, 16), (64, 8), (200, 30), (16, 0)]:
+        inv = np.zeros(hd // 2, np.float32)
+        inv[:n_rot] = 1.0
+        rot, pieces = head_pieces(hd, inv)
+        assert rot == max(n_rot, 1) and pieces[:2] == ((0, rot), (hd // 2, rot))
+        covered = sorted(i for st, w in pieces for i in range(st, st + w))
+        assert covered == list(range(hd)), (hd, n_rot, pieces)
+
+
 @pytest.mark.parametrize("slots,int8,hd,dtype,shared", [
     ("clamp", False, 32, "float32", False),     # linear cache; position 12 clamps into 10 slots
     ("drop", True, 48, "float32", True),        # int8 global layer, values only (k_eq_v), halves of 24

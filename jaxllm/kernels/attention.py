@@ -12,8 +12,12 @@ One kernel serves every cache the engine keeps (`Cache` below says which):
 - ring slots (sliding layers of the split cache), whose positions are read from `slot_pos`;
 - int8 K/V with a float32 scale per slot and head, folded into the scores and the probabilities
   (no dequantized block is formed);
-- keys rebuilt from the stored values (Gemma 4's k_eq_v layers): RMS-normed and rotated per block,
-  with RoPE's two halves of the head dimension handled as two segments.
+- keys rebuilt from the stored values (Gemma 4's k_eq_v layers): RMS-normed and rotated per block.
+
+The head dimension is read as pieces (static (start, width) ranges, each loaded at a power-of-two
+width, its dots summed): one piece, or where keys are rebuilt, the dimensions RoPE rotates in each
+half and, apart, those it leaves as they are. Gemma 4's global layers rotate a quarter of them
+(`partial_rotary_factor` 0.25), so only that quarter pays for the rotation and its angle table.
 """
 from __future__ import annotations
 
@@ -53,21 +57,43 @@ class Cache:
     keys: KeysFromValues | None = None
 
 
-def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision, keys, way):
+def _pieces(width: int, start: int) -> list[tuple[int, int]]:
+    """[start, start + width) as (start, width) pieces loaded at power-of-two widths of 16 or more
+    (a dot's least depth): split where one load would leave a quarter of its lanes idle."""
+    out = []
+    while width > 0:
+        p = _pow2(width)
+        if (p - width) * 4 >= p and p // 2 >= 16:
+            p //= 2
+        out.append((start, min(p, width)))
+        start, width = start + min(p, width), width - min(p, width)
+    return out
+
+
+def head_pieces(hd: int, inv_freq: np.ndarray | None) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """(rot, pieces) of the head dimension: without RoPE in the kernel (inv_freq None) one piece;
+    with it, the first `rot` dimensions of each half (up to the last non-zero frequency) as the
+    first two pieces, then the rest of each half, which a zero frequency leaves unrotated."""
+    if inv_freq is None:
+        return 0, ((0, hd),)
+    w = hd // 2
+    nz = np.flatnonzero(np.asarray(inv_freq))
+    rot = max(1, int(nz[-1]) + 1 if nz.size else 1)
+    return rot, (((0, rot), (w, rot)) + tuple(_pieces(w - rot, rot)) + tuple(_pieces(w - rot, w + rot)))
+
+
+def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision, keys, way, pieces):
     r = dict(zip(names, refs))
     o_ref, m_ref, l_ref = refs[len(names):]
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     gp = max(16, _pow2(G))
     layer, pos = r["layer"][0], r["pos"][b]
     gmask = jnp.arange(gp) < G
-    # The head dimension as segments (RoPE's two halves where keys are rebuilt), each a trailing
-    # axis of its own so every load starts at 0.
-    nseg = 1 if keys is None else 2
-    w = hd // nseg
-    wp = _pow2(w)
-    dm = jnp.arange(wp) < w
-    qs = [plgpu.load(r["q"].at[b, h, pl.ds(0, gp), jnp.int32(i), pl.ds(0, wp)], mask=gmask[:, None] & dm[None, :],
-                     other=0.0) for i in range(nseg)]
+    pw = [max(16, _pow2(w)) for _, w in pieces]                 # each piece's load width
+    pm = [jnp.arange(p) < w for p, (_, w) in zip(pw, pieces)]
+    pds = [pl.ds(jnp.int32(st), p) for p, (st, _) in zip(pw, pieces)]
+    qs = [plgpu.load(r["q"].at[b, h, pl.ds(0, gp), d], mask=gmask[:, None] & m[None, :], other=0.0)
+          for d, m in zip(pds, pm)]
     dt = qs[0].dtype
     ring = "slot_pos" in r
     lo = sp * chunk
@@ -80,8 +106,8 @@ def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision
     t_hi = jnp.maximum(pl.cdiv(hi, bs), t_lo)
 
     def load_kv(name, t, valid):
-        return [plgpu.load(r[name].at[layer, b, pl.ds(t * bs, bs), h, jnp.int32(i), pl.ds(0, wp)],
-                           mask=valid[:, None] & dm[None, :], other=0) for i in range(nseg)]
+        return [plgpu.load(r[name].at[layer, b, pl.ds(t * bs, bs), h, d], mask=valid[:, None] & m[None, :], other=0)
+                for d, m in zip(pds, pm)]
 
     def load_scale(name, t, valid):
         return plgpu.load(r[name].at[layer, b, pl.ds(t * bs, bs), h], mask=valid, other=0.0)
@@ -93,10 +119,11 @@ def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision
         if has_norm:
             ms = sum(jnp.sum(a * a, axis=1) for a in x) / hd
             inv = jax.lax.rsqrt(ms + eps)[:, None]
-            ws = [plgpu.load(r["norm_w"].at[jnp.int32(i), pl.ds(0, wp)], mask=dm, other=0.0).astype(jnp.float32)
-                  for i in range(nseg)]
+            ws = [plgpu.load(r["norm_w"].at[d], mask=m, other=0.0).astype(jnp.float32) for d, m in zip(pds, pm)]
             x = [(a * inv * (offset + wv[None, :])).astype(dt).astype(jnp.float32) for a, wv in zip(x, ws)]
-        freq = plgpu.load(r["inv_freq"].at[pl.ds(0, wp)], mask=dm, other=0.0)
+        # pieces 0 and 1 rotate together (their widths are equal); the others pass through
+        rp, rm = pw[0], pm[0]
+        freq = plgpu.load(r["inv_freq"].at[pl.ds(0, rp)], mask=rm, other=0.0)
         if ring:
             ang = kv_pos[:, None].astype(jnp.float32) * freq[None, :]
             c, s = jnp.cos(ang), jnp.sin(ang)
@@ -106,10 +133,10 @@ def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision
             # every slot's angle cost 5x the rest of the kernel.
             base = (t * bs).astype(jnp.float32) * freq
             cb, sb = jnp.cos(base)[None, :], jnp.sin(base)[None, :]
-            cj = plgpu.load(r["rope_j"].at[jnp.int32(0), pl.ds(0, bs), pl.ds(0, wp)], mask=dm[None, :], other=1.0)
-            sj = plgpu.load(r["rope_j"].at[jnp.int32(1), pl.ds(0, bs), pl.ds(0, wp)], mask=dm[None, :], other=0.0)
+            cj = plgpu.load(r["rope_j"].at[jnp.int32(0), pl.ds(0, bs), pl.ds(0, rp)], mask=rm[None, :], other=1.0)
+            sj = plgpu.load(r["rope_j"].at[jnp.int32(1), pl.ds(0, bs), pl.ds(0, rp)], mask=rm[None, :], other=0.0)
             c, s = cb * cj - sb * sj, sb * cj + cb * sj
-        return [(x[0] * c - x[1] * s).astype(dt), (x[1] * c + x[0] * s).astype(dt)]
+        return [(x[0] * c - x[1] * s).astype(dt), (x[1] * c + x[0] * s).astype(dt)] + [a.astype(dt) for a in x[2:]]
 
     def body(t, carry):
         accs, m, l = carry
@@ -148,11 +175,11 @@ def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision
             precision=precision) for acc, va in zip(accs, vals)]
         return accs, m_new, l
 
-    init = ([jnp.zeros((gp, wp), jnp.float32)] * nseg, jnp.full((gp,), NEG, jnp.float32),
+    init = ([jnp.zeros((gp, p), jnp.float32) for p in pw], jnp.full((gp,), NEG, jnp.float32),
             jnp.zeros((gp,), jnp.float32))
     accs, m, l = jax.lax.fori_loop(t_lo, t_hi, body, init)
-    for i, acc in enumerate(accs):
-        plgpu.store(o_ref.at[sp, b, h, pl.ds(0, gp), jnp.int32(i), pl.ds(0, wp)], acc, mask=gmask[:, None] & dm[None, :])
+    for acc, d, dmask in zip(accs, pds, pm):
+        plgpu.store(o_ref.at[sp, b, h, pl.ds(0, gp), d], acc, mask=gmask[:, None] & dmask[None, :])
     plgpu.store(m_ref.at[sp, b, h, pl.ds(0, gp)], m, mask=gmask)
     plgpu.store(l_ref.at[sp, b, h, pl.ds(0, gp)], l, mask=gmask)
 
@@ -222,24 +249,21 @@ def decode_attention(q, cache: Cache, layer, pos, *, scale: float, softcap=None,
     note("decode attention", (B, H, K, S, hd, str(cache.v.dtype), kind), f"pallas block={bs} splits={n}"
          + (f" widen={way}" if cache.v.dtype == jnp.int8 and way != "convert" else ""))
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    nseg = 1 if keys is None else 2
-
-    def segs(x):
-        return None if x is None else x.reshape(*x.shape[:-1], nseg, hd // nseg)
+    rot, pieces = head_pieces(hd, None if keys is None else keys.inv_freq)
     ins = {"layer": jnp.reshape(layer, (1,)).astype(jnp.int32), "pos": pos.astype(jnp.int32),
-           "q": segs(q.reshape(B, K, G, hd)), "k": segs(cache.k), "v": segs(cache.v),
+           "q": q.reshape(B, K, G, hd), "k": cache.k, "v": cache.v,
            "k_scale": cache.k_scale, "v_scale": cache.v_scale, "slot_pos": cache.slot_pos}
     if keys is not None:
-        inv_freq = np.asarray(keys.inv_freq, np.float32)
+        inv_freq = np.asarray(keys.inv_freq, np.float32)[:rot]          # the rotated dimensions' only
         ang = np.arange(bs, dtype=np.float32)[:, None] * inv_freq[None, :]
-        ins.update(k=None, k_scale=None, inv_freq=jnp.asarray(inv_freq), norm_w=segs(keys.norm_w),
+        ins.update(k=None, k_scale=None, inv_freq=jnp.asarray(inv_freq), norm_w=keys.norm_w,
                    rope_j=jnp.asarray(np.stack([np.cos(ang), np.sin(ang)]), jnp.float32))
     ins = {k: v for k, v in ins.items() if v is not None}
     kernel = functools.partial(_kernel, names=tuple(ins), G=G, hd=hd, S=S, bs=bs, chunk=chunk, scale=scale,
                                softcap=softcap, window=window, precision=precision,
                                keys=None if keys is None else (keys.eps, keys.offset, keys.norm_w is not None),
-                               way=way)
-    out_shape = (jax.ShapeDtypeStruct((n, B, K, G, nseg, hd // nseg), jnp.float32),
+                               way=way, pieces=pieces)
+    out_shape = (jax.ShapeDtypeStruct((n, B, K, G, hd), jnp.float32),
                  jax.ShapeDtypeStruct((n, B, K, G), jnp.float32),
                  jax.ShapeDtypeStruct((n, B, K, G), jnp.float32))
     o, m, l = pallas_call(kernel, out_shape=out_shape, grid=(B, K, n),
