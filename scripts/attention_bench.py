@@ -1,8 +1,10 @@
 """Time the decode-attention kernel on each kind of cache the engine keeps, over block sizes and
 warp counts: full-length bf16, int8 linear (global layers of the split cache), ring slots (bf16 or
-int8 sliding layers) and keys rebuilt from stored values (Gemma 4's k_eq_v global layers).
+int8 sliding layers) and keys rebuilt from stored values (Gemma 4's k_eq_v global layers). With
+`--widen` and `--prefetch`, also the ways of widening int8 and the kernel's loads a block ahead.
 
     python scripts/attention_bench.py --batch 64 --ctx 2048 --out DIR
+    python scripts/attention_bench.py --batch 64 --widen convert,magic,bits --prefetch --blocks 32 --warps 8
 
 Caches hold positions as a real one does (rings written up to ctx - 1), so the kernel reads every
 slot a query can see. Times are medians of 20 calls on one layer of a 3-layer stack; GB/s counts
@@ -56,6 +58,8 @@ def main():
     p.add_argument("--warps", default="4,8")
     p.add_argument("--widen", default="convert", help="ways of widening int8 K/V to time (convert, magic, bits; "
                    "comma-separated; `kernels.widen`), each with the default block and warps")
+    p.add_argument("--prefetch", action="store_true", help="also time each way with the kernel's own "
+                   "one-block-ahead loads (default block and warps)")
     p.add_argument("--out", default="attention_bench")
     a = p.parse_args()
     if any(w not in WAYS for w in a.widen.split(",")):
@@ -72,20 +76,22 @@ def main():
         q = jax.random.normal(key, (a.batch, H, hd), jnp.bfloat16)
         nbytes = sum(x[0].size * x.dtype.itemsize for x in arrs.values())
         ways = a.widen.split(",") if "int8" in name else ["convert"]
-        configs = [(None, None, w) for w in ways] + [(int(b), int(w), ways[0]) for b in a.blocks.split(",")
-                                                      for w in a.warps.split(",")]
-        for bs, warps, way in configs:
-            fn = jax.jit(lambda q, arrs, pos, bs=bs, warps=warps, way=way: decode_attention(
+        configs = ([(None, None, w, False) for w in ways] + [(None, None, w, True) for w in ways if a.prefetch]
+                   + [(int(b), int(w), ways[0], False) for b in a.blocks.split(",") for w in a.warps.split(",")])
+        for bs, warps, way, pf in configs:
+            fn = jax.jit(lambda q, arrs, pos, bs=bs, warps=warps, way=way, pf=pf: decode_attention(
                 q, Cache(**{"k": None, **arrs}, keys=keys), jnp.int32(1), pos, scale=0.05, window=window,
-                block=bs, warps=warps, widen=way))
+                block=bs, warps=warps, widen=way, prefetch=pf))
             try:
                 t = timed(fn, q, arrs, pos)
             except Exception as e:                 # a tiling the compiler rejects
-                print(f"{name:24s} block={bs} warps={warps} widen={way}: {type(e).__name__}", flush=True)
+                print(f"{name:24s} block={bs} warps={warps} widen={way} prefetch={pf}: {type(e).__name__}",
+                      flush=True)
                 continue
-            rows.append({"cache": name, "block": bs, "warps": warps, "widen": way, "us": t * 1e6,
+            rows.append({"cache": name, "block": bs, "warps": warps, "widen": way, "prefetch": pf, "us": t * 1e6,
                          "GBps": nbytes / t / 1e9})
             print(f"{name:24s} block={str(bs or 'default'):7s} warps={str(warps or 'default'):7s} widen={way:7s} "
+                  f"{'prefetch ' if pf else '':9s}"
                   f"{t * 1e6:9.1f} us {nbytes / t / 1e9:7.0f} GB/s", flush=True)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "attention_bench.json"), "w") as f:

@@ -100,4 +100,6 @@ def test_lowers_for_cuda(lower_for_cuda, way):
     q, caches = _int8_caches(hd=64)
     pos = jnp.asarray([35, 69], jnp.int32)
     for cache in caches.values():
-        lower_for_cuda(lambda q, c=cache: decode_attention(q, c, 1, pos, scale=0.2, widen=way), q)
+        for prefetch in (False, True):
+            lower_for_cuda(lambda q, c=cache: decode_attention(q, c, 1, pos, scale=0.2, widen=way,
+                                                               prefetch=prefetch), q)

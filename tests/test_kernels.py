@@ -176,10 +176,10 @@ def test_decode_attention(B, H, K, S, hd, window, softcap, pos):
     pos = jnp.asarray(pos, jnp.int32)
     mask = attention_mask(pos[:, None], slot_positions(B, S), window)
     ref = attend(q[:, None], ks[1], vs[1], mask, 0.3, softcap)[:, 0]
-    for block, splits in [(None, None), (16, 3), (32, 1), (16, 8)]:
+    for block, splits, prefetch in [(None, None, False), (16, 3, False), (32, 1, False), (16, 8, True)]:
         o = decode_attention(q, Cache(ks, vs), jnp.int32(1), pos, scale=0.3, softcap=softcap, window=window,
-                             block=block, splits=splits)
-        assert float(jnp.max(jnp.abs(o - ref))) < 2e-6, (block, splits)
+                             block=block, splits=splits, prefetch=prefetch)
+        assert float(jnp.max(jnp.abs(o - ref))) < 2e-6, (block, splits, prefetch)
 
 
 def _ring_positions(pos, S):
@@ -222,10 +222,10 @@ def test_decode_attention_split_caches(ring, int8, from_values):
         k = apply_rope(rms_norm(v[1], norm_w, 1e-6, 1.0), jnp.asarray(kv_pos), inv_freq)[None].repeat(L, 0)
     mask = attention_mask(jnp.asarray(pos)[:, None], jnp.asarray(kv_pos), window)
     ref = attend(q[:, None], k[1], v[1], mask, 0.3, None)[:, 0]
-    for block, splits in [(None, None), (16, 3)]:
+    for block, splits, prefetch in [(None, None, False), (16, 3, False), (16, 3, True)]:
         o = decode_attention(q, Cache(**cache, keys=keys), jnp.int32(1), jnp.asarray(pos), scale=0.3,
-                             window=window, block=block, splits=splits)
-        assert float(jnp.max(jnp.abs(o - ref))) < 1e-5, (block, splits)
+                             window=window, block=block, splits=splits, prefetch=prefetch)
+        assert float(jnp.max(jnp.abs(o - ref))) < 1e-5, (block, splits, prefetch)
 
 
 def test_head_pieces_cover_the_head_once():

@@ -82,7 +82,7 @@ def head_pieces(hd: int, inv_freq: np.ndarray | None) -> tuple[int, tuple[tuple[
     return rot, (((0, rot), (w, rot)) + tuple(_pieces(w - rot, rot)) + tuple(_pieces(w - rot, w + rot)))
 
 
-def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision, keys, way, pieces):
+def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision, keys, way, pieces, prefetch):
     r = dict(zip(names, refs))
     o_ref, m_ref, l_ref = refs[len(names):]
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -138,24 +138,44 @@ def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision
             c, s = cb * cj - sb * sj, sb * cj + cb * sj
         return [(x[0] * c - x[1] * s).astype(dt), (x[1] * c + x[0] * s).astype(dt)] + [a.astype(dt) for a in x[2:]]
 
-    def body(t, carry):
-        accs, m, l = carry
+    def in_range(t):
         si = t * bs + jnp.arange(bs)
-        valid = (si >= lo) & (si < hi)
+        return si, (si >= lo) & (si < hi)
+
+    def visible(si, kv_pos, rng):
+        """The slots of a block in this chunk that the query sees."""
+        if not ring:                      # lo and hi already hold the position and the window
+            return rng
+        v = rng & (kv_pos >= 0) & (kv_pos <= pos)
+        return v if window is None else v & (kv_pos > pos - window)
+
+    def fetch(t):
+        """Block t as stored: slot positions (ring), values, keys, scales. Fetched a block ahead,
+        the K/V loads are masked by the slot range alone, so they need not wait for the slot
+        positions; the scores mask the rest (a slot loaded but not seen gets probability 0)."""
+        si, rng = in_range(t)
+        tiles = {}
         if ring:
-            kv_pos = plgpu.load(r["slot_pos"].at[layer, b, pl.ds(t * bs, bs)], mask=valid, other=-1)
-            valid &= (kv_pos >= 0) & (kv_pos <= pos)
-            if window is not None:
-                valid &= kv_pos > pos - window
-        else:
-            kv_pos = si
-        vals = load_kv("v", t, valid)
-        vscale = load_scale("v_scale", t, valid) if "v_scale" in r else None
+            tiles["kv_pos"] = plgpu.load(r["slot_pos"].at[layer, b, pl.ds(t * bs, bs)], mask=rng, other=-1)
+        mask = rng if prefetch else visible(si, tiles.get("kv_pos", si), rng)
+        tiles["v"] = load_kv("v", t, mask)
+        if "k" in r:
+            tiles["k"] = load_kv("k", t, mask)
+        for name in ("k_scale", "v_scale"):
+            if name in r:
+                tiles[name] = load_scale(name, t, mask)
+        return tiles
+
+    def attend_block(t, tiles, carry):
+        accs, m, l = carry
+        si, rng = in_range(t)
+        kv_pos = tiles.get("kv_pos", si)
+        valid = visible(si, kv_pos, rng)
+        vals, vscale = tiles["v"], tiles.get("v_scale")
         if keys is not None:
             ks, kscale = rebuilt_keys(vals, vscale, kv_pos, t), None
         else:
-            ks = [widening.widen(a, dt, way) for a in load_kv("k", t, valid)]
-            kscale = load_scale("k_scale", t, valid) if "k_scale" in r else None
+            ks, kscale = [widening.widen(a, dt, way) for a in tiles["k"]], tiles.get("k_scale")
         s = sum(jax.lax.dot_general(qa, ka, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                                     precision=precision) for qa, ka in zip(qs, ks))
         if kscale is not None:
@@ -177,7 +197,11 @@ def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision
 
     init = ([jnp.zeros((gp, p), jnp.float32) for p in pw], jnp.full((gp,), NEG, jnp.float32),
             jnp.zeros((gp,), jnp.float32))
-    accs, m, l = jax.lax.fori_loop(t_lo, t_hi, body, init)
+    if prefetch:                  # block t + 1's loads in flight while block t is computed
+        accs, m, l, _ = jax.lax.fori_loop(
+            t_lo, t_hi, lambda t, c: (*attend_block(t, c[3], c[:3]), fetch(t + 1)), (*init, fetch(t_lo)))
+    else:
+        accs, m, l = jax.lax.fori_loop(t_lo, t_hi, lambda t, c: attend_block(t, fetch(t), c), init)
     for acc, d, dmask in zip(accs, pds, pm):
         plgpu.store(o_ref.at[sp, b, h, pl.ds(0, gp), d], acc, mask=gmask[:, None] & dmask[None, :])
     plgpu.store(m_ref.at[sp, b, h, pl.ds(0, gp)], m, mask=gmask)
@@ -223,9 +247,11 @@ def choose_split(B: int, K: int, S: int, bs: int) -> int:
 
 def decode_attention(q, cache: Cache, layer, pos, *, scale: float, softcap=None, window=None,
                      block: int | None = None, splits: int | None = None, warps: int | None = None,
-                     widen: str | None = None):
+                     widen: str | None = None, prefetch: bool = False):
     """q [B, H, hd], a layer `layer` [] of `cache`, positions pos [B] -> [B, H, hd] in q's dtype.
-    `widen`: how int8 K/V reach the dots (`kernels.widen`; default `JAXLLM_INT8_WIDEN`)."""
+    `widen`: how int8 K/V reach the dots (`kernels.widen`; default `JAXLLM_INT8_WIDEN`).
+    `prefetch`: each block's loads are issued while the block before it is computed, by the
+    kernel's own loop rather than Triton's pipelining (for timing against it)."""
     B, H, hd = q.shape
     _, _, S, K, _ = cache.v.shape
     G = H // K
@@ -247,7 +273,8 @@ def decode_attention(q, cache: Cache, layer, pos, *, scale: float, softcap=None,
     kind = ("ring" if cache.slot_pos is not None else "linear") + (" keys-from-values" if keys else "")
     way = widen or widening.default()
     note("decode attention", (B, H, K, S, hd, str(cache.v.dtype), kind), f"pallas block={bs} splits={n}"
-         + (f" widen={way}" if cache.v.dtype == jnp.int8 and way != "convert" else ""))
+         + (f" widen={way}" if cache.v.dtype == jnp.int8 and way != "convert" else "")
+         + (" prefetch" if prefetch else ""))
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     rot, pieces = head_pieces(hd, None if keys is None else keys.inv_freq)
     ins = {"layer": jnp.reshape(layer, (1,)).astype(jnp.int32), "pos": pos.astype(jnp.int32),
@@ -262,7 +289,7 @@ def decode_attention(q, cache: Cache, layer, pos, *, scale: float, softcap=None,
     kernel = functools.partial(_kernel, names=tuple(ins), G=G, hd=hd, S=S, bs=bs, chunk=chunk, scale=scale,
                                softcap=softcap, window=window, precision=precision,
                                keys=None if keys is None else (keys.eps, keys.offset, keys.norm_w is not None),
-                               way=way, pieces=pieces)
+                               way=way, pieces=pieces, prefetch=prefetch)
     out_shape = (jax.ShapeDtypeStruct((n, B, K, G, hd), jnp.float32),
                  jax.ShapeDtypeStruct((n, B, K, G), jnp.float32),
                  jax.ShapeDtypeStruct((n, B, K, G), jnp.float32))
