@@ -1,7 +1,8 @@
 """Time the decode-attention kernel on each kind of cache the engine keeps, over block sizes and
 warp counts: full-length bf16, int8 linear (global layers of the split cache), ring slots (bf16 or
 int8 sliding layers) and keys rebuilt from stored values (Gemma 4's k_eq_v global layers). With
-`--widen` and `--prefetch`, also the ways of widening int8 and the kernel's loads a block ahead.
+`--widen` and `--prefetch`, also the ways of widening int8 and the kernel's loads a block ahead
+(by default each is the engine's own choice, shown as "default").
 
     python scripts/attention_bench.py --batch 64 --ctx 2048 --out DIR
     python scripts/attention_bench.py --batch 64 --widen convert,magic,bits --prefetch --blocks 32 --warps 8
@@ -56,13 +57,13 @@ def main():
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--blocks", default="16,32,64")
     p.add_argument("--warps", default="4,8")
-    p.add_argument("--widen", default="convert", help="ways of widening int8 K/V to time (convert, magic, bits; "
-                   "comma-separated; `kernels.widen`), each with the default block and warps")
-    p.add_argument("--prefetch", action="store_true", help="also time each way with the kernel's own "
-                   "one-block-ahead loads (default block and warps)")
+    p.add_argument("--widen", default="", help="ways of widening int8 K/V to time besides the default "
+                   "(convert, magic, bits; comma-separated; `kernels.widen`), with the default block and warps")
+    p.add_argument("--prefetch", action="store_true", help="time each way both with and without the kernel's "
+                   "own one-block-ahead loads (default block and warps)")
     p.add_argument("--out", default="attention_bench")
     a = p.parse_args()
-    if any(w not in WAYS for w in a.widen.split(",")):
+    if any(w not in WAYS for w in a.widen.split(",") if w):
         sys.exit(f"--widen: each of {a.widen!r} must be one of {', '.join(WAYS)}")
     key = jax.random.key(0)
     # name, query heads, KV heads, head_dim, slots: Gemma 4 31B's layers on one GPU, and Qwen3-4B's
@@ -75,9 +76,9 @@ def main():
         arrs, keys, window = case(name, a.batch, S, H, K, hd, a.ctx, key)
         q = jax.random.normal(key, (a.batch, H, hd), jnp.bfloat16)
         nbytes = sum(x[0].size * x.dtype.itemsize for x in arrs.values())
-        ways = a.widen.split(",") if "int8" in name else ["convert"]
-        configs = ([(None, None, w, False) for w in ways] + [(None, None, w, True) for w in ways if a.prefetch]
-                   + [(int(b), int(w), ways[0], False) for b in a.blocks.split(",") for w in a.warps.split(",")])
+        ways = [None] + ([w for w in a.widen.split(",") if w] if "int8" in name else [])
+        configs = ([(None, None, w, pf) for w in ways for pf in ((False, True) if a.prefetch else (None,))]
+                   + [(int(b), int(w), None, None) for b in a.blocks.split(",") for w in a.warps.split(",")])
         for bs, warps, way, pf in configs:
             fn = jax.jit(lambda q, arrs, pos, bs=bs, warps=warps, way=way, pf=pf: decode_attention(
                 q, Cache(**{"k": None, **arrs}, keys=keys), jnp.int32(1), pos, scale=0.05, window=window,
@@ -90,8 +91,8 @@ def main():
                 continue
             rows.append({"cache": name, "block": bs, "warps": warps, "widen": way, "prefetch": pf, "us": t * 1e6,
                          "GBps": nbytes / t / 1e9})
-            print(f"{name:24s} block={str(bs or 'default'):7s} warps={str(warps or 'default'):7s} widen={way:7s} "
-                  f"{'prefetch ' if pf else '':9s}"
+            print(f"{name:24s} block={str(bs or 'default'):7s} warps={str(warps or 'default'):7s} "
+                  f"widen={way or 'default':7s} prefetch={'default' if pf is None else pf!s:7s}"
                   f"{t * 1e6:9.1f} us {nbytes / t / 1e9:7.0f} GB/s", flush=True)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "attention_bench.json"), "w") as f:

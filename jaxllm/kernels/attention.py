@@ -82,7 +82,8 @@ def head_pieces(hd: int, inv_freq: np.ndarray | None) -> tuple[int, tuple[tuple[
     return rot, (((0, rot), (w, rot)) + tuple(_pieces(w - rot, rot)) + tuple(_pieces(w - rot, w + rot)))
 
 
-def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision, keys, way, pieces, prefetch):
+def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision, keys, way, kway, pieces,
+            prefetch):
     r = dict(zip(names, refs))
     o_ref, m_ref, l_ref = refs[len(names):]
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -113,7 +114,7 @@ def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision
         return plgpu.load(r[name].at[layer, b, pl.ds(t * bs, bs), h], mask=valid, other=0.0)
 
     def rebuilt_keys(vals, vscale, kv_pos, t):
-        x = [widening.widen(a, jnp.float32, way) * (1.0 if vscale is None else vscale[:, None]) for a in vals]
+        x = [widening.widen(a, jnp.float32, kway) * (1.0 if vscale is None else vscale[:, None]) for a in vals]
         x = [a.astype(dt).astype(jnp.float32) for a in x]          # the values as the model holds them
         eps, offset, has_norm = keys
         if has_norm:
@@ -247,22 +248,34 @@ def choose_split(B: int, K: int, S: int, bs: int) -> int:
 
 def decode_attention(q, cache: Cache, layer, pos, *, scale: float, softcap=None, window=None,
                      block: int | None = None, splits: int | None = None, warps: int | None = None,
-                     widen: str | None = None, prefetch: bool = False):
+                     widen: str | None = None, prefetch: bool | None = None):
     """q [B, H, hd], a layer `layer` [] of `cache`, positions pos [B] -> [B, H, hd] in q's dtype.
-    `widen`: how int8 K/V reach the dots (`kernels.widen`; default `JAXLLM_INT8_WIDEN`).
+    `widen`: how int8 K/V reach the dots and, for keys rebuilt from values, float32 (`kernels.widen`;
+    by default `JAXLLM_INT8_WIDEN`, else `convert` for the dots and `magic` for the rebuild).
     `prefetch`: each block's loads are issued while the block before it is computed, by the
-    kernel's own loop rather than Triton's pipelining (for timing against it)."""
+    kernel's own loop rather than Triton's pipelining; by default for int8 caches, whose loads
+    Triton does not pipeline past the widening (measured on one H200: 7% faster on int8 rings,
+    the bf16 ring 15% slower with it)."""
     B, H, hd = q.shape
     _, _, S, K, _ = cache.v.shape
     G = H // K
     keys = cache.keys
     if keys is not None and hd % 2:
         raise ValueError(f"keys rebuilt from values need an even head_dim, got {hd}")
+    int8 = cache.v.dtype == jnp.int8
+    if prefetch is None:
+        prefetch = int8
     # Block and warps measured on one H100 at batch 64: keys rebuilt from int8 values take 338 us a
     # layer at head_dim 512 in blocks of 32 with 8 warps (7.4 ms in blocks of 64 with 4, which spill
-    # registers) and 177 us at head_dim 256 in blocks of 16 with 4.
+    # registers) and 177 us at head_dim 256 in blocks of 16 with 4. On one H200 at batches 64 and 128
+    # (Gemma 4's layers), int8 caches loaded a block ahead and bf16 rings of head_dim 256 ran 15-30%
+    # faster with 2 warps a program (4 at head_dim 512) than with 8.
     if keys is not None:
         bs, warps = block or (16 if hd <= 256 else 32), warps or (4 if hd <= 256 else 8)
+    elif int8 and prefetch:
+        bs, warps = block or 64, warps or (2 if hd <= 256 else 4)
+    elif hd == 256:
+        bs, warps = block or 32, warps or 2
     else:
         bs = block or (64 if hd <= 256 else 32)
         warps = warps or (8 if bs * hd >= 16384 else 4)
@@ -271,9 +284,10 @@ def decode_attention(q, cache: Cache, layer, pos, *, scale: float, softcap=None,
     chunk = -(-chunk // bs) * bs
     n = -(-S // chunk)
     kind = ("ring" if cache.slot_pos is not None else "linear") + (" keys-from-values" if keys else "")
-    way = widen or widening.default()
-    note("decode attention", (B, H, K, S, hd, str(cache.v.dtype), kind), f"pallas block={bs} splits={n}"
-         + (f" widen={way}" if cache.v.dtype == jnp.int8 and way != "convert" else "")
+    way, kway = widen or widening.default(), widen or widening.default("magic")
+    note("decode attention", (B, H, K, S, hd, str(cache.v.dtype), kind), f"pallas block={bs} warps={warps} splits={n}"
+         + (f" widen={way}" if int8 and way != "convert" else "")
+         + (f" keys-widen={kway}" if keys is not None and int8 else "")
          + (" prefetch" if prefetch else ""))
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     rot, pieces = head_pieces(hd, None if keys is None else keys.inv_freq)
@@ -289,7 +303,7 @@ def decode_attention(q, cache: Cache, layer, pos, *, scale: float, softcap=None,
     kernel = functools.partial(_kernel, names=tuple(ins), G=G, hd=hd, S=S, bs=bs, chunk=chunk, scale=scale,
                                softcap=softcap, window=window, precision=precision,
                                keys=None if keys is None else (keys.eps, keys.offset, keys.norm_w is not None),
-                               way=way, pieces=pieces, prefetch=prefetch)
+                               way=way, kway=kway, pieces=pieces, prefetch=prefetch)
     out_shape = (jax.ShapeDtypeStruct((n, B, K, G, hd), jnp.float32),
                  jax.ShapeDtypeStruct((n, B, K, G), jnp.float32),
                  jax.ShapeDtypeStruct((n, B, K, G), jnp.float32))
