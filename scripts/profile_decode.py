@@ -57,6 +57,7 @@ def main():
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the first GPU is traced)")
     p.add_argument("--kv-quant", default="none", choices=("none", "int8"))
     p.add_argument("--int8-rings", action="store_true", help="with --kv-quant int8, int8 sliding rings too")
+    p.add_argument("--rebuild-keys", action="store_true", help="with --kv-quant int8, k_eq_v layers store V alone")
     p.add_argument("--hlo", help="also write the compiled step's HLO text here, to look up the fusions named")
     a = p.parse_args()
     dtype = DTYPES["bfloat16"]
@@ -70,7 +71,7 @@ def main():
     # The state is donated, as the engine does (else the loop's output cache is a second copy of
     # it), so each run gets a fresh one.
     loop = jax.jit(partial(gen.decode_loop, cfg, dtype=dtype), donate_argnums=(1,))
-    opts = KVOptions(int8_rings=a.int8_rings)
+    opts = KVOptions(int8_rings=a.int8_rings, store_keys=not a.rebuild_keys)
 
     def state():
         return jax.block_until_ready(decode_state(cfg, a.batch, a.ctx, a.steps, dtype, 0, a.kv_quant, layout, opts))

@@ -17,17 +17,20 @@ from jaxllm import kernels  # noqa: E402
 import gemma4_refs  # noqa: E402
 from tp_models import make  # noqa: E402
 
-CASES = [      # name, checkpoint writer, weight formats
-    ("qwen3-kv4", lambda p: make("qwen3", p, num_key_value_heads=4), (("none", "none"),)),  # int8: Gemma 4 below
-    ("qwen3-kv2", lambda p: make("qwen3", p, num_key_value_heads=2), (("none", "none"),)),  # XLA attention
+CASES = [      # name, checkpoint writer, (weight format, KV format, k_eq_v layers store keys)
+    ("qwen3-kv4", lambda p: make("qwen3", p, num_key_value_heads=4), (("none", "none", True),)),  # int8: Gemma 4
+    ("qwen3-kv2", lambda p: make("qwen3", p, num_key_value_heads=2), (("none", "none", True),)),  # XLA attention
     # 1 global KV head; with int8 KV the split cache: rings, keys rebuilt from int8 global values
-    ("gemma4-31b", lambda p: gemma4_refs.build("31b").save_pretrained(p), (("int8", "none"), ("int8", "int8"))),
+    # (stored keys read as any int8 cache: test_long_context, the kernel tests)
+    ("gemma4-31b", lambda p: gemma4_refs.build("31b").save_pretrained(p),
+     (("int8", "none", True), ("int8", "int8", False))),
 ]
 
 
-def run(path, tp, mode, quant, kv):
+def run(path, tp, mode, quant, kv, store_keys):
     os.environ["JAXLLM_KERNELS"] = mode
-    eng = jaxllm.load(path, dtype="float32", quant=quant, tp=tp, max_ctx=32, kv_quant=kv)
+    eng = jaxllm.load(path, dtype="float32", quant=quant, tp=tp, max_ctx=32, kv_quant=kv,
+                      kv_options=jaxllm.KVOptions(store_keys=store_keys))
     ids = np.random.default_rng(0).integers(0, 160, (2, 9)).astype(np.int32)
     full = eng.logits(ids)
     cache, steps = eng.new_cache(2, 16), []
@@ -43,11 +46,11 @@ def main(tmp):
     for name, write, quants in CASES:
         path = os.path.join(tmp, name)
         write(path)
-        for quant, kv in quants:
-            ref = run(path, 1, "xla", quant, kv)
-            got = run(path, 4, "pallas", quant, kv)
+        for quant, kv, store_keys in quants:
+            ref = run(path, 1, "xla", quant, kv, store_keys)
+            got = run(path, 4, "pallas", quant, kv, store_keys)
             scale = float(np.abs(ref[0]).max())
-            out[f"{name}-{quant}-kv{kv}"] = {
+            out[f"{name}-{quant}-kv{kv}" + ("" if store_keys else "-rebuilt")] = {
                 "forward_err": float(np.abs(got[0] - ref[0]).max()) / scale,
                 "step_err": float(np.abs(got[1] - ref[1]).max()) / scale,
                 "greedy_equal": got[2] == ref[2],

@@ -549,4 +549,4 @@ def test_sharded_kernels_match_single_device_xla(tmp_path):
     assert any(s["choice"].endswith("out-major") for s in out["selections"] if s["kernel"] == "matmul")
     split_kinds = {s["shape"][-1] for s in out["selections"]
                    if s["kernel"] == "decode attention" and s["choice"].startswith("pallas")}
-    assert "linear keys-from-values" in split_kinds         # Gemma 4's int8 global layers, in place
+    assert "linear keys-from-values" in split_kinds         # Gemma 4's int8 global layers, V alone

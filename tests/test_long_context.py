@@ -127,6 +127,31 @@ def test_int8_rings(make_cfg):
         KVOptions(int8_rings="yes")
 
 
+def test_keys_rebuilt_from_values():
+    """KVOptions(store_keys=False): the 31B-like model's k_eq_v global layers store V alone (half the
+    global cache) and rebuild keys from it (RMS norm, RoPE); token-by-token decode past ring wraps
+    still gives the full cache's logits, and greedy generation its tokens."""
+    from dataclasses import replace
+    cfg, full, stored, _ = engines(gemma4_31b)
+    eng = Engine(cfg, full.weights, None, dtype="float32", max_ctx=256, kv_quant="int8",
+                 kv_options=replace(SPLIT, store_keys=False))
+    cache = eng.new_cache(1, 96)
+    glob, both = cache["global"], stored.new_cache(1, 96)["global"]
+    assert glob.k is None and glob.k_scale is None and both.k.dtype == jnp.int8 and both.k.shape == glob.v.shape
+    seq = np.array(prompts(cfg, seed=4)[0] + prompts(cfg, seed=5)[1], np.int32)[None]
+    ref = full.logits(seq)[0]
+    rows = []
+    for t in range(seq.shape[1]):
+        logits, cache = eng.step(seq[:, t], np.array([t]), cache)
+        rows.append(np.asarray(logits)[0])
+    assert logit_err(np.stack(rows), ref) < INT8_LOGIT_TOL
+    ps = prompts(cfg)
+    assert [g.token_ids for g in eng.generate_ids(ps, max_tokens=12)] == \
+        [g.token_ids for g in full.generate_ids(ps, max_tokens=12)]
+    with pytest.raises(ModelError, match="store_keys"):
+        KVOptions(store_keys=1)
+
+
 def _first_token_state(cfg, w, tokens, lens, cache, chunk, mark_padding):
     params = SamplingParams.make(len(lens), 0.0, None, None, 0)
     max_new = jnp.full((len(lens),), 4, jnp.int32)
@@ -170,17 +195,19 @@ def test_cache_layout_sizes_and_axes():
     shapes = cache_shapes(cfg, layout, KVOptions(block=64), 3, 1000, jnp.bfloat16)
     ring, glob = shapes["sliding"], shapes["global"]
     assert ring.k.shape == (3, 3, WINDOW, 2, 16) and ring.pos.dtype == jnp.int32
-    assert glob.k is None and glob.k_scale is None          # k_eq_v: keys rebuilt from stored values
-    assert glob.v.shape == (1, 3, 1024, 1, 32) and glob.v.dtype == jnp.int8 and glob.v_scale.shape == (1, 3, 1024, 1)
+    assert glob.k.shape == glob.v.shape == (1, 3, 1024, 1, 32) and glob.v.dtype == jnp.int8
+    assert glob.k_scale.shape == glob.v_scale.shape == (1, 3, 1024, 1)
     axes = cache_axes(shapes)
     assert axes["global"].v == ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
     plan = plan_cache(cfg, layout, KVOptions(block=64), 3, 1000, jnp.bfloat16)
-    assert plan.per_token == 1 * (32 + 4)                    # one global layer: int8 V + a float32 scale
+    assert plan.per_token == 2 * (32 + 4)                    # one global layer: int8 K, V + float32 scales
     assert plan.fixed == 3 * (3 * WINDOW * 2 * 16 * 2 * 2 + 3 * WINDOW * 4)
     assert plan.total == plan.fixed + 3 * 1024 * plan.per_token
     print(plan.describe())
     with pytest.raises(RequestError, match="KV cache .* needs .* GiB"):
         check_fits(plan, free=plan.total - 1)
+    rebuilt = plan_cache(cfg, layout, KVOptions(block=64, store_keys=False), 3, 1000, jnp.bfloat16)
+    assert rebuilt.per_token * 2 == plan.per_token and rebuilt.fixed == plan.fixed     # V alone
     full = plan_cache(cfg, KVLayout(False, False), KVOptions(), 3, 1000, jnp.bfloat16)
     assert full.per_token == 3 * 2 * 2 * 16 * 2 + 1 * 2 * 1 * 32 * 2 and full.fixed == 0
 

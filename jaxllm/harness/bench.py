@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV-cache format, as in jaxllm.infer (auto: split int8 cache above 32K)")
     p.add_argument("--int8-rings", action="store_true",
                    help="with an int8 split cache, keep the sliding layers' rings in int8 too")
+    p.add_argument("--rebuild-keys", action="store_true",
+                   help="with a split cache, global layers whose V is their K store V alone and rebuild keys")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench.json", help="JSON results path")
     p.add_argument("--plot", default=None, help="PNG plot path (default: --out with .png)")
@@ -102,9 +104,12 @@ def check_args(a) -> None:
             raise RequestError(f"--{name} must be >= 1, got {getattr(a, name)}")
     if a.warmup < 0:
         raise RequestError(f"--warmup must be >= 0, got {a.warmup}")
-    a.kv_options = KVOptions(int8_rings=a.int8_rings)
-    if a.int8_rings and not choose_layout(a.kv_quant, a.ctx + a.steps, a.kv_options).int8:
+    a.kv_options = KVOptions(int8_rings=a.int8_rings, store_keys=not a.rebuild_keys)
+    layout = choose_layout(a.kv_quant, a.ctx + a.steps, a.kv_options)
+    if a.int8_rings and not layout.int8:
         raise RequestError("--int8-rings needs an int8 split cache: add --kv-quant int8")
+    if a.rebuild_keys and not layout.split:
+        raise RequestError("--rebuild-keys applies to the split cache: add --kv-quant int8")
 
 
 # -- model ----------------------------------------------------------------------------------------
@@ -227,7 +232,8 @@ def kv_itemsizes(cfg, a, dtype) -> dict:
 
 def run_point(cfg, fam, weights, batch, a, ceilings, mem_limit) -> Point:
     dtype = DTYPES[a.dtype]
-    cost = step_cost(cfg, weights, fam.abstract(cfg), batch, a.ctx, kv_itemsizes(cfg, a, dtype))
+    shared = choose_layout(a.kv_quant, a.ctx + a.steps, a.kv_options).split and a.rebuild_keys
+    cost = step_cost(cfg, weights, fam.abstract(cfg), batch, a.ctx, kv_itemsizes(cfg, a, dtype), shared)
     p = Point(batch, a.ctx, a.steps, weight_bytes_per_step=cost.weight_bytes, kv_bytes_per_step=cost.kv_bytes,
               bytes_per_step=cost.bytes, flops_per_step=cost.flops)
     # tensor parallelism splits the bytes and FLOPs of a step over tp devices, each measured alike
@@ -279,7 +285,7 @@ def report(a, cfg, weights, subject, ceilings, points) -> dict:
                   "weight_bytes": nbytes(weights)},
         "settings": {"ctx": a.ctx, "steps": a.steps, "warmup": a.warmup, "repeats": a.repeats, "tp": a.tp,
                      "batches": a.batches, "prompt_lens": a.prompt_lens, "kv_quant": a.kv_quant,
-                     "int8_rings": a.int8_rings},
+                     "int8_rings": a.int8_rings, "rebuild_keys": a.rebuild_keys},
         "ceilings": ceilings.to_json(),
         "kernels": {"mode": kernels.mode(), "enabled": kernels.enabled(), "selections": kernels.selections()},
         "points": [asdict(p) for p in points],

@@ -5,8 +5,9 @@ bf16/f32 arrays, exactly as the pytree holds them), except that lookup tables (a
 embedding, per-layer input embeddings: a leading "vocab" axis and no matmul use) are only gathered,
 batch rows of them, while a tied embedding is read whole as the output projection; plus each layer's
 K and V over the positions it attends at that context: global layers over ctx, sliding layers over
-min(ctx, window), and a layer whose V is its K (k_eq_v) reads one tensor. Mixture-of-experts
-weights (a spec axis named "expert") count only the experts a batch can be expected to touch.
+min(ctx, window), and a layer whose V is its K (k_eq_v) reads one tensor where the split cache
+rebuilds its keys from the values. Mixture-of-experts weights (a spec axis named "expert") count
+only the experts a batch can be expected to touch.
 
 FLOPs per step (the compute roofline): 2 per multiply-add of every matmul weight (the tied
 embedding as the output projection included) per row, plus QK^T and PV over the attended positions.
@@ -99,13 +100,15 @@ def attended(cfg: ModelConfig, kind: int, ctx: int) -> int:
     return min(ctx, w) if w else ctx
 
 
-def kv_bytes_per_step(cfg: ModelConfig, batch: int, ctx: int, kv_itemsize: float | dict = 2) -> int:
+def kv_bytes_per_step(cfg: ModelConfig, batch: int, ctx: int, kv_itemsize: float | dict = 2,
+                      shared: bool = True) -> int:
     """K/V bytes every layer reads at context ctx (kv_itemsize: bytes per cached element, or a dict
-    of them per layer kind)."""
+    of them per layer kind). `shared`: k_eq_v layers store one tensor (the split cache, unless it
+    stores their keys too)."""
     total = 0.0
     for kind in cfg.layer_kinds:
         a = cfg.attn[kind]
-        tensors = 1 if a.k_eq_v else 2
+        tensors = 1 if a.k_eq_v and shared else 2
         item = kv_itemsize[kind] if isinstance(kv_itemsize, dict) else kv_itemsize
         total += batch * attended(cfg, kind, ctx) * a.num_kv_heads * a.head_dim * item * tensors
     return int(round(total))
@@ -123,7 +126,8 @@ def flops_per_step(cfg: ModelConfig, specs, batch: int, ctx: int) -> int:
     return int(round(2 * batch * (macs + attn)))
 
 
-def step_cost(cfg: ModelConfig, weights, specs, batch: int, ctx: int, kv_itemsize: float | dict = 2) -> StepCost:
+def step_cost(cfg: ModelConfig, weights, specs, batch: int, ctx: int, kv_itemsize: float | dict = 2,
+              shared: bool = True) -> StepCost:
     return StepCost(weight_bytes_per_step(cfg, weights, batch, specs),
-                    kv_bytes_per_step(cfg, batch, ctx, kv_itemsize),
+                    kv_bytes_per_step(cfg, batch, ctx, kv_itemsize, shared),
                     flops_per_step(cfg, specs, batch, ctx))
