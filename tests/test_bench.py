@@ -59,6 +59,15 @@ def test_bytes_and_flops_per_step_by_hand(tmp_path):
     assert flops_per_step(cfg, fam.abstract(cfg), batch=1, ctx=32) == 2 * (macs + attn) == 229376
 
 
+def test_k_eq_v_layers_read_one_tensor_only_where_keys_are_rebuilt():
+    from kv_tiny_models import gemma4_31b
+    cfg = gemma4_31b(16)
+    glob = [cfg.attn[k] for k in cfg.layer_kinds if cfg.attn[k].k_eq_v]
+    assert glob
+    one = sum(a.num_kv_heads * a.head_dim * 100 for a in glob)       # batch 1, ctx 100, 1 byte each
+    assert kv_bytes_per_step(cfg, 1, 100, 1, shared=False) - kv_bytes_per_step(cfg, 1, 100, 1) == one
+
+
 def test_sliding_layers_read_only_their_window(tmp_path):
     p = tmp_path / "g3.json"
     p.write_text(json.dumps({"model_type": "gemma3_text", "vocab_size": 256, "hidden_size": 32,
@@ -136,7 +145,9 @@ def test_bad_flags_are_one_line_errors(tmp_path, capsys):
     for argv, msg in [(["--shape", "no-such-model"], "unknown shape 'no-such-model'"),
                       (["--shape", str(tmp_path / "missing.json")], "no such file"),
                       (["--shape", shape_file(tmp_path), "--tp", "2"], "--tp 2"),
-                      (["--shape", shape_file(tmp_path), "--ctx", "0"], "--ctx")]:
+                      (["--shape", shape_file(tmp_path), "--ctx", "0"], "--ctx"),
+                      (["--shape", shape_file(tmp_path), "--int8-rings"], "--int8-rings needs an int8 split"),
+                      (["--shape", shape_file(tmp_path), "--rebuild-keys"], "--rebuild-keys applies to the split")]:
         assert bench.main(argv + ["--out", str(tmp_path / "x.json")]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error:") and msg in err and "\n" not in err

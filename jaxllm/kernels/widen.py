@@ -16,8 +16,9 @@ The batch-1 matmul always uses `magic` (measured: Qwen3-4B batch 1 on one H100 g
 `convert`), and so does the decode attention where it widens int8 values to float32 to rebuild
 keys from them (measured on one H200). Elsewhere `JAXLLM_INT8_WIDEN` picks, `convert` by default
 (as bf16 dot operands `magic` and `bits` measured slower); setting it applies everywhere but the
-batch-1 matmul, so that each way can be timed inside the whole decode step; `scripts/attention_bench.py --widen` and
-`scripts/kernel_bench.py --widen` time them kernel by kernel.
+batch-1 matmul, so that each way can be timed inside the whole decode step.
+`scripts/attention_bench.py --widen` and `scripts/kernel_bench.py --widen` time them kernel by
+kernel.
 """
 from __future__ import annotations
 
