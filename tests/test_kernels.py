@@ -153,14 +153,19 @@ def test_tile_choice_fits_and_fills():
 
 
 def test_batch1_gated_warps_per_gpu(monkeypatch):
-    """The batch-1 gated product and tiles of 32-64 rows run 4 warps a block on an H200, 8
-    elsewhere; 16-row tiles take 4 everywhere."""
+    """The batch-1 gated product and projections in tiles of 32-64 rows run 4 warps a block on an
+    H200, 8 elsewhere; 16-row tiles take 4 everywhere, and so does the gated product above 16
+    rows, in 32-row tiles of 64 channels, unsplit."""
     for kind, warps in (("NVIDIA H200", 4), ("NVIDIA H100 80GB HBM3", 8)):
         monkeypatch.setattr(matmul, "device_kind", lambda kind=kind: kind)
         assert choose_tiles(1, 5376, 10752, True, out_major=True).warps == warps
         assert choose_tiles(1, 5376, 10752, out_major=True).warps == 8
-        assert choose_tiles(64, 5376, 10752, True, out_major=True).warps == warps
         assert choose_tiles(8, 5376, 10752, True, out_major=True).warps == 4
+        for M in (24, 64, 100):
+            t = choose_tiles(M, 5376, 10752, True, out_major=True)
+            assert (t.bm, t.bn, t.warps, t.split) == (32, 64, 4, 1), (kind, M, t)
+            t = choose_tiles(M, 2560, 2560, out_major=True)
+            assert (t.bn, t.warps) == (128, warps) and t.split > 1, (kind, M, t)
 
 
 @pytest.mark.parametrize("B,H,K,S,hd,window,softcap,pos", [

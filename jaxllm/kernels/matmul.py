@@ -104,7 +104,8 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, 
     loads in flight than an H100's (Gemma 4 31B batch 1: 83.9 tok/s against 79.9 on one H200, 111.3
     and 111.7 against 106.7 and 106.9 at TP=2; Qwen3-4B on one H100: 380.1-380.2 against 382.8-384.0),
     and so do its tensor-core tiles of 32-64 rows (on an H100 even: Qwen3-4B batch 64, 5815-5872
-    against 5837-5853)."""
+    against 5837-5853), but for the gated product, which takes 32 rows by 64 channels with 4 warps
+    on either GPU."""
     if out_major and M == 1:
         bm, bn_, bk_, warps_ = 1, 16, min(512, max(16, _pow2(K))), 8
         if gated and "H200" in device_kind():
@@ -120,7 +121,14 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, 
         bm, bn_, bk_, warps_ = 128, 128, 64, 8
     else:
         bm, bn_, bk_, warps_ = min(64, max(16, _pow2(M))), 128, 128, 8
-        if bm >= 32 and out_major and "H200" in device_kind():
+        if bm >= 32 and out_major and gated:
+            # 32-row tiles of 64 channels, 4 warps, unsplit: no float32 partials written, read back
+            # and gated by an XLA kernel. Qwen3-4B on one H100, µs a layer: 37.2 against 41.9 +
+            # 5.6 (the partials' kernel) at 64 rows, 58.1 against 70.4 + 6.0 at 128, 28.6 against
+            # 30.6 + 3.0 at 32. (The projections in the same tiles: 3-4 µs faster for Qwen3-4B on
+            # the H100 at 64 rows, but 6-15 µs slower for Gemma 4 31B on one H200.)
+            bm, bn_, warps_ = 32, 64, 4
+        elif bm >= 32 and out_major and "H200" in device_kind():
             warps_ = 4      # Gemma 4 31B batch 64 on one H200: 1453-1457 tok/s against 1409-1413
         if bm == 16 and out_major:
             # More, smaller blocks of 4 warps: 64 channels for a projection, or 32 where 64 (split
@@ -137,10 +145,11 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, 
     bn, bk, warps = bn or bn_, bk or bk_, warps or warps_
     blocks = -(-M // bm) * -(-N // bn)
     split = 1
-    # Partials cost M*N*4 bytes each. A gated product over 16-row tiles is not split: summing its
-    # partials is an XLA kernel of its own (Qwen3-4B batch 8 on one H100: 2108-2114 tok/s unsplit,
-    # 2074-2092 split in 4).
-    max_split = (4 if gated else 16) if M == 1 else (1 if gated and bm <= 16 else 4) if M <= 64 else 2
+    # Partials cost M*N*4 bytes each. A gated product over 16- or 32-row tiles is not split:
+    # summing its partials is an XLA kernel of its own (Qwen3-4B batch 8 on one H100: 2108-2114
+    # tok/s unsplit, 2074-2092 split in 4).
+    max_split = ((4 if gated else 16) if M == 1 else 1 if gated and (bm <= 16 or (out_major and bm == 32))
+                 else 4 if M <= 64 else 2)
     if bn == 8 and psum_after and out_major and M == 1:
         target = blocks     # the narrow blocks stand in for the split
     if out_major and M == 1 and outputs > 1 and blocks >= 2 * SMS:
