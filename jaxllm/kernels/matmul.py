@@ -105,7 +105,7 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, 
     and 111.7 against 106.7 and 106.9 at TP=2; Qwen3-4B on one H100: 380.1-380.2 against 382.8-384.0),
     and so do its tensor-core tiles of 32-64 rows (on an H100 even: Qwen3-4B batch 64, 5815-5872
     against 5837-5853), but for the gated product, which takes 32 rows by 64 channels with 4 warps
-    on either GPU."""
+    on either GPU, as do the projections of up to 32 rows."""
     if out_major and M == 1:
         bm, bn_, bk_, warps_ = 1, 16, min(512, max(16, _pow2(K))), 8
         if gated and "H200" in device_kind():
@@ -125,9 +125,13 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, 
             # 32-row tiles of 64 channels, 4 warps, unsplit: no float32 partials written, read back
             # and gated by an XLA kernel. Qwen3-4B on one H100, µs a layer: 37.2 against 41.9 +
             # 5.6 (the partials' kernel) at 64 rows, 58.1 against 70.4 + 6.0 at 128, 28.6 against
-            # 30.6 + 3.0 at 32. (The projections in the same tiles: 3-4 µs faster for Qwen3-4B on
-            # the H100 at 64 rows, but 6-15 µs slower for Gemma 4 31B on one H200.)
+            # 30.6 + 3.0 at 32.
             bm, bn_, warps_ = 32, 64, 4
+        elif bm == 32 and out_major:
+            # The projections too, up to 32 rows; at 64 rows they were slower on the H200. Batch 32,
+            # against the same with 128-channel tiles: Qwen3-4B on one H100 4968 / 4997 tok/s
+            # against 4903 / 4909, Gemma 4 31B on one H200 1546 against 1494 / 1495.
+            bn_, warps_ = 64, 4
         elif bm >= 32 and out_major and "H200" in device_kind():
             warps_ = 4      # Gemma 4 31B batch 64 on one H200: 1453-1457 tok/s against 1409-1413
         if bm == 16 and out_major:
