@@ -84,10 +84,12 @@ def test_fused_projections_match_separate(out_major):
             assert _rel(y, _ref(x, w, s, 1)) < 1e-5
 
 
-@pytest.mark.parametrize("M", [1, 5])
+@pytest.mark.parametrize("M", [1, 5, 40])
 @pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("out_major", [False, True])
 def test_stacked_gated(M, split, out_major):
+    """Default tiles (40 rows, output-major: two 32-row blocks, the second partly filled, unsplit)
+    and explicit ones, against the float32 product."""
     rng = np.random.default_rng(M + 10 * split)
     x = jnp.asarray(rng.standard_normal((M, 90)), jnp.float32)
     g, u = _w(rng, 90, 45, "int8"), _w(rng, 90, 45, "int8")
@@ -98,6 +100,9 @@ def test_stacked_gated(M, split, out_major):
     for tiles in (None, t):
         got = stacked_gated(x, gm, um, jnp.int32(0), act, _tiles(tiles, out_major), out_major)
         assert _rel(got, ref) < 1e-5
+    if M == 40 and out_major:
+        default = choose_tiles(M, 90, 45, True, out_major=True)
+        assert (default.bm, default.bn, default.split) == (32, 64, 1)
 
 
 def test_out_major_weights_on_the_xla_path(monkeypatch):
