@@ -7,6 +7,7 @@ import sys
 import numpy as np
 import pytest
 
+import hf_reference
 from jaxllm.errors import ModelError
 from jaxllm.loading.default import DEFAULT_MODEL_NAME, default_model_path
 from jaxllm.loading.gguf import _reader as _cached_reader  # the same GGUFReader, parsed once
@@ -47,24 +48,14 @@ def gguf_path():
 
 
 @pytest.fixture(scope="module")
-def hf_dir_name(gguf_path):
-    return str(gguf_path.parent), gguf_path.name
+def hf_tokenizer(tmp_path_factory):
+    return hf_reference.load_tokenizer(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(hf_dir_name):
-    transformers = pytest.importorskip("transformers")
-    d, name = hf_dir_name
-    return transformers.AutoTokenizer.from_pretrained(d, gguf_file=name)
-
-
-@pytest.fixture(scope="module")
-def hf_model(hf_dir_name):
-    """(config, float32 numpy state dict) from transformers' GGUF loader; loaded once (~40 s)."""
-    transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
-    d, name = hf_dir_name
-    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+def hf_model(tmp_path_factory):
+    """(config, float32 numpy state dict) as transformers' GGUF loader reads the file."""
+    model = hf_reference.load_model(tmp_path_factory)
     return model.config, {k: v.detach().numpy() for k, v in model.state_dict().items()}
 
 

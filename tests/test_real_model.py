@@ -7,6 +7,7 @@ import sys
 import numpy as np
 import pytest
 
+import hf_reference
 import jaxllm
 
 pytestmark = pytest.mark.slow
@@ -18,12 +19,8 @@ N_NEW = 32
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    import torch
-    from transformers import AutoModelForCausalLM
-    from jaxllm.loading.default import default_model_path
-    p = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+def hf_model(tmp_path_factory):
+    return hf_reference.load_model(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,59 @@
+"""transformers' own reading of the embedded GGUF, the reference of the real-model tests, made once
+per test run and shared by every xdist worker.
+
+transformers parses a GGUF's metadata in Python, about 45 s each time it opens the file on a
+2-core machine, and a model load opens it twice (config, then tensors). So the first test to need
+the reference loads the model and the tokenizer from the GGUF with transformers' GGUF loader and
+writes both with `save_pretrained` (float32 safetensors and the tokenizer's JSON, so nothing is
+rounded); every later load in the run, in any worker, reads that directory.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def reference_dir(tmp_path_factory) -> Path:
+    """A transformers directory holding the embedded Gemma 3 270M as transformers reads the GGUF."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent                      # the run's directory, above each worker's own
+    d = root / "gemma3_270m_from_gguf_by_transformers"
+    with FileLock(str(d) + ".lock"):
+        if not (d / "complete").exists():
+            _convert(d)
+            (d / "complete").write_text("written\n")
+    return d
+
+
+def _convert(d: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from jaxllm.loading.default import default_model_path
+
+    p = default_model_path()
+    src, name = str(p.parent), p.name
+    config = AutoConfig.from_pretrained(src, gguf_file=name)      # opened once for the config...
+    read = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, config=config, dtype=torch.float32)
+    # ...once for the tensors. A model read from a GGUF refuses `save_pretrained` (it stays marked
+    # as GGUF-quantized, though its tensors are dequantized): its weights go into a plain one.
+    fields = {k: v for k, v in config.to_dict().items() if k != "quantization_config"}
+    plain = AutoModelForCausalLM.from_config(type(config).from_dict(fields), dtype=torch.float32)
+    plain.load_state_dict(read.state_dict())
+    plain.save_pretrained(d)
+    AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(d)
+
+
+def load_model(tmp_path_factory):
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(reference_dir(tmp_path_factory), dtype=torch.float32,
+                                                attn_implementation="eager").eval()
+
+
+def load_tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(reference_dir(tmp_path_factory))
