@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from .kernels import platform
+
 
 @struct.dataclass
 class SamplingParams:
@@ -25,26 +27,80 @@ class SamplingParams:
                               arr(1.0 if top_p is None else top_p, jnp.float32), arr(seed, jnp.uint32))
 
 
-def _sample_rows(logits: jax.Array, p: SamplingParams, step: jax.Array) -> jax.Array:
+def _order_keys(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 in the same order (the radix-sort key): negative numbers have every bit
+    flipped, the others their sign bit set. -0.0 is taken as 0.0, which it equals."""
+    b = jnp.where(x == 0, jnp.uint32(0), jax.lax.bitcast_convert_type(x, jnp.uint32))
+    return jnp.where((b >> 31) == 1, ~b, b | jnp.uint32(0x80000000))
+
+
+def _largest_key(lo: jax.Array, hi: jax.Array, enough) -> jax.Array:
+    """Per row, the largest key u in [lo, hi] with enough(u), where enough holds up to some key and
+    not past it (lo where it fails at once): 32 halvings of a uint32 range, so the answer is exact."""
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = hi - (hi - lo) // 2
+        ok = enough(mid[:, None]) | (mid <= lo)
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+    return jax.lax.fori_loop(0, 32, halve, (lo, hi))[0]
+
+
+def _budget(top_p, mass):
+    """The mass a top-p cut-off must keep; with top_p = 1, more than any prefix holds."""
+    return jnp.where(top_p < 1, top_p, 2.0) * mass
+
+
+def _keep_by_bisection(scaled, k, top_p):
+    """`filtered`'s kept tokens without a sort: bisection on the values' order, one reduction over
+    the vocabulary per halving."""
+    keys = _order_keys(scaled)
+    lo, hi = jnp.min(keys, axis=-1), jnp.max(keys, axis=-1)
+    kth = jax.lax.cond(jnp.any(k < scaled.shape[-1]),
+                       lambda: _largest_key(lo, hi, lambda u: jnp.sum(keys >= u, -1) >= k), lambda: lo)
+    e = jnp.where(keys >= kth[:, None], jnp.exp(scaled - jnp.max(scaled, -1, keepdims=True)), 0.0)
+    budget = _budget(top_p, jnp.sum(e, -1))
+    cut = jax.lax.cond(jnp.any(top_p < 1),
+                       lambda: _largest_key(kth, hi, lambda u: jnp.sum(jnp.where(keys >= u, e, 0.0), -1) >= budget),
+                       lambda: kth)
+    return keys >= cut[:, None]
+
+
+def _keep_by_sorting(scaled, k, top_p):
+    """`filtered`'s kept tokens from the sorted values: one sort, one cumulative sum."""
+    srt = jnp.sort(scaled, axis=-1)[:, ::-1]
+    kth = jnp.take_along_axis(srt, (k - 1)[:, None], axis=-1)
+    csum = jnp.cumsum(jnp.where(srt >= kth, jnp.exp(srt - srt[:, :1]), 0.0), axis=-1)
+    reached = csum >= _budget(top_p, csum[:, -1])[:, None]
+    first = jnp.take_along_axis(srt, jnp.argmax(reached, axis=-1)[:, None], axis=-1)
+    return scaled >= jnp.where(jnp.any(reached, -1, keepdims=True), first, kth)
+
+
+def filtered(logits: jax.Array, p: SamplingParams, by: str | None = None) -> jax.Array:
+    """logits / temperature, with every token outside the top-k set to -inf, then every token
+    outside the top-p of what is left (renormalized). The cut-off is the largest value whose tokens
+    and those above it hold at least top_p of the mass; tokens tied with a cut-off stay.
+
+    On a GPU the values are sorted (an H100 sorts [8, 262144] floats in 0.6 ms, under half the
+    time of the bisection); elsewhere the cut-off is found by bisection, which on a CPU takes an
+    eighth of the sort's time. `by` ("sort" or "bisection") overrides the choice."""
     V = logits.shape[-1]
     t = jnp.where(p.temperature > 0, p.temperature, 1.0)[:, None]
-    srt = jnp.sort(logits / t, axis=-1)[:, ::-1]                               # descending
-    rank_ok = jnp.arange(V)[None, :] < jnp.where(p.top_k > 0, p.top_k, V)[:, None]
-    probs = jax.nn.softmax(jnp.where(rank_ok, srt, -jnp.inf), axis=-1)
-    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-    keep = (jnp.cumsum(probs, axis=-1) - probs) < p.top_p[:, None]
-    cut = jnp.where(rank_ok & keep, srt, -jnp.inf)
-    threshold = jnp.min(jnp.where(jnp.isfinite(cut), cut, jnp.inf), axis=-1, keepdims=True)
     scaled = logits / t
-    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    k = jnp.where(p.top_k > 0, jnp.minimum(p.top_k, V), V)
+    by = by or ("sort" if platform() == "gpu" else "bisection")
+    keep = {"sort": _keep_by_sorting, "bisection": _keep_by_bisection}[by](scaled, k, p.top_p)
+    return jnp.where(keep, scaled, -jnp.inf)
+
+
+def _sample_rows(logits: jax.Array, p: SamplingParams, step: jax.Array) -> jax.Array:
     steps = jnp.broadcast_to(step, p.seed.shape)      # one step for all rows, or one per row
-    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(p.seed, steps)
-    return jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+    rngs = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(p.seed, steps)
+    return jax.vmap(jax.random.categorical)(rngs, filtered(logits, p)).astype(jnp.int32)
 
 
 def sample(logits: jax.Array, p: SamplingParams, step: jax.Array) -> jax.Array:
-    """logits [B, V] float32 -> tokens [B]; step is a scalar or per row [B]. Sorting is skipped when
-    every row is greedy."""
+    """logits [B, V] float32 -> tokens [B]; step is a scalar or per row [B]. The filtering is skipped
+    when every row is greedy."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     drawn = jax.lax.cond(jnp.any(p.temperature > 0), lambda: _sample_rows(logits, p, step),
                          lambda: greedy)
