@@ -2,13 +2,15 @@
 per test run and shared by every xdist worker.
 
 transformers parses a GGUF's metadata in Python, about 45 s each time it opens the file on a
-2-core machine, and a model load opens it twice (config, then tensors). So the first test to need
-the reference loads the model and the tokenizer from the GGUF with transformers' GGUF loader and
-writes both with `save_pretrained` (float32 safetensors and the tokenizer's JSON, so nothing is
-rounded); every later load in the run, in any worker, reads that directory.
+2-core machine, and it opens it for the config, for the tensors and for the tokenizer. So the first
+test to need the reference reads the model and the tokenizer with transformers' GGUF loader, over
+one parse of the file, and writes both with `save_pretrained` (float32 safetensors and the
+tokenizer's JSON, so nothing is rounded); every later load in the run, in any worker, reads that
+directory. The files written are byte for byte those of three separate parses.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -28,6 +30,27 @@ def reference_dir(tmp_path_factory) -> Path:
     return d
 
 
+@contextlib.contextmanager
+def _one_parse_per_file():
+    """transformers opens the GGUF once for the config, once for the tensors and once for the
+    tokenizer, and parses its metadata each time: hand it the first parse again (a `GGUFReader`
+    only reads the memory-mapped file, so every reader of it sees the same)."""
+    import gguf
+
+    real, readers = gguf.GGUFReader, {}
+
+    def shared(path, *args, **kw):
+        key = (os.path.realpath(path), args, tuple(sorted(kw.items())))
+        if key not in readers:
+            readers[key] = real(path, *args, **kw)
+        return readers[key]
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
+
+
 def _convert(d: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -36,15 +59,17 @@ def _convert(d: Path) -> None:
 
     p = default_model_path()
     src, name = str(p.parent), p.name
-    config = AutoConfig.from_pretrained(src, gguf_file=name)      # opened once for the config...
-    read = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, config=config, dtype=torch.float32)
-    # ...once for the tensors. A model read from a GGUF refuses `save_pretrained` (it stays marked
-    # as GGUF-quantized, though its tensors are dequantized): its weights go into a plain one.
+    with _one_parse_per_file():
+        config = AutoConfig.from_pretrained(src, gguf_file=name)
+        read = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, config=config, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    # A model read from a GGUF refuses `save_pretrained` (it stays marked as GGUF-quantized, though
+    # its tensors are dequantized): its weights go into a plain one.
     fields = {k: v for k, v in config.to_dict().items() if k != "quantization_config"}
     plain = AutoModelForCausalLM.from_config(type(config).from_dict(fields), dtype=torch.float32)
     plain.load_state_dict(read.state_dict())
     plain.save_pretrained(d)
-    AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(d)
+    tokenizer.save_pretrained(d)
 
 
 def load_model(tmp_path_factory):

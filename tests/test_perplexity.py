@@ -156,8 +156,8 @@ def test_cli_json_record(tiny_gemma, tmp_path, capsys):
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
 
 
-def gpl3_head(chars: int = 9500) -> str:
-    """The first ~2000 Gemma tokens of GPL-3, cut at a paragraph break."""
+def gpl3_head(chars: int = 7000) -> str:
+    """The first ~1500 Gemma tokens of GPL-3, cut at a paragraph break."""
     text = GPL3.read_text()
     return text[:text.rfind("\n\n", 0, chars)]
 
@@ -165,8 +165,8 @@ def gpl3_head(chars: int = 9500) -> str:
 @pytest.mark.slow
 def test_embedded_gemma3_270m_on_gpl3_matches_transformers(tmp_path_factory):
     """The embedded Gemma 3 270M against transformers loading the same GGUF. To bound CI time this
-    scores the first ~2000 tokens of GPL-3 (three windows) with window 1024 / stride 512 instead of
-    the 2048 default."""
+    scores the first ~1500 tokens of GPL-3 (two overlapping windows) with window 1024 / stride 512
+    instead of the 2048 default."""
     text = gpl3_head()
     f32_engine = jaxllm.load(quant="none", dtype="float32")
     ids = f32_engine.tokenizer.encode(text, add_special=False)
@@ -179,6 +179,6 @@ def test_embedded_gemma3_270m_on_gpl3_matches_transformers(tmp_path_factory):
     ref = math.exp(ref_nll)
     print(f"GPL-3 head, {ref_n} tokens: transformers f32 {ref:.4f}, jaxllm f32 {f32.ppl:.4f}, "
           f"jaxllm bf16/int8 {bf16.ppl:.4f}")
-    assert f32.num_scored_tokens == bf16.num_scored_tokens == ref_n > 1900
+    assert f32.num_scored_tokens == bf16.num_scored_tokens == ref_n > 1400
     assert abs(f32.ppl / ref - 1) < 0.005
     assert abs(bf16.ppl / ref - 1) < 0.01
