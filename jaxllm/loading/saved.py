@@ -10,6 +10,7 @@ Layout of a saved directory:
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import jax
@@ -50,6 +51,30 @@ def save_weights(d: Path, weights, meta: dict) -> None:
     (d / META).write_text(json.dumps({"format": "jaxllm", "version": VERSION, **meta}, indent=1) + "\n")
 
 
+def _late_read_after_failure(unraisable) -> bool:
+    """A read of a failed restore finishing after orbax closed its event loop: tensorstore then
+    posts its result to the closed loop, and that RuntimeError surfaces as an unraisable exception."""
+    e, tb = unraisable.exc_value, unraisable.exc_traceback
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return (isinstance(e, RuntimeError) and str(e) == "Event loop is closed" and tb is not None
+            and tb.tb_frame.f_code.co_name == "_check_closed")
+
+
+def _quiet_late_reads() -> None:
+    """After a failed restore has been reported in one line, the reads it left in flight must not
+    print tracebacks when they finish; every other unraisable exception still reaches the hook."""
+    hook = sys.unraisablehook
+    if getattr(hook, "_jaxllm_late_reads", False):
+        return
+
+    def quiet(unraisable):
+        if not _late_read_after_failure(unraisable):
+            hook(unraisable)
+    quiet._jaxllm_late_reads = True
+    sys.unraisablehook = quiet
+
+
 def restore_weights(d: Path, cfg, family, quant: str, dtype, layout):
     """The saved weights, restored directly into the shardings `layout` gives them."""
     import jax.numpy as jnp
@@ -75,6 +100,7 @@ def restore_weights(d: Path, cfg, family, quant: str, dtype, layout):
         with ocp.StandardCheckpointer() as ckpt:
             restored = ckpt.restore((d / WEIGHTS).absolute(), plain)
     except Exception as e:       # orbax/tensorstore raise many types for a damaged directory
+        _quiet_late_reads()
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise ModelError(f"{d / WEIGHTS}: unreadable or incomplete saved checkpoint ({first})") from None
 
