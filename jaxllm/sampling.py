@@ -92,16 +92,58 @@ def filtered(logits: jax.Array, p: SamplingParams, by: str | None = None) -> jax
     return jnp.where(keep, scaled, -jnp.inf)
 
 
-def _sample_rows(logits: jax.Array, p: SamplingParams, step: jax.Array) -> jax.Array:
+def _row_keys(p: SamplingParams, step: jax.Array) -> jax.Array:
     steps = jnp.broadcast_to(step, p.seed.shape)      # one step for all rows, or one per row
-    rngs = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(p.seed, steps)
-    return jax.vmap(jax.random.categorical)(rngs, filtered(logits, p)).astype(jnp.int32)
+    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(p.seed, steps)
+
+
+def _draw_top_p(scaled: jax.Array, top_p: jax.Array, keys: jax.Array) -> jax.Array:
+    """`jax.random.categorical` over each row's top-p set, without finding the set's cut-off.
+
+    A categorical draw is the argmax of the values plus Gumbel noise. A token belongs to the
+    top-p set exactly when the tokens above its value hold less than top_p of the mass, which one
+    reduction decides. So: take the argmax over all tokens; while it falls outside the set, take
+    the argmax over the tokens above its value. The noise stays the same, so this ends on the
+    argmax over the set, which is the draw from the filtered logits with the same key; with
+    top_p = 0.95 the first argmax is in the set about 95% of the time. Every round raises the
+    floor past a value, so the loop ends."""
+    mx = jnp.max(scaled, -1, keepdims=True)
+    e = jnp.exp(scaled - mx)
+    budget = _budget(top_p, jnp.sum(e, -1))
+    noisy = scaled + jax.vmap(lambda k: jax.random.gumbel(k, scaled.shape[-1:], scaled.dtype))(keys)
+
+    def round_(state):
+        floor, tok, done = state
+        cand = jnp.argmax(jnp.where(scaled > floor[:, None], noisy, -jnp.inf), -1).astype(jnp.int32)
+        v = jnp.take_along_axis(scaled, cand[:, None], -1)
+        ok = ((jnp.sum(jnp.where(scaled > v, e, 0.0), -1) < budget) | (v[:, 0] >= mx[:, 0])
+              | ~(v[:, 0] > floor))             # nothing above the floor (or NaNs): stop, never spin
+        return jnp.where(done | ok, floor, v[:, 0]), jnp.where(done, tok, cand), done | ok
+
+    B = scaled.shape[0]
+    first = round_((jnp.full((B,), -jnp.inf, scaled.dtype), jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool)))
+    return jax.lax.while_loop(lambda s: ~jnp.all(s[2]), round_, first)[1]
 
 
 def sample(logits: jax.Array, p: SamplingParams, step: jax.Array) -> jax.Array:
-    """logits [B, V] float32 -> tokens [B]; step is a scalar or per row [B]. The filtering is skipped
-    when every row is greedy."""
+    """logits [B, V] float32 -> tokens [B]; step is a scalar or per row [B].
+
+    A row with a temperature draws what `jax.random.categorical` draws from `filtered`'s logits
+    with the row's key, whichever other rows share its batch. When some row has a top-k, that is
+    how the batch draws; otherwise `_draw_top_p` finds the same tokens without the top-p cut-off
+    (a sort on GPUs). When no row samples, the batch takes the argmax alone."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    drawn = jax.lax.cond(jnp.any(p.temperature > 0), lambda: _sample_rows(logits, p, step),
-                         lambda: greedy)
-    return jnp.where(p.temperature > 0, drawn, greedy)
+    sampling = p.temperature > 0
+    keys = _row_keys(p, step)
+
+    def cut_then_draw():
+        return jax.vmap(jax.random.categorical)(keys, filtered(logits, p)).astype(jnp.int32)
+
+    def top_p_only():
+        scaled = logits / jnp.where(sampling, p.temperature, 1.0)[:, None]
+        return _draw_top_p(scaled, jnp.where(sampling, p.top_p, 1.0), keys)
+
+    any_top_k = jnp.any(sampling & (p.top_k > 0) & (p.top_k < logits.shape[-1]))
+    branch = jnp.where(jnp.any(sampling), jnp.where(any_top_k, 2, 1), 0)
+    drawn = jax.lax.switch(branch, [lambda: greedy, top_p_only, cut_then_draw])
+    return jnp.where(sampling, drawn, greedy)

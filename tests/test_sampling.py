@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.sampling import SamplingParams, filtered, sample
+from jaxllm.sampling import SamplingParams, _row_keys, filtered, sample
 
 
 def reference_keep(logits, temperature, top_k, top_p):
@@ -81,3 +81,66 @@ def test_draws_stay_inside_the_kept_tokens():
     seen = np.array([np.asarray(draw(logits, p, jnp.int32(i))) for i in range(200)])
     assert all(kept[r, seen[:, r]].all() for r in range(3))
     assert min(len(set(seen[:, r])) for r in range(3)) > 1          # it does sample, not argmax
+
+
+def test_a_draw_is_the_categorical_draw_from_the_filtered_logits():
+    """Without a top-k in the batch, `sample` never builds the top-p mask, yet draws token for
+    token what `jax.random.categorical` draws from `filtered`'s logits with the same key."""
+    rng = np.random.default_rng(2)
+    draw, same = jax.jit(sample), 0
+    cut_then_draw = jax.jit(lambda x, p, s: jax.vmap(jax.random.categorical)(_row_keys(p, s), filtered(x, p)))
+    for trial in range(40):
+        logits, (temp, top_k, top_p) = random_rows(rng, trial)
+        top_k = np.where(top_k < logits.shape[-1], 0, top_k)
+        p = SamplingParams(jnp.asarray(temp, jnp.float32), jnp.asarray(top_k, jnp.int32),
+                           jnp.asarray(top_p, jnp.float32), jnp.arange(4, dtype=jnp.uint32) + trial)
+        for step in range(3):
+            got = np.asarray(draw(jnp.asarray(logits), p, jnp.int32(step)))
+            want = np.asarray(cut_then_draw(jnp.asarray(logits), p, jnp.int32(step)))
+            for r in range(4):
+                if temp[r] == 0:
+                    assert got[r] == np.argmax(logits[r])
+                elif reference_keep(logits[r], temp[r], int(top_k[r]), float(top_p[r])) is not None:
+                    assert got[r] == want[r], (trial, step, r)
+                    same += 1
+    assert same > 250
+
+
+def test_draws_follow_the_renormalized_top_k_top_p_set():
+    """The rejection sampler draws each kept token in proportion to its probability, and nothing
+    else, for top-p alone and after a top-k cut (20,000 draws a row, a 12-token vocabulary)."""
+    V, N = 12, 20000
+    logits = jnp.asarray((np.random.default_rng(0).normal(size=(4, V)) * 2).astype(np.float32))
+    p = SamplingParams(jnp.asarray([0.8, 1.3, 0.8, 0.5], jnp.float32), jnp.asarray([0, 0, 0, 4], jnp.int32),
+                       jnp.asarray([0.6, 0.95, 1.0, 0.8], jnp.float32), jnp.asarray([3, 4, 5, 6], jnp.uint32))
+    kept = np.isfinite(np.asarray(filtered(logits, p)))
+    assert [int(n) for n in kept.sum(1)] != [V] * 4 and kept.sum(1).min() > 1
+    toks = np.asarray(jax.jit(jax.vmap(lambda i: sample(logits, p, i)))(jnp.arange(N)))
+    for r in range(4):
+        s = np.asarray(logits[r], np.float64) / float(p.temperature[r])
+        want = np.where(kept[r], np.exp(s - s.max()), 0.0)
+        want /= want.sum()
+        got = np.bincount(toks[:, r], minlength=V) / N
+        assert got[~kept[r]].sum() == 0, r
+        assert np.all(np.abs(got - want) <= 5 * np.sqrt(want * (1 - want) / N) + 1e-3), (r, got, want)
+
+
+def test_a_row_draws_the_same_whatever_shares_its_batch():
+    """A top-p row's tokens depend on its own seed alone: beside a top-k row and a greedy row
+    (which send the batch through the top-k cut-off) it draws what it draws alone."""
+    logits = jax.random.normal(jax.random.key(1), (3, 300)) * 1.5
+    alone = SamplingParams.make(1, 1.2, None, 0.5, seed=7)
+    mixed = SamplingParams(jnp.asarray([1.2, 0.7, 0.0]), jnp.asarray([0, 5, 0], jnp.int32),
+                           jnp.asarray([0.5, 0.9, 1.0]), jnp.asarray([7, 1, 2], jnp.uint32))
+    draw = jax.jit(sample)
+    a = [int(draw(logits[:1], alone, jnp.int32(i))[0]) for i in range(60)]
+    m = np.array([np.asarray(draw(logits, mixed, jnp.int32(i))) for i in range(60)])
+    assert a == m[:, 0].tolist() and len(set(a)) > 3
+    assert (m[:, 2] == int(jnp.argmax(logits[2]))).all()
+
+
+def test_nan_logits_end_the_draw():
+    """Logits a broken model turns to NaN give some token, never a loop that does not end."""
+    logits = jnp.asarray([[np.nan, 1.0, 2.0, np.nan], [np.nan] * 4], jnp.float32)
+    out = np.asarray(jax.jit(sample)(logits, SamplingParams.make(2, 1.0, None, 0.9), jnp.int32(0)))
+    assert out.shape == (2,) and ((0 <= out) & (out < 4)).all()
