@@ -50,13 +50,18 @@ def _budget(top_p, mass):
     return jnp.where(top_p < 1, top_p, 2.0) * mass
 
 
+def _kth_key(keys, k):
+    """Each row's k-th largest key, by bisection (its smallest where no row has k < V)."""
+    lo, hi = jnp.min(keys, axis=-1), jnp.max(keys, axis=-1)
+    return jax.lax.cond(jnp.any(k < keys.shape[-1]),
+                        lambda: _largest_key(lo, hi, lambda u: jnp.sum(keys >= u, -1) >= k), lambda: lo)
+
+
 def _keep_by_bisection(scaled, k, top_p):
     """`filtered`'s kept tokens without a sort: bisection on the values' order, one reduction over
     the vocabulary per halving."""
     keys = _order_keys(scaled)
-    lo, hi = jnp.min(keys, axis=-1), jnp.max(keys, axis=-1)
-    kth = jax.lax.cond(jnp.any(k < scaled.shape[-1]),
-                       lambda: _largest_key(lo, hi, lambda u: jnp.sum(keys >= u, -1) >= k), lambda: lo)
+    kth, hi = _kth_key(keys, k), jnp.max(keys, axis=-1)
     e = jnp.where(keys >= kth[:, None], jnp.exp(scaled - jnp.max(scaled, -1, keepdims=True)), 0.0)
     budget = _budget(top_p, jnp.sum(e, -1))
     cut = jax.lax.cond(jnp.any(top_p < 1),
@@ -90,6 +95,33 @@ def filtered(logits: jax.Array, p: SamplingParams, by: str | None = None) -> jax
     by = by or ("sort" if platform() == "gpu" else "bisection")
     keep = {"sort": _keep_by_sorting, "bisection": _keep_by_bisection}[by](scaled, k, p.top_p)
     return jnp.where(keep, scaled, -jnp.inf)
+
+
+def _kth_from_blocks(scaled: jax.Array, k: jax.Array, cap: int = 128, width: int = 128) -> jax.Array:
+    """Each row's k-th largest value for k <= cap, without sorting the vocabulary: the k largest
+    values all lie in the `cap` blocks of `width` tokens with the largest maxima (a block left out
+    has a maximum no larger than each of those `cap` maxima), so only those blocks are sorted."""
+    B, V = scaled.shape
+    nb = -(-V // width)
+    x = jnp.pad(scaled, ((0, 0), (0, nb * width - V)), constant_values=-jnp.inf).reshape(B, nb, width)
+    n = min(cap, nb)
+    top = jax.lax.top_k(jnp.max(x, -1), n)[1]
+    best = jax.lax.top_k(jnp.take_along_axis(x, top[:, :, None], axis=1).reshape(B, n * width), min(cap, n * width))[0]
+    return jnp.take_along_axis(best, (jnp.clip(k, 1, best.shape[-1]) - 1)[:, None], -1)
+
+
+def _keep_top_k(scaled: jax.Array, k: jax.Array) -> jax.Array:
+    """Tokens at or above each row's k-th largest value (all where k = V): on GPUs from the
+    blocks with the largest maxima where every k is at most 128 (else a sort), elsewhere by
+    bisection."""
+    V = scaled.shape[-1]
+    if platform() != "gpu":
+        keys = _order_keys(scaled)
+        return keys >= _kth_key(keys, k)[:, None]
+    kth = jax.lax.cond(jnp.any((k > 128) & (k < V)),
+                       lambda: jnp.take_along_axis(jnp.sort(scaled, axis=-1)[:, ::-1], (k - 1)[:, None], -1),
+                       lambda: _kth_from_blocks(scaled, k))
+    return (scaled >= kth) | (k[:, None] >= V)
 
 
 def _row_keys(p: SamplingParams, step: jax.Array) -> jax.Array:
@@ -129,21 +161,22 @@ def sample(logits: jax.Array, p: SamplingParams, step: jax.Array) -> jax.Array:
     """logits [B, V] float32 -> tokens [B]; step is a scalar or per row [B].
 
     A row with a temperature draws what `jax.random.categorical` draws from `filtered`'s logits
-    with the row's key, whichever other rows share its batch. When some row has a top-k, that is
-    how the batch draws; otherwise `_draw_top_p` finds the same tokens without the top-p cut-off
-    (a sort on GPUs). When no row samples, the batch takes the argmax alone."""
+    with the row's key, whichever other rows share its batch, without a sort of the vocabulary
+    for top-k up to 128: the top-k cut-off (`_keep_top_k`, only where some row of the batch has
+    one), then `_draw_top_p`. When no row samples, the batch takes the argmax alone."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampling = p.temperature > 0
     keys = _row_keys(p, step)
 
-    def cut_then_draw():
-        return jax.vmap(jax.random.categorical)(keys, filtered(logits, p)).astype(jnp.int32)
-
-    def top_p_only():
+    def draw(top_k: bool):
         scaled = logits / jnp.where(sampling, p.temperature, 1.0)[:, None]
+        if top_k:
+            V = logits.shape[-1]
+            scaled = jnp.where(_keep_top_k(scaled, jnp.where(p.top_k > 0, jnp.minimum(p.top_k, V), V)),
+                               scaled, -jnp.inf)
         return _draw_top_p(scaled, jnp.where(sampling, p.top_p, 1.0), keys)
 
     any_top_k = jnp.any(sampling & (p.top_k > 0) & (p.top_k < logits.shape[-1]))
     branch = jnp.where(jnp.any(sampling), jnp.where(any_top_k, 2, 1), 0)
-    drawn = jax.lax.switch(branch, [lambda: greedy, top_p_only, cut_then_draw])
+    drawn = jax.lax.switch(branch, [lambda: greedy, lambda: draw(False), lambda: draw(True)])
     return jnp.where(sampling, drawn, greedy)

@@ -77,7 +77,8 @@ def main(argv=None) -> int:
                 ms = {name: 1e3 * per_step(fn, a.reps)(logits, p) for name, fn in
                       (("greedy", lambda x, p, i: jnp.argmax(x, -1)), ("cut_then_draw", cut_then_draw),
                        ("sample", sample))}
-                draws.append(dict(vocab=V, batch=B, case=case, **{f"{k}_ms": v for k, v in ms.items()}))
+                draws.append(dict(vocab=V, batch=B, case=case, **{f"{k}_ms": v for k, v in ms.items()},
+                                  read_once_ms=1e3 * B * V * 4 / bandwidth))
                 print(draws[-1], flush=True)
     rep = dict(device=dev.device_kind, jax=jax.__version__, bandwidth_gbs=bandwidth / 1e9, rows=rows,
                draws=draws)
@@ -90,10 +91,10 @@ def main(argv=None) -> int:
         print(f"{r['vocab']:>7} {r['batch']:>5}  {r['case']:22} {r['sort_ms']:8.3f} {r['bisection_ms']:9.3f} "
               f"{r['argmax_ms']:9.3f} {r['read_once_ms']:9.4f}")
     print(f"\nA draw, ms a step in a compiled loop\n{'vocab':>7} {'batch':>5}  {'case':22} {'greedy':>8} "
-          f"{'cut, draw':>9} {'sample':>8}")
+          f"{'cut, draw':>9} {'sample':>8} {'read once':>9}")
     for r in draws:
         print(f"{r['vocab']:>7} {r['batch']:>5}  {r['case']:22} {r['greedy_ms']:8.3f} {r['cut_then_draw_ms']:9.3f} "
-              f"{r['sample_ms']:8.3f}")
+              f"{r['sample_ms']:8.3f} {r['read_once_ms']:9.4f}")
     return 0
 
 

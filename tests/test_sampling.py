@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxllm import sampling
 from jaxllm.sampling import SamplingParams, _row_keys, filtered, sample
 
 
@@ -83,15 +84,21 @@ def test_draws_stay_inside_the_kept_tokens():
     assert min(len(set(seen[:, r])) for r in range(3)) > 1          # it does sample, not argmax
 
 
-def test_a_draw_is_the_categorical_draw_from_the_filtered_logits():
-    """Without a top-k in the batch, `sample` never builds the top-p mask, yet draws token for
-    token what `jax.random.categorical` draws from `filtered`'s logits with the same key."""
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_a_draw_is_the_categorical_draw_from_the_filtered_logits(platform, monkeypatch):
+    """`sample` never builds the top-p mask, and finds top-k cut-offs up to 128 without a sort (on
+    GPUs), yet draws token for token what `jax.random.categorical` draws from `filtered`'s logits
+    with the same key: with top-p alone, and with top-k (some rows above 128) in the batch."""
+    monkeypatch.setattr(sampling, "platform", lambda: platform)
     rng = np.random.default_rng(2)
     draw, same = jax.jit(sample), 0
     cut_then_draw = jax.jit(lambda x, p, s: jax.vmap(jax.random.categorical)(_row_keys(p, s), filtered(x, p)))
     for trial in range(40):
         logits, (temp, top_k, top_p) = random_rows(rng, trial)
-        top_k = np.where(top_k < logits.shape[-1], 0, top_k)
+        if trial % 2:
+            top_k = np.where(top_k < logits.shape[-1], 0, top_k)
+        elif trial % 4 == 2:
+            top_k = rng.choice([100, 129, 200, 128], 4)
         p = SamplingParams(jnp.asarray(temp, jnp.float32), jnp.asarray(top_k, jnp.int32),
                            jnp.asarray(top_p, jnp.float32), jnp.arange(4, dtype=jnp.uint32) + trial)
         for step in range(3):
@@ -104,6 +111,22 @@ def test_a_draw_is_the_categorical_draw_from_the_filtered_logits():
                     assert got[r] == want[r], (trial, step, r)
                     same += 1
     assert same > 250
+
+
+def test_kth_from_the_blocks_with_the_largest_maxima():
+    rng = np.random.default_rng(3)
+    for trial in range(30):
+        V = int(rng.choice([5, 64, 127, 128, 300, 1000]))
+        x = (rng.normal(size=(3, V)) * 3).astype(np.float32)
+        if trial % 3 == 0:
+            x = np.round(x)                              # ties
+        if trial % 4 == 0:
+            x[:, rng.integers(0, V, V // 2)] = -np.inf
+        cap, width = [(128, 128), (4, 8), (16, 5)][trial % 3]
+        k = rng.integers(1, min(cap, V) + 1, 3)
+        got = np.asarray(sampling._kth_from_blocks(jnp.asarray(x), jnp.asarray(k, jnp.int32), cap, width))[:, 0]
+        want = [np.sort(x[r])[::-1][k[r] - 1] for r in range(3)]
+        assert np.array_equal(got, want), (trial, V, cap, width, k)
 
 
 def test_draws_follow_the_renormalized_top_k_top_p_set():
