@@ -124,15 +124,18 @@ def test_sweep_on_tiny_shape_writes_json_png_and_table(tmp_path, capsys):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     lines = text.strip().splitlines()
     assert "TTFT@8 ms" in lines[-3] and lines[-2].split()[0] == "1" and lines[-1].split()[0] == "2"
+    assert lines[-4].endswith("; greedy")
 
 
 def test_sweep_on_gemma3_270m_shape(tmp_path, capsys):
     out, png = tmp_path / "g.json", tmp_path / "g.png"
-    run_bench(["--shape", "gemma3-270m", "--batches", "1,2", "--ctx", "16", "--steps", "2", "--warmup", "0",
-               "--repeats", "1", "--out", str(out), "--plot", str(png), "--probe-mib", "8", "--matmul-n", "128"],
-              capsys)
+    text = run_bench(["--shape", "gemma3-270m", "--batches", "1,2", "--ctx", "16", "--steps", "2", "--warmup",
+                      "0", "--repeats", "1", "--out", str(out), "--plot", str(png), "--probe-mib", "8",
+                      "--matmul-n", "128", "--temperature", "0.8", "--top-p", "0.9"], capsys)
     rep = json.loads(out.read_text())
     check_report(rep, [1, 2], 16)
+    assert rep["settings"]["sampling"] == {"temperature": 0.8, "top_k": None, "top_p": 0.9}
+    assert "sampled at temperature 0.8, top_p 0.9" in text
     m = rep["model"]
     assert (m["family"], m["num_layers"], m["hidden_size"], m["vocab_size"]) == ("gemma3", 18, 640, 262144)
     # the tied 262144 x 640 int8 embedding (with a scale per row), read whole as the output
@@ -146,6 +149,8 @@ def test_bad_flags_are_one_line_errors(tmp_path, capsys):
                       (["--shape", str(tmp_path / "missing.json")], "no such file"),
                       (["--shape", shape_file(tmp_path), "--tp", "2"], "--tp 2"),
                       (["--shape", shape_file(tmp_path), "--ctx", "0"], "--ctx"),
+                      (["--shape", shape_file(tmp_path), "--top-p", "1.5"], "top_p must be in (0, 1]"),
+                      (["--shape", shape_file(tmp_path), "--temperature", "-1"], "temperature must be >= 0"),
                       (["--shape", shape_file(tmp_path), "--int8-rings"], "--int8-rings needs an int8 split"),
                       (["--shape", shape_file(tmp_path), "--rebuild-keys"], "--rebuild-keys applies to the split")]:
         assert bench.main(argv + ["--out", str(tmp_path / "x.json")]) == 2

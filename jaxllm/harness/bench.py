@@ -26,7 +26,7 @@ from .. import generate as gen, kernels
 from ..cache import init_cache
 from ..sharding import check_divisible, layout_for
 from ..split_cache import KVOptions, RingKV, choose_layout, make_cache
-from ..engine import DTYPES
+from ..engine import DTYPES, check_sampling
 from ..loading.weights import is_quantized
 from ..errors import JaxllmError, RequestError
 from ..sampling import SamplingParams
@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rebuild-keys", action="store_true",
                    help="with a split cache, global layers whose V is their K store V alone and rebuild keys")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="decode sampling: 0 is greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--out", default="bench.json", help="JSON results path")
     p.add_argument("--plot", default=None, help="PNG plot path (default: --out with .png)")
     p.add_argument("--probe-mib", type=int, default=None, help="bandwidth probe size (default: by device)")
@@ -104,6 +107,7 @@ def check_args(a) -> None:
             raise RequestError(f"--{name} must be >= 1, got {getattr(a, name)}")
     if a.warmup < 0:
         raise RequestError(f"--warmup must be >= 0, got {a.warmup}")
+    check_sampling(1, a.temperature, a.top_k, a.top_p)
     a.kv_options = KVOptions(int8_rings=a.int8_rings, store_keys=not a.rebuild_keys)
     layout = choose_layout(a.kv_quant, a.ctx + a.steps, a.kv_options)
     if a.int8_rings and not layout.int8:
@@ -176,7 +180,7 @@ def decode_state(cfg, batch: int, ctx: int, steps: int, dtype, seed: int, kv_qua
 def time_decode(cfg, weights, batch, a, dtype) -> tuple[float, list[float]]:
     """(compile seconds, per-run seconds) of `steps` decode steps from a cache filled to ctx."""
     cfg = cfg.replace(eos_ids=())                   # every row runs every step
-    params = SamplingParams.make(batch)
+    params = SamplingParams.make(batch, a.temperature, a.top_k, a.top_p, a.seed)
     loop = jax.jit(partial(gen.decode_loop, cfg, dtype=dtype), donate_argnums=(1,))
     state = jax.block_until_ready(decode_state(cfg, batch, a.ctx, a.steps, dtype, a.seed, a.kv_quant, a.layout,
                                                a.kv_options))
@@ -285,11 +289,19 @@ def report(a, cfg, weights, subject, ceilings, points) -> dict:
                   "weight_bytes": nbytes(weights)},
         "settings": {"ctx": a.ctx, "steps": a.steps, "warmup": a.warmup, "repeats": a.repeats, "tp": a.tp,
                      "batches": a.batches, "prompt_lens": a.prompt_lens, "kv_quant": a.kv_quant,
-                     "int8_rings": a.int8_rings, "rebuild_keys": a.rebuild_keys},
+                     "int8_rings": a.int8_rings, "rebuild_keys": a.rebuild_keys,
+                     "sampling": {"temperature": a.temperature, "top_k": a.top_k, "top_p": a.top_p}},
         "ceilings": ceilings.to_json(),
         "kernels": {"mode": kernels.mode(), "enabled": kernels.enabled(), "selections": kernels.selections()},
         "points": [asdict(p) for p in points],
     }
+
+
+def sampling_note(s) -> str:
+    if not s or not s["temperature"]:
+        return "; greedy"
+    cut = "".join(f", {k} {s[k]}" for k in ("top_k", "top_p") if s[k] is not None)
+    return f"; sampled at temperature {s['temperature']}{cut}"
 
 
 def table(rep: dict) -> str:
@@ -298,7 +310,8 @@ def table(rep: dict) -> str:
             f"{rep['model']['dtype']}) on {rep['device']['kind']}, ctx {rep['settings']['ctx']}; "
             f"bandwidth {c['bandwidth_GBps']:.1f} GB/s ({c['bandwidth_method']}), "
             f"bf16 matmul {c['matmul_bf16_TFLOPs']:.2f} TFLOP/s; "
-            f"decode kernels: {'Pallas' if rep.get('kernels', {}).get('enabled') else 'XLA'}")
+            f"decode kernels: {'Pallas' if rep.get('kernels', {}).get('enabled') else 'XLA'}"
+            + sampling_note(rep["settings"].get("sampling")))
     lens = rep["settings"]["prompt_lens"]
     cols = ["batch", "ms/step", "tok/s", "MB/step", "roofline ms", "HBM frac", "compute ms", "ceiling tok/s",
             "compile s"] + [f"TTFT@{n} ms" for n in lens]
