@@ -10,6 +10,7 @@ the cut-off first and drawing from the filtered logits.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -20,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from jaxllm.harness.bench import git_commit  # noqa: E402
 from jaxllm.harness.ceilings import measure_bandwidth  # noqa: E402
 from jaxllm.sampling import SamplingParams, _row_keys, filtered, sample  # noqa: E402
 from kernel_bench import timed  # noqa: E402  (this directory is on the path of a script run from it)
@@ -80,8 +82,9 @@ def main(argv=None) -> int:
                 draws.append(dict(vocab=V, batch=B, case=case, **{f"{k}_ms": v for k, v in ms.items()},
                                   read_once_ms=1e3 * B * V * 4 / bandwidth))
                 print(draws[-1], flush=True)
-    rep = dict(device=dev.device_kind, jax=jax.__version__, bandwidth_gbs=bandwidth / 1e9, rows=rows,
-               draws=draws)
+    rep = dict(device=dev.device_kind, jax=jax.__version__, git_commit=git_commit(),
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               bandwidth_gbs=bandwidth / 1e9, rows=rows, draws=draws)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rep, f, indent=1)
