@@ -320,6 +320,19 @@ def test_decode_prologue(slots, int8, hd, dtype, shared):
             assert (np.asarray(got["slot_pos"][1, b]) == sp).all() and (np.asarray(got["slot_pos"][0]) == -1).all()
 
 
+def _same_store(got, want):
+    """Cache entries the kernel wrote against the XLA path's: equal in interpret mode; compiled,
+    where the float32 sums round in another order, within a rounding of the stored type (one int8
+    step, or its epsilon relative to the value plus 1e-6 of the largest)."""
+    g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    if kernels.interpret():
+        np.testing.assert_array_equal(g, w)
+    elif got.dtype == jnp.int8:
+        assert np.abs(g - w).max() <= 1
+    else:
+        np.testing.assert_allclose(g, w, rtol=float(jnp.finfo(got.dtype).eps), atol=1e-6 * np.abs(w).max())
+
+
 @pytest.mark.parametrize("shared,dtype,scaled,int8", [(False, "float32", True, False), (True, "bfloat16", False, True),
                                                       (False, "bfloat16", True, True)])
 def test_decode_prologue_sums_split_projections(shared, dtype, scaled, int8):
@@ -350,7 +363,7 @@ def test_decode_prologue_sums_split_projections(shared, dtype, scaled, int8):
     got_q, got = decode_prologue(parts["q"], parts["k"], parts["v"], prep, pos, stacks, jnp.int32(1), split=split)
     assert got_q.dtype == dt and _rel(got_q, want_q) < 1e-6
     for m in want:
-        np.testing.assert_array_equal(np.asarray(got[m], np.float32), np.asarray(want[m], np.float32))
+        _same_store(got[m], want[m])
     only = SplitQKV((scales["q"], None, None), jnp.int32(2), dt)
     got_q, none = decode_prologue(parts["q"], None, None, prep, pos, {}, 0, split=only)
     assert none == {} and _rel(got_q, decode_prologue(whole["q"], None, None, prep, pos, {}, 0)[0]) < 1e-6
@@ -481,7 +494,7 @@ def test_kernel_mode_switch(monkeypatch):
     monkeypatch.setenv("JAXLLM_KERNELS", "pallas")
     assert kernels.enabled()
     monkeypatch.setenv("JAXLLM_KERNELS", "auto")
-    assert not kernels.enabled()                     # the CPU: XLA
+    assert kernels.enabled() == (jax.default_backend() == "gpu")     # the kernels on GPUs, XLA elsewhere
     monkeypatch.setenv("JAXLLM_KERNELS", "triton")
     with pytest.raises(ModelError, match="JAXLLM_KERNELS must be one of"):
         kernels.mode()
