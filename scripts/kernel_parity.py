@@ -10,6 +10,7 @@ Kernel tolerance, float32: decode-step logits within 1e-4 of the largest logit; 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -21,6 +22,7 @@ import numpy as np  # noqa: E402
 
 import jaxllm  # noqa: E402
 from jaxllm import kernels  # noqa: E402
+from jaxllm.harness.bench import git_commit  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
 TOL = 1e-4
@@ -58,7 +60,9 @@ def main():
     probe = jaxllm.load(a.model_dir, quant="none", dtype="float32", max_ctx=2048)
     long_ids = probe.tokenizer.encode(text)[:700]
     del probe
-    report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "tolerance": TOL, "configs": []}
+    report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "git_commit": git_commit(),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "tolerance": TOL, "configs": []}
     for quant, dtype in (("none", "float32"), ("int8", "bfloat16")):
         ref = run(a.model_dir, "xla", quant, dtype, long_ids, a.new_tokens, a.steps)
         mode = a.kernel_mode or ("auto" if jax.default_backend() == "gpu" else "pallas")
