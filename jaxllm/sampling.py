@@ -97,7 +97,10 @@ def filtered(logits: jax.Array, p: SamplingParams, by: str | None = None) -> jax
     return jnp.where(keep, scaled, -jnp.inf)
 
 
-def _kth_from_blocks(scaled: jax.Array, k: jax.Array, cap: int = 128, width: int = 128) -> jax.Array:
+BLOCK_TOP_K = 128          # on GPUs, top-k up to this from the blocks with the largest maxima, above it a sort
+
+
+def _kth_from_blocks(scaled: jax.Array, k: jax.Array, cap: int = BLOCK_TOP_K, width: int = 128) -> jax.Array:
     """Each row's k-th largest value for k <= cap, without sorting the vocabulary: the k largest
     values all lie in the `cap` blocks of `width` tokens with the largest maxima (a block left out
     has a maximum no larger than each of those `cap` maxima), so only those blocks are sorted."""
@@ -112,13 +115,13 @@ def _kth_from_blocks(scaled: jax.Array, k: jax.Array, cap: int = 128, width: int
 
 def _keep_top_k(scaled: jax.Array, k: jax.Array) -> jax.Array:
     """Tokens at or above each row's k-th largest value (all where k = V): on GPUs from the
-    blocks with the largest maxima where every k is at most 128 (else a sort), elsewhere by
+    blocks with the largest maxima where every k is at most BLOCK_TOP_K (else a sort), elsewhere by
     bisection."""
     V = scaled.shape[-1]
     if platform() != "gpu":
         keys = _order_keys(scaled)
         return keys >= _kth_key(keys, k)[:, None]
-    kth = jax.lax.cond(jnp.any((k > 128) & (k < V)),
+    kth = jax.lax.cond(jnp.any((k > BLOCK_TOP_K) & (k < V)),
                        lambda: jnp.take_along_axis(jnp.sort(scaled, axis=-1)[:, ::-1], (k - 1)[:, None], -1),
                        lambda: _kth_from_blocks(scaled, k))
     return (scaled >= kth) | (k[:, None] >= V)
@@ -166,7 +169,6 @@ def sample(logits: jax.Array, p: SamplingParams, step: jax.Array) -> jax.Array:
     one), then `_draw_top_p`. When no row samples, the batch takes the argmax alone."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampling = p.temperature > 0
-    keys = _row_keys(p, step)
 
     def draw(top_k: bool):
         scaled = logits / jnp.where(sampling, p.temperature, 1.0)[:, None]
@@ -174,7 +176,7 @@ def sample(logits: jax.Array, p: SamplingParams, step: jax.Array) -> jax.Array:
             V = logits.shape[-1]
             scaled = jnp.where(_keep_top_k(scaled, jnp.where(p.top_k > 0, jnp.minimum(p.top_k, V), V)),
                                scaled, -jnp.inf)
-        return _draw_top_p(scaled, jnp.where(sampling, p.top_p, 1.0), keys)
+        return _draw_top_p(scaled, jnp.where(sampling, p.top_p, 1.0), _row_keys(p, step))
 
     any_top_k = jnp.any(sampling & (p.top_k > 0) & (p.top_k < logits.shape[-1]))
     branch = jnp.where(jnp.any(sampling), jnp.where(any_top_k, 2, 1), 0)
