@@ -30,9 +30,11 @@ def test_round_trip_identical_logits(saved):
     t = time.perf_counter()
     src = jaxllm.load(tmp / "src", dtype="float32", max_ctx=32)
     src_s = time.perf_counter() - t
+    hook = sys.unraisablehook
     t = time.perf_counter()
     dst = jaxllm.load(tmp / "dst", dtype="float32", max_ctx=32)
     dst_s = time.perf_counter() - t
+    assert sys.unraisablehook is hook        # a restore that succeeded leaves the process's hooks alone
     print(f"convert {convert_s:.2f} s, load from source {src_s:.2f} s, load saved {dst_s:.2f} s")
     np.testing.assert_array_equal(src.logits(IDS), dst.logits(IDS))
     assert dst.cfg == src.cfg and dst.tokenizer is None and src.tokenizer is None
@@ -68,11 +70,13 @@ def test_corrupted_saved_checkpoint_is_one_line(saved, tmp_path):
     with pytest.raises(jaxllm.ModelError, match="unreadable or incomplete saved checkpoint") as e:
         jaxllm.load(bad, max_ctx=32)
     assert "\n" not in str(e.value)
-    # the reads the failed restore left in flight finish later: no traceback of theirs may follow
-    r = subprocess.run([sys.executable, "-m", "jaxllm.infer", "--model-dir", str(bad), "--prompt", "hi"],
-                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.path.dirname(HERE)})
-    assert r.returncode == 1 and r.stderr.strip().count("\n") == 0, r.stderr
-    assert "unreadable or incomplete saved checkpoint" in r.stderr
+    # the reads the failed restore left in flight finish while orbax closes its loop or later, in
+    # about a third of runs: none of their tracebacks may reach the user
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-m", "jaxllm.infer", "--model-dir", str(bad), "--prompt", "hi"],
+                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.path.dirname(HERE)})
+        assert r.returncode == 1 and r.stderr.strip().count("\n") == 0, r.stderr
+        assert "unreadable or incomplete saved checkpoint" in r.stderr
     shutil.rmtree(bad / "weights")
     with pytest.raises(jaxllm.ModelError, match="unreadable or incomplete saved checkpoint"):
         jaxllm.load(bad, max_ctx=32)

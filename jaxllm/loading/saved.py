@@ -61,18 +61,21 @@ def _late_read_after_failure(unraisable) -> bool:
             and tb.tb_frame.f_code.co_name == "_check_closed")
 
 
-def _quiet_late_reads() -> None:
-    """After a failed restore has been reported in one line, the reads it left in flight must not
-    print tracebacks when they finish; every other unraisable exception still reaches the hook."""
+def _quiet_late_reads():
+    """A failed restore is reported in one line, so the reads it left in flight must not print
+    tracebacks when they finish, which can be before the failure reaches us (while orbax closes its
+    loop) or long after. Every other unraisable exception still reaches the hook. Returns the hook
+    to put back once a restore has succeeded (none of its reads is then left in flight)."""
     hook = sys.unraisablehook
     if getattr(hook, "_jaxllm_late_reads", False):
-        return
+        return hook
 
     def quiet(unraisable):
         if not _late_read_after_failure(unraisable):
             hook(unraisable)
     quiet._jaxllm_late_reads = True
     sys.unraisablehook = quiet
+    return hook
 
 
 def restore_weights(d: Path, cfg, family, quant: str, dtype, layout):
@@ -96,13 +99,15 @@ def restore_weights(d: Path, cfg, family, quant: str, dtype, layout):
         return jax.ShapeDtypeStruct(spec.shape, dtype, sharding=sh)
 
     plain = map_specs(target, tree)
+    hook = _quiet_late_reads()
     try:
         with ocp.StandardCheckpointer() as ckpt:
             restored = ckpt.restore((d / WEIGHTS).absolute(), plain)
     except Exception as e:       # orbax/tensorstore raise many types for a damaged directory
-        _quiet_late_reads()
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise ModelError(f"{d / WEIGHTS}: unreadable or incomplete saved checkpoint ({first})") from None
+    if getattr(sys.unraisablehook, "_jaxllm_late_reads", False):
+        sys.unraisablehook = hook
 
     def rebuild(spec, x):
         return QuantArray(x["q"], x["scale"], spec.n_contract) if isinstance(x, dict) else x
