@@ -330,7 +330,16 @@ def layer_scan_mode() -> str:
 
 
 def scan_unroll(cfg: ModelConfig) -> int:
-    """Layers per scan iteration. Each iteration of a loop costs a fixed overhead on GPUs, which
-    at batch 1 is of the order of a layer's whole memory time; JAXLLM_SCAN_UNROLL sets it."""
-    n = int(os.environ.get("JAXLLM_SCAN_UNROLL", "1"))
-    return max(1, min(n, cfg.num_layers))
+    """Layers per iteration of the layer scan. On GPUs every iteration of a loop costs a kernel of
+    its own (the counter) and the gap of a launch: Qwen3-4B at batch 1 on one H100 took 2.37 ms a
+    step with its 36 layers unrolled against 2.44-2.48 rolled, so there the scan is unrolled whole
+    by default. TPUs and CPUs decide a loop on the device and keep one layer an iteration (a program
+    a layer long, compiled sooner). JAXLLM_SCAN_UNROLL sets it: a count of layers, or `full`."""
+    raw = os.environ.get("JAXLLM_SCAN_UNROLL", "").strip().lower()
+    if not raw:
+        return cfg.num_layers if kernels.platform() == "gpu" else 1
+    if raw == "full":
+        return cfg.num_layers
+    if not raw.isdigit() or int(raw) < 1:
+        raise ModelError(f"JAXLLM_SCAN_UNROLL must be a positive number of layers or 'full', got {raw!r}")
+    return min(int(raw), cfg.num_layers)

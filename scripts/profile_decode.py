@@ -29,6 +29,7 @@ from jaxllm.harness.shapes import resolve_shape  # noqa: E402
 from jaxllm.harness.synthetic import random_weights  # noqa: E402
 from jaxllm.kernels.weights import out_major  # noqa: E402
 from jaxllm.loading.weights import is_quantized  # noqa: E402
+from jaxllm.model import scan_unroll  # noqa: E402
 from jaxllm.sampling import SamplingParams  # noqa: E402
 from jaxllm.split_cache import KVOptions  # noqa: E402
 
@@ -103,7 +104,7 @@ def main():
             count[e["name"]] += 1
             n_kernels += 1
     total = sum(by_kind.values()) / 1e3 / a.steps
-    print(f"{a.shape} B={a.batch} ctx={a.ctx} {a.quant} scan_unroll={os.environ.get('JAXLLM_SCAN_UNROLL', '1')}: "
+    print(f"{a.shape} B={a.batch} ctx={a.ctx} {a.quant} scan_unroll={scan_unroll(cfg)}: "
           f"wall {wall_ms:.3f} ms/step, device kernels {total:.3f} ms/step "
           f"({n_kernels / a.steps:.0f} kernels/step), gaps {wall_ms - total:.3f} ms/step")
     for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]):

@@ -148,6 +148,40 @@ def test_carried_layer_index_equals_the_schedule_scan(tmp_path, monkeypatch):
     assert tiny.rel_err(got[True][1], got[False][1]) < 1e-6
 
 
+@pytest.mark.parametrize("family,scan", [("qwen3", "auto"), ("gemma3", "period"), ("gemma3", "cond")])
+def test_unrolled_layer_scan_equals_rolled(family, scan, tmp_path, monkeypatch):
+    """The layer scan unrolled whole (what GPUs run) and two layers an iteration, against one layer
+    an iteration: full forward and decode steps. Qwen3 carries the layer index; Gemma 3's 14 layers
+    are two periods of 6 and two more, or a conditional per layer."""
+    tiny.make(family, tmp_path, seed=6, num_hidden_layers=8 if family == "qwen3" else 14)
+    monkeypatch.setenv("JAXLLM_LAYER_SCAN", scan)
+    ids = np.random.default_rng(5).integers(0, 160, (2, 11)).astype(np.int32)
+    got = {}
+    for unroll in ("1", "2", "full"):
+        monkeypatch.setenv("JAXLLM_SCAN_UNROLL", unroll)
+        eng = jaxllm.load(str(tmp_path), quant="none", dtype="float32", max_ctx=32)
+        got[unroll] = forward_and_steps(eng, ids)
+    for unroll in ("2", "full"):
+        assert tiny.rel_err(got[unroll][0], got["1"][0]) < 1e-6
+        assert tiny.rel_err(got[unroll][1], got["1"][1]) < 1e-6
+
+
+def test_scan_unroll_is_checked(monkeypatch):
+    from types import SimpleNamespace
+    from jaxllm.errors import ModelError
+    from jaxllm.model import scan_unroll
+    cfg = SimpleNamespace(num_layers=8)                     # all the count reads of a config
+    monkeypatch.delenv("JAXLLM_SCAN_UNROLL", raising=False)
+    assert scan_unroll(cfg) == 1                            # rolled on the CPU, unrolled only on GPUs
+    for raw, want in (("full", 8), (" 3 ", 3), ("40", 8)):
+        monkeypatch.setenv("JAXLLM_SCAN_UNROLL", raw)
+        assert scan_unroll(cfg) == want
+    for raw in ("0", "-2", "two", "1.5"):
+        monkeypatch.setenv("JAXLLM_SCAN_UNROLL", raw)
+        with pytest.raises(ModelError, match="JAXLLM_SCAN_UNROLL must be a positive number of layers or 'full'"):
+            scan_unroll(cfg)
+
+
 def test_layer_scan_mode_is_checked(monkeypatch):
     from jaxllm.errors import ModelError
     from jaxllm.model import layer_scan_mode
