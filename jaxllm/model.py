@@ -21,7 +21,7 @@ from .errors import ModelError
 from .layers import (add_norm, attend, attention_mask, finish_q, finish_qkv, gated_mlp, inv_frequencies, raw_qkv,
                      rms_norm)
 from . import kernels
-from .kernels.ops import NORM_ROWS, cached_attention, embed_rows, output_head, prologue
+from .kernels.ops import MAX_ROWS, NORM_ROWS, cached_attention, embed_rows, output_head, prologue
 from .kernels.prologue import HeadPrep
 from .quant import Normed, OutMajor, Stacked, linear, matmul_rows, take_rows, total
 
@@ -210,6 +210,7 @@ def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.A
         xs["inputs"] = hooks.layer_inputs(cfg, weights, tokens, x)     # leading axis: layers
     layer_fn = getattr(hooks, "decoder_layer", None)
     brs = branches(cfg)
+    unroll = scan_unroll(cfg, *tokens.shape)
     next_norms = None
     if layer_fn is None and tokens.size > NORM_ROWS:
         # Several rows: each layer ends with its residual add and the next layer's input norm in
@@ -261,10 +262,10 @@ def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.A
             c, _ = step(c, {"idx": i, "cache_idx": i})
             return (c, i + 1), None
         ((x, cache), _), _ = jax.lax.scan(counted, ((x, cache), jnp.int32(0)), None, length=cfg.num_layers,
-                                          unroll=scan_unroll(cfg))
+                                          unroll=unroll)
         return (x, cache) if next_norms is None else (x[0], cache)
     if p is None:
-        (x, cache), _ = jax.lax.scan(step, (x, cache), xs, unroll=scan_unroll(cfg))
+        (x, cache), _ = jax.lax.scan(step, (x, cache), xs, unroll=unroll)
         return (x, cache) if next_norms is None else (x[0], cache)
     # One scan step per period of the branch pattern (Gemma's 5 sliding + 1 global), each layer of
     # it on its own static branch; the layers past the last whole period follow, unrolled.
@@ -276,7 +277,7 @@ def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.A
             carry = branch(brs[pattern[j]])(*carry, jax.tree_util.tree_map(lambda a: a[j], s))
         return carry, None
     periods = jax.tree_util.tree_map(lambda a: a[:n * p].reshape((n, p) + a.shape[1:]), xs)
-    carry, _ = jax.lax.scan(period_step, (x, cache), periods, unroll=max(1, scan_unroll(cfg) // p))
+    carry, _ = jax.lax.scan(period_step, (x, cache), periods, unroll=max(1, unroll // p))
     for i in range(n * p, cfg.num_layers):
         carry = branch(brs[pattern[i % p]])(*carry, jax.tree_util.tree_map(lambda a: a[i], xs))
     return carry if next_norms is None else (carry[0][0], carry[1])
@@ -329,15 +330,17 @@ def layer_scan_mode() -> str:
     return "period" if kernels.platform() == "gpu" else "cond"
 
 
-def scan_unroll(cfg: ModelConfig) -> int:
-    """Layers per iteration of the layer scan. On GPUs every iteration of a loop costs a kernel of
-    its own (the counter) and the gap of a launch: Qwen3-4B at batch 1 on one H100 took 2.37 ms a
-    step with its 36 layers unrolled against 2.44-2.48 rolled, so there the scan is unrolled whole
-    by default. TPUs and CPUs decide a loop on the device and keep one layer an iteration (a program
-    a layer long, compiled sooner). JAXLLM_SCAN_UNROLL sets it: a count of layers, or `full`."""
+def scan_unroll(cfg: ModelConfig, rows: int, tokens_per_row: int) -> int:
+    """Layers per iteration of the layer scan. A decode step on the Pallas kernels runs the scan
+    unrolled whole: on a GPU every loop iteration costs a kernel of its own (the counter) and the gap
+    of a launch, and Qwen3-4B at batch 1 on one H100 took 2.38 ms a step unrolled against 2.45
+    rolled. Everything else keeps one layer an iteration: unrolled, a 2048-token prefill there took
+    91 ms against 80, and the XLA path's batch-1 step 13.0 ms against 9.2. JAXLLM_SCAN_UNROLL sets it
+    for every forward: a count of layers, or `full`."""
     raw = os.environ.get("JAXLLM_SCAN_UNROLL", "").strip().lower()
     if not raw:
-        return cfg.num_layers if kernels.platform() == "gpu" else 1
+        decode = tokens_per_row == 1 and rows <= MAX_ROWS and kernels.enabled()
+        return cfg.num_layers if decode else 1
     if raw == "full":
         return cfg.num_layers
     if not raw.isdigit() or int(raw) < 1:

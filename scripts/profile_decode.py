@@ -104,7 +104,7 @@ def main():
             count[e["name"]] += 1
             n_kernels += 1
     total = sum(by_kind.values()) / 1e3 / a.steps
-    print(f"{a.shape} B={a.batch} ctx={a.ctx} {a.quant} scan_unroll={scan_unroll(cfg)}: "
+    print(f"{a.shape} B={a.batch} ctx={a.ctx} {a.quant} scan_unroll={scan_unroll(cfg, a.batch, 1)}: "
           f"wall {wall_ms:.3f} ms/step, device kernels {total:.3f} ms/step "
           f"({n_kernels / a.steps:.0f} kernels/step), gaps {wall_ms - total:.3f} ms/step")
     for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]):

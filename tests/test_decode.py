@@ -172,14 +172,17 @@ def test_scan_unroll_is_checked(monkeypatch):
     from jaxllm.model import scan_unroll
     cfg = SimpleNamespace(num_layers=8)                     # all the count reads of a config
     monkeypatch.delenv("JAXLLM_SCAN_UNROLL", raising=False)
-    assert scan_unroll(cfg) == 1                            # rolled on the CPU, unrolled only on GPUs
+    assert scan_unroll(cfg, 1, 1) == 1                      # no Pallas kernels on the CPU: rolled
+    monkeypatch.setenv("JAXLLM_KERNELS", "pallas")
+    assert scan_unroll(cfg, 1, 1) == scan_unroll(cfg, 256, 1) == 8     # a decode step on the kernels
+    assert scan_unroll(cfg, 1, 2048) == scan_unroll(cfg, 257, 1) == 1  # a prefill; rows for XLA
     for raw, want in (("full", 8), (" 3 ", 3), ("40", 8)):
         monkeypatch.setenv("JAXLLM_SCAN_UNROLL", raw)
-        assert scan_unroll(cfg) == want
+        assert scan_unroll(cfg, 1, 1) == scan_unroll(cfg, 4, 100) == want
     for raw in ("0", "-2", "two", "1.5"):
         monkeypatch.setenv("JAXLLM_SCAN_UNROLL", raw)
         with pytest.raises(ModelError, match="JAXLLM_SCAN_UNROLL must be a positive number of layers or 'full'"):
-            scan_unroll(cfg)
+            scan_unroll(cfg, 1, 1)
 
 
 def test_layer_scan_mode_is_checked(monkeypatch):

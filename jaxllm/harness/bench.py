@@ -28,7 +28,6 @@ from ..sharding import check_divisible, layout_for
 from ..split_cache import KVOptions, RingKV, choose_layout, make_cache
 from ..engine import DTYPES, check_sampling
 from ..loading.weights import is_quantized
-from ..model import scan_unroll
 from ..errors import JaxllmError, RequestError
 from ..sampling import SamplingParams
 from . import ceilings as ceil
@@ -291,7 +290,7 @@ def report(a, cfg, weights, subject, ceilings, points) -> dict:
         "settings": {"ctx": a.ctx, "steps": a.steps, "warmup": a.warmup, "repeats": a.repeats, "tp": a.tp,
                      "batches": a.batches, "prompt_lens": a.prompt_lens, "kv_quant": a.kv_quant,
                      "int8_rings": a.int8_rings, "rebuild_keys": a.rebuild_keys,
-                     "scan_unroll": scan_unroll(cfg),
+                     "scan_unroll": os.environ.get("JAXLLM_SCAN_UNROLL") or "auto",
                      "sampling": {"temperature": a.temperature, "top_k": a.top_k, "top_p": a.top_p}},
         "ceilings": ceilings.to_json(),
         "kernels": {"mode": kernels.mode(), "enabled": kernels.enabled(), "selections": kernels.selections()},
