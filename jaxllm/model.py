@@ -333,7 +333,7 @@ def layer_scan_mode() -> str:
 def scan_unroll(cfg: ModelConfig, rows: int, tokens_per_row: int) -> int:
     """Layers per iteration of the layer scan. A decode step on the Pallas kernels runs the scan
     unrolled whole: on a GPU every loop iteration costs a kernel of its own (the counter) and the gap
-    of a launch, and Qwen3-4B at batch 1 on one H100 took 2.38 ms a step unrolled against 2.45
+    of a launch, and Qwen3-4B at batch 1 on one H100 took 2.39 ms a step unrolled against 2.45
     rolled. Everything else keeps one layer an iteration: unrolled, a 2048-token prefill there took
     91 ms against 80, and the XLA path's batch-1 step 13.0 ms against 9.2. JAXLLM_SCAN_UNROLL sets it
     for every forward: a count of layers, or `full`."""
