@@ -1,4 +1,5 @@
 """Prefill, step-by-step decode and the fused on-device loop must agree with each other."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -172,7 +173,10 @@ def test_scan_unroll_is_checked(monkeypatch):
     from jaxllm.model import scan_unroll
     cfg = SimpleNamespace(num_layers=8)                     # all the count reads of a config
     monkeypatch.delenv("JAXLLM_SCAN_UNROLL", raising=False)
-    assert scan_unroll(cfg, 1, 1) == 1                      # no Pallas kernels on the CPU: rolled
+    monkeypatch.setenv("JAXLLM_KERNELS", "auto")           # the kernels on GPUs alone
+    assert scan_unroll(cfg, 1, 1) == (8 if jax.default_backend() == "gpu" else 1)
+    monkeypatch.setenv("JAXLLM_KERNELS", "xla")
+    assert scan_unroll(cfg, 1, 1) == 1                      # the XLA path: rolled
     monkeypatch.setenv("JAXLLM_KERNELS", "pallas")
     assert scan_unroll(cfg, 1, 1) == scan_unroll(cfg, 256, 1) == 8     # a decode step on the kernels
     assert scan_unroll(cfg, 1, 2048) == scan_unroll(cfg, 257, 1) == 1  # a prefill; rows for XLA
@@ -192,4 +196,5 @@ def test_layer_scan_mode_is_checked(monkeypatch):
     with pytest.raises(ModelError, match="JAXLLM_LAYER_SCAN must be one of"):
         layer_scan_mode()
     monkeypatch.setenv("JAXLLM_LAYER_SCAN", "auto")
-    assert layer_scan_mode() == "cond"                      # the CPU decides a conditional on device
+    # A CPU decides a conditional on the device; a GPU on the host, so there the scan takes periods.
+    assert layer_scan_mode() == ("period" if jax.default_backend() == "gpu" else "cond")
