@@ -78,6 +78,7 @@ def main():
         return jax.block_until_ready(decode_state(cfg, a.batch, a.ctx, a.steps, dtype, 0, a.kv_quant, layout, opts))
     with kernels.use_layout(layout):
         loop(weights, state(), params).tokens.block_until_ready()
+        unroll = scan_unroll(cfg, a.batch, 1)          # as the step was traced: under the layout
         if a.hlo:
             with open(a.hlo, "w") as f:
                 f.write(loop.lower(weights, state(), params).compile().as_text())
@@ -104,7 +105,7 @@ def main():
             count[e["name"]] += 1
             n_kernels += 1
     total = sum(by_kind.values()) / 1e3 / a.steps
-    print(f"{a.shape} B={a.batch} ctx={a.ctx} {a.quant} scan_unroll={scan_unroll(cfg, a.batch, 1)}: "
+    print(f"{a.shape} B={a.batch} ctx={a.ctx} {a.quant} scan_unroll={unroll}: "
           f"wall {wall_ms:.3f} ms/step, device kernels {total:.3f} ms/step "
           f"({n_kernels / a.steps:.0f} kernels/step), gaps {wall_ms - total:.3f} ms/step")
     for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]):
