@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -84,6 +85,7 @@ def check_report(rep, batches, ctx):
     for key in ("device", "jax_version", "date", "git_commit", "model", "settings", "ceilings", "points"):
         assert key in rep
     assert rep["device"]["kind"] and rep["jax_version"] == jax.__version__
+    assert rep["settings"]["xla_flags"] == os.environ.get("XLA_FLAGS", "")   # flags change the step
     c = rep["ceilings"]
     assert c["bandwidth_GBps"] > 0 and c["matmul_bf16_TFLOPs"] > 0
     assert c["bandwidth_method"] in c["bandwidth_by_method_GBps"]

@@ -291,6 +291,7 @@ def report(a, cfg, weights, subject, ceilings, points) -> dict:
                      "batches": a.batches, "prompt_lens": a.prompt_lens, "kv_quant": a.kv_quant,
                      "int8_rings": a.int8_rings, "rebuild_keys": a.rebuild_keys,
                      "scan_unroll": os.environ.get("JAXLLM_SCAN_UNROLL") or "auto",
+                     "xla_flags": os.environ.get("XLA_FLAGS", ""),
                      "sampling": {"temperature": a.temperature, "top_k": a.top_k, "top_p": a.top_p}},
         "ceilings": ceilings.to_json(),
         "kernels": {"mode": kernels.mode(), "enabled": kernels.enabled(), "selections": kernels.selections()},
