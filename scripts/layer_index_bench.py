@@ -9,7 +9,6 @@ compiled into the kernel). µs a layer beside the copy ceiling of the same run; 
 import json
 import os
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +16,7 @@ from jax import lax
 
 from jaxllm.harness import ceilings
 from jaxllm.kernels import matmul as mm
+from tma_stream_bench import timeit         # this folder: two warm-up calls, then the median
 
 L = int(os.environ.get("LAYERS", 36))
 ITERS = int(os.environ.get("ITERS", 8))
@@ -42,17 +42,6 @@ def layer(w, s, x, i):
                          (w["up"], s["up"]), i, jax.nn.silu, out_major=True)
     d = mm.stacked_matmuls(g, [(w["down"], s["down"])], i, out_major=True, summed=False)[0]
     return (d.sum(axis=0) if d.ndim == 3 else d).astype(x.dtype)
-
-
-def timed(f, *args, reps=5):
-    for _ in range(2):
-        jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) / (L * ITERS) * 1e6
 
 
 def main():
@@ -98,7 +87,7 @@ def main():
            "same_output": {k: bool(jnp.array_equal(v, ref, equal_nan=True)) for k, v in outs.items()}}
     for p in range(3):
         for k, (f, a) in fns.items():
-            res["passes"].setdefault(k, []).append(timed(f, *a))
+            res["passes"].setdefault(k, []).append(timeit(f, *a, reps=5)[0] / (L * ITERS) * 1e6)
         print("pass", p, {k: round(v[-1], 2) for k, v in res["passes"].items()}, flush=True)
     print(f"\n{res['device']}, jax {jax.__version__}, copy ceiling {c.bandwidth / 1e9:.0f} GB/s: "
           f"{per_layer_bytes / c.bandwidth * 1e6:.2f} us a layer for its {per_layer_bytes / 1e6:.1f} MB")
