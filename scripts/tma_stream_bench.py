@@ -140,6 +140,24 @@ def triton_layer(st, sc, x, l):
     return stacked_matmuls(g, [(st["down"], sc["down"])], l, out_major=True)[0] * 1e-3
 
 
+def chained(ks, *extra):
+    """The 36 layers in the model's order on kernels ks (name -> kernel(w, *extra[name], dep)), each
+    taking what the one before wrote: a function of (weights by name, dep)."""
+    def chain(ws, dep):
+        for l in range(L):
+            for name, *_ in SHAPES:
+                dep = ks[name](ws[name][l], *(e[name] for e in extra), dep)
+        return dep
+    return chain
+
+
+def triton_chain(st, sc, x):
+    """The 36 layers on the Triton matvec kernels the model runs."""
+    for l in range(L):
+        x = triton_layer(st, sc, x, l)
+    return x
+
+
 def timeit(f, *args, reps=15):
     for _ in range(2):
         jax.block_until_ready(f(*args))
@@ -181,12 +199,7 @@ def main():
                 ks = {name: MAKE(N, K, ks_, wait, trigger, stages=stages, rows=rows, cols=cols)
                       for name, N, K, ks_ in SHAPES}
 
-                @jax.jit
-                def chain(ws, dep):
-                    for l in range(L):
-                        for name, *_ in SHAPES:
-                            dep = ks[name](ws[name][l], dep)
-                    return dep
+                chain = jax.jit(chained(ks))
                 dep0 = jnp.ones((8,), jnp.float32)
                 t0 = time.perf_counter()
                 out = jax.block_until_ready(chain(ws, dep0))
@@ -210,14 +223,7 @@ def main():
     if os.environ.get("TRITON", "1") == "1" and DT == jnp.int8:
         try:
             st, sc = triton_stacks(ws)
-
-            @jax.jit
-            def tchain2(st, sc, x):
-                for l in range(L):
-                    x = triton_layer(st, sc, x, l)
-                return x
-            x0 = jnp.ones((1, 2560), jnp.bfloat16)
-            med, best = timeit(tchain2, st, sc, x0)
+            med, best = timeit(jax.jit(triton_chain), st, sc, jnp.ones((1, 2560), jnp.bfloat16))
             us = med / L * 1e6
             gbps = per_layer_bytes * L / med / 1e9
             results["variants"]["triton_matvec"] = {"us_per_layer": us, "best_us_per_layer": best / L * 1e6,
@@ -296,24 +302,12 @@ def roundrobin():
     chains = {}
     for v in names:
         ks = {name: MAKE(N, K, k_, *allv[v], stages=stages, rows=rows, cols=cols) for name, N, K, k_ in SHAPES}
-
-        def chain(ws, dep, ks=ks):
-            for l in range(L):
-                for name, *_ in SHAPES:
-                    dep = ks[name](ws[name][l], dep)
-            return dep
-        chains[v] = jax.jit(chain)
+        chains[v] = jax.jit(chained(ks))
     dep0 = jnp.ones((8,), jnp.float32)
     fns = {v: (f, (ws, dep0)) for v, f in chains.items()}
     if os.environ.get("TRITON", "1") == "1" and DT == jnp.int8:
         st, sc = triton_stacks(ws)
-
-        @jax.jit
-        def tchain(st, sc, x):
-            for l in range(L):
-                x = triton_layer(st, sc, x, l)
-            return x
-        fns["triton_matvec"] = (tchain, (st, sc, jnp.ones((1, 2560), jnp.bfloat16)))
+        fns["triton_matvec"] = (jax.jit(triton_chain), (st, sc, jnp.ones((1, 2560), jnp.bfloat16)))
     for f, args in fns.values():
         jax.block_until_ready(f(*args))
     for r in range(int(os.environ.get("ROUNDS", 4))):
@@ -423,14 +417,7 @@ def inloop():
     rows, cols, stages = map(int, os.environ.get("CONFIGS", "128x256x4").split(",")[0].split("x"))
     ks = {name: make_ws(N, K, k_, None, False, stages=stages, rows=rows, cols=cols) for name, N, K, k_ in SHAPES}
 
-    @jax.jit
-    def stream(ws, dep):
-        def one(i, dep):
-            for l in range(L):
-                for name, *_ in SHAPES:
-                    dep = ks[name](ws[name][l], dep)
-            return dep
-        return lax.fori_loop(0, iters, one, dep)
+    stream = jax.jit(lambda ws, dep: lax.fori_loop(0, iters, lambda i, dep: chained(ks)(ws, dep), dep))
     fns["mosaic_stream"] = (stream, (ws, jnp.ones(((2560 // rows) * SHAPES[-1][3],), jnp.float32)))
     xs = {name: jnp.zeros((8, K), jnp.bfloat16).at[0].set(0.01) for name, N, K, _ in SHAPES}
     xq = {name: jax.random.randint(jax.random.fold_in(key, 7 + i), (8, K), -127, 127, jnp.int8)
@@ -447,14 +434,8 @@ def inloop():
                 mk = {name: maker(N, K, sp[name], cols=cols_, stages=stg, cwgs=cw, **extra)
                       for name, N, K, _ in SHAPES}
 
-                @jax.jit
-                def mm(ws, xin, dep, mk=mk):
-                    def one(i, dep):
-                        for l in range(L):
-                            for name, *_ in SHAPES:
-                                dep = mk[name](ws[name][l], xin[name], dep)
-                        return dep
-                    return lax.fori_loop(0, iters, one, dep)
+                mm = jax.jit(lambda ws, xin, dep, mk=mk: lax.fori_loop(
+                    0, iters, lambda i, dep: chained(mk, xin)(ws, dep), dep))
                 dep0 = jnp.zeros((sp["down"], 2560, 8), acc_t)
                 out = jax.block_until_ready(mm(ws, xin, dep0))
                 ref = jnp.dot(xin["down"].astype(acc_t), ws["down"][L - 1].astype(acc_t).T,
@@ -470,13 +451,7 @@ def inloop():
                 print(tag, "FAILED", msg, flush=True)
     st, sc = triton_stacks(ws)
 
-    @jax.jit
-    def tri(st, sc, x):
-        def one(i, x):
-            for l in range(L):
-                x = triton_layer(st, sc, x, l)
-            return x
-        return lax.fori_loop(0, iters, one, x)
+    tri = jax.jit(lambda st, sc, x: lax.fori_loop(0, iters, lambda i, x: triton_chain(st, sc, x), x))
     fns["triton_matvec"] = (tri, (st, sc, jnp.ones((1, 2560), jnp.bfloat16)))
     for f, args in fns.values():
         jax.block_until_ready(f(*args))
