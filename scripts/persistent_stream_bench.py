@@ -13,11 +13,11 @@ takes 46 or 47 of a layer's 6160 tiles of 64 rows). Settings by environment: TIL
 LAYERS, ITERS, ROUNDS. JSON goes to $OUT; every figure is printed beside the copy ceiling measured
 in the same run.
 """
-import functools
 import json
 import os
 import statistics
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tma_stream_bench import SHAPES, chained, make_ws, timeit, triton_chain, triton_stacks  # noqa: E402
+from tma_stream_bench import SHAPES, chained, make_ws, random_layers, timeit, triton_loop  # noqa: E402
 
 TILE_R = int(os.environ.get("TILE_R", 64))
 TILE_C = 256
@@ -125,7 +125,9 @@ def make_persistent(plan, n_sm, cmax, layers, stages=STAGES):
                         grid=(n_sm,), grid_names=("b",), num_threads=2, thread_name="wg")
 
 
-def main():
+def setup():
+    """What both persistent benchmarks start from: the device, the schedule, random weights, the
+    ceilings measured in this run and the results record."""
     dev = jax.devices()[0]
     n_sm = int(getattr(dev, "core_count", 132))
     iters = int(os.environ.get("ITERS", 8))
@@ -133,17 +135,20 @@ def main():
     plan = schedule(n_sm)
     index, cmax = layout_index(plan, n_sm)
     totals = np.stack(counts_of(plan, np.arange(n_sm), n_sm)).sum(0)
-    key = jax.random.key(0)
-    ws = {name: [jax.random.randint(jax.random.fold_in(key, 1000 * i + l), (N, K), -127, 127, jnp.int8)
-                 for l in range(L)] for i, (name, N, K, _) in enumerate(SHAPES)}
-    per_layer_bytes = sum(N * K for _, N, K, _ in SHAPES)
     from jaxllm.harness import ceilings
     c = ceilings.measure()
-    bw = c.bandwidth
     res = {"device": dev.device_kind, "jax": jax.__version__, "layers": L, "iters": iters, "sms": n_sm,
-           "tile": [TILE_R, TILE_C], "stages": STAGES, "ceilings": c.to_json(),
-           "bytes_per_layer": per_layer_bytes, "tiles_per_block": [int(totals.min()), int(totals.max())],
-           "rounds": {}}
+           "tile": [TILE_R, TILE_C], "ceilings": c.to_json(),
+           "bytes_per_layer": sum(N * K for _, N, K, _ in SHAPES),
+           "tiles_per_block": [int(totals.min()), int(totals.max())], "rounds": {}}
+    return types.SimpleNamespace(n_sm=n_sm, iters=iters, plan=plan, index=index, cmax=cmax,
+                                 ws=random_layers(), c=c, res=res)
+
+
+def main():
+    s = setup()
+    n_sm, iters, plan, index, cmax, ws, c, res = s.n_sm, s.iters, s.plan, s.index, s.cmax, s.ws, s.c, s.res
+    res["stages"] = STAGES
     laid = [layout({n: ws[n][l] for n in ws}, index) for l in range(L)]
     stacked = jnp.stack(laid)                                # [L, rows, 256]
     dep0 = jnp.ones((n_sm,), jnp.float32)
@@ -161,9 +166,15 @@ def main():
                                            (stacked, dep0))}
     ks = {name: make_ws(N, K, k_, None, False, stages=4, rows=128, cols=256) for name, N, K, k_ in SHAPES}
     fns["separate stream kernels"] = (loop(chained(ks)), (ws, jnp.ones((2560 // 128 * SHAPES[-1][3],))))
-    st, sc = triton_stacks(ws)
-    fns["triton matvecs"] = (jax.jit(lambda st, sc, x: lax.fori_loop(
-        0, iters, lambda i, x: triton_chain(st, sc, x), x)), (st, sc, jnp.ones((1, 2560), jnp.bfloat16)))
+    fns["triton matvecs"] = triton_loop(ws, iters)
+    run_rounds(fns, res, iters)
+    with open(os.path.join(OUT, f"persistent_stream_r{TILE_R}_s{STAGES}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    report(res, c)
+
+
+def run_rounds(fns, res, iters):
+    """Time each (fn, args) of fns in turn, ROUNDS times, into res['rounds'] (us a layer)."""
     for name, (f, args) in fns.items():
         out = jax.block_until_ready(f(*args))
         print(name, "compiled; finite:", bool(np.isfinite(np.asarray(out, np.float32)).all()), flush=True)
@@ -172,15 +183,18 @@ def main():
             med, _ = timeit(f, *args, reps=10)
             res["rounds"].setdefault(name, []).append(med / iters / L * 1e6)
         print("round", r, {k: round(v[-1], 2) for k, v in res["rounds"].items()}, flush=True)
-    with open(os.path.join(OUT, f"persistent_stream_r{TILE_R}_s{STAGES}.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    ideal = per_layer_bytes / bw * 1e6
-    print(f"\n{dev.device_kind}, jax {jax.__version__}, copy ceiling {bw / 1e9:.0f} GB/s "
-          f"({c.bandwidth_method}); ideal {ideal:.2f} us/layer ({per_layer_bytes / 1e6:.1f} MB)")
-    print(f"{'variant':32s} {'us/layer, each round':30s} {'mean':>7s} {'of copy':>8s}")
+
+
+def report(res, c):
+    """The table: each variant's time a layer beside the layer's bytes at the copy ceiling."""
+    ideal = res["bytes_per_layer"] / c.bandwidth * 1e6
+    print(f"\n{res['device']}, jax {jax.__version__}, copy ceiling {c.bandwidth / 1e9:.0f} GB/s "
+          f"({c.bandwidth_method}); ideal {ideal:.2f} us/layer ({res['bytes_per_layer'] / 1e6:.1f} MB)")
+    width = max(map(len, res["rounds"])) + 2
+    print(f"{'variant':{width}s} {'us/layer, each round':30s} {'mean':>7s} {'of copy':>8s}")
     for name, t in res["rounds"].items():
         m = statistics.mean(t)
-        print(f"{name:32s} {' '.join(f'{x:6.2f}' for x in t):30s} {m:7.2f} {100 * ideal / m:7.1f}%")
+        print(f"{name:{width}s} {' '.join(f'{x:6.2f}' for x in t):30s} {m:7.2f} {100 * ideal / m:7.1f}%")
 
 
 if __name__ == "__main__":

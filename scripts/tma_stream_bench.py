@@ -158,6 +158,20 @@ def triton_chain(st, sc, x):
     return x
 
 
+def random_layers(dt=jnp.int8):
+    """Random weights of the four matrices, one array a layer: name -> L arrays [N, K bytes / itemsize]."""
+    key = jax.random.key(0)
+    return {name: [jax.random.randint(jax.random.fold_in(key, 1000 * i + l), (N, K // jnp.dtype(dt).itemsize),
+                                      -127, 127, dt) for l in range(L)] for i, (name, N, K, _) in enumerate(SHAPES)}
+
+
+def triton_loop(ws, iters):
+    """The Triton chain in a fori_loop of `iters` steps, as the decode loop runs it: (fn, args)."""
+    st, sc = triton_stacks(ws)
+    fn = jax.jit(lambda st, sc, x: lax.fori_loop(0, iters, lambda i, x: triton_chain(st, sc, x), x))
+    return fn, (st, sc, jnp.ones((1, 2560), jnp.bfloat16))
+
+
 def timeit(f, *args, reps=15):
     for _ in range(2):
         jax.block_until_ready(f(*args))
@@ -290,9 +304,7 @@ def roundrobin():
     names = os.environ.get("VARIANTS", "plain,wait_entry,wait_issued,trigger_wait_issued").split(",")
     allv = {"plain": (None, False), "wait_entry": ("entry", False), "wait_issued": ("issued", False),
             "trigger_wait_entry": ("entry", True), "trigger_wait_issued": ("issued", True)}
-    key = jax.random.key(0)
-    ws = {name: [jax.random.randint(jax.random.fold_in(key, 1000 * i + l), (N, K // WB), -127, 127, DT)
-                 for l in range(L)] for i, (name, N, K, _) in enumerate(SHAPES)}
+    ws = random_layers(DT)
     per_layer_bytes = sum(N * K for _, N, K, _ in SHAPES)
     from jaxllm.harness import ceilings
     c = ceilings.measure()
@@ -405,8 +417,7 @@ def inloop():
     dev = jax.devices()[0]
     iters = int(os.environ.get("ITERS", 8))
     key = jax.random.key(0)
-    ws = {name: [jax.random.randint(jax.random.fold_in(key, 1000 * i + l), (N, K), -127, 127, jnp.int8)
-                 for l in range(L)] for i, (name, N, K, _) in enumerate(SHAPES)}
+    ws = random_layers()
     per_layer_bytes = sum(N * K for _, N, K, _ in SHAPES)
     from jaxllm.harness import ceilings
     c = ceilings.measure()
@@ -449,10 +460,7 @@ def inloop():
                 msg = "".join(traceback.format_exception_only(type(e), e))[-1200:]
                 res["chains"][tag] = {"error": msg}
                 print(tag, "FAILED", msg, flush=True)
-    st, sc = triton_stacks(ws)
-
-    tri = jax.jit(lambda st, sc, x: lax.fori_loop(0, iters, lambda i, x: triton_chain(st, sc, x), x))
-    fns["triton_matvec"] = (tri, (st, sc, jnp.ones((1, 2560), jnp.bfloat16)))
+    fns["triton_matvec"] = triton_loop(ws, iters)
     for f, args in fns.values():
         jax.block_until_ready(f(*args))
     for r in range(3):
