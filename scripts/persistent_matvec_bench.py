@@ -105,6 +105,12 @@ def reference(ws, x, layers):
 
 def make_matvecs(plan, n_sm, cmax, layers, stages=STAGES, skip="", ahead=0, flags=False, one_tile=False,
                  profile_dir="", balanced=True, early=True):
+    """The launch for `layers` layers laid out by `layout`: (weights, x_in [2560, 8]) -> (outputs
+    [layers, WIDTH, 8], the parts, their scales). The variants: skip ("prep": barrier A only,
+    "boundary": no exchange), ahead (tiles prefetched into L2), flags (a flag a chunk for barrier
+    B), one_tile (two tiles read over and over), balanced (chunks built by blocks that take one tile
+    fewer), early (arrive at A once the last products are added), profile_dir (Mosaic GPU's
+    profiler, events by named scope)."""
     nslots = [min(int(max(c)), kt) for c, kt in zip(
         [counts_of(plan, np.arange(n_sm), n_sm)[p] for p in range(4)], KT)]
     n_g = 4 * layers
