@@ -11,7 +11,8 @@ import pytest
 
 from jaxllm.errors import ModelError
 from jaxllm.harness import bench
-from jaxllm.harness.roofline import flops_per_step, kv_bytes_per_step, nbytes, weight_bytes_per_step
+from jaxllm.harness.roofline import (causal_pairs, flops_per_step, kv_bytes_per_step, nbytes, prefill_flops,
+                                    weight_bytes_per_step)
 from jaxllm.harness.shapes import preset_names, resolve_shape
 from jaxllm.harness.synthetic import random_weights
 from jaxllm.quant import QuantArray
@@ -58,6 +59,16 @@ def test_bytes_and_flops_per_step_by_hand(tmp_path):
     macs = L * (D * H * hd + 2 * D * K * hd + H * hd * D + 3 * D * F) + V * D
     attn = L * 2 * H * hd * 32
     assert flops_per_step(cfg, fam.abstract(cfg), batch=1, ctx=32) == 2 * (macs + attn) == 229376
+    # a prefill of 10 tokens: the layers for each token, the output projection for the last one,
+    # and attention over the 55 causal (query, key) pairs
+    pre = 10 * (macs - V * D) + V * D + L * 2 * H * hd * 55
+    assert prefill_flops(cfg, fam.abstract(cfg), batch=3, n=10) == 2 * 3 * pre
+
+
+def test_causal_pairs_within_a_window():
+    assert causal_pairs(10, None) == 55 == causal_pairs(10, 10) == causal_pairs(10, 64)
+    assert causal_pairs(10, 4) == sum(min(t + 1, 4) for t in range(10)) == 34
+    assert causal_pairs(1, None) == 1 and causal_pairs(0, 4) == 0
 
 
 def test_k_eq_v_layers_read_one_tensor_only_where_keys_are_rebuilt():
@@ -118,14 +129,20 @@ def test_sweep_on_tiny_shape_writes_json_png_and_table(tmp_path, capsys):
     for p in rep["points"]:
         if p["batch"] == 1:          # TTFT is timed for a single prompt, with the smallest batch
             assert set(p["ttft_ms"]) == {"8"} and p["ttft_ms"]["8"] > 0 and p["ttft_compile_s"]["8"] > 0
+            # MFU: the prefill's FLOPs over its time, against the matmul rate measured in this run
+            rate = rep["ceilings"]["matmul_bf16_TFLOPs"] * 1e12
+            assert p["prefill_mfu"]["8"] == pytest.approx(p["prefill_flops"]["8"] / (p["ttft_ms"]["8"] / 1e3) / rate,
+                                                          rel=1e-3)
+            assert p["prefill_flops"]["8"] > 8 * p["flops_per_step"] / 2 > 0
         else:
-            assert p["ttft_ms"] == {}
+            assert p["ttft_ms"] == {} and p["prefill_mfu"] == {}
         assert p["weight_bytes_per_step"] == 113408
         assert p["kv_bytes_per_step"] == p["batch"] * 2 * 2 * 24 * 2 * 16 * 2
     png = out.with_suffix(".png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     lines = text.strip().splitlines()
-    assert "TTFT@8 ms" in lines[-3] and lines[-2].split()[0] == "1" and lines[-1].split()[0] == "2"
+    assert "TTFT@8 ms" in lines[-3] and "MFU@8" in lines[-3]
+    assert lines[-2].split()[0] == "1" and lines[-2].split()[-1].endswith("%") and lines[-1].split()[0] == "2"
     assert lines[-4].endswith("; greedy")
 
 

@@ -31,7 +31,7 @@ from ..loading.weights import is_quantized
 from ..errors import JaxllmError, RequestError
 from ..sampling import SamplingParams
 from . import ceilings as ceil
-from .roofline import nbytes, step_cost
+from .roofline import nbytes, prefill_flops, step_cost
 from .synthetic import random_like, random_weights
 
 
@@ -54,6 +54,8 @@ class Point:
     ceiling_tok_s: float = 0.0
     ttft_ms: dict = field(default_factory=dict)          # prompt length -> ms (batch rows at once)
     ttft_compile_s: dict = field(default_factory=dict)
+    prefill_flops: dict = field(default_factory=dict)    # prompt length -> FLOPs of that prefill
+    prefill_mfu: dict = field(default_factory=dict)      # prompt length -> of the measured matmul rate
     skipped: str | None = None
 
 
@@ -257,6 +259,8 @@ def run_point(cfg, fam, weights, batch, a, ceilings, mem_limit) -> Point:
         for n in (a.prompt_lens if batch == min(a.batches) else []):      # TTFT of one prompt
             c, t = time_prefill(cfg, weights, batch, n, a, dtype)
             p.ttft_compile_s[str(n)], p.ttft_ms[str(n)] = c, t * 1e3
+            p.prefill_flops[str(n)] = prefill_flops(cfg, fam.abstract(cfg), batch, n)
+            p.prefill_mfu[str(n)] = p.prefill_flops[str(n)] / t / (ceilings.matmul_flops * a.tp)
     except Exception as e:                            # out of device memory and the like: note, go on
         if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
             raise
@@ -316,7 +320,7 @@ def table(rep: dict) -> str:
             + sampling_note(rep["settings"].get("sampling")))
     lens = rep["settings"]["prompt_lens"]
     cols = ["batch", "ms/step", "tok/s", "MB/step", "roofline ms", "HBM frac", "compute ms", "ceiling tok/s",
-            "compile s"] + [f"TTFT@{n} ms" for n in lens]
+            "compile s"] + [f"TTFT@{n} ms" for n in lens] + [f"MFU@{n}" for n in lens]
     rows = []
     for p in rep["points"]:
         if p["skipped"]:
@@ -325,7 +329,9 @@ def table(rep: dict) -> str:
         rows.append([str(p["batch"]), f"{p['ms_per_step']:.3f}", f"{p['tok_s']:.1f}", f"{p['bytes_per_step'] / 1e6:.1f}",
                      f"{p['roofline_ms']:.3f}", f"{p['roofline_fraction']:.1%}", f"{p['compute_ms']:.3f}",
                      f"{p['ceiling_tok_s']:.0f}", f"{p['compile_s']:.1f}"]
-                    + [f"{p['ttft_ms'][str(n)]:.1f}" if str(n) in p['ttft_ms'] else "" for n in lens])
+                    + [f"{p['ttft_ms'][str(n)]:.1f}" if str(n) in p['ttft_ms'] else "" for n in lens]
+                    + [f"{p['prefill_mfu'][str(n)]:.1%}" if str(n) in p.get('prefill_mfu', {}) else ""
+                       for n in lens])
     full = [r for r in rows if len(r) == len(cols)]
     width = [max([len(cols[i])] + [len(r[i]) for r in full]) for i in range(len(cols))]
     def fmt(r):

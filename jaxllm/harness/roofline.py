@@ -11,6 +11,8 @@ only the experts a batch can be expected to touch.
 
 FLOPs per step (the compute roofline): 2 per multiply-add of every matmul weight (the tied
 embedding as the output projection included) per row, plus QK^T and PV over the attended positions.
+FLOPs of a prefill (for its MFU): the same for every prompt token, the output projection once a
+row, and attention over the causal pairs.
 """
 from __future__ import annotations
 
@@ -114,16 +116,39 @@ def kv_bytes_per_step(cfg: ModelConfig, batch: int, ctx: int, kv_itemsize: float
     return int(round(total))
 
 
-def flops_per_step(cfg: ModelConfig, specs, batch: int, ctx: int) -> int:
-    """FLOPs of one decode step for `batch` rows at context ctx, from the abstract weight specs."""
+def weight_macs(cfg: ModelConfig, specs) -> float:
+    """Multiply-adds of every matmul weight for one token (the tied embedding as the output
+    projection included; k/E of mixture-of-experts weights)."""
     macs = 0.0
     for spec in jax.tree_util.tree_leaves(specs, is_leaf=is_spec):
         if spec.n_contract:
-            macs += np.prod(spec.shape) * expert_fraction(spec, cfg, batch, for_flops=True)
+            macs += np.prod(spec.shape) * expert_fraction(spec, cfg, 1, for_flops=True)
     if cfg.tie_embeddings:
         macs += cfg.vocab_size * cfg.hidden_size
+    return macs
+
+
+def flops_per_step(cfg: ModelConfig, specs, batch: int, ctx: int) -> int:
+    """FLOPs of one decode step for `batch` rows at context ctx, from the abstract weight specs."""
     attn = sum(2 * cfg.attn[k].num_heads * cfg.attn[k].head_dim * attended(cfg, k, ctx) for k in cfg.layer_kinds)
-    return int(round(2 * batch * (macs + attn)))
+    return int(round(2 * batch * (weight_macs(cfg, specs) + attn)))
+
+
+def causal_pairs(n: int, window: int | None) -> int:
+    """(query, key) pairs a causal prompt of n tokens attends, each query over at most `window` keys."""
+    w = n if window is None else min(window, n)
+    return w * (w + 1) // 2 + (n - w) * w
+
+
+def prefill_flops(cfg: ModelConfig, specs, batch: int, n: int) -> int:
+    """FLOPs of prefilling `batch` prompts of n tokens: every matmul weight for each token but the
+    output projection, which only the last token of a row goes through, and QK^T and PV over the
+    causal pairs (within the window on sliding layers). The model's FLOPs, for MFU: masked-out
+    work an implementation does is not counted."""
+    head = cfg.vocab_size * cfg.hidden_size
+    attn = sum(2 * cfg.attn[k].num_heads * cfg.attn[k].head_dim * causal_pairs(n, cfg.attn[k].window)
+               for k in cfg.layer_kinds)
+    return int(round(2 * batch * (n * (weight_macs(cfg, specs) - head) + head + attn)))
 
 
 def step_cost(cfg: ModelConfig, weights, specs, batch: int, ctx: int, kv_itemsize: float | dict = 2,
