@@ -513,7 +513,7 @@ def _run(eng, prompts, ids):
 @pytest.mark.parametrize("family,quant,kv", [("qwen3", "none", "none"), ("gemma3", "int8", "none"),
                                             ("qwen3", "int8", "int8"), ("gemma3", "int8", "int8-rings")])
 def test_model_kernels_match_xla(family, quant, kv, tmp_path, monkeypatch):
-    """Whole models with every decode kernel forced on: the same greedy tokens as the XLA path and
+    """Whole models with every kernel forced on: the same greedy tokens as the XLA path and
     step logits within float32 rounding, past several wraps of Gemma 3's sliding window (8). With
     kv="int8" the split cache (rings, int8 global layers; "int8-rings": int8 rings too), which the
     decode kernel reads in place."""
@@ -542,6 +542,7 @@ def test_model_kernels_match_xla(family, quant, kv, tmp_path, monkeypatch):
     assert any(s["choice"].endswith("rms-norm") for s in kernels.selections())    # the input norm
     kinds = {s["shape"][-1] for s in kernels.selections() if s["kernel"] == "decode attention"}
     assert kv == "none" or ("linear" in kinds and (family == "qwen3" or "ring" in kinds))
+    assert kv != "none" or "prefill attention" in chosen          # the prompts, over the linear cache
     if kv == "int8":                    # several rows' Q/K/V partials summed in the prologue
         assert any(" partials" in s["choice"] for s in kernels.selections()
                    if s["kernel"] == "decode prologue")

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import current_layout, enabled, note
 from .attention import Cache, decode_attention
+from .prefill import prefill_attention
 from .prologue import HeadPrep, SplitQKV, decode_prologue
 from .matmul import RowNorm, stack_dims, stacked_gated, stacked_matmuls
 from .norm import residual_norm
@@ -210,9 +211,35 @@ KV_AXES.update(v=KV_AXES["k"], v_scale=KV_AXES["k_scale"])
 
 
 def cached_attention(q, layer_kv, positions, *, scale, softcap, window):
-    """Decode attention (one query token per row) over a layer of the stacked linear cache."""
+    """Attention of q [B, T, H, hd] over a layer of the stacked linear cache: the decode kernel for
+    one query token per row, the prefill kernel for more. None where XLA should run it."""
+    if q.shape[1] > 1:
+        return stacked_prefill(q, dict(layer_kv.stack), layer_kv.idx, positions, scale=scale,
+                               softcap=softcap, window=window)
     return stacked_attention(q, dict(layer_kv.stack), layer_kv.idx, positions, scale=scale,
                              softcap=softcap, window=window)
+
+
+def stacked_prefill(q, stacks: dict, idx, positions, *, scale, softcap, window):
+    """Prefill attention of q [B, T, H, hd] at positions [B, T] over layer idx of a linear cache's
+    stacks {"k", "v"}, read in place (`prefill.prefill_attention`). None where XLA should run it."""
+    if not enabled():
+        return None
+    B, T, H, hd = q.shape
+    k, v = stacks["k"], stacks["v"]
+
+    def run(q, idx, pos, k, v):
+        return prefill_attention(q, {"k": k, "v": v}, idx, pos, scale=scale, softcap=softcap, window=window)
+    layout = current_layout()
+    if layout is None or layout.mesh.size == 1:
+        return run(q, idx, positions, k, v)
+    qspec = layout.spec(q.shape, ("batch", "seq", "q_heads", "head_dim"))
+    kvspec = layout.spec(v.shape, KV_AXES["v"])
+    K = v.shape[3]
+    if not _kv_split_ok(qspec[2], kvspec[3], K, "prefill attention", (B, T, H, K, str(v.dtype))):
+        return None
+    pspec = layout.spec(positions.shape, ("batch", "seq"))
+    return _local(run, layout, (qspec, P(), pspec, kvspec, kvspec), qspec)(q, idx, positions, k, v)
 
 
 def stacked_attention(q, arrays: dict, idx, positions, *, scale, softcap, window, keys=None):

@@ -1,0 +1,72 @@
+"""The Pallas prefill-attention kernel against XLA's `layers.attend`, in Pallas interpret mode on the
+CPU: query and key blocks with edge tiles, grouped heads, a head width that is not a power of two,
+sliding windows (blocks before the window skipped), soft-capping, prompts continued at an offset,
+a cache longer than the prompt, and bf16."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm import kernels
+from jaxllm.cache import slot_positions
+from jaxllm.kernels.ops import stacked_prefill
+from jaxllm.kernels.prefill import Blocks, choose_blocks, prefill_attention
+from jaxllm.layers import attend, attention_mask
+
+L = 2
+
+
+def _case(B, T, H, K, S, hd, start, dtype, seed):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((B, T, H, hd)), dtype)
+    ks = jnp.asarray(rng.standard_normal((L, B, S, K, hd)), dtype)
+    vs = jnp.asarray(rng.standard_normal((L, B, S, K, hd)), dtype)
+    pos = jnp.asarray(np.asarray(start)[:, None] + np.arange(T)[None, :], jnp.int32)
+    return q, ks, vs, pos
+
+
+@pytest.mark.parametrize("B,T,H,K,S,hd,window,softcap,start,blocks", [
+    (2, 37, 4, 2, 50, 32, None, None, [0, 5], None),                 # T, S past the last block
+    (1, 40, 6, 2, 64, 48, 16, 30.0, [3], Blocks(16, 16, 4)),         # 3 heads a KV head, window, softcap
+    (2, 20, 2, 2, 20, 16, None, None, [0, 0], Blocks(16, 16, 4)),    # the cache exactly the prompt
+    (1, 33, 2, 1, 200, 64, 8, None, [150], Blocks(16, 32, 4)),       # window: early blocks skipped
+    (2, 5, 4, 4, 96, 32, None, None, [0, 60], Blocks(16, 16, 4)),    # short prompts, long cache
+])
+def test_prefill_attention(B, T, H, K, S, hd, window, softcap, start, blocks):
+    q, ks, vs, pos = _case(B, T, H, K, S, hd, start, jnp.float32, seed=T + S)
+    mask = attention_mask(pos, slot_positions(B, S), window)
+    ref = attend(q, ks[1], vs[1], mask, 0.3, softcap)
+    o = prefill_attention(q, {"k": ks, "v": vs}, jnp.int32(1), pos, scale=0.3, softcap=softcap, window=window,
+                          blocks=blocks)
+    assert o.shape == ref.shape and o.dtype == ref.dtype
+    assert float(jnp.max(jnp.abs(o - ref))) < 5e-6
+
+
+def test_prefill_attention_bf16():
+    q, ks, vs, pos = _case(1, 70, 8, 2, 80, 64, [0], jnp.bfloat16, seed=1)
+    ref = attend(q, ks[0], vs[0], attention_mask(pos, slot_positions(1, 80), None), 0.125, None)
+    o = prefill_attention(q, {"k": ks, "v": vs}, jnp.int32(0), pos, scale=0.125)
+    assert o.dtype == jnp.bfloat16
+    err = jnp.abs(o.astype(jnp.float32) - ref.astype(jnp.float32))
+    assert float(jnp.max(err)) < 3e-2 and float(jnp.mean(err)) < 3e-3
+
+
+def test_prefill_blocks_by_head_width():
+    for hd, T in [(64, 2048), (128, 2048), (256, 2048), (512, 2048), (48, 5), (128, 20)]:
+        b = choose_blocks(hd, T)
+        assert b.bq >= 16 and b.bk >= 16 and b.bq * max(hd, 16) <= 64 * 256, (hd, T, b)
+        assert b.bq <= max(16, 1 << (T - 1).bit_length()), (hd, T, b)
+
+
+def test_prefill_kernel_selection(monkeypatch):
+    """With the kernels forced on, attention of several queries a row over a linear cache runs the
+    prefill kernel and logs it; with the XLA path forced, nothing is chosen and XLA runs it."""
+    q, ks, vs, pos = _case(1, 9, 4, 2, 16, 16, [0], jnp.float32, seed=2)
+    for mode in ("pallas", "xla"):
+        monkeypatch.setenv("JAXLLM_KERNELS", mode)
+        kernels._seen.clear()
+        out = stacked_prefill(q, {"k": ks, "v": vs}, jnp.int32(0), pos, scale=0.25, softcap=None, window=None)
+        chosen = [s["choice"] for s in kernels.selections() if s["kernel"] == "prefill attention"]
+        if mode == "xla":
+            assert out is None and not chosen
+        else:
+            assert out is not None and chosen and chosen[0].startswith("pallas bq=")
