@@ -1,8 +1,10 @@
 """Where the time of one decode step goes: trace a few fused-loop steps of a shape preset with random
 weights and sum the device kernels by kind (matmul, attention/softmax, fusions, copies, collectives),
-next to the wall time per step, so the gaps between kernels show too.
+next to the wall time per step, so the gaps between kernels show too. With --prefill N, the same
+for the prefill of --batch prompts of N tokens (the bench's TTFT), once.
 
     python scripts/profile_decode.py --shape qwen3-4b --batch 1 --ctx 2048 --steps 32 --out DIR
+    python scripts/profile_decode.py --shape qwen3-4b --prefill 2048 --out DIR
 """
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ from functools import partial
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 from jaxllm import generate as gen, kernels  # noqa: E402
+from jaxllm.cache import init_cache  # noqa: E402
 from jaxllm.sharding import layout_for  # noqa: E402
 from jaxllm.engine import DTYPES  # noqa: E402
 from jaxllm.harness.bench import decode_state  # noqa: E402
@@ -60,6 +64,7 @@ def main():
     p.add_argument("--int8-rings", action="store_true", help="with --kv-quant int8, int8 sliding rings too")
     p.add_argument("--rebuild-keys", action="store_true", help="with --kv-quant int8, k_eq_v layers store V alone")
     p.add_argument("--hlo", help="also write the compiled step's HLO text here, to look up the fusions named")
+    p.add_argument("--prefill", type=int, default=0, help="profile a prefill of this many tokens a prompt instead")
     a = p.parse_args()
     dtype = DTYPES["bfloat16"]
     cfg, fam = resolve_shape(a.shape)
@@ -76,20 +81,35 @@ def main():
 
     def state():
         return jax.block_until_ready(decode_state(cfg, a.batch, a.ctx, a.steps, dtype, 0, a.kv_quant, layout, opts))
+    if a.prefill:                 # one prefill of the whole batch, a fresh cache each time
+        n = a.prefill
+        fn = jax.jit(partial(gen.prefill, cfg, n_out=1, dtype=dtype), donate_argnums=(3,))
+        tokens = jax.random.randint(jax.random.key(0), (a.batch, n), 0, cfg.vocab_size, jnp.int32)
+        lengths, max_new = jnp.full((a.batch,), n, jnp.int32), jnp.ones((a.batch,), jnp.int32)
+
+        def run():
+            cache = jax.block_until_ready(init_cache(cfg, a.batch, n + 1, dtype))
+            return lambda: fn(weights, tokens, lengths, cache, params, max_new)[0].tokens.block_until_ready()
+        a.steps, what = 1, f"prefill of {n} tokens"
+    else:
+        def run():
+            s = state()
+            return lambda: loop(weights, s, params).tokens.block_until_ready()
+        what = f"ctx={a.ctx}"
     with kernels.use_layout(layout):
-        loop(weights, state(), params).tokens.block_until_ready()
-        unroll = scan_unroll(cfg, a.batch, 1)          # as the step was traced: under the layout
-        if a.hlo:
+        run()()
+        unroll = scan_unroll(cfg, a.batch, a.prefill or 1)     # as the step was traced: under the layout
+        if a.hlo and not a.prefill:
             with open(a.hlo, "w") as f:
                 f.write(loop.lower(weights, state(), params).compile().as_text())
-    s = state()
+    go = run()
     t0 = time.perf_counter()
-    loop(weights, s, params).tokens.block_until_ready()
+    go()
     wall_ms = (time.perf_counter() - t0) / a.steps * 1e3
     os.makedirs(a.out, exist_ok=True)
-    s = state()
+    go = run()
     with jax.profiler.trace(a.out, create_perfetto_trace=True):
-        loop(weights, s, params).tokens.block_until_ready()
+        go()
     files = glob.glob(os.path.join(a.out, "**", "*.trace.json.gz"), recursive=True)
     events = json.load(gzip.open(files[0]))["traceEvents"] if files else []
     gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
@@ -105,7 +125,7 @@ def main():
             count[e["name"]] += 1
             n_kernels += 1
     total = sum(by_kind.values()) / 1e3 / a.steps
-    print(f"{a.shape} B={a.batch} ctx={a.ctx} {a.quant} scan_unroll={unroll}: "
+    print(f"{a.shape} B={a.batch} {what} {a.quant} scan_unroll={unroll}: "
           f"wall {wall_ms:.3f} ms/step, device kernels {total:.3f} ms/step "
           f"({n_kernels / a.steps:.0f} kernels/step), gaps {wall_ms - total:.3f} ms/step")
     for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]):
