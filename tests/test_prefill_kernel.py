@@ -30,6 +30,8 @@ def _case(B, T, H, K, S, hd, start, dtype, seed):
     (2, 20, 2, 2, 20, 16, None, None, [0, 0], Blocks(16, 16, 4)),    # the cache exactly the prompt
     (1, 33, 2, 1, 200, 64, 8, None, [150], Blocks(16, 32, 4)),       # window: early blocks skipped
     (2, 5, 4, 4, 96, 32, None, None, [0, 60], Blocks(16, 16, 4)),    # short prompts, long cache
+    (1, 20, 2, 1, 30, 256, 12, None, [0], None),                     # wide heads, their default blocks
+    (1, 17, 2, 1, 40, 512, None, None, [10], None),
 ])
 def test_prefill_attention(B, T, H, K, S, hd, window, softcap, start, blocks):
     q, ks, vs, pos = _case(B, T, H, K, S, hd, start, jnp.float32, seed=T + S)
