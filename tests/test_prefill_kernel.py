@@ -40,7 +40,9 @@ def test_prefill_attention(B, T, H, K, S, hd, window, softcap, start, blocks):
     o = prefill_attention(q, {"k": ks, "v": vs}, jnp.int32(1), pos, scale=0.3, softcap=softcap, window=window,
                           blocks=blocks)
     assert o.shape == ref.shape and o.dtype == ref.dtype
-    assert float(jnp.max(jnp.abs(o - ref))) < 5e-6
+    # float32 rounding, which grows with the head width the scores sum over (compiled on an H100:
+    # 6.9e-6 at head_dim 256 and 1.1e-5 at 512; in interpret mode under 1e-6)
+    assert float(jnp.max(jnp.abs(o - ref))) < 5e-6 * max(1, hd / 64)
 
 
 def test_prefill_attention_bf16():
