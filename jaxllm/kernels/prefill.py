@@ -91,7 +91,7 @@ def _kernel(layer_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, G, T, S, hd, blk:
         kvmask = smask[:, None] & dmask[None, :]
         kb = plgpu.load(k_ref.at[layer, b, pl.ds(t * bk, bk), kvh, pl.ds(0, hdp)], mask=kvmask, other=0.0)
         vb = plgpu.load(v_ref.at[layer, b, pl.ds(t * bk, bk), kvh, pl.ds(0, hdp)], mask=kvmask, other=0.0)
-        s = jax.lax.dot_general(q, kb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+        s = jax.lax.dot_general(q, kb.astype(dt), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                                 precision=precision) * scale
         if softcap is not None:
             s = jnp.tanh(s / softcap) * softcap
