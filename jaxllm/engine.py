@@ -1,6 +1,7 @@
 """The engine: a loaded model plus the compiled prefill / decode-loop / forward functions."""
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -10,13 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import generate as gen, kernels
-from . import prefill_chunked as chunked
-from .cache import init_cache
+from . import core, kernels
 from .config import ModelConfig
+from .core import EngineCore, bucket
 from .errors import RequestError
 from .kv_plan import check_fits, plan_cache
-from .model import forward, logits_from_hidden
 from .sampling import SamplingParams
 from .sharding import single_device_layout
 from .split_cache import KVOptions, choose_layout, make_cache
@@ -39,12 +38,7 @@ class GenerateStats:
     new_tokens: int = 0
     ttft_s: float = 0.0
     decode_s: float = 0.0
-    steps: int = 0
-
-
-def bucket(n: int, lo: int = 16) -> int:
-    """Next power of two >= n: prompt and cache lengths come in few shapes, so few compiles."""
-    return max(lo, 1 << (max(n, 1) - 1).bit_length())
+    steps: int = 0             # decode steps after the first token
 
 
 def check_sampling(max_tokens, temperature, top_k, top_p):
@@ -59,12 +53,15 @@ def check_sampling(max_tokens, temperature, top_k, top_p):
 
 
 class Engine:
+    """A loaded model on its mesh, its KV policy, and the compiled calls of the engine core
+    (`core.prefill`, `core.decode`), which every front end drives through an `EngineCore`."""
+
     def __init__(self, cfg: ModelConfig, weights, tokenizer, *, dtype="bfloat16", max_ctx=8192,
                  name="model", quant="none", layout=None, kv_quant="auto",
                  kv_options: KVOptions | None = None):
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
         self.layout = layout or single_device_layout()   # weights must already lie on its mesh
-        self._cache_makers = {}
+        self._state_makers = {}
         self.dtype_name, self.dtype = dtype, DTYPES[dtype]
         self.max_ctx, self.name, self.quant = max_ctx, name, quant
         self.kv_options = kv_options or KVOptions()
@@ -75,36 +72,113 @@ class Engine:
         check_fits(self.kv_plan(1))
         self.stats = GenerateStats()
         d = self.dtype
-        jit = self._jit
-        self._prefill = jit(partial(gen.prefill, cfg, dtype=d), static_argnames=("n_out",),
-                                donate_argnames=("cache",))
-        self._loop = jit(partial(gen.decode_loop, cfg, dtype=d), donate_argnames=("state",))
-        self._step = jit(partial(gen.decode_step, cfg, dtype=d), donate_argnames=("cache",))
-        self._forward = jit(self._forward_logits)
-        self._chunk = jit(partial(chunked.prefill_chunk, cfg, dtype=d),
-                              static_argnames=("mark_padding",), donate_argnames=("cache",))
-        self._chunk_logits = jit(partial(chunked.logits_chunk, cfg, dtype=d),
-                                     static_argnames=("mark_padding",), donate_argnames=("cache",))
-        self._begin = jit(partial(gen.begin_decode, cfg), static_argnames=("n_out",))
+        self._fns = {"prefill": jax.jit(partial(core.prefill, cfg, dtype=d), static_argnames=("out",),
+                                        donate_argnames=("state",)),
+                     "decode": jax.jit(partial(core.decode, cfg, dtype=d), static_argnames=("max_steps",),
+                                       donate_argnames=("state",))}
+        self._executables: dict = {}
+        self.compile_s = 0.0          # seconds spent compiling the core's calls so far
 
-    def _jit(self, fn, **kw):
-        """jax.jit, traced with this engine's layout declared, so that the decode kernels know the
-        mesh the weights lie on (see `jaxllm.kernels`)."""
-        compiled = jax.jit(fn, **kw)
-        layout = self.layout
+    # -- the core's compiled calls ----------------------------------------------------------------
+    def run(self, name: str, *args, **static):
+        """Call the core's `name` ("prefill" or "decode") with the weights and `args`, through the
+        executable compiled for these shapes (compiled now if this is their first call)."""
+        return self.executable(name, args, static)(self.weights, *args)
 
-        def call(*args, **kwargs):
-            with kernels.use_layout(layout):
-                return compiled(*args, **kwargs)
-        return call
+    def executable(self, name: str, args, static: dict):
+        key = _signature(name, args, static)
+        exe = self._executables.get(key)
+        if exe is None:
+            exe = self._executables[key] = self._compile(name, args, static)
+        return exe
+
+    def _compile(self, name: str, args, static: dict):
+        """Lower under this engine's layout (the kernels run per device on the mesh's shards) and
+        compile."""
+        t0 = time.perf_counter()
+        with kernels.use_layout(self.layout):
+            lowered = self._fns[name].lower(self.weights, *args, **static)
+        exe = lowered.compile()
+        self.compile_s += time.perf_counter() - t0
+        return exe
+
+    def precompile(self, calls: list[tuple[str, tuple, dict]], threads: int | None = None) -> float:
+        """Compile every (name, args, static) call not compiled yet, lowered one after another and
+        compiled in parallel threads (XLA compiles without the GIL). args may be shape structs.
+        -> seconds taken."""
+        import concurrent.futures as cf
+        t0 = time.perf_counter()
+        todo = {}
+        for name, args, static in calls:
+            key = _signature(name, args, static)
+            if key not in self._executables and key not in todo:
+                with kernels.use_layout(self.layout):
+                    todo[key] = self._fns[name].lower(self.weights, *args, **static)
+        workers = threads or max(1, min(len(todo), (os.cpu_count() or 2)))
+        with cf.ThreadPoolExecutor(workers) as pool:
+            for key, exe in zip(todo, pool.map(lambda lowered: lowered.compile(), todo.values())):
+                self._executables[key] = exe
+        dt = time.perf_counter() - t0
+        self.compile_s += dt
+        return dt
+
+    # -- the core's state on the mesh -----------------------------------------------------------
+    def core(self, num_slots: int, max_len: int) -> EngineCore:
+        """A KV cache of `num_slots` rows of `max_len` positions and its slot table, on the mesh."""
+        return EngineCore(self, num_slots, max_len)
+
+    def new_state(self, batch: int, length: int) -> core.State:
+        """A zeroed cache laid out on the mesh (batch over "data", KV heads over "model") and an
+        empty slot table."""
+        key = (batch, length)
+        if key not in self._state_makers:        # one compiled allocator per cache shape
+            def make():
+                return core.State(make_cache(self.cfg, self.kv_layout, self.kv_options, batch, length, self.dtype),
+                                  core.Slots.empty(batch))
+            self._state_makers[key] = jax.jit(make, out_shardings=self.state_shardings(jax.eval_shape(make)))
+        return self._state_makers[key]()
+
+    def state_shapes(self, batch: int, length: int) -> core.State:
+        """The state `new_state` makes, as shape structs with their shardings (nothing allocated)."""
+        def make():
+            return core.State(make_cache(self.cfg, self.kv_layout, self.kv_options, batch, length, self.dtype),
+                              core.Slots.empty(batch))
+        shapes = jax.eval_shape(make)
+        return jax.tree_util.tree_map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                                      shapes, self.state_shardings(shapes))
+
+    def state_shardings(self, state: core.State) -> core.State:
+        rows = jax.tree_util.tree_map(lambda a: self.layout.batch_sharding(a.shape), state.slots)
+        return core.State(self.layout.cache_shardings(state.cache), rows)
+
+    def put_rows(self, tree):
+        """Per-row host data (a pytree of arrays with the row axis first) -> global arrays split over
+        the data axis like the cache rows."""
+        def put(x):
+            x = np.asarray(x)
+            return self.layout.put(x, self.layout.batch_sharding(x.shape))
+        return jax.tree_util.tree_map(put, tree)
+
+    def row_shapes(self, tree):
+        """Shape structs of per-row data (as `put_rows` would lay it out), to compile for ahead."""
+        def shape(a):
+            return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=self.layout.batch_sharding(np.shape(a)))
+        return jax.tree_util.tree_map(shape, tree)
+
+    def kv_plan(self, batch: int, length: int | None = None):
+        """What a cache of `batch` rows and `length` (default max_ctx) positions takes."""
+        return plan_cache(self.cfg, self.kv_layout, self.kv_options, batch, length or self.max_ctx,
+                          self.dtype)
+
+    def chunking(self, longest: int) -> tuple[int, int]:
+        """(chunk size, padded length) of a lockstep prefill: short prompts use their power-of-two
+        bucket as the chunk, so they compile one small shape; the padded length is whole chunks.
+        (Rings that other layers read hold window + prefill_chunk - 1 slots, so no chunk is too long
+        for them.)"""
+        C = min(self.kv_options.prefill_chunk, bucket(longest))
+        return C, -(-longest // C) * C
 
     # -- full forward ----------------------------------------------------------------------------
-    def _forward_logits(self, weights, tokens):
-        B, T = tokens.shape
-        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        h, _ = forward(self.cfg, weights, tokens, pos, init_cache(self.cfg, B, T, self.dtype), self.dtype)
-        return logits_from_hidden(self.cfg, weights, h)
-
     def logits(self, token_ids, lengths=None) -> np.ndarray:
         """Causal logits [B, T, vocab] (float32) of right-padded rows; past lengths[b] undefined."""
         ids = np.asarray(token_ids, np.int32)
@@ -115,13 +189,10 @@ class Engine:
             raise RequestError(f"sequence of {T} tokens is longer than max_ctx {self.max_ctx}")
         if ids.size and (ids.min() < 0 or ids.max() >= self.cfg.vocab_size):
             raise RequestError(f"token ids must lie in [0, {self.cfg.vocab_size})")
-        if self.kv_layout.split or T > self.kv_options.prefill_chunk:
-            return self._chunked_logits(ids, lengths)
-        Tb = min(bucket(T), max(self.max_ctx, T))
-        padded = np.full((B, Tb), self.cfg.pad_id, np.int32)
-        padded[:, :T] = ids
-        lay = self.layout
-        return lay.get(self._forward(self.weights, lay.put(padded, lay.batch_sharding(padded.shape))))[:, :T]
+        C, Tp = self.chunking(T)
+        lens = np.full((B,), T, np.int32) if lengths is None else np.asarray(lengths, np.int32)
+        eng_core = self.core(B, min(Tp, max(self.max_ctx, T)))
+        return eng_core.logits(pad_rows(list(ids), Tp, self.cfg.pad_id), lens, C)[:, :T]
 
     # -- generation ------------------------------------------------------------------------------
     def encode_prompt(self, prompt, chat: bool) -> list[int]:
@@ -147,6 +218,8 @@ class Engine:
 
     def generate_ids(self, ids: list[list[int]], max_tokens=64, temperature=0.0, top_k=None,
                      top_p=None, seed=0, stop=None) -> list[Completion]:
+        """The lockstep batch: every row admitted into a cache of its own size, prefilled in chunks,
+        then decoded to completion in one on-device loop."""
         check_sampling(max_tokens, temperature, top_k, top_p)
         lens = [len(x) for x in ids]
         if min(lens) == 0:
@@ -154,37 +227,21 @@ class Engine:
         if max(lens) > self.max_ctx - 1:
             raise RequestError(f"prompt of {max(lens)} tokens does not fit max_ctx {self.max_ctx} "
                                f"(it needs room for at least one new token)")
-        B, T = len(ids), min(bucket(max(lens)), self.max_ctx)
+        B = len(ids)
         S = min(bucket(max(lens) + max_tokens), self.max_ctx)
         row_max = np.array([min(max_tokens, S - n) for n in lens], np.int32)
-        n_out = min(bucket(int(row_max.max()), 1), S)
-        C = self.kv_options.prefill_chunk
-        in_chunks = self.kv_layout.split or max(lens) > C
-        if in_chunks:
-            C, T = self._chunking(max(lens))
-        check_fits(self.kv_plan(B, max(S, T)))
-        tokens = chunked.pad_rows(ids, T, self.cfg.pad_id)
-        put = self._put_rows
-        params = jax.tree_util.tree_map(put, SamplingParams.make(B, temperature, top_k, top_p, seed))
+        check_fits(self.kv_plan(B, S))
+        params = SamplingParams.make(B, temperature, top_k, top_p, seed)
         t0 = time.perf_counter()
-        cache = self.new_cache(B, max(S, T))
-        if in_chunks:
-            cache, h_last = chunked.run_prefill(self._chunk, self.weights, tokens, lens, cache, C,
-                                                self.cfg.hidden_size, self.dtype, self.kv_layout.split)
-            state, _ = self._begin(self.weights, h_last, put(np.asarray(lens, np.int32)), cache, params,
-                                   put(row_max), n_out=n_out)
-        else:
-            state, _ = self._prefill(self.weights, put(tokens), put(np.asarray(lens, np.int32)),
-                                     cache, params, put(row_max), n_out=n_out)
-        state.tokens.block_until_ready()
+        eng_core = self.core(B, S)
+        first = eng_core.prefill_prompts(ids, params, row_max)
         t1 = time.perf_counter()
-        state = self._loop(self.weights, state, params)
-        out, n_new = self.layout.get(state.tokens), self.layout.get(state.n_new)
+        rest, count = eng_core.run_to_completion(int(row_max.max()) - 1)
         t2 = time.perf_counter()
-        self.stats = GenerateStats(B, sum(lens), int(n_new.sum()), t1 - t0, t2 - t1, int(state.step))
-        return [self._finish(ids[b], out[b, :n_new[b]].tolist(), int(row_max[b]), stop) for b in range(B)]
+        self.stats = GenerateStats(B, sum(lens), int(B + count.sum()), t1 - t0, t2 - t1, int(count.max(initial=0)))
+        return [self._finish(ids[b], [int(first[b])] + rest[b, :count[b]].tolist(), stop) for b in range(B)]
 
-    def _finish(self, prompt_ids, new_ids, limit, stop) -> Completion:
+    def _finish(self, prompt_ids, new_ids, stop) -> Completion:
         reason = "length"
         if new_ids and new_ids[-1] in self.cfg.eos_ids:
             new_ids, reason = new_ids[:-1], "stop"
@@ -201,46 +258,18 @@ class Engine:
         from .harness.perplexity import perplexity
         return perplexity(self, text, window, stride)
 
-    # -- one step at a time (tests, and the server's continuous batching) ------------------------
-    def new_cache(self, batch: int, length: int):
-        """A zeroed cache laid out on the mesh: batch over "data", KV heads over "model"."""
-        key = (batch, length)
-        if key not in self._cache_makers:        # one compiled allocator per cache shape
-            make = partial(make_cache, self.cfg, self.kv_layout, self.kv_options, batch, length, self.dtype)
-            self._cache_makers[key] = jax.jit(make, out_shardings=self.layout.cache_shardings(jax.eval_shape(make)))
-        return self._cache_makers[key]()
 
-    def _put_rows(self, x):
-        """Per-row host data -> a global array split over the data axis like the cache rows."""
-        x = np.asarray(x)
-        return self.layout.put(x, self.layout.batch_sharding(x.shape))
+def _signature(name: str, args, static: dict):
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    return (name, tuple(sorted(static.items())), tree,
+            tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))) for x in leaves))
 
-    def kv_plan(self, batch: int, length: int | None = None):
-        """What a cache of `batch` rows and `length` (default max_ctx) positions takes."""
-        return plan_cache(self.cfg, self.kv_layout, self.kv_options, batch, length or self.max_ctx,
-                          self.dtype)
 
-    # -- long prompts --------------------------------------------------------------------------
-    def _chunking(self, longest: int) -> tuple[int, int]:
-        """(chunk size, padded length): short prompts use their power-of-two bucket as the chunk,
-        so they compile one small shape; the padded length is whole chunks. (Rings that other layers
-        read hold window + prefill_chunk - 1 slots, so no chunk is too long for them.)"""
-        C = min(self.kv_options.prefill_chunk, bucket(longest))
-        return C, -(-longest // C) * C
-
-    def _chunked_logits(self, ids: np.ndarray, lengths=None) -> np.ndarray:
-        B, T = ids.shape
-        C, Tp = self._chunking(T)
-        lens = np.full((B,), T, np.int32) if lengths is None else np.asarray(lengths, np.int32)
-        tokens = chunked.pad_rows(list(ids), Tp, self.cfg.pad_id)
-        out, _ = chunked.run_logits(self._chunk_logits, self.weights, tokens, lens, self.new_cache(B, Tp),
-                                    C, self.kv_layout.split)
-        return np.concatenate(out, axis=1)[:, :T]
-
-    def step(self, tokens, positions, cache):
-        """One decode step for every row: tokens/positions [B] -> (logits [B, V], cache)."""
-        return self._step(self.weights, self._put_rows(np.asarray(tokens, np.int32)),
-                          self._put_rows(np.asarray(positions, np.int32)), cache)
+def pad_rows(ids, length: int, pad_id: int) -> np.ndarray:
+    out = np.full((len(ids), length), pad_id, np.int32)
+    for b, x in enumerate(ids):
+        out[b, :len(x)] = x
+    return out
 
 
 def _ids_covering(tok, ids, text):

@@ -108,8 +108,7 @@ def head_prep(cfg: ModelConfig, w: dict, inv_freq) -> HeadPrep:
     return HeadPrep(inv_freq, norm("q_norm"), norm("k_norm"), cfg.v_norm, cfg.norm_eps, cfg.norm_offset)
 
 
-def attention_block(cfg, kind, w, h, positions, layer_cache, start, own_kv: bool = True,
-                    partials: bool = False):
+def attention_block(cfg, kind, w, h, positions, layer_cache, own_kv: bool = True, partials: bool = False):
     """Project, write this step's K/V into the layer's cache, attend over the cache, project out
     (with `partials`, possibly as the O matmul's unsummed `Partials`, for `add_norm`).
     With `own_kv=False` the layer only projects Q and attends over a cache an earlier layer wrote.
@@ -136,7 +135,7 @@ def attention_block(cfg, kind, w, h, positions, layer_cache, start, own_kv: bool
             o, layer_cache = layer_cache.update_and_attend(cfg, a, w, q, k, v, positions)
         return linear(o, w["o"], 2, partials), layer_cache
     if not written:
-        layer_cache = layer_cache.write(k, v, start)
+        layer_cache = layer_cache.write(k, v, positions)
     o = cached_attention(q, layer_cache, positions, scale=cfg.query_scale, softcap=cfg.attn_softcap,
                          window=a.window)
     if o is None:
@@ -147,7 +146,7 @@ def attention_block(cfg, kind, w, h, positions, layer_cache, start, own_kv: bool
     return linear(o, w["o"], 2, partials), layer_cache
 
 
-def decoder_layer(cfg, kind, w, x, positions, layer_cache, start, h=None, next_norm=None):
+def decoder_layer(cfg, kind, w, x, positions, layer_cache, h=None, next_norm=None):
     """One layer on the residual stream x. With `next_norm` (the next layer's input norm weight),
     `h` is x already normed for this layer, and the layer returns (x', next_norm applied to x'), the
     residual add after the MLP and that norm one kernel (`add_norm`)."""
@@ -155,7 +154,7 @@ def decoder_layer(cfg, kind, w, x, positions, layer_cache, start, h=None, next_n
     h_in = h
     if h is None:
         h = Normed(x, w["attn_norm"], cfg.norm_eps, cfg.norm_offset)      # normed in the Q/K/V kernel
-    a, layer_cache = attention_block(cfg, kind, w, h, positions, layer_cache, start, partials=True)
+    a, layer_cache = attention_block(cfg, kind, w, h, positions, layer_cache, partials=True)
     x, h = add_norm(x, a, w["post_attn_norm"] if cfg.sandwich_norms else None, w["mlp_norm"],
                     cfg.norm_eps, cfg.norm_offset)
     if next_norm is not None:
@@ -191,20 +190,24 @@ def layer_weights(group: dict, idx):
     return {k: one(k, v) for k, v in group.items()}
 
 
-def put(tree, i, new):
-    return jax.tree_util.tree_map(lambda a, n: a.at[i].set(n), tree, new)
+def put(tree, i, new, rows=None):
+    """Layer i of a cache stack tree set to `new` (only cache rows `rows` of it, where given)."""
+    if rows is None:
+        return jax.tree_util.tree_map(lambda a, n: a.at[i].set(n), tree, new)
+    return jax.tree_util.tree_map(lambda a, n: a.at[i, rows].set(n, mode="drop"), tree, new)
 
 
 def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.Array,
-            cache: dict, dtype=jnp.bfloat16):
+            cache: dict, dtype=jnp.bfloat16, rows: jax.Array | None = None):
     """tokens/positions [B, T] -> hidden states [B, T, D] and the updated cache.
 
-    Tokens are written into the cache at their positions (contiguous per row, starting at
-    positions[:, 0]) and attend to everything the cache holds at earlier positions.
+    Each token is written into the cache at its position (a negative position is padding, never
+    written) and attends to everything its row of the cache holds at earlier positions. `rows` [B]
+    names the cache row of each batch row (a prefill into some of a cache's rows; a row past the
+    cache's end is padding); None: batch row b is cache row b.
     """
     hooks = family_hooks(cfg)
     x = embed(cfg, weights, tokens, dtype)
-    start = positions[:, 0]
     xs = jax.tree_util.tree_map(jnp.asarray, schedule(cfg))
     if getattr(hooks, "layer_inputs", None) is not None:
         xs["inputs"] = hooks.layer_inputs(cfg, weights, tokens, x)     # leading axis: layers
@@ -226,20 +229,20 @@ def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.A
             w = layer_weights(weights["layers"][b.group], s["idx"])
             lc = caches[name]
             if isinstance(lc, dict):
-                lc = kv.LayerKV(lc, s["cache_idx"])
+                lc = kv.LayerKV(lc, s["cache_idx"], rows)
             else:
-                lc = split.layer_view(lc, s["cache_idx"], tokens.shape[1])
+                lc = split.layer_view(lc, s["cache_idx"], tokens.shape[1], rows)
             if next_norms is not None:
-                x, lc = decoder_layer(cfg, b.kind, w, x[0], positions, lc, start, h=x[1],
+                x, lc = decoder_layer(cfg, b.kind, w, x[0], positions, lc, h=x[1],
                                       next_norm=Stacked(next_norms[b.group], s["idx"], "attn_norm"))
             elif layer_fn is None:
-                x, lc = decoder_layer(cfg, b.kind, w, x, positions, lc, start)
+                x, lc = decoder_layer(cfg, b.kind, w, x, positions, lc)
             else:
-                x, lc = layer_fn(cfg, b, w, x, positions, lc, start, s.get("inputs"))
+                x, lc = layer_fn(cfg, b, w, x, positions, lc, s.get("inputs"))
             if not b.own_kv:
                 return x, caches
             in_place = isinstance(lc, (kv.LayerKV, split.StackedLayer))
-            new = lc.stack if in_place else put(caches[name], s["cache_idx"], lc)
+            new = lc.stack if in_place else put(caches[name], s["cache_idx"], lc, rows)
             return x, {**caches, name: new}
         return run
 

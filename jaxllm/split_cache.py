@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from .attention_blockwise import blockwise_attend, dequantize_kv, linear_loader, quantize_kv
-from .cache import init_cache
+from .cache import gather_rows, init_cache
 from .config import KIND_NAMES, AttnSpec, ModelConfig
 from .errors import ModelError
 from .quant import layer_of
@@ -286,17 +286,14 @@ class StackedLayer:
         return o
 
 
-def layer_view(cache: RingKV | BlockKV, idx: jax.Array, tokens_per_row: int):
+def layer_view(cache: RingKV | BlockKV, idx: jax.Array, tokens_per_row: int, rows: jax.Array | None = None):
     """What a layer's attention works on: the stacks themselves where the decode kernel reads them
-    in place (one token per row, kernels on), else the layer sliced out (put back by the caller)."""
+    in place (one token per row of every cache row, kernels on), else the layer sliced out, of the
+    cache rows `rows` where given (put back by the caller)."""
     from . import kernels
-    if tokens_per_row == 1 and kernels.enabled():
+    if tokens_per_row == 1 and rows is None and kernels.enabled():
         return StackedLayer(cache, idx)
-    return jax.tree_util.tree_map(lambda x: x[idx], cache)
-
-
-def is_split(cache) -> bool:
-    return any(isinstance(c, (RingKV, BlockKV)) for c in cache.values())
+    return jax.tree_util.tree_map(lambda x: gather_rows(x[idx], rows), cache)
 
 
 def has_kv_readers(cfg: ModelConfig, kind: int) -> bool:

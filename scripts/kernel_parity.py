@@ -36,9 +36,9 @@ def run(model_dir, mode: str, quant: str, dtype: str, long_ids, n_new: int, step
     ids = [eng.encode_prompt(p, chat=False) for p in PROMPTS]
     long_out = eng.generate_ids([long_ids], max_tokens=n_new)[0].token_ids
     seq = np.asarray([long_ids[:steps]], np.int32)       # step through past the 512 window
-    cache, logits = eng.new_cache(1, steps + 8), []
+    stepper, logits = eng.core(1, steps + 8), []
     for t in range(seq.shape[1]):
-        lg, cache = eng.step(seq[:, t], np.full(1, t), cache)
+        lg = stepper.step_logits(seq[:, t], np.full(1, t))
         if t % 50 == 49 or t == seq.shape[1] - 1:
             logits.append(np.asarray(lg, np.float32))
     prefill = np.asarray(eng.logits(seq), np.float32)[0]     # every position of one forward

@@ -17,22 +17,17 @@ import re
 import sys
 import time
 from collections import defaultdict
-from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxllm import generate as gen, kernels  # noqa: E402
-from jaxllm.cache import init_cache  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxllm import core, kernels  # noqa: E402
 from jaxllm.sharding import layout_for  # noqa: E402
-from jaxllm.engine import DTYPES  # noqa: E402
-from jaxllm.harness.bench import decode_state  # noqa: E402
-from jaxllm.harness.shapes import resolve_shape  # noqa: E402
-from jaxllm.harness.synthetic import random_weights  # noqa: E402
-from jaxllm.kernels.weights import out_major  # noqa: E402
-from jaxllm.loading.weights import is_quantized  # noqa: E402
+from jaxllm.harness.bench import decode_state, load_subject  # noqa: E402
 from jaxllm.model import scan_unroll  # noqa: E402
 from jaxllm.sampling import SamplingParams  # noqa: E402
 from jaxllm.split_cache import KVOptions  # noqa: E402
@@ -66,42 +61,39 @@ def main():
     p.add_argument("--hlo", help="also write the compiled step's HLO text here, to look up the fusions named")
     p.add_argument("--prefill", type=int, default=0, help="profile a prefill of this many tokens a prompt instead")
     a = p.parse_args()
-    dtype = DTYPES["bfloat16"]
-    cfg, fam = resolve_shape(a.shape)
-    cfg = cfg.replace(eos_ids=())
-    layout = layout_for(a.tp)
-    specs = fam.abstract(cfg)
-    shardings = layout.weight_shardings(specs, lambda s: is_quantized(s, a.quant))
-    weights = out_major(random_weights(specs, a.quant, dtype, 0, shardings), layout, donate=True)
+    a.layout, a.dtype, a.seed, a.model_dir = layout_for(a.tp), "bfloat16", 0, None
+    a.kv_options = KVOptions(int8_rings=a.int8_rings, store_keys=not a.rebuild_keys)
+    eng, _, _ = load_subject(a)
+    cfg, weights = eng.cfg, eng.weights
     params = SamplingParams.make(a.batch)
     # The state is donated, as the engine does (else the loop's output cache is a second copy of
     # it), so each run gets a fresh one.
-    loop = jax.jit(partial(gen.decode_loop, cfg, dtype=dtype), donate_argnums=(1,))
-    opts = KVOptions(int8_rings=a.int8_rings, store_keys=not a.rebuild_keys)
 
     def state():
-        return jax.block_until_ready(decode_state(cfg, a.batch, a.ctx, a.steps, dtype, 0, a.kv_quant, layout, opts))
+        return jax.block_until_ready(decode_state(eng, a.batch, a.ctx, a.steps, 0, params))
     if a.prefill:                 # one prefill of the whole batch, a fresh cache each time
         n = a.prefill
-        fn = jax.jit(partial(gen.prefill, cfg, n_out=1, dtype=dtype), donate_argnums=(3,))
-        tokens = jax.random.randint(jax.random.key(0), (a.batch, n), 0, cfg.vocab_size, jnp.int32)
-        lengths, max_new = jnp.full((a.batch,), n, jnp.int32), jnp.ones((a.batch,), jnp.int32)
+        tokens = np.asarray(jax.random.randint(jax.random.key(0), (a.batch, n), 0, cfg.vocab_size, jnp.int32))
+        pieces = eng.put_rows(core.Pieces.make(tokens, 0, n, True, np.arange(a.batch)))
+        fn = eng.executable("prefill", (eng.new_state(a.batch, n + 1), pieces, None), {"out": "sample"})
 
         def run():
-            cache = jax.block_until_ready(init_cache(cfg, a.batch, n + 1, dtype))
-            return lambda: fn(weights, tokens, lengths, cache, params, max_new)[0].tokens.block_until_ready()
+            s = jax.block_until_ready(eng.new_state(a.batch, n + 1))
+            return lambda: fn(weights, s, pieces, None)[1].block_until_ready()
         a.steps, what = 1, f"prefill of {n} tokens"
     else:
+        loop = eng.executable("decode", (state(), np.int32(a.steps), None), {"max_steps": a.steps})
+
         def run():
             s = state()
-            return lambda: loop(weights, s, params).tokens.block_until_ready()
+            return lambda: loop(weights, s, np.int32(a.steps), None)[1].block_until_ready()
         what = f"ctx={a.ctx}"
-    with kernels.use_layout(layout):
+    with kernels.use_layout(a.layout):
         run()()
         unroll = scan_unroll(cfg, a.batch, a.prefill or 1)     # as the step was traced: under the layout
         if a.hlo and not a.prefill:
             with open(a.hlo, "w") as f:
-                f.write(loop.lower(weights, state(), params).compile().as_text())
+                f.write(loop.as_text())
     go = run()
     t0 = time.perf_counter()
     go()

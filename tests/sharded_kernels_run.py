@@ -33,9 +33,9 @@ def run(path, tp, mode, quant, kv, store_keys):
                       kv_options=jaxllm.KVOptions(store_keys=store_keys))
     ids = np.random.default_rng(0).integers(0, 160, (2, 9)).astype(np.int32)
     full = eng.logits(ids)
-    cache, steps = eng.new_cache(2, 16), []
+    stepper, steps = eng.core(2, 16), []
     for t in range(ids.shape[1]):
-        lg, cache = eng.step(ids[:, t], np.full(2, t), cache)
+        lg = stepper.step_logits(ids[:, t], np.full(2, t))
         steps.append(np.asarray(lg))
     greedy = [c.token_ids for c in eng.generate_ids([[1, 2, 3, 4], [5, 6]], max_tokens=6)]
     return full, np.stack(steps), greedy

@@ -47,7 +47,7 @@ def main(tmp):
                 "err": float(np.abs(eng.logits(ids) - ref).max()),
                 "q": spec_of(layers["q"]), "k": spec_of(layers["k"]), "down": spec_of(layers["down"]),
                 "kv_heads": eng.cfg.attn[1].num_kv_heads,
-                "cache": list(eng.new_cache(2, 8)["global"]["k"].sharding.spec),
+                "cache": list(eng.core(2, 8).state.cache["global"]["k"].sharding.spec),
             }
         out[name] = res
     # the int8 path shards the same way and decodes the same greedy tokens under TP=4

@@ -5,7 +5,6 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -214,12 +213,15 @@ def test_bench_rings_hold_the_last_window_of_positions():
     """The bench's filled cache: random K/V, but ring slots hold the positions a prefill of ctx
     tokens leaves there (random positions would fall outside the window, and the decode kernel
     skips reading what no query can see, which would flatter the timing)."""
+    from jaxllm.engine import Engine
     from jaxllm.harness.bench import decode_state
     from jaxllm.harness.shapes import resolve_shape
+    from jaxllm.sampling import SamplingParams
     from jaxllm.split_cache import RingKV
-    cfg, _ = resolve_shape("gemma3-270m")
+    cfg, fam = resolve_shape("gemma3-270m")
     ctx = 700
-    state = decode_state(cfg, 2, ctx, 4, jnp.float32, 0, "int8")
+    eng = Engine(cfg, None, None, dtype="float32", max_ctx=ctx + 4, kv_quant="int8")
+    state = decode_state(eng, 2, ctx, 4, 0, SamplingParams.make(2))
     rings = [c for c in state.cache.values() if isinstance(c, RingKV)]
     assert rings
     W = rings[0].pos.shape[-1]

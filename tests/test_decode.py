@@ -1,12 +1,10 @@
 """Prefill, step-by-step decode and the fused on-device loop must agree with each other."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxllm
-from jaxllm import generate as gen
-from jaxllm.sampling import SamplingParams
+from jaxllm.core import Pieces
 import tiny
 
 
@@ -23,27 +21,27 @@ def test_step_decode_equals_full_forward(eng):
     rng = np.random.default_rng(0)
     ids = rng.integers(0, eng.cfg.vocab_size, (2, 30)).astype(np.int32)
     full = eng.logits(ids)
-    cache = eng.new_cache(2, 32)
+    stepper = eng.core(2, 32)
     for t in range(ids.shape[1]):
-        logits, cache = eng.step(ids[:, t], np.full(2, t), cache)
+        logits = stepper.step_logits(ids[:, t], np.full(2, t))
         assert tiny.rel_err(np.asarray(logits), full[:, t]) < 1e-4, t
 
 
 def test_prefill_then_step_equals_full_forward(eng):
+    """Right-padded prompts of different lengths in one prefill forward, then one token a step."""
     rng = np.random.default_rng(1)
     ids = rng.integers(0, eng.cfg.vocab_size, (2, 24)).astype(np.int32)
     lengths = np.array([13, 9], np.int32)
     full = [eng.logits(ids[b:b + 1, :24]) for b in range(2)]
     tokens = np.where(np.arange(16)[None] < lengths[:, None], ids[:, :16], 0)
-    params = SamplingParams.make(2)
-    state, logits = gen.prefill(eng.cfg, eng.weights, jnp.asarray(tokens), jnp.asarray(lengths),
-                                eng.new_cache(2, 32), params, jnp.asarray([8, 8]), n_out=8, dtype=jnp.float32)
+    stepper = eng.core(2, 32)
+    logits = eng.layout.get(stepper.prefill(Pieces.make(tokens, 0, lengths), out="logits"))
     for b in range(2):
-        assert tiny.rel_err(np.asarray(logits[b]), full[b][0, lengths[b] - 1]) < 1e-4
-    cache, pos = state.cache, lengths.copy()
+        assert tiny.rel_err(logits[b, lengths[b] - 1], full[b][0, lengths[b] - 1]) < 1e-4
+    pos = lengths.copy()
     for _ in range(6):         # continue each row with its own reference tokens
         nxt = ids[np.arange(2), pos]
-        logits, cache = eng.step(nxt, pos, cache)
+        logits = stepper.step_logits(nxt, pos)
         for b in range(2):
             assert tiny.rel_err(np.asarray(logits[b]), full[b][0, pos[b]]) < 1e-4
         pos = pos + 1
@@ -58,13 +56,13 @@ def test_fused_loop_equals_python_stepping(eng):
         seq = list(p)
         logits = eng.logits(np.array([seq], np.int32))[0, -1]
         stepped = []
-        cache = eng.new_cache(1, 64)
+        stepper = eng.core(1, 64)
         for t, tok in enumerate(seq[:-1]):
-            _, cache = eng.step([tok], [t], cache)
+            stepper.step_logits([tok], [t])
         pos = len(seq) - 1
         tok = seq[-1]
         for _ in range(n_new):
-            logits, cache = eng.step([tok], [pos], cache)
+            logits = stepper.step_logits([tok], [pos])
             tok = int(np.argmax(np.asarray(logits)[0]))
             pos += 1
             if tok in eng.cfg.eos_ids:
@@ -103,9 +101,9 @@ def test_max_tokens_per_row_and_finish_reason(eng):
 
 def forward_and_steps(eng, ids):
     """Full-forward logits of ids [2, T] and the logits of decoding them one step at a time."""
-    cache, steps = eng.new_cache(2, 16), []
+    stepper, steps = eng.core(2, 16), []
     for t in range(ids.shape[1]):
-        lg, cache = eng.step(ids[:, t], np.full(2, t), cache)
+        lg = stepper.step_logits(ids[:, t], np.full(2, t))
         steps.append(np.asarray(lg))
     return eng.logits(ids), np.stack(steps)
 

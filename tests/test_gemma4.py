@@ -88,9 +88,9 @@ def test_logits_match_transformers(case):
 
 def test_stepwise_decode_matches_full_forward(case):
     eng = case.engine
-    cache = eng.new_cache(len(LENS), CACHE)
+    stepper = eng.core(len(LENS), CACHE)
     for t in range(max(LENS)):
-        logits, cache = eng.step(case.ids[:, t], np.full(len(LENS), t), cache)
+        logits = stepper.step_logits(case.ids[:, t], np.full(len(LENS), t))
         for b, n in enumerate(LENS):
             if t < n:
                 err = rel_err(np.asarray(logits[b]), case.full[b, t])
@@ -102,11 +102,11 @@ def step_greedy(eng, rows, max_new):
     seqs = [list(r) for r in rows]
     new = [[] for _ in rows]
     done = [False] * len(rows)
-    cache = eng.new_cache(len(rows), CACHE)
+    stepper = eng.core(len(rows), CACHE)
     t = 0
     while not all(done):
         toks = [s[t] if t < len(s) else 0 for s in seqs]
-        logits, cache = eng.step(np.asarray(toks), np.full(len(rows), t), cache)
+        logits = stepper.step_logits(np.asarray(toks), np.full(len(rows), t))
         for b, s in enumerate(seqs):
             if done[b] or t != len(s) - 1:
                 continue

@@ -257,7 +257,7 @@ def test_head_pieces_cover_the_head_once():
 
 
 @pytest.mark.parametrize("slots,int8,hd,dtype,shared", [
-    ("clamp", False, 32, "float32", False),     # linear cache; position 12 clamps into 10 slots
+    ("drop", False, 32, "float32", False),      # linear cache: position 12 past 10 slots and -1 not written
     ("drop", True, 48, "float32", True),        # int8 global layer, values only (k_eq_v), halves of 24
     ("ring", True, 32, "float32", False),       # int8 ring: slot = position mod 8, slot positions set
     ("ring", False, 64, "bfloat16", False),     # bf16 ring
@@ -267,11 +267,11 @@ def test_decode_prologue(slots, int8, hd, dtype, shared):
     functions: queries, the written slots (keys, values, int8 scales, ring positions), and every
     other slot left as it was."""
     rng = np.random.default_rng(5)
-    B, H, K, L, S = 3, 4, 2, 2, {"clamp": 10, "drop": 20, "ring": 8}[slots]
+    B, H, K, L, S = 3, 4, 2, 2, {"drop": 20 if int8 else 10, "ring": 8}[slots]
     dt = jnp.dtype(dtype)
     q, k = (jnp.asarray(rng.standard_normal((B, n, hd)), dt) for n in (H, K))
     v = k if shared else jnp.asarray(rng.standard_normal((B, K, hd)), dt)
-    pos = jnp.asarray({"clamp": [3, 12, 0], "drop": [5, 40, 19], "ring": [25, -1, 6]}[slots], jnp.int32)
+    pos = jnp.asarray({"drop": [5, 40, 19] if int8 else [3, 12, -1], "ring": [25, -1, 6]}[slots], jnp.int32)
     inv_freq = (1.0 / 100.0 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
     qn, kn = (jnp.asarray(rng.standard_normal(hd) * 0.3, dt) for _ in range(2))
     prep = HeadPrep(inv_freq, qn, kn, v_norm=shared, eps=1e-6, offset=1.0)
@@ -292,9 +292,9 @@ def test_decode_prologue(slots, int8, hd, dtype, shared):
     assert _rel(qo, apply_rope(rms_norm(q[:, None], qn, 1e-6, 1.0), p, inv_freq)[:, 0]) < 1e-6
     want = {"k": apply_rope(rms_norm(k[:, None], kn, 1e-6, 1.0), p, inv_freq)[:, 0],
             "v": rms_norm(v, None, 1e-6) if shared else v}
-    slot = {"clamp": np.clip(pos, 0, S - 1), "drop": pos, "ring": pos % S}[slots]
+    slot = {"drop": pos, "ring": pos % S}[slots]
     for b in range(B):
-        written = 0 <= int(pos[b]) < S if slots == "drop" else int(pos[b]) >= 0 or slots == "clamp"
+        written = 0 <= int(pos[b]) < S if slots == "drop" else int(pos[b]) >= 0
         for n in ("k", "v"):
             if n not in stacks:
                 continue
@@ -503,9 +503,9 @@ def test_kernel_mode_switch(monkeypatch):
 def _run(eng, prompts, ids):
     out = [c.token_ids for c in eng.generate_ids(prompts, max_tokens=10)]
     out += [c.token_ids for c in eng.generate_ids(prompts[:1], max_tokens=6)]     # one row
-    cache, logits = eng.new_cache(2, 32), []
+    stepper, logits = eng.core(2, 32), []
     for t in range(ids.shape[1]):
-        lg, cache = eng.step(ids[:, t], np.full(2, t), cache)
+        lg = stepper.step_logits(ids[:, t], np.full(2, t))
         logits.append(np.asarray(lg))
     return out, np.stack(logits)
 

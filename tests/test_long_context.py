@@ -6,19 +6,17 @@ import sys
 import warnings
 from functools import lru_cache, partial
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxllm
-from jaxllm import generate as gen
-from jaxllm import prefill_chunked as chunked
-from jaxllm.engine import Engine
+from jaxllm.core import Pieces
+from jaxllm.engine import Engine, pad_rows
 from jaxllm.errors import ModelError, RequestError
+from jaxllm.harness.perplexity import perplexity_ids
 from jaxllm.kv_plan import check_fits, plan_cache
-from jaxllm.sampling import SamplingParams
-from jaxllm.split_cache import BlockKV, KVLayout, KVOptions, RingKV, cache_axes, cache_shapes, make_cache
+from jaxllm.split_cache import BlockKV, KVLayout, KVOptions, RingKV, cache_axes, cache_shapes
 from jaxllm.split_cache import has_kv_readers
 from kv_tiny_models import gemma4_31b, gemma4_e2b, random_weights, tiny_gemma3, tiny_gemma4_like
 
@@ -86,12 +84,12 @@ def test_decode_steps_through_ring_wraps(make_cfg):
     seq = np.array(prompts(cfg, seed=4)[0] + prompts(cfg, seed=5)[1], np.int32)[None]   # 83 > 5 windows
     ref = full.logits(seq)[0]
     for eng, tol in ((plain, 1e-5), (int8, INT8_LOGIT_TOL)):
-        cache = eng.new_cache(1, 96)
+        stepper = eng.core(1, 96)
         rows = []
         for t in range(seq.shape[1]):
-            logits, cache = eng.step(seq[:, t], np.array([t]), cache)
+            logits = stepper.step_logits(seq[:, t], np.array([t]))
             rows.append(np.asarray(logits)[0])
-        ring = cache["sliding"]
+        ring = stepper.state.cache["sliding"]
         R = WINDOW + (SPLIT.prefill_chunk - 1 if has_kv_readers(cfg, 0) else 0)
         assert ring.k.shape[2] == R < seq.shape[1]
         assert sorted(np.asarray(ring.pos[0, 0]).tolist()) == list(range(seq.shape[1] - R, seq.shape[1]))
@@ -111,11 +109,12 @@ def test_int8_rings(make_cfg):
                  kv_options=replace(SPLIT, int8_rings=True))
     seq = np.array(prompts(cfg, seed=4)[0] + prompts(cfg, seed=5)[1], np.int32)[None]
     ref = full.logits(seq)[0]
-    cache = eng.new_cache(1, 96)
-    assert cache["sliding"].k.dtype == jnp.int8 and cache["sliding"].k_scale.shape == cache["sliding"].k.shape[:-1]
+    stepper = eng.core(1, 96)
+    ring = stepper.state.cache["sliding"]
+    assert ring.k.dtype == jnp.int8 and ring.k_scale.shape == ring.k.shape[:-1]
     rows = []
     for t in range(seq.shape[1]):
-        logits, cache = eng.step(seq[:, t], np.array([t]), cache)
+        logits = stepper.step_logits(seq[:, t], np.array([t]))
         rows.append(np.asarray(logits)[0])
     # every layer's K/V int8: the E2B-like model's 3.3% (global layers alone) grows to 6.1%
     assert logit_err(np.stack(rows), ref) < INT8_LOGIT_TOL * (2 if make_cfg is gemma4_e2b else 1)
@@ -135,14 +134,14 @@ def test_keys_rebuilt_from_values():
     cfg, full, stored, _ = engines(gemma4_31b)
     eng = Engine(cfg, full.weights, None, dtype="float32", max_ctx=256, kv_quant="int8",
                  kv_options=replace(SPLIT, store_keys=False))
-    cache = eng.new_cache(1, 96)
-    glob, both = cache["global"], stored.new_cache(1, 96)["global"]
+    stepper = eng.core(1, 96)
+    glob, both = stepper.state.cache["global"], stored.core(1, 96).state.cache["global"]
     assert glob.k is None and glob.k_scale is None and both.k.dtype == jnp.int8 and both.k.shape == glob.v.shape
     seq = np.array(prompts(cfg, seed=4)[0] + prompts(cfg, seed=5)[1], np.int32)[None]
     ref = full.logits(seq)[0]
     rows = []
     for t in range(seq.shape[1]):
-        logits, cache = eng.step(seq[:, t], np.array([t]), cache)
+        logits = stepper.step_logits(seq[:, t], np.array([t]))
         rows.append(np.asarray(logits)[0])
     assert logit_err(np.stack(rows), ref) < INT8_LOGIT_TOL
     ps = prompts(cfg)
@@ -152,30 +151,37 @@ def test_keys_rebuilt_from_values():
         KVOptions(store_keys=1)
 
 
-def _first_token_state(cfg, w, tokens, lens, cache, chunk, mark_padding):
-    params = SamplingParams.make(len(lens), 0.0, None, None, 0)
-    max_new = jnp.full((len(lens),), 4, jnp.int32)
-    if chunk is None:
-        fn = jax.jit(partial(gen.prefill, cfg, dtype=jnp.float32), static_argnames=("n_out",))
-        return fn(w, jnp.asarray(tokens), jnp.asarray(lens, jnp.int32), cache, params, max_new, n_out=4)
-    fn = jax.jit(partial(chunked.prefill_chunk, cfg, dtype=jnp.float32), static_argnames=("mark_padding",))
-    cache, h_last = chunked.run_prefill(fn, w, tokens, lens, cache, chunk, cfg.hidden_size, jnp.float32,
-                                        mark_padding)
-    return gen.begin_decode(cfg, w, h_last, jnp.asarray(lens, jnp.int32), cache, params, max_new, n_out=4)
+def _first_token_state(eng, tokens, lens, chunk):
+    """The core's state after a prefill of right-padded prompts in chunks (one chunk: None)."""
+    B, T = tokens.shape
+    stepper = eng.core(B, 64)
+    chunk = chunk or T
+    firsts = []
+    for s in range(0, T, chunk):
+        length = np.clip(np.asarray(lens) - s, 0, chunk)
+        rows = np.where(length > 0, np.arange(B), B)
+        final = (length > 0) & (np.asarray(lens) - s <= chunk)
+        pieces = Pieces.make(tokens[:, s:s + chunk], s, length, final, rows, max_new=4)
+        firsts.append((final, np.asarray(stepper.prefill(pieces))))
+    first = sum(np.where(f, t, 0) for f, t in firsts)
+    return stepper.state, first
 
 
-@pytest.mark.parametrize("layout", [KVLayout(split=False, int8=False), KVLayout(split=True, int8=False)])
-def test_chunked_prefill_matches_one_shot(layout):
+@pytest.mark.parametrize("split", [False, True])
+def test_chunked_prefill_matches_one_shot(split):
     cfg = tiny_gemma3(WINDOW)
     w = random_weights(cfg, 7)
+    eng = Engine(cfg, w, None, dtype="float32", max_ctx=64, kv_quant="none" if not split else "auto",
+                 kv_options=KVOptions(block=16, threshold=32 if split else 1024, prefill_chunk=48))
+    assert eng.kv_layout.split == split
     lens = [45, 29]
-    tokens = chunked.pad_rows([p[:n] for p, n in zip(prompts(cfg, 8), lens)], 48, cfg.pad_id)
-    new = partial(make_cache, cfg, layout, KVOptions(block=16), 2, 64, jnp.float32)
-    one, l_one = _first_token_state(cfg, w, tokens, lens, new(), None if not layout.split else 48, layout.split)
+    tokens = pad_rows([p[:n] for p, n in zip(prompts(cfg, 8), lens)], 48, cfg.pad_id)
+    one, first = _first_token_state(eng, tokens, lens, None)
     for chunk in (8, 24):                          # shorter and longer than the window
-        st, l_st = _first_token_state(cfg, w, tokens, lens, new(), chunk, layout.split)
-        assert np.array_equal(np.asarray(st.last), np.asarray(one.last))
-        assert np.abs(np.asarray(l_st) - np.asarray(l_one)).max() < 1e-4
+        st, f = _first_token_state(eng, tokens, lens, chunk)
+        assert np.array_equal(f, first)
+        assert np.array_equal(np.asarray(st.slots.last), np.asarray(one.slots.last))
+        assert np.array_equal(np.asarray(st.slots.pos), lens)
         for name in one.cache:
             a, b = one.cache[name], st.cache[name]
             if isinstance(a, RingKV):               # same positions in the same slots, same keys
@@ -258,35 +264,8 @@ def gemma270m():
 
 
 def perplexity(eng, ids: list[int]) -> float:
-    """Sliding-window perplexity (windows of W tokens: a fresh BOS + W-1 text tokens, advancing by
-    the stride; only tokens no earlier window scored count), through `eng`'s KV cache in chunks."""
-    cfg = eng.cfg
-    step = jax.jit(partial(chunked.logits_chunk, cfg, dtype=eng.dtype), static_argnames=("mark_padding",),
-                   donate_argnames=("cache",))
-
-    @jax.jit
-    def nll(logits, targets):
-        lp = jax.nn.log_softmax(logits[0], axis=-1)
-        got = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
-        return -jnp.sum(jnp.where(targets >= 0, got, 0.0))
-
-    total, count, scored_to = 0.0, 0, 0
-    for begin in range(0, len(ids), PPL_STRIDE):
-        end = min(begin + PPL_WINDOW - 1, len(ids))
-        window = np.array([cfg.bos_id] + ids[begin:end], np.int32)
-        targets = np.full(PPL_WINDOW, -1, np.int32)            # targets[t] = the token after t
-        first = max(scored_to, begin) - begin                  # window index of the first new token
-        targets[first:len(window) - 1] = window[first + 1:]
-        tokens = chunked.pad_rows([window.tolist()], PPL_WINDOW, cfg.pad_id)
-        out, _ = chunked.run_logits(step, eng.weights, tokens, [len(window)], eng.new_cache(1, PPL_WINDOW),
-                                    PPL_CHUNK, eng.kv_layout.split,
-                                    consume=lambda s, lg: nll(lg, jnp.asarray(targets[s:s + PPL_CHUNK])))
-        total += float(sum(out))
-        count += int((targets >= 0).sum())
-        scored_to = end
-        if end == len(ids):
-            break
-    return float(np.exp(total / count))
+    """Sliding-window perplexity through the engine core, under `eng`'s KV layout."""
+    return perplexity_ids(eng, ids, PPL_WINDOW, PPL_STRIDE).ppl
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 import jaxllm
@@ -226,25 +227,33 @@ def test_text_stream_never_splits_a_character(engine):
 
 
 def test_slots_joining_mid_decode_match_engine(engine):
-    """Slot mechanics without HTTP: requests join while others decode, greedy and sampled rows mix,
-    and every request's tokens equal Engine.generate_ids for it."""
-    from jaxllm.batching import SlotBatch
+    """The engine core without HTTP: requests join while others decode, one prompt in pieces over
+    several prefills, greedy and sampled rows mix, a slot is reused after its request ended, and
+    every request's tokens equal Engine.generate_ids for it."""
+    from jaxllm.core import Pieces
+    from jaxllm.sampling import SamplingParams
     prompts = [engine.tokenizer.encode(p) for p in ("Hello world", "Once upon a time there was a", "café 東京")]
     jobs = [(p, 0.0) for p in prompts[:2]] + [(p, 0.8) for p in prompts[1:]]    # (ids, temperature)
     refs = {0.0: engine.generate_ids(prompts[:2], max_tokens=12),
             0.8: engine.generate_ids(prompts[1:], max_tokens=12, temperature=0.8, top_k=20, seed=3)}
     expected = [refs[0.0][0], refs[0.0][1], refs[0.8][0], refs[0.8][1]]
-    sb = SlotBatch.for_engine(engine, batch=3, length=64, n_steps=3)
+    core = engine.core(3, 64)
     out, slot_of, waiting = {}, {}, list(range(len(jobs)))
     while waiting or slot_of:
-        for b in [b for b in range(3) if b not in slot_of.values()][:1]:      # one joins per block
-            if waiting:
-                j = waiting.pop(0)
-                ids, temp = jobs[j]
-                out[j], slot_of[j] = [sb.prefill(b, ids, 12, temp, 20, None, 3)], b
-        toks, emitted = sb.decode()
+        free = [b for b in range(3) if b not in slot_of.values()]
+        if waiting and free:                             # one joins per block, its prompt in pieces of 4
+            j, b = waiting.pop(0), free[0]
+            ids, temp = jobs[j]
+            params = SamplingParams.make(1, temp, 20, None, 3)
+            for s in range(0, len(ids), 4):
+                n = min(4, len(ids) - s)
+                tok = np.zeros((1, 4), np.int32)
+                tok[0, :n] = ids[s:s + n]
+                first = core.prefill(Pieces.make(tok, s, n, s + n == len(ids), [b], params, 12))
+            out[j], slot_of[j] = [int(np.asarray(first)[0])], b
+        toks, count = (np.asarray(x) for x in core.decode(3, 3))
         for j, b in list(slot_of.items()):
-            out[j] += [int(t) for t, e in zip(toks[b], emitted[b]) if e]
+            out[j] += toks[b, :count[b]].tolist()
             if len(out[j]) >= 12 or out[j][-1] in engine.cfg.eos_ids:
                 del slot_of[j]
     for j, ref in enumerate(expected):

@@ -15,18 +15,16 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import generate as gen, kernels
-from ..cache import init_cache
+from .. import core, kernels
 from ..sharding import check_divisible, layout_for
 from ..split_cache import KVOptions, RingKV, choose_layout, make_cache
-from ..engine import DTYPES, check_sampling
+from ..engine import DTYPES, Engine, check_sampling
 from ..loading.weights import is_quantized
 from ..errors import JaxllmError, RequestError
 from ..sampling import SamplingParams
@@ -120,8 +118,10 @@ def check_args(a) -> None:
 
 # -- model ----------------------------------------------------------------------------------------
 def load_subject(a):
-    """-> (cfg, family, weights, description) from --shape (random, on device) or --model-dir."""
+    """-> (engine, family, description) from --shape (random weights, on device) or --model-dir; the
+    engine's KV policy is the run's (--kv-quant, --int8-rings, --rebuild-keys) for ctx + steps."""
     from ..models import family_for
+    length = a.ctx + a.steps
     if a.shape:
         from .shapes import resolve_shape
         cfg, fam = resolve_shape(a.shape)
@@ -130,10 +130,14 @@ def load_subject(a):
         shardings = a.layout.weight_shardings(specs, lambda s: is_quantized(s, a.quant))
         weights = random_weights(specs, a.quant, DTYPES[a.dtype], a.seed, shardings)
         from ..kernels.weights import out_major
-        return cfg, fam, out_major(weights, a.layout, donate=True), {"shape": a.shape}
+        weights = out_major(weights, a.layout, donate=True)
+        eng = Engine(cfg, weights, None, dtype=a.dtype, max_ctx=length, name=a.shape, quant=a.quant,
+                     layout=a.layout, kv_quant=a.kv_quant, kv_options=a.kv_options)
+        return eng, fam, {"shape": a.shape}
     import jaxllm
-    eng = jaxllm.load(a.model_dir, quant=a.quant, dtype=a.dtype, max_ctx=None, tp=a.tp)
-    return eng.cfg, family_for({"model_type": eng.cfg.family}), eng.weights, {"model_dir": str(a.model_dir)}
+    eng = jaxllm.load(a.model_dir, quant=a.quant, dtype=a.dtype, max_ctx=length, tp=a.tp, kv_quant=a.kv_quant,
+                      kv_options=a.kv_options)
+    return eng, family_for({"model_type": eng.cfg.family}), {"model_dir": str(a.model_dir)}
 
 
 def device_memory(device) -> int | None:
@@ -165,61 +169,60 @@ def filled_ring_positions(pos: jax.Array, ctx: int) -> jax.Array:
     return jax.jit(fill, out_shardings=getattr(pos, "sharding", None))(pos)
 
 
-def decode_state(cfg, batch: int, ctx: int, steps: int, dtype, seed: int, kv_quant: str = "none",
-                 layout=None, opts: KVOptions | None = None) -> gen.DecodeState:
-    """A state as if a prompt of ctx tokens had just been prefilled: random KV in slots [0, ctx)."""
-    shapes = cache_shapes(cfg, batch, ctx + steps, dtype, kv_quant, opts)
-    cache = random_like(shapes, seed, None if layout is None else layout.cache_shardings(shapes))
+def decode_state(eng, batch: int, ctx: int, steps: int, seed: int, params: SamplingParams) -> core.State:
+    """The core's state as if every slot had just prefilled a prompt of ctx tokens: random KV in
+    positions [0, ctx), every slot live for `steps` tokens with EOS ignored."""
+    shapes = eng.state_shapes(batch, ctx + steps)
+    cache = random_like(shapes.cache, seed, jax.tree_util.tree_map(lambda s: s.sharding, shapes.cache))
     cache = {name: c.replace(pos=filled_ring_positions(c.pos, ctx)) if isinstance(c, RingKV) else c
              for name, c in cache.items()}
-    last = jax.random.randint(jax.random.key(seed), (batch,), 0, cfg.vocab_size, jnp.int32)
-    return gen.DecodeState(cache=cache, tokens=jnp.zeros((batch, steps + 1), jnp.int32), last=last,
-                           pos=jnp.full((batch,), ctx, jnp.int32), done=jnp.zeros((batch,), bool),
-                           n_new=jnp.ones((batch,), jnp.int32), max_new=jnp.full((batch,), steps + 1, jnp.int32),
-                           step=jnp.int32(1))
+    last = np.asarray(jax.random.randint(jax.random.key(seed), (batch,), 0, eng.cfg.vocab_size, jnp.int32))
+    full = np.full((batch,), 1, np.int32)
+    slots = core.Slots(last=last, pos=full * ctx, step=full, remaining=full * steps,
+                       active=np.ones(batch, bool), ignore_eos=np.ones(batch, bool),
+                       params=jax.tree_util.tree_map(np.asarray, params))
+    return core.State(cache, eng.put_rows(slots))
 
 
-def time_decode(cfg, weights, batch, a, dtype) -> tuple[float, list[float]]:
-    """(compile seconds, per-run seconds) of `steps` decode steps from a cache filled to ctx."""
-    cfg = cfg.replace(eos_ids=())                   # every row runs every step
+def time_decode(eng, batch, a) -> tuple[float, list[float]]:
+    """(compile seconds, per-run seconds) of `steps` decode steps of the core's loop from a cache
+    filled to ctx."""
     params = SamplingParams.make(batch, a.temperature, a.top_k, a.top_p, a.seed)
-    loop = jax.jit(partial(gen.decode_loop, cfg, dtype=dtype), donate_argnums=(1,))
-    state = jax.block_until_ready(decode_state(cfg, batch, a.ctx, a.steps, dtype, a.seed, a.kv_quant, a.layout,
-                                               a.kv_options))
+    state = jax.block_until_ready(decode_state(eng, batch, a.ctx, a.steps, a.seed, params))
     t0 = time.perf_counter()
-    compiled = loop.lower(weights, state, params).compile()
+    loop = eng.executable("decode", (state, np.int32(a.steps), None), {"max_steps": a.steps})
     compile_s = time.perf_counter() - t0
     runs = []
     for i in range(a.warmup + a.repeats):
         if i:
-            state = jax.block_until_ready(decode_state(cfg, batch, a.ctx, a.steps, dtype, a.seed + i,
-                                                       a.kv_quant, a.layout, a.kv_options))
+            state = jax.block_until_ready(decode_state(eng, batch, a.ctx, a.steps, a.seed + i, params))
         t0 = time.perf_counter()
-        out = compiled(weights, state, params)
-        out.tokens.block_until_ready()
+        _, toks, _ = loop(eng.weights, state, np.int32(a.steps), None)
+        toks.block_until_ready()
         if i >= a.warmup:
             runs.append(time.perf_counter() - t0)
-        del out, state
+        del toks, state
     return compile_s, runs
 
 
-def time_prefill(cfg, weights, batch, prompt_len, a, dtype) -> tuple[float, float]:
-    """(compile seconds, median seconds) from a batch of prompt_len-token prompts to first tokens."""
-    params = SamplingParams.make(batch)
-    fn = jax.jit(partial(gen.prefill, cfg, n_out=1, dtype=dtype), donate_argnums=(3,))
-    tokens = jax.random.randint(jax.random.key(a.seed), (batch, prompt_len), 0, cfg.vocab_size, jnp.int32)
-    lengths = jnp.full((batch,), prompt_len, jnp.int32)
-    max_new = jnp.ones((batch,), jnp.int32)
-    cache = init_cache(cfg, batch, prompt_len + 1, dtype)
+def time_prefill(eng, batch, prompt_len, a) -> tuple[float, float]:
+    """(compile seconds, median seconds) from a batch of prompt_len-token prompts, in one forward of
+    the core's prefill, to their first tokens."""
+    tokens = np.asarray(jax.random.randint(jax.random.key(a.seed), (batch, prompt_len), 0, eng.cfg.vocab_size,
+                                           jnp.int32))
+    pieces = eng.put_rows(core.Pieces.make(tokens, 0, prompt_len, True, np.arange(batch)))
+
+    def fresh():
+        return jax.block_until_ready(eng.new_state(batch, prompt_len + 1))
     t0 = time.perf_counter()
-    compiled = fn.lower(weights, tokens, lengths, cache, params, max_new).compile()
+    fn = eng.executable("prefill", (fresh(), pieces, None), {"out": "sample"})
     compile_s = time.perf_counter() - t0
     runs = []
     for i in range(a.warmup + a.repeats):
-        cache = jax.block_until_ready(init_cache(cfg, batch, prompt_len + 1, dtype))
+        state = fresh()
         t0 = time.perf_counter()
-        state, _ = compiled(weights, tokens, lengths, cache, params, max_new)
-        state.tokens.block_until_ready()
+        state, first = fn(eng.weights, state, pieces, None)
+        first.block_until_ready()
         if i >= a.warmup:
             runs.append(time.perf_counter() - t0)
         del state
@@ -236,8 +239,8 @@ def kv_itemsizes(cfg, a, dtype) -> dict:
             for kind in cfg.kinds_used}
 
 
-def run_point(cfg, fam, weights, batch, a, ceilings, mem_limit) -> Point:
-    dtype = DTYPES[a.dtype]
+def run_point(eng, fam, batch, a, ceilings, mem_limit) -> Point:
+    cfg, weights, dtype = eng.cfg, eng.weights, DTYPES[a.dtype]
     shared = choose_layout(a.kv_quant, a.ctx + a.steps, a.kv_options).split and a.rebuild_keys
     cost = step_cost(cfg, weights, fam.abstract(cfg), batch, a.ctx, kv_itemsizes(cfg, a, dtype), shared)
     p = Point(batch, a.ctx, a.steps, weight_bytes_per_step=cost.weight_bytes, kv_bytes_per_step=cost.kv_bytes,
@@ -251,13 +254,13 @@ def run_point(cfg, fam, weights, batch, a, ceilings, mem_limit) -> Point:
         p.skipped = f"KV cache of {cache_bytes / 2**30:.1f} GiB does not fit next to the weights"
         return p
     try:
-        p.compile_s, runs = time_decode(cfg, weights, batch, a, dtype)
+        p.compile_s, runs = time_decode(eng, batch, a)
         p.step_ms_runs = [r / a.steps * 1e3 for r in runs]
         p.ms_per_step = median_ms(runs) / a.steps
         p.tok_s = batch / p.ms_per_step * 1e3
         p.roofline_fraction = p.roofline_ms / p.ms_per_step
         for n in (a.prompt_lens if batch == min(a.batches) else []):      # TTFT of one prompt
-            c, t = time_prefill(cfg, weights, batch, n, a, dtype)
+            c, t = time_prefill(eng, batch, n, a)
             p.ttft_compile_s[str(n)], p.ttft_ms[str(n)] = c, t * 1e3
             p.prefill_flops[str(n)] = prefill_flops(cfg, fam.abstract(cfg), batch, n)
             p.prefill_mfu[str(n)] = p.prefill_flops[str(n)] / t / (ceilings.matmul_flops * a.tp)
@@ -394,14 +397,15 @@ def progress(items):
 
 def sweep(a) -> int:
     a.layout = layout_for(a.tp)
-    cfg, fam, weights, subject = load_subject(a)
+    eng, fam, subject = load_subject(a)
+    cfg, weights = eng.cfg, eng.weights
     device = jax.devices()[0]
     ceilings = ceil.measure(a.probe_mib << 20 if a.probe_mib else None, a.matmul_n, device)
     mem = device_memory(device)
     points = []
     with kernels.use_layout(a.layout):
         for batch in progress(a.batches):
-            points.append(run_point(cfg, fam, weights, batch, a, ceilings, mem))
+            points.append(run_point(eng, fam, batch, a, ceilings, mem))
         rep = report(a, cfg, weights, subject, ceilings, points)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(rep, indent=2))

@@ -10,8 +10,10 @@ first token unscored.
 A window scores at most W-1 tokens, so a stride above W-1 (S = W, "no overlap") is capped at W-1:
 no token may fall between two windows unscored.
 
-The NLL is computed on the device, in row chunks and only at scored positions, so the
-[tokens, vocab] logits never exist whole and never reach the host.
+Windows run through the engine core (`core.prefill`, scoring): a batch of windows fills a cache of
+its own rows and positions, in the prompt chunks the engine uses, so perplexity measures what the
+engine computes under its KV policy. The NLL is computed on the device, a few rows at a time and
+only at scored positions, so the [tokens, vocab] logits never exist whole and never reach the host.
 """
 from __future__ import annotations
 
@@ -21,17 +23,13 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from ..cache import init_cache
+from ..core import Pieces
 from ..errors import RequestError
-from ..model import forward, logits_from_hidden
 
 TOKENS_PER_FORWARD = 8192       # windows are batched up to this many tokens per forward
 SCORE_BYTES = 2 << 30           # and while one layer's f32 attention scores stay under this
-LOGIT_ELEMENTS = 1 << 26        # f32 logits materialized at once, at most (256 MiB)
 
 
 @dataclass(frozen=True)
@@ -79,35 +77,7 @@ def check_window(window, stride) -> tuple[int, int]:
     return window, stride
 
 
-# -- on device ------------------------------------------------------------------------------------
-def hidden_states(cfg, dtype, weights, tokens):
-    """Final hidden states [B, T, D] of a batch of windows, each starting at position 0."""
-    B, T = tokens.shape
-    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    h, _ = forward(cfg, weights, tokens, pos, init_cache(cfg, B, T, dtype), dtype)
-    return h
-
-
-def picked_nll(cfg, rows: int, weights, h, where, targets):
-    """NLL of targets [N] given the hidden states at flat positions where [N] of h [B, T, D].
-
-    Logits are made `rows` at a time, and only for positions that are scored: context positions
-    never pay for the vocabulary projection."""
-    flat = h.reshape(-1, h.shape[-1])
-
-    def chunk(args):
-        w, t = args
-        logits = logits_from_hidden(cfg, weights, flat[w])                  # [rows, V] float32
-        return jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
-
-    n = where.shape[0]
-    return jax.lax.map(chunk, (where.reshape(n // rows, rows), targets.reshape(n // rows, rows))).reshape(n)
-
-
-_hidden = jax.jit(hidden_states, static_argnums=(0, 1))
-_picked_nll = jax.jit(picked_nll, static_argnums=(0, 1))
-
-
+# -- on device: the engine core's prefill, scoring ------------------------------------------------
 def pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -139,10 +109,13 @@ def perplexity_ids(engine, ids, window: int = 2048, stride: int | None = None,
         raise RequestError(f"perplexity window {window} exceeds the model's {cfg.max_position} positions")
     heads = max(a.num_heads for a in cfg.attn if a is not None)
     B = max(1, min(len(wins), TOKENS_PER_FORWARD // T, SCORE_BYTES // (4 * heads * T * T)))
+    C, Tp = engine.chunking(T)
+    scorer = engine.core(B, Tp)       # every window starts at 0, so rows need no clearing between batches
     total, count = 0.0, 0
     for i in range(0, len(wins), B):
-        tokens, scored = pack(wins[i:i + B], ids, B, T, bos, cfg.pad_id)
-        total += window_batch_nll(engine, tokens, scored)
+        tokens, scored = pack(wins[i:i + B], ids, B, Tp, bos, cfg.pad_id)
+        lengths = np.asarray([min(w.end - w.begin + lead, T) for w in wins[i:i + B]] + [0] * B, np.int32)[:B]
+        total += window_batch_nll(engine, scorer, tokens, scored, lengths, C)
         count += int(scored.sum())
         if progress:
             progress(min(i + B, len(wins)), len(wins))
@@ -150,20 +123,24 @@ def perplexity_ids(engine, ids, window: int = 2048, stride: int | None = None,
     return PerplexityResult(math.exp(mean), mean, count, window, stride)
 
 
-def window_batch_nll(engine, tokens: np.ndarray, scored: np.ndarray) -> float:
-    """Summed NLL of the scored tokens of a [B, T] window batch (token t predicted at t-1)."""
-    cfg = engine.cfg
-    put = engine.layout.put          # global arrays: the same call works across processes
-    h = _hidden(cfg, engine.dtype, engine.weights, put(tokens))
-    b, t = np.nonzero(scored)
-    n = pow2_at_least(max(len(b), 16))
-    rows = min(n, pow2_at_least(max(1, LOGIT_ELEMENTS // cfg.vocab_size) + 1) // 2)
-    where = np.zeros(n, np.int32)
-    targets = np.zeros(n, np.int32)
-    where[:len(b)] = b * tokens.shape[1] + t - 1
-    targets[:len(b)] = tokens[b, t]
-    nll = _picked_nll(cfg, rows, engine.weights, h, put(where), put(targets))
-    return float(np.asarray(engine.layout.get(nll), np.float64)[:len(b)].sum())
+def window_batch_nll(engine, scorer, tokens: np.ndarray, scored: np.ndarray, lengths: np.ndarray,
+                     chunk: int) -> float:
+    """Summed NLL of the scored tokens of a [B, T] window batch (token t predicted at t-1), chunk by
+    chunk through the scorer's cache."""
+    total = 0.0
+    for s in range(0, tokens.shape[1], chunk):
+        # token t is scored from the hidden state at t - 1, which may lie in the chunk before
+        b, t = np.nonzero(scored[:, s + 1:s + chunk + 1])
+        t = t + s + 1
+        n = pow2_at_least(max(len(b), 16))
+        where = np.zeros(n, np.int32)
+        targets = np.full(n, -1, np.int32)
+        where[:len(b)] = b * chunk + (t - 1 - s)
+        targets[:len(b)] = tokens[b, t]
+        pieces = Pieces.make(tokens[:, s:s + chunk], s, np.clip(lengths - s, 0, chunk))
+        nll = scorer.prefill(pieces, out="nll", targets=(where, targets))
+        total += float(np.asarray(engine.layout.get(nll), np.float64)[:len(b)].sum())
+    return total
 
 
 def pack(wins: list[Window], ids: np.ndarray, B: int, T: int, bos, pad_id: int):

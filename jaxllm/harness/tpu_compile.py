@@ -1,4 +1,4 @@
-"""Compile prefill and the fused decode loop for a TPU slice without having one.
+"""Compile the engine core's prefill and decode loop for a TPU slice without having one.
 
 `python -m jaxllm.harness.tpu_compile --shape qwen3-32b --tp 4 --max-ctx 2048 --batch 1`
 
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import generate as gen
+from .. import core
 from ..errors import JaxllmError, ModelError
 from ..params import map_specs
 from ..quant import QuantArray
@@ -34,7 +34,7 @@ from ..sharding import Layout, check_divisible, scale_shape_axes
 CHIPS = {"v6e": (1640e9, 32 * 2**30), "v5e": (819e9, 16 * 2**30), "v5p": (2765e9, 95 * 2**30),
          "v4": (1200e9, 32 * 2**30)}
 GiB = 2**30
-PROGRAMS = ("prefill", "decode_loop", "decode_step")
+PROGRAMS = ("prefill", "decode_loop")
 
 # libtpu takes a machine-wide lock file when it loads, which a process that only compiles for a
 # described topology does not need: without this, any other JAX process on the machine that
@@ -89,12 +89,20 @@ def rows(layout: Layout, batch: int, dtype, extra=()):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=layout.batch_sharding(shape))
 
 
-def abstract_state(cfg, layout, cache, batch: int, n_out: int) -> gen.DecodeState:
+def abstract_state(layout, cache, batch: int) -> core.State:
     i32 = jnp.int32
-    return gen.DecodeState(cache=cache, tokens=rows(layout, batch, i32, (n_out,)), last=rows(layout, batch, i32),
-                           pos=rows(layout, batch, i32), done=rows(layout, batch, jnp.bool_),
-                           n_new=rows(layout, batch, i32), max_new=rows(layout, batch, i32),
-                           step=jax.ShapeDtypeStruct((), i32, sharding=layout.replicated))
+    slots = core.Slots(last=rows(layout, batch, i32), pos=rows(layout, batch, i32), step=rows(layout, batch, i32),
+                       remaining=rows(layout, batch, i32), active=rows(layout, batch, jnp.bool_),
+                       ignore_eos=rows(layout, batch, jnp.bool_), params=abstract_sampling(layout, batch))
+    return core.State(cache, slots)
+
+
+def abstract_pieces(layout, batch: int, length: int) -> core.Pieces:
+    i32 = jnp.int32
+    return core.Pieces(tokens=rows(layout, batch, i32, (length,)), start=rows(layout, batch, i32),
+                       length=rows(layout, batch, i32), final=rows(layout, batch, jnp.bool_),
+                       max_new=rows(layout, batch, i32), ignore_eos=rows(layout, batch, jnp.bool_),
+                       params=abstract_sampling(layout, batch))
 
 
 def abstract_sampling(layout, batch: int) -> SamplingParams:
@@ -126,8 +134,9 @@ def cost(compiled) -> dict:
 def compile_shape(shape: str, tp: int = 4, dp: int = 1, max_ctx: int = 2048, batch: int = 1,
                   prompt_len: int | None = None, topology: str = "v6e:2x2", quant: str = "int8",
                   n_out: int = 128, programs=PROGRAMS, kv_quant: str = "auto") -> dict:
-    """Compile prefill, the decode loop and one decode step (or the named `programs`) for the
-    named architecture; per-device memory and cost of each."""
+    """Compile the core's prefill of a batch of prompt_len-token prompts and its decode loop of
+    n_out steps (or the named `programs`) for the named architecture; per-device memory and cost of
+    each."""
     programs = tuple(programs)
     if not programs or set(programs) - set(PROGRAMS):
         raise ModelError(f"programs must be among {', '.join(PROGRAMS)}")
@@ -140,20 +149,17 @@ def compile_shape(shape: str, tp: int = 4, dp: int = 1, max_ctx: int = 2048, bat
         raise ModelError(f"--prompt-len must lie in (0, {max_ctx})")
     weights = abstract_weights(cfg, family, layout, quant, dtype)
     cache = abstract_cache(cfg, layout, batch, max_ctx, dtype, kv_quant)
-    params = abstract_sampling(layout, batch)
+    state = abstract_state(layout, cache, batch)
     report = {"shape": shape, "topology": topology, "tp": tp, "dp": dp, "batch": batch, "max_ctx": max_ctx,
               "kv_cache": "split" if any(not isinstance(c, dict) for c in cache.values()) else "full-length",
               "prompt_len": prompt_len, "quant": quant, "devices": tp * dp}
-    i32 = jnp.int32
     lowering = {
-        "prefill": lambda: jax.jit(partial(gen.prefill, cfg, dtype=dtype), static_argnames=("n_out",),
-                                   donate_argnames=("cache",)).lower(
-            weights, rows(layout, batch, i32, (prompt_len,)), rows(layout, batch, i32), cache, params,
-            rows(layout, batch, i32), n_out=n_out),
-        "decode_loop": lambda: jax.jit(partial(gen.decode_loop, cfg, dtype=dtype), donate_argnames=("state",)).lower(
-            weights, abstract_state(cfg, layout, cache, batch, n_out), params),
-        "decode_step": lambda: jax.jit(partial(gen.decode_step, cfg, dtype=dtype), donate_argnames=("cache",)).lower(
-            weights, rows(layout, batch, i32), rows(layout, batch, i32), cache),
+        "prefill": lambda: jax.jit(partial(core.prefill, cfg, dtype=dtype), static_argnames=("out",),
+                                   donate_argnames=("state",)).lower(
+            weights, state, abstract_pieces(layout, batch, prompt_len), out="sample"),
+        "decode_loop": lambda: jax.jit(partial(core.decode, cfg, dtype=dtype), static_argnames=("max_steps",),
+                                       donate_argnames=("state",)).lower(
+            weights, state, jax.ShapeDtypeStruct((), jnp.int32), max_steps=n_out),
     }
     for name in programs:
         t = time.perf_counter()

@@ -212,34 +212,43 @@ KV_AXES.update(v=KV_AXES["k"], v_scale=KV_AXES["k_scale"])
 
 def cached_attention(q, layer_kv, positions, *, scale, softcap, window):
     """Attention of q [B, T, H, hd] over a layer of the stacked linear cache: the decode kernel for
-    one query token per row, the prefill kernel for more. None where XLA should run it."""
+    one query token per row of every cache row, the prefill kernel for more (of any cache rows).
+    None where XLA should run it."""
     if q.shape[1] > 1:
-        return stacked_prefill(q, dict(layer_kv.stack), layer_kv.idx, positions, scale=scale,
+        return stacked_prefill(q, dict(layer_kv.stack), layer_kv.idx, positions, layer_kv.rows, scale=scale,
                                softcap=softcap, window=window)
+    if layer_kv.rows is not None:
+        return None
     return stacked_attention(q, dict(layer_kv.stack), layer_kv.idx, positions, scale=scale,
                              softcap=softcap, window=window)
 
 
-def stacked_prefill(q, stacks: dict, idx, positions, *, scale, softcap, window):
+def stacked_prefill(q, stacks: dict, idx, positions, rows, *, scale, softcap, window):
     """Prefill attention of q [B, T, H, hd] at positions [B, T] over layer idx of a linear cache's
-    stacks {"k", "v"}, read in place (`prefill.prefill_attention`). None where XLA should run it."""
+    stacks {"k", "v"}, cache row rows[b] for batch row b (b where rows is None), read in place
+    (`prefill.prefill_attention`). None where XLA should run it."""
     if not enabled():
         return None
     B, T, H, hd = q.shape
     k, v = stacks["k"], stacks["v"]
+    rows = jax.numpy.arange(B, dtype=jax.numpy.int32) if rows is None else rows
 
-    def run(q, idx, pos, k, v):
-        return prefill_attention(q, {"k": k, "v": v}, idx, pos, scale=scale, softcap=softcap, window=window)
+    def run(q, idx, pos, rows, k, v):
+        return prefill_attention(q, {"k": k, "v": v}, idx, pos, rows=rows, scale=scale, softcap=softcap,
+                                 window=window)
     layout = current_layout()
     if layout is None or layout.mesh.size == 1:
-        return run(q, idx, positions, k, v)
+        return run(q, idx, positions, rows, k, v)
     qspec = layout.spec(q.shape, ("batch", "seq", "q_heads", "head_dim"))
     kvspec = layout.spec(v.shape, KV_AXES["v"])
     K = v.shape[3]
     if not _kv_split_ok(qspec[2], kvspec[3], K, "prefill attention", (B, T, H, K, str(v.dtype))):
         return None
+    if qspec[0] is not None or kvspec[1] is not None:
+        note("prefill attention", (B, T, H, K, str(v.dtype)), "xla (rows split over devices)")
+        return None
     pspec = layout.spec(positions.shape, ("batch", "seq"))
-    return _local(run, layout, (qspec, P(), pspec, kvspec, kvspec), qspec)(q, idx, positions, k, v)
+    return _local(run, layout, (qspec, P(), pspec, P(), kvspec, kvspec), qspec)(q, idx, positions, rows, k, v)
 
 
 def stacked_attention(q, arrays: dict, idx, positions, *, scale, softcap, window, keys=None):
@@ -296,7 +305,9 @@ def prologue(q, k, v, prep: HeadPrep, positions, layer_cache):
     B, T, H, hd = q.shape if not parts else q.parts.shape[1:]
     if T != 1 or hd % 2:
         return None
-    stacks, slots = layer_cache.kernel_stacks() if k is not None else ({}, "clamp")
+    if k is not None and (getattr(layer_cache, "rows", None) is not None or not hasattr(layer_cache, "kernel_stacks")):
+        return None                   # a forward over some of the cache rows: written by XLA
+    stacks, slots = layer_cache.kernel_stacks() if k is not None else ({}, "drop")
     stacks = {n: a for n, a in stacks.items() if a is not None}
     idx = layer_cache.idx if k is not None else 0
     norms = [n for n in (prep.q_norm, prep.k_norm) if n is not None]

@@ -14,8 +14,8 @@ prompt and, for sliding layers, those before the window are not read. Masks come
 positions, so any positions work (a prompt continued at an offset, right-padded rows). The
 programs of the query blocks that see the most keys are started first.
 
-    prefill_attention(q [B, T, H, hd], stacks {k, v: [L, B, S, K, hd]}, layer, positions [B, T],
-                      scale=, softcap=, window=) -> [B, T, H, hd]
+    prefill_attention(q [B, T, H, hd], stacks {k, v: [L, R, S, K, hd]}, layer, positions [B, T],
+                      rows=, scale=, softcap=, window=) -> [B, T, H, hd]
 """
 from __future__ import annotations
 
@@ -63,9 +63,10 @@ def choose_blocks(hd: int, T: int) -> Blocks:
     return Blocks(bq=max(16, min(b.bq, _pow2(T))), bk=b.bk, warps=b.warps, stages=b.stages)
 
 
-def _kernel(layer_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, G, T, S, hd, blk: Blocks, n_q, scale,
-            softcap, window, precision):
+def _kernel(layer_ref, pos_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, *, G, T, S, R, hd, blk: Blocks, n_q,
+            scale, softcap, window, precision):
     b, h = pl.program_id(0), pl.program_id(1)
+    row = jnp.clip(rows_ref[b], 0, R - 1)      # the cache row this batch row reads
     i = n_q - 1 - pl.program_id(2)            # the blocks that see the most keys first
     bq, bk = blk.bq, blk.bk
     hdp = _pow2(max(hd, 16))
@@ -89,8 +90,8 @@ def _kernel(layer_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, G, T, S, hd, blk:
         si = t * bk + jnp.arange(bk)
         smask = si < S
         kvmask = smask[:, None] & dmask[None, :]
-        kb = plgpu.load(k_ref.at[layer, b, pl.ds(t * bk, bk), kvh, pl.ds(0, hdp)], mask=kvmask, other=0.0)
-        vb = plgpu.load(v_ref.at[layer, b, pl.ds(t * bk, bk), kvh, pl.ds(0, hdp)], mask=kvmask, other=0.0)
+        kb = plgpu.load(k_ref.at[layer, row, pl.ds(t * bk, bk), kvh, pl.ds(0, hdp)], mask=kvmask, other=0.0)
+        vb = plgpu.load(v_ref.at[layer, row, pl.ds(t * bk, bk), kvh, pl.ds(0, hdp)], mask=kvmask, other=0.0)
         s = jax.lax.dot_general(q, kb.astype(dt), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                                 precision=precision) * scale
         if softcap is not None:
@@ -115,20 +116,22 @@ def _kernel(layer_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, G, T, S, hd, blk:
                 mask=rmask[:, None] & dmask[None, :])
 
 
-def prefill_attention(q, stacks: dict, layer, positions, *, scale: float, softcap=None, window=None,
+def prefill_attention(q, stacks: dict, layer, positions, *, rows=None, scale: float, softcap=None, window=None,
                       blocks: Blocks | None = None):
     """q [B, T, H, hd] at `positions` [B, T] over layer `layer` of a linear cache's stacks {"k", "v":
-    [L, B, S, K, hd]}, read in place -> [B, T, H, hd] in q's dtype."""
+    [L, R, S, K, hd]}, cache row rows[b] for batch row b (b where None), read in place ->
+    [B, T, H, hd] in q's dtype."""
     B, T, H, hd = q.shape
     k, v = stacks["k"], stacks["v"]
-    S, K = v.shape[2], v.shape[3]
+    R, S, K = v.shape[1], v.shape[2], v.shape[3]
+    rows = jnp.arange(B, dtype=jnp.int32) if rows is None else rows
     blk = blocks or choose_blocks(hd, T)
     n_q = pl.cdiv(T, blk.bq)
     note("prefill attention", (B, T, H, K, S, hd, str(v.dtype)), blk.label())
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    kernel = functools.partial(_kernel, G=H // K, T=T, S=S, hd=hd, blk=blk, n_q=n_q, scale=scale,
+    kernel = functools.partial(_kernel, G=H // K, T=T, S=S, R=R, hd=hd, blk=blk, n_q=n_q, scale=scale,
                                softcap=softcap, window=window, precision=precision)
     return pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(B, H, n_q),
                        compiler_params=plgpu.CompilerParams(num_warps=blk.warps, num_stages=blk.stages),
                        name="prefill_attention")(
-        jnp.reshape(layer, (1,)).astype(jnp.int32), positions.astype(jnp.int32), q, k, v)
+        jnp.reshape(layer, (1,)).astype(jnp.int32), positions.astype(jnp.int32), rows.astype(jnp.int32), q, k, v)

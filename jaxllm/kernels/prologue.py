@@ -9,9 +9,9 @@ rotated and stored, and its value (normed, where the family norms values) stored
 cache's dtype, or as int8 with a float32 scale per slot and head. The cache stacks are aliased to the
 outputs, so the write is in place.
 
-Slots: `clamp` (linear cache, slot = position clamped into the cache, as `cache.write_layer`), `drop`
-(slot = position, nothing written outside the cache, as the split cache's global layers) or `ring`
-(slot = position mod size, whose `slot_pos` entry is set too, as the sliding ring buffer).
+Slots: `drop` (slot = position, nothing written outside the cache or at a negative position, as
+the linear cache and the split cache's global layers) or `ring` (slot = position mod size, whose
+`slot_pos` entry is set too, as the sliding ring buffer; nothing written at a negative position).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 from . import note, pallas_call
 from .matmul import _pow2
 
-SLOTS = ("clamp", "drop", "ring")
+SLOTS = ("drop", "ring")
 
 
 def _round_even(y):
@@ -103,9 +103,7 @@ def _kernel(*refs, names, outs, H, hd, S, slots, eps, offset, v_norm, split):
     def _key_value():
         h = j - H
         layer = r["layer"][0]
-        if slots == "clamp":           # every row writes, out-of-range positions at the nearest end
-            slot, ok = pos, True
-        elif slots == "drop":
+        if slots == "drop":
             slot, ok = pos, (pos >= 0) & (pos < S)
         else:
             slot, ok = pos % S, pos >= 0
@@ -144,7 +142,7 @@ class SplitQKV:
     dtype: object
 
 
-def decode_prologue(q, k, v, prep: HeadPrep, pos, stacks: dict, layer, *, slots: str = "clamp",
+def decode_prologue(q, k, v, prep: HeadPrep, pos, stacks: dict, layer, *, slots: str = "drop",
                     split: SplitQKV | None = None):
     """q [B, H, hd] and k, v [B, K, hd] (raw projections; v is k itself where a family's values are
     its raw keys), positions pos [B], and the cache `stacks` to write at layer `layer`: `k` (absent

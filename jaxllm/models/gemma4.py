@@ -222,10 +222,10 @@ def moe_block(cfg: ModelConfig, w: dict, x: jax.Array) -> jax.Array:
     return rms_norm(y.reshape(x.shape), w["moe_out_norm"], cfg.norm_eps)
 
 
-def decoder_layer(cfg: ModelConfig, b: Branch, w: dict, x, positions, layer_cache, start, ple):
+def decoder_layer(cfg: ModelConfig, b: Branch, w: dict, x, positions, layer_cache, ple):
     eps = cfg.norm_eps
     h = Normed(x, w["attn_norm"], eps)                 # normed in the Q/K/V kernel
-    a, layer_cache = attention_block(cfg, b.kind, w, h, positions, layer_cache, start, own_kv=b.own_kv,
+    a, layer_cache = attention_block(cfg, b.kind, w, h, positions, layer_cache, own_kv=b.own_kv,
                                      partials=True)
     x, h = add_norm(x, a, w["post_attn_norm"], w["mlp_norm"], eps)
     m = gated_mlp(cfg, w, h)

@@ -7,6 +7,9 @@ import os
 import signal
 import socket
 import sys
+import time
+
+STARTED = time.monotonic()
 
 
 def positive(kind=int):
@@ -29,9 +32,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--served-model-name", help="model id clients send (default: the model's name)")
     p.add_argument("--max-num-seqs", type=positive(), default=8, help="decode slots (requests run together)")
     p.add_argument("--max-model-len", type=positive(), help="positions per slot: prompt + max_tokens "
-                   "(default: the model's maximum, capped at 8192)")
+                   "(default: the model's maximum, capped at 8192); above 32768 the split int8 KV cache is used")
+    p.add_argument("--max-num-batched-tokens", type=positive(), default=2048,
+                   help="prompt tokens one prefill forward takes; longer prompts go in chunks of it")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--quant", choices=["int8", "none"], default="int8", help="weight format on device")
+    p.add_argument("--kv-quant", choices=["auto", "int8", "none"], default="auto",
+                   help="KV-cache format: auto = compute dtype up to 32K positions, split int8 above")
+    p.add_argument("--tp", type=positive(), default=None,
+                   help="tensor-parallel degree over local devices (default: all of them)")
     p.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (or set JAXLLM_API_KEY)")
     p.add_argument("--max-queue", type=positive(), default=64,
@@ -39,13 +48,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may take, queueing included; 0 = no limit")
     p.add_argument("--max-request-bytes", type=positive(), default=4 << 20, help="request body size limit")
-    p.add_argument("--decode-steps", type=positive(), default=4,
+    p.add_argument("--decode-steps", type=positive(), default=8,
                    help="decode steps per host round trip (more: higher throughput, later admission)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds to let running requests finish before ending them")
+                   help="on SIGTERM, seconds to let running requests finish before ending them with a 503")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request body may stall before the request gets a 408")
     p.add_argument("--no-warmup", action="store_true", help="skip compiling before reporting ready")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    from ..compilation_cache import add_flag
+    add_flag(p)
     return p.parse_args(argv)
 
 
@@ -69,12 +82,17 @@ def main(argv=None) -> int:
     import uvicorn
 
     import jaxllm
+    from jaxllm.compilation_cache import enable
     from jaxllm.errors import JaxllmError
 
     from .app import ServeOptions, build_app
 
+    cache = enable(args.compilation_cache)
+    log = logging.getLogger("jaxllm.serve")
+    log.info("compilation cache: %s", cache or "off")
     try:
-        engine = jaxllm.load(args.model_dir, max_ctx=args.max_model_len, quant=args.quant, dtype=args.dtype)
+        engine = jaxllm.load(args.model_dir, max_ctx=args.max_model_len, quant=args.quant, dtype=args.dtype,
+                             kv_quant=args.kv_quant, tp=args.tp)
     except JaxllmError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -83,23 +101,46 @@ def main(argv=None) -> int:
         print(f"error: --max-model-len {args.max_model_len} exceeds the model's maximum of {limit} positions",
               file=sys.stderr)
         return 1
+    try:
+        from jaxllm.kv_plan import check_fits
+        check_fits(engine.kv_plan(args.max_num_seqs))
+    except JaxllmError as e:
+        print(f"error: {e} (with --max-num-seqs {args.max_num_seqs})", file=sys.stderr)
+        return 1
     opts = ServeOptions(
         served_name=args.served_model_name or engine.name, max_model_len=engine.max_ctx,
-        max_num_seqs=args.max_num_seqs, max_queue=args.max_queue, api_key=args.api_key or None,
-        max_request_bytes=args.max_request_bytes,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_queue=args.max_queue, api_key=args.api_key or None, max_request_bytes=args.max_request_bytes,
         request_timeout=args.request_timeout if args.request_timeout > 0 else None,
-        decode_steps=args.decode_steps, warmup=not args.no_warmup)
-    config = uvicorn.Config(build_app(engine, opts), host=args.host, port=args.port,
-                            log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
-                            timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")
+        body_timeout=args.body_timeout, shutdown_timeout=args.shutdown_timeout,
+        decode_steps=args.decode_steps, warmup=not args.no_warmup, started=STARTED)
+    app = build_app(engine, opts)
+    # uvicorn's own wait for open connections outlasts ours, so it never cuts a stream itself
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=not args.disable_uvicorn_access_log,
+                            timeout_graceful_shutdown=args.shutdown_timeout + 30, lifespan="on")
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal; ignoring it then makes the
     # drained shutdown an ordinary exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    server = uvicorn.Server(config)
-    logging.getLogger("jaxllm.serve").info("listening on http://%s:%d", args.host, args.port)
+    server = draining_server(config, app.state.server.scheduler, args.shutdown_timeout)
+    log.info("listening on http://%s:%d", args.host, args.port)
     server.run(sockets=[sock])
     return 0 if server.started else 1
+
+
+def draining_server(config, scheduler, timeout: float):
+    """A uvicorn server whose SIGTERM/SIGINT first stops the scheduler's admission (queued requests
+    get a 503) and gives running requests `timeout` seconds to finish before they get one too;
+    meanwhile uvicorn closes the listening socket and waits for the open responses to end."""
+    import uvicorn
+
+    class Draining(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                scheduler.drain(timeout)
+            super().handle_exit(sig, frame)
+    return Draining(config)
 
 
 if __name__ == "__main__":

@@ -33,12 +33,16 @@ class ServeOptions:
     served_name: str
     max_model_len: int
     max_num_seqs: int = 8
+    max_num_batched_tokens: int = 2048
     max_queue: int = 64
     api_key: str | None = None
     max_request_bytes: int = 4 << 20
     request_timeout: float | None = 600.0
-    decode_steps: int = 4
+    body_timeout: float = 30.0          # seconds a request body may stall between two reads
+    shutdown_timeout: float = 30.0
+    decode_steps: int = 8
     warmup: bool = True
+    started: float | None = None        # process start (time.monotonic()), for the time to ready
 
 
 class Inbox:
@@ -82,7 +86,7 @@ class Server:
     def __init__(self, engine, opts: ServeOptions):
         self.engine, self.opts = engine, opts
         self.scheduler = Scheduler(engine, opts.max_num_seqs, opts.max_model_len, opts.max_queue,
-                                   opts.decode_steps)
+                                   opts.decode_steps, opts.max_num_batched_tokens)
         self.started = time.time()
 
     # -- plumbing --------------------------------------------------------------------------------
@@ -104,7 +108,15 @@ class Server:
         if length.isdigit() and int(length) > limit:
             raise too_big
         chunks, size = [], 0
-        async for chunk in request.stream():
+        body = request.stream().__aiter__()
+        while True:
+            try:
+                chunk = await asyncio.wait_for(body.__anext__(), self.opts.body_timeout)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise ApiError(408, f"the request body stalled for more than {self.opts.body_timeout:g} s",
+                               type="timeout_error", code="request_timeout") from None
             size += len(chunk)
             if size > limit:
                 raise too_big
@@ -254,8 +266,10 @@ def build_app(engine, opts: ServeOptions) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app):
-        server.scheduler.start(warmup=opts.warmup)
-        log.info("serving %s: %d slots x %d positions", opts.served_name, opts.max_num_seqs, opts.max_model_len)
+        await run_in_threadpool(server.scheduler.start, opts.warmup)
+        ready = "" if opts.started is None else f"; ready {time.monotonic() - opts.started:.1f} s after start"
+        log.info("serving %s: %d slots x %d positions, %s KV cache%s", opts.served_name, opts.max_num_seqs,
+                 opts.max_model_len, engine.kv_layout.name, ready)
         yield
         server.scheduler.shutdown()
 

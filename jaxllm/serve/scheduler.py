@@ -1,17 +1,30 @@
-"""The engine thread: owns the device, admits queued requests into free slots, decodes all slots.
+"""The engine thread: owns the device and the engine core, admits queued requests into free slots,
+prefills their prompts in chunks and decodes every live slot in blocks.
 
 Request handlers (asyncio) hand a `Job` to `Scheduler.submit` and read `Event`s back from it; the
 thread never blocks on a client, and a client never touches the device.
+
+Each round the thread launches at most one prefill forward (pieces of the waiting prompts, at most
+`max_num_batched_tokens` tokens, several requests' pieces in one forward) and then a decode block
+over every live slot, so a new request waits for no running one to finish, and between two tokens of
+a running request at most one prefill forward runs. While prompts wait for their prefill the blocks
+are one step long, so that prefills follow one another closely; otherwise `decode_steps` long. Calls
+are launched before the results of the last ones are read, so the device does not wait for the host.
 """
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..batching import SlotBatch
+import numpy as np
+
+from ..core import Pieces
+from ..sampling import SamplingParams
 from .detok import TextStream
 from .protocol import GenRequest
 
@@ -36,13 +49,19 @@ class Failed:
     type: str = "server_error"
 
 
-@dataclass
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
 class Job:
     req: GenRequest
     emit: Callable[[object], None]          # thread-safe: delivers an event to the request's handler
     cancelled: threading.Event = field(default_factory=threading.Event)
     text: TextStream | None = None
     n_tokens: int = 0
+    slot: int = -1
+    prefilled: int = 0                      # prompt tokens sent to the device so far
+    id: int = field(default_factory=lambda: next(_ids))
 
     def cancel(self):
         self.cancelled.set()
@@ -52,19 +71,81 @@ class QueueFull(Exception):
     pass
 
 
+# -- prefill shapes -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PrefillShapes:
+    """The [rows, tokens] shapes a prefill forward takes, few enough to compile them all before
+    serving: piece lengths C from 16 up by factors of 4 (and the longest piece), rows P from 1 up by
+    factors of 4 (and as many as the budget and the slots allow), P x C within the budget."""
+    budget: int           # tokens a forward may take (--max-num-batched-tokens)
+    max_rows: int         # slots
+    max_piece: int        # the longest piece of one prompt in a forward
+
+    def lengths(self) -> list[int]:
+        out, c = [], 16
+        while c < self.max_piece:
+            out.append(c)
+            c *= 4
+        return out + [self.max_piece]
+
+    def row_counts(self, C: int) -> list[int]:
+        cap = max(1, min(self.max_rows, self.budget // C))
+        out, p = [], 1
+        while p < cap:
+            out.append(p)
+            p *= 4
+        return out + [cap]
+
+    def all(self) -> list[tuple[int, int]]:
+        return [(P, C) for C in self.lengths() for P in self.row_counts(C)]
+
+    def choose(self, remaining: list[int]) -> tuple[int, int, list[int]]:
+        """For prompts waiting with `remaining` tokens each (in admission order): (P, C, the piece
+        length of each prompt taken, in order). The first prompt sets the piece length; the next
+        ones join while rows are left, each with a piece of at most C tokens."""
+        C = next(c for c in self.lengths() if c >= min(remaining[0], self.max_piece))
+        cap = self.row_counts(C)[-1]
+        pieces = [min(r, C) for r in remaining[:cap]]
+        P = next(p for p in self.row_counts(C) if p >= len(pieces))
+        return P, C, pieces
+
+
+# -- the scheduler --------------------------------------------------------------------------------
+@dataclass
+class Launched:
+    """A device call whose results the host has not read yet, and what the slots held then."""
+    kind: str                       # "prefill" | "decode"
+    result: object
+    jobs: list                      # prefill: the job of each piece; decode: the job of each slot
+    finals: list | None = None      # prefill: whether each piece ended its prompt
+    record: dict | None = None      # this call's entry in `Scheduler.record`
+
+
 class Scheduler:
-    def __init__(self, engine, max_num_seqs: int, max_model_len: int, max_queue: int, decode_steps: int = 4):
+    def __init__(self, engine, max_num_seqs: int, max_model_len: int, max_queue: int, decode_steps: int = 8,
+                 max_num_batched_tokens: int = 2048, record: int = 10_000):
         self.engine = engine
         self.eos = set(engine.cfg.eos_ids)
-        self.batch = SlotBatch.for_engine(engine, max_num_seqs, max_model_len, decode_steps)
+        self.core = engine.core(max_num_seqs, max_model_len)
+        self.shapes = PrefillShapes(max_num_batched_tokens, max_num_seqs,
+                                    min(max_num_batched_tokens, engine.kv_options.prefill_chunk, max_model_len))
+        self.decode_steps = decode_steps
         self.slots: list[Job | None] = [None] * max_num_seqs
+        self.to_stop = np.zeros(max_num_seqs, bool)        # slots to end on the device at the next decode
+        self.prefilling: list[Job] = []                     # admitted, prompt not all sent
         self.max_queue = max_queue
         self.waiting: collections.deque[Job] = collections.deque()
         self.cond = threading.Condition()
-        self.stopping = False
+        self.stopping = False          # no new requests
+        self.deadline = None           # running requests end with a 503 past this (monotonic)
+        self.done = False
         self.thread = threading.Thread(target=self._run, name="jaxllm-engine", daemon=True)
+        self.inflight: collections.deque[Launched] = collections.deque()
         self.finished = 0              # requests completed
         self.generated = 0             # tokens sampled for requests (a freed slot stops adding)
+        # What the device ran, in order: {"kind": "prefill", "pieces": [(job, start, length), ...]}
+        # or {"kind": "decode", "steps": n, "tokens": {job: count}} (filled when read back).
+        self.record: collections.deque[dict] = collections.deque(maxlen=record)
 
     # -- called from request handlers ------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -84,62 +165,99 @@ class Scheduler:
                     "slots": len(self.slots), "finished": self.finished, "generated_tokens": self.generated}
 
     # -- lifecycle -------------------------------------------------------------------------------
+    def warmup(self) -> float:
+        """Compile every call a request can wait on: each prefill shape and the decode block.
+        -> seconds taken."""
+        e, B = self.engine, self.core.num_slots
+        state = e.state_shapes(B, self.core.max_len)
+        calls = [("prefill", (state, e.row_shapes(Pieces.shapes(P, C, rows=True)), None), {"out": "sample"})
+                 for P, C in self.shapes.all()]
+        calls.append(("decode", (state, np.int32(1), e.row_shapes(np.zeros(B, bool))),
+                      {"max_steps": self.decode_steps}))
+        return e.precompile(calls)
+
     def start(self, warmup: bool = True):
         if warmup:
-            self.batch.warmup()
+            t = self.warmup()
+            log.info("compiled %d prefill shapes and the decode block in %.1f s", len(self.shapes.all()), t)
         self.thread.start()
 
-    def shutdown(self, timeout: float = 10.0):
-        """Stop taking work; requests still queued or running end with a 503 error event."""
+    def drain(self, timeout: float):
+        """Stop taking requests: queued ones end with a 503 now, running ones may finish for `timeout`
+        seconds, then end with a 503 too."""
         with self.cond:
             self.stopping = True
+            self.deadline = time.monotonic() + timeout
+            waiting, self.waiting = list(self.waiting), collections.deque()
+            self.cond.notify()
+        for job in waiting:
+            job.emit(Failed(503, "the server is shutting down"))
+
+    def shutdown(self, timeout: float = 10.0):
+        """End everything now (running requests get a 503) and stop the thread."""
+        self.drain(0.0)
+        with self.cond:
+            self.done = True
             self.cond.notify()
         self.thread.join(timeout)
 
+    def idle(self) -> bool:
+        with self.cond:
+            return not self.waiting and not self._busy()
+
     # -- the engine thread -----------------------------------------------------------------------
     def _run(self):
-        pending = None        # the decode block launched last round, read back after the next launch
         while True:
             with self.cond:
-                while not self.stopping and not self.waiting and not self._busy() and pending is None:
+                while (not self.done and not self.waiting and not self._busy() and not self.inflight
+                       and self.deadline is None):
                     self.cond.wait()
-                if self.stopping:
+                if self.done and not self._busy():
                     break
+                past = self.deadline is not None and time.monotonic() >= self.deadline
             try:
-                self._admit()
+                if past:
+                    self._fail_running(503, "the server is shutting down")
+                    self._drop_inflight()
+                    with self.cond:
+                        if self.done:
+                            break
+                        self.cond.wait(0.05)
+                    continue
                 self._reap()
-                launched = (self.batch.dispatch(), list(self.slots)) if self._busy() else None
-                if pending is not None:
-                    self._take_block(*pending)
-                pending = launched
+                self._admit()
+                launched = self._launch()
+                keep = 1 if launched else 0      # read back all but the newest call
+                while len(self.inflight) > keep:
+                    self._collect(self.inflight.popleft())
+                if self.stopping and not self._busy() and not self.inflight:
+                    with self.cond:
+                        self.cond.wait(0.05)
             except Exception:                      # a device failure: fail the batch, keep serving
                 log.exception("engine step failed")
-                pending = None
+                self._drop_inflight()
                 self._fail_running(500, "internal error while generating; see the server log")
-                self.batch.reset()
+                self.core.reset()
         self._fail_running(503, "the server is shutting down")
-        with self.cond:
-            waiting, self.waiting = list(self.waiting), collections.deque()
-        for job in waiting:
-            job.emit(Failed(503, "the server is shutting down"))
 
     def _busy(self) -> bool:
         return any(j is not None for j in self.slots)
 
     def _admit(self):
-        """Prefill queued requests into free slots, one at a time, before the next decode block."""
+        """Give free slots to queued requests (their prompts then wait for prefill)."""
+        if self.stopping:
+            return
         for b in range(len(self.slots)):
             if self.slots[b] is not None:
                 continue
             job = self._next_waiting()
             if job is None:
                 return
-            r = job.req
-            job.text = TextStream(self.engine.tokenizer, r.stop)
+            job.text = TextStream(self.engine.tokenizer, job.req.stop)
+            job.slot, job.prefilled = b, 0
             self.slots[b] = job
-            tok = self.batch.prefill(b, r.prompt_ids, r.max_tokens, r.temperature, r.top_k, r.top_p, r.seed,
-                                     r.ignore_eos)
-            self._take(b, tok)
+            self.to_stop[b] = False            # its prefill sets the slot anew
+            self.prefilling.append(job)
 
     def _next_waiting(self) -> Job | None:
         with self.cond:
@@ -149,53 +267,106 @@ class Scheduler:
                     return job
         return None
 
-    def _take_block(self, block, jobs: list):
-        """Hand a block's tokens to the requests that held the slots when it was launched; a slot
-        freed (and maybe refilled) since then ignores the rest of that block."""
-        toks, emitted = self.batch.collect(block)
-        for b, job in enumerate(jobs):
-            for k in range(toks.shape[1]):
-                if job is not None and emitted[b, k] and self.slots[b] is job:
-                    self._take(b, int(toks[b, k]))
+    def _launch(self) -> bool:
+        """Launch one prefill forward where prompts wait, then a decode block where slots are live."""
+        launched = False
+        if self.prefilling:
+            self._launch_prefill()
+            launched = True
+        decoding = [j for j in self.slots if j is not None and j not in self.prefilling]
+        if decoding:
+            n = 1 if self.prefilling else self.decode_steps
+            stop, self.to_stop = self.to_stop, np.zeros_like(self.to_stop)
+            toks = self.core.decode(n, self.decode_steps, stop)
+            rec = {"kind": "decode", "steps": n, "tokens": {}}
+            self.record.append(rec)
+            self.inflight.append(Launched("decode", toks, list(self.slots), record=rec))
+            launched = True
+        return launched
 
-    def _take(self, b: int, tok: int):
-        """Fold one sampled token into slot b's request and finish it when it is done."""
-        job = self.slots[b]
-        job.n_tokens += 1
-        self.generated += 1
-        if tok in self.eos and not job.req.ignore_eos:
-            return self._finish(b, "stop")
-        delta = job.text.push(tok)
-        if delta:
-            job.emit(Delta(delta))
-        if job.text.stopped:
-            return self._finish(b, "stop")
-        if job.n_tokens >= job.req.max_tokens:
-            self._finish(b, "length")
+    def _launch_prefill(self):
+        P, C, lengths = self.shapes.choose([len(j.req.prompt_ids) - j.prefilled for j in self.prefilling])
+        jobs = self.prefilling[:len(lengths)]
+        B = self.core.num_slots
+        tokens = np.full((P, C), self.engine.cfg.pad_id, np.int32)
+        start, length, rows = np.zeros(P, np.int32), np.zeros(P, np.int32), np.full(P, B, np.int32)
+        final, max_new, ignore = np.zeros(P, bool), np.ones(P, np.int32), np.zeros(P, bool)
+        temp, top_k, top_p, seed = np.zeros(P, np.float32), np.zeros(P, np.int32), np.ones(P, np.float32), \
+            np.zeros(P, np.uint32)
+        for i, (job, n) in enumerate(zip(jobs, lengths)):
+            r = job.req
+            tokens[i, :n] = r.prompt_ids[job.prefilled:job.prefilled + n]
+            start[i], length[i], rows[i] = job.prefilled, n, job.slot
+            job.prefilled += n
+            final[i] = job.prefilled == len(r.prompt_ids)
+            max_new[i], ignore[i] = r.max_tokens, r.ignore_eos
+            temp[i], top_k[i], top_p[i], seed[i] = r.temperature, r.top_k or 0, 1.0 if r.top_p is None else r.top_p, r.seed
+        params = SamplingParams(temp, top_k, top_p, seed)
+        first = self.core.prefill(Pieces.make(tokens, start, length, final, rows, params, max_new, ignore))
+        self.prefilling = [j for j in self.prefilling if j.prefilled < len(j.req.prompt_ids)]
+        self.record.append({"kind": "prefill", "pieces": [(j.id, int(s), int(n)) for j, s, n in
+                                                          zip(jobs, start, length)]})
+        self.inflight.append(Launched("prefill", first, jobs, finals=list(final[:len(jobs)])))
 
-    def _finish(self, b: int, reason: str):
-        job = self.slots[b]
-        rest = job.text.finish()           # held-back text is final now (empty after a stop string)
+    def _collect(self, call: Launched):
+        """Hand a call's tokens to the requests that held the slots when it was launched; a slot
+        freed (and maybe refilled) since then ignores them."""
+        get = self.engine.layout.get
+        if call.kind == "prefill":
+            first = get(call.result)
+            for i, job in enumerate(call.jobs):
+                if call.finals[i] and self.slots[job.slot] is job:
+                    self._take(job, [int(first[i])])
+            return
+        toks, count = (get(x) for x in call.result)
+        for b, job in enumerate(call.jobs):
+            if job is not None and count[b] and self.slots[b] is job:
+                call.record["tokens"][job.id] = int(count[b])
+                self._take(job, toks[b, :count[b]].tolist())
+
+    def _take(self, job: Job, toks: list[int]):
+        """Fold a request's new tokens in, emit their text as one delta, finish it when it is done."""
+        text = []
+        for tok in toks:
+            job.n_tokens += 1
+            self.generated += 1
+            if tok in self.eos and not job.req.ignore_eos:
+                return self._finish(job, "stop", text)
+            text.append(job.text.push(tok))
+            if job.text.stopped:
+                return self._finish(job, "stop", text)
+            if job.n_tokens >= job.req.max_tokens:
+                return self._finish(job, "length", text)
+        if any(text):
+            job.emit(Delta("".join(text)))
+
+    def _finish(self, job: Job, reason: str, text: list[str]):
+        text.append(job.text.finish())     # held-back text is final now (empty after a stop string)
         if job.text.stopped:
             reason = "stop"
-        if rest:
-            job.emit(Delta(rest))
+        if any(text):
+            job.emit(Delta("".join(text)))
         job.emit(Finished(reason, job.n_tokens))
         self.finished += 1
-        self._free(b)
+        self._free(job)
 
-    def _free(self, b: int):
-        self.slots[b] = None
-        self.batch.release(b)
+    def _free(self, job: Job):
+        with self.cond:
+            self.slots[job.slot] = None
+        self.to_stop[job.slot] = True
+        if job in self.prefilling:
+            self.prefilling.remove(job)
 
     def _reap(self):
         """Free the slots of requests whose client went away or timed out."""
-        for b, job in enumerate(self.slots):
-            if job is not None and job.cancelled.is_set():
-                self._free(b)
+        for job in [j for j in self.slots if j is not None and j.cancelled.is_set()]:
+            self._free(job)
+
+    def _drop_inflight(self):
+        self.inflight.clear()
 
     def _fail_running(self, status: int, message: str):
         jobs = [j for j in self.slots if j is not None]
-        self.slots = [None] * len(self.slots)
         for job in jobs:
+            self._free(job)
             job.emit(Failed(status, message))

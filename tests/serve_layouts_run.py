@@ -1,0 +1,111 @@
+"""Run in a subprocess with 4 host devices (XLA_FLAGS must be set before jax is imported): the
+server (its HTTP app, scheduler and engine core, in process) against `Engine.generate` on the same
+prompts, for each KV layout and under tensor parallelism; requests alone, then 64 concurrent
+clients. Prints one JSON object: per case, whether every answer matched and the cache's sharding."""
+import asyncio
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, os.path.dirname(__file__))
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxllm  # noqa: E402
+import gemma4_refs  # noqa: E402
+from jaxllm.serve.app import ServeOptions, build_app  # noqa: E402
+from tp_models import make  # noqa: E402
+
+MAX_LEN = 96
+NEW = 12
+CLIENTS = 64
+# (name, checkpoint, kv_quant, int8 rings, tp): the full-length cache, the split cache with int8
+# global layers (the threshold lowered by kv_quant="int8"), int8 rings too, and TP=4 over the
+# full-length and split caches; a Gemma 4 E2B-like model, whose shared-KV layers read other layers'
+# rings, on the split cache.
+CASES = [
+    ("full", "gemma3", "none", False, 1),
+    ("split-int8", "gemma3", "int8", False, 1),
+    ("int8-rings", "gemma3", "int8", True, 1),
+    ("full-tp4", "gemma3", "none", False, 4),
+    ("split-int8-tp4", "gemma3", "int8", False, 4),
+    ("e2b-split-int8", "e2b", "int8", False, 1),
+]
+WRITERS = {"gemma3": lambda p: make("gemma3", p), "e2b": lambda p: gemma4_refs.build("e2b").save_pretrained(p)}
+
+
+def prompts(n: int = 12) -> list[list[int]]:
+    """Lengths from 3 to 70: inside one prefill piece, and across several (pieces of 32), past the
+    sliding window of 8."""
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, 150, int(k)).tolist() for k in np.linspace(3, 70, n)]
+
+
+async def ask(http, ids, stream: bool):
+    body = {"prompt": ids, "max_tokens": NEW, "temperature": 0, "stream": stream}
+    if not stream:
+        r = await http.post("/v1/completions", json=body)
+        r.raise_for_status()
+        return r.json()["choices"][0]["text"]
+    text = []
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                text += [c["text"] for c in json.loads(line[6:])["choices"]]
+    return "".join(text)
+
+
+async def serve(app, ps):
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=600) as http:
+        alone = [await ask(http, p, False) for p in ps]
+        many = await asyncio.gather(*(ask(http, ps[i % len(ps)], i % 2 == 1) for i in range(CLIENTS)))
+    return alone, many
+
+
+class Ids:
+    """A stand-in tokenizer for a checkpoint without one: text is the ids, space-separated."""
+    chat_template = None
+    bos_id = None
+
+    def decode(self, ids):
+        return "".join(f" {i}" for i in ids)
+
+
+def run_case(tmp, name, ckpt, kv_quant, rings, tp):
+    path = os.path.join(tmp, ckpt)
+    if not os.path.exists(path):
+        WRITERS[ckpt](path)
+    eng = jaxllm.load(path, dtype="float32", quant="none", tp=tp, max_ctx=MAX_LEN, kv_quant=kv_quant,
+                      kv_options=jaxllm.KVOptions(int8_rings=rings, prefill_chunk=32))
+    eng.tokenizer = Ids()
+    ps = prompts()
+    want = [c.text for c in eng.generate_ids(ps, max_tokens=NEW)]
+    app = build_app(eng, ServeOptions(served_name="m", max_model_len=MAX_LEN, max_num_seqs=16,
+                                      max_num_batched_tokens=32, max_queue=CLIENTS))
+    sched = app.state.server.scheduler
+    sched.start(warmup=True)
+    try:
+        alone, many = asyncio.run(serve(app, ps))
+    finally:
+        sched.shutdown()
+    cache = sched.core.state.cache
+    k = cache["global"]["k"] if isinstance(cache["global"], dict) else cache["global"].v
+    return {"layout": eng.kv_layout.name, "alone": alone == want,
+            "concurrent": all(t == want[i % len(ps)] for i, t in enumerate(many)),
+            "mismatch": [i for i, t in enumerate(many) if t != want[i % len(ps)]],
+            "cache_spec": [str(s) for s in k.sharding.spec], "devices": len(k.sharding.device_set),
+            "prefills": sum(r["kind"] == "prefill" for r in sched.record)}
+
+
+def main(tmp):
+    out = {name: run_case(tmp, name, *rest) for name, *rest in CASES}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,121 @@
+"""The server's scheduler on the engine core: every KV layout and tensor parallelism give the
+tokens `Engine.generate` gives, and a long prompt is prefilled in chunks between the decode blocks
+of the running requests."""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import jaxllm
+from jaxllm.serve.protocol import GenRequest
+from jaxllm.serve.scheduler import Delta, Failed, Finished, Job, PrefillShapes, Scheduler
+import tiny
+
+HERE = os.path.dirname(__file__)
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve_layouts")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, os.path.join(HERE, "serve_layouts_run.py"), str(tmp)], env=env,
+                       capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", ["full", "split-int8", "int8-rings", "full-tp4", "split-int8-tp4", "e2b-split-int8"])
+def test_server_equals_engine_generate(layouts, case):
+    r = layouts[case]
+    print(f"{case}: {r['layout']}, cache {r['cache_spec']} on {r['devices']} devices, {r['prefills']} prefills")
+    assert r["alone"], case
+    assert r["concurrent"], (case, r["mismatch"])
+    assert ("split" in r["layout"]) == ("split" in case or "rings" in case)
+    if case.endswith("tp4"):             # KV heads over "model": the cache is sharded, not replicated
+        assert r["devices"] == 4 and r["cache_spec"][3] == "model", r["cache_spec"]
+    else:
+        assert r["devices"] == 1
+
+
+def test_prefill_shapes():
+    s = PrefillShapes(budget=2048, max_rows=64, max_piece=2048)
+    assert s.lengths() == [16, 64, 256, 1024, 2048]
+    assert s.row_counts(16) == [1, 4, 16, 64] and s.row_counts(256) == [1, 4, 8] and s.row_counts(2048) == [1]
+    assert all(P * C <= 2048 for P, C in s.all())
+    assert s.choose([100]) == (1, 256, [100])
+    assert s.choose([5000, 10]) == (1, 2048, [2048])            # a long prompt fills the forward
+    assert s.choose([10, 5000, 3]) == (4, 16, [10, 16, 3])      # the first one sets the length
+    assert s.choose([60] * 40) == (32, 64, [60] * 32)
+
+
+# -- chunked prefill interleaved with decoding (in process, on a tiny model) ----------------------
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qwen3")
+    tiny.make("qwen3", d, seed=1)
+    return jaxllm.load(str(d), quant="none", dtype="float32", max_ctx=256)
+
+
+class Client:
+    """A request as the HTTP handler sees it: events collected until it finishes."""
+
+    def __init__(self, ids, max_tokens, **kw):
+        self.events, self.done = [], threading.Event()
+        self.job = Job(GenRequest("completion", "m", ids, max_tokens, **kw), self.emit)
+
+    def emit(self, ev):
+        self.events.append(ev)
+        if isinstance(ev, (Finished, Failed)):
+            self.done.set()
+
+
+def test_long_prompt_runs_one_chunk_between_tokens(engine):
+    """A prompt of 10 chunks joins while 8 requests decode: it is prefilled a chunk at a time, the
+    running requests keep decoding in between, and between any two tokens of a running request at
+    most one prefill forward runs (from the scheduler's own record of what it ran)."""
+    engine.tokenizer = type("Ids", (), {"decode": lambda self, ids: "".join(f" {i}" for i in ids)})()
+    sched = Scheduler(engine, max_num_seqs=9, max_model_len=256, max_queue=16, decode_steps=4,
+                      max_num_batched_tokens=16)
+    sched.start(warmup=True)
+    rng = np.random.default_rng(0)
+    try:
+        running = [Client(rng.integers(3, 150, 5).tolist(), 120, ignore_eos=True) for _ in range(8)]
+        for c in running:
+            sched.submit(c.job)
+        t0 = time.time()
+        while sched.load()["running"] < 8 or sched.generated < 8 * 8:
+            assert time.time() - t0 < 300
+            time.sleep(0.01)
+        long = Client(rng.integers(3, 150, 160).tolist(), 8)
+        sched.submit(long.job)
+        for c in running + [long]:
+            assert c.done.wait(600)
+    finally:
+        sched.shutdown()
+    assert all(isinstance(c.events[-1], Finished) for c in running + [long])
+    record = list(sched.record)
+    pieces = [p for r in record if r["kind"] == "prefill" for p in r["pieces"] if p[0] == long.job.id]
+    assert len(pieces) == 10 and sum(n for _, _, n in pieces) == 160           # 10 chunks of 16
+    for c in running:
+        since, gaps = None, []
+        for r in record:
+            if r["kind"] == "prefill":
+                since = None if since is None else since + 1
+            elif c.job.id in r.get("tokens", {}):
+                if since is not None:
+                    gaps.append(since)
+                since = 0
+        assert max(gaps) <= 1, gaps
+    long_chunks = [i for i, r in enumerate(record) if r["kind"] == "prefill"
+                   and any(p[0] == long.job.id for p in r["pieces"])]
+    decoded_between = [any(r["kind"] == "decode" and r["tokens"] for r in record[a + 1:b])
+                       for a, b in zip(long_chunks, long_chunks[1:])]
+    assert all(decoded_between)             # the running requests kept decoding while it was prefilled
+    text = "".join(e.text for e in long.events if isinstance(e, Delta))
+    want = engine.generate_ids([long.job.req.prompt_ids], max_tokens=8)[0]
+    assert text == want.text
