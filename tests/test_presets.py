@@ -9,7 +9,8 @@ import pytest
 from jaxllm import ModelError
 from jaxllm.config import GLOBAL, SLIDING
 from jaxllm.params import is_spec
-from jaxllm.presets import load_preset, names, random_engine
+from jaxllm.harness.synthetic import random_engine
+from jaxllm.presets import load_preset, names
 
 # Published parameter counts of the text models (embeddings included; the E models' published
 # totals also hold their vision/audio towers, hence the looser bound there).

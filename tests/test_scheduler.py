@@ -44,13 +44,14 @@ def test_server_equals_engine_generate(layouts, case):
 
 def test_prefill_shapes():
     s = PrefillShapes(budget=2048, max_rows=64, max_piece=2048)
-    assert s.lengths() == [16, 64, 256, 1024, 2048]
+    assert s.lengths() == [16, 32, 64, 128, 256, 512, 1024, 2048]
     assert s.row_counts(16) == [1, 4, 16, 64] and s.row_counts(256) == [1, 4, 8] and s.row_counts(2048) == [1]
     assert all(P * C <= 2048 for P, C in s.all())
-    assert s.choose([100]) == (1, 256, [100])
+    assert s.choose([100]) == (1, 128, [100])
     assert s.choose([5000, 10]) == (1, 2048, [2048])            # a long prompt fills the forward
     assert s.choose([10, 5000, 3]) == (4, 16, [10, 16, 3])      # the first one sets the length
     assert s.choose([60] * 40) == (32, 64, [60] * 32)
+    assert PrefillShapes(budget=64, max_rows=8, max_piece=48).lengths() == [16, 32, 48]
 
 
 # -- chunked prefill interleaved with decoding (in process, on a tiny model) ----------------------

@@ -22,15 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import core, kernels
-from ..sharding import check_divisible, layout_for
+from ..sharding import layout_for
 from ..split_cache import KVOptions, RingKV, choose_layout, make_cache
-from ..engine import DTYPES, Engine, check_sampling
-from ..loading.weights import is_quantized
+from ..engine import DTYPES, check_sampling
 from ..errors import JaxllmError, RequestError
 from ..sampling import SamplingParams
 from . import ceilings as ceil
 from .roofline import nbytes, prefill_flops, step_cost
-from .synthetic import random_like, random_weights
+from .synthetic import random_engine, random_like
 
 
 @dataclass
@@ -69,7 +68,8 @@ def int_list(s: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jaxllm.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m jaxllm.bench", description=__doc__.splitlines()[0],
+                                epilog="python -m jaxllm.bench --serve --help: the serving benchmark")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model-dir", help="HF model directory or .gguf file (real weights)")
     src.add_argument("--shape", help="preset architecture name (random weights) or a config.json path")
@@ -123,21 +123,15 @@ def load_subject(a):
     from ..models import family_for
     length = a.ctx + a.steps
     if a.shape:
-        from .shapes import resolve_shape
-        cfg, fam = resolve_shape(a.shape)
-        specs = fam.abstract(cfg)
-        check_divisible(a.layout, specs)
-        shardings = a.layout.weight_shardings(specs, lambda s: is_quantized(s, a.quant))
-        weights = random_weights(specs, a.quant, DTYPES[a.dtype], a.seed, shardings)
-        from ..kernels.weights import out_major
-        weights = out_major(weights, a.layout, donate=True)
-        eng = Engine(cfg, weights, None, dtype=a.dtype, max_ctx=length, name=a.shape, quant=a.quant,
-                     layout=a.layout, kv_quant=a.kv_quant, kv_options=a.kv_options)
-        return eng, fam, {"shape": a.shape}
-    import jaxllm
-    eng = jaxllm.load(a.model_dir, quant=a.quant, dtype=a.dtype, max_ctx=length, tp=a.tp, kv_quant=a.kv_quant,
-                      kv_options=a.kv_options)
-    return eng, family_for({"model_type": eng.cfg.family}), {"model_dir": str(a.model_dir)}
+        eng = random_engine(a.shape, dtype=a.dtype, quant=a.quant, max_ctx=length, layout=a.layout,
+                            kv_quant=a.kv_quant, kv_options=a.kv_options, seed=a.seed)
+        subject = {"shape": a.shape}
+    else:
+        import jaxllm
+        eng = jaxllm.load(a.model_dir, quant=a.quant, dtype=a.dtype, max_ctx=length, tp=a.tp, kv_quant=a.kv_quant,
+                          kv_options=a.kv_options)
+        subject = {"model_dir": str(a.model_dir)}
+    return eng, family_for({"model_type": eng.cfg.family}), subject
 
 
 def device_memory(device) -> int | None:
@@ -378,6 +372,10 @@ def plot(rep: dict, path: str) -> bool:
 
 # -- main -----------------------------------------------------------------------------------------
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--serve" in argv:                  # the server under load: its own flags
+        from .serve_bench import main as serve_main
+        return serve_main([x for x in argv if x != "--serve"])
     a = build_parser().parse_args(argv)
     try:
         check_args(a)

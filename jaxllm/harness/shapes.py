@@ -35,18 +35,16 @@ def read_shape(name: str) -> dict:
     return hf
 
 
-def resolve_shape(name: str):
-    """-> (ModelConfig, family module) for a preset name or a config.json path."""
-    try:
-        from ..presets import load_preset          # the packaged presets, where present
-    except ImportError:
-        load_preset = None
-    if load_preset is not None and (PRESET_DIR / f"{name}.json").is_file():
+def resolve_shape(name: str, **overrides):
+    """-> (ModelConfig, family module) for a preset name or a config.json path; `overrides` change
+    config.json entries (e.g. fewer layers for a test)."""
+    from ..presets import load_preset
+    if (PRESET_DIR / f"{name}.json").is_file():
         try:
-            return load_preset(name)
+            return load_preset(name, **overrides)
         except ModelError as e:
             raise ModelError(f"shape {name!r}: {e}") from None
-    hf = read_shape(name)
+    hf = {**read_shape(name), **overrides}
     try:
         fam = family_for(hf)
         cfg: ModelConfig = fam.config_from_hf(hf)

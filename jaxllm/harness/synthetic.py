@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..errors import RequestError
 from ..loading.weights import is_quantized
 from ..params import ParamSpec, is_spec
 from ..quant import QuantArray
@@ -89,3 +90,46 @@ def _random_array(shape, dtype, sharding):
             return sliced(lambda k, s: jax.random.randint(k, s, -127, 128, dtype), key, shape, True)
         return sliced(lambda k, s: jax.random.normal(k, s, jnp.float32).astype(dtype), key, shape, True)
     return jax.jit(make, out_shardings=sharding)
+
+
+class IdsTokenizer:
+    """What a random-weight model has for a tokenizer: prompts come as token ids, and generated ids
+    read back as text, each as a space and its number (so a streamed text counts its tokens)."""
+    chat_template = None
+    bos_id = None
+    eos_ids = ()
+
+    def decode(self, ids) -> str:
+        return "".join(f" {int(i)}" for i in ids)
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        try:
+            return [int(t) for t in text.split()]
+        except ValueError:
+            raise RequestError("a model with random weights has no tokenizer: send token ids") from None
+
+    def encode_chat(self, messages) -> list[int]:
+        raise RequestError("a model with random weights has no chat template: use /v1/completions with token ids")
+
+
+def random_engine(shape: str, *, dtype: str = "bfloat16", quant: str = "int8", max_ctx: int = 4096, layout=None,
+                  kv_quant: str = "auto", kv_options=None, seed: int = 0, **overrides):
+    """An Engine of a named architecture (a preset name or a config.json path) with random weights
+    made in their shardings on `layout` (default: one device), and no tokenizer (`IdsTokenizer`)."""
+    from ..engine import DTYPES, Engine
+    from ..errors import ModelError
+    from ..kernels.weights import out_major
+    from ..sharding import check_divisible, single_device_layout
+    from .shapes import resolve_shape
+    if dtype not in DTYPES:
+        raise ModelError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if quant not in ("int8", "none"):
+        raise ModelError(f"quant must be 'int8' or 'none', got {quant!r}")
+    layout = layout or single_device_layout()
+    cfg, fam = resolve_shape(shape, **overrides)
+    specs = fam.abstract(cfg)
+    check_divisible(layout, specs)
+    shardings = layout.weight_shardings(specs, lambda s: is_quantized(s, quant))
+    weights = out_major(random_weights(specs, quant, DTYPES[dtype], seed, shardings), layout, donate=True)
+    return Engine(cfg, weights, IdsTokenizer(), dtype=dtype, max_ctx=max_ctx, name=f"{shape} (random weights)",
+                  quant=quant, layout=layout, kv_quant=kv_quant, kv_options=kv_options)

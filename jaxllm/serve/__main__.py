@@ -26,7 +26,10 @@ def positive(kind=int):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jaxllm.serve", description=__doc__)
-    p.add_argument("--model-dir", help="HF model directory or .gguf file (default: the embedded model)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model-dir", help="HF model directory or .gguf file (default: the embedded model)")
+    src.add_argument("--shape", help="serve random weights of a named architecture (e.g. qwen3-4b), for "
+                     "benchmarks: prompts as token ids, text as the generated ids")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="model id clients send (default: the model's name)")
@@ -91,8 +94,14 @@ def main(argv=None) -> int:
     log = logging.getLogger("jaxllm.serve")
     log.info("compilation cache: %s", cache or "off")
     try:
-        engine = jaxllm.load(args.model_dir, max_ctx=args.max_model_len, quant=args.quant, dtype=args.dtype,
-                             kv_quant=args.kv_quant, tp=args.tp)
+        if args.shape:
+            from jaxllm.harness.synthetic import random_engine
+            from jaxllm.sharding import layout_for
+            engine = random_engine(args.shape, dtype=args.dtype, quant=args.quant, max_ctx=args.max_model_len or 8192,
+                                   layout=layout_for(args.tp), kv_quant=args.kv_quant)
+        else:
+            engine = jaxllm.load(args.model_dir, max_ctx=args.max_model_len, quant=args.quant, dtype=args.dtype,
+                                 kv_quant=args.kv_quant, tp=args.tp)
     except JaxllmError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

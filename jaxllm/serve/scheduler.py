@@ -75,7 +75,7 @@ class QueueFull(Exception):
 @dataclass(frozen=True)
 class PrefillShapes:
     """The [rows, tokens] shapes a prefill forward takes, few enough to compile them all before
-    serving: piece lengths C from 16 up by factors of 4 (and the longest piece), rows P from 1 up by
+    serving: piece lengths C from 16 up by factors of 2 (and the longest piece), rows P from 1 up by
     factors of 4 (and as many as the budget and the slots allow), P x C within the budget."""
     budget: int           # tokens a forward may take (--max-num-batched-tokens)
     max_rows: int         # slots
@@ -85,7 +85,7 @@ class PrefillShapes:
         out, c = [], 16
         while c < self.max_piece:
             out.append(c)
-            c *= 4
+            c *= 2
         return out + [self.max_piece]
 
     def row_counts(self, C: int) -> list[int]:

@@ -1,0 +1,261 @@
+"""`python -m jaxllm.bench --serve`: the OpenAI server under load, beside the fused decode loop.
+
+It starts `python -m jaxllm.serve` (or targets a running server with --url), and at each
+concurrency C keeps C streaming clients busy, each sending --rounds requests of --prompt-len token
+ids and --output-len new tokens one after another (EOS ignored, so every answer has that length).
+Reported per concurrency: output tok/s (all completion tokens over the wall time from the first
+request sent to the last answer read, as vLLM's serving benchmark counts it), time to first token
+and time per output token (p50, p99), inter-chunk latency, and beside them the fused on-device loop
+(`python -m jaxllm.bench`) at batch C and the mean context of a request's decode steps, measured in
+the same run, with the ratio of the two. The time the server took to report ready is recorded too.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .bench import git_commit, int_list
+
+
+@dataclass
+class Level:
+    concurrency: int
+    requests: int = 0
+    output_tokens: int = 0
+    duration_s: float = 0.0
+    output_tok_s: float = 0.0
+    ttft_ms: dict = field(default_factory=dict)       # p50, p99, max
+    tpot_ms: dict = field(default_factory=dict)       # (end - first token) / (tokens - 1), per request
+    itl_ms: dict = field(default_factory=dict)        # gaps between streamed chunks
+    failed: int = 0
+    fused_tok_s: float | None = None
+    ratio: float | None = None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jaxllm.bench --serve", description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--shape", help="serve random weights of this architecture (token-id prompts)")
+    src.add_argument("--model-dir", help="serve this model")
+    src.add_argument("--url", help="a running server to load instead (no fused-loop reference)")
+    p.add_argument("--concurrency", type=int_list, default=[1, 16, 64], help="comma-separated client counts")
+    p.add_argument("--prompt-len", type=int, default=100)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=4, help="requests each client sends, one after another")
+    p.add_argument("--vocab", type=int, default=None, help="prompt ids are drawn below this (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="server slots (default: the largest concurrency)")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: prompt + output, rounded up")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--decode-steps", type=int, default=None)
+    p.add_argument("--tp", type=int, default=None)
+    p.add_argument("--quant", choices=("int8", "none"), default="int8")
+    p.add_argument("--kv-quant", choices=("auto", "int8", "none"), default="auto")
+    p.add_argument("--compilation-cache", default=None, help="passed to the server (a folder, or 'off')")
+    p.add_argument("--no-reference", action="store_true", help="skip the fused-loop figures")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench-results/serve.json", help="JSON results path")
+    return p
+
+
+# -- the server --------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_args(a) -> list[str]:
+    src = ["--shape", a.shape] if a.shape else ["--model-dir", a.model_dir]
+    opt = {"--max-num-seqs": a.max_num_seqs, "--max-model-len": a.max_model_len, "--tp": a.tp,
+           "--max-num-batched-tokens": a.max_num_batched_tokens, "--decode-steps": a.decode_steps,
+           "--compilation-cache": a.compilation_cache}
+    flags = [x for k, v in opt.items() if v is not None for x in (k, str(v))]
+    return src + flags + ["--quant", a.quant, "--kv-quant", a.kv_quant, "--max-queue", str(4 * a.max_num_seqs),
+                          "--disable-uvicorn-access-log", "--log-level", "warning"]
+
+
+class Server:
+    """`python -m jaxllm.serve` in a process of its own, its log in a file."""
+
+    def __init__(self, args: list[str], log_path: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "w")
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen([sys.executable, "-m", "jaxllm.serve", "--port", str(self.port), *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 1800) -> float:
+        import httpx
+        while time.monotonic() - self.t0 < timeout:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"the server exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return time.monotonic() - self.t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise SystemExit(f"the server was not ready after {timeout} s; see {self.log.name}")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+# -- the clients -------------------------------------------------------------------------------------
+async def one_request(http, ids: list[int], max_tokens: int) -> dict:
+    body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    chunks, n, err = [], 0, None
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return {"error": f"HTTP {r.status_code}: {r.text[:200]}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            d = json.loads(line[6:])
+            if "error" in d:
+                err = d["error"]["message"]
+            if d.get("usage"):
+                n = d["usage"]["completion_tokens"]
+            if any(c.get("text") for c in d.get("choices", [])):
+                chunks.append(time.perf_counter() - t0)
+    if err or not chunks:
+        return {"error": err or "no tokens streamed"}
+    return {"ttft": chunks[0], "end": chunks[-1], "chunks": chunks, "tokens": n}
+
+
+def pct(xs, scale=1e3) -> dict:
+    if not xs:
+        return {}
+    xs = np.asarray(xs) * scale
+    return {"p50": float(np.percentile(xs, 50)), "p99": float(np.percentile(xs, 99)), "max": float(xs.max())}
+
+
+async def run_level(url: str, c: int, a, rng) -> Level:
+    import httpx
+    prompts = [rng.integers(0, a.vocab, a.prompt_len).tolist() for _ in range(c * a.rounds)]
+    limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as http:
+        await one_request(http, prompts[0][:8], 4)                     # a connection, and the server awake
+
+        async def client(i):
+            return [await one_request(http, prompts[i * a.rounds + k], a.output_len) for k in range(a.rounds)]
+        t0 = time.perf_counter()
+        results = [r for rs in await asyncio.gather(*(client(i) for i in range(c))) for r in rs]
+        duration = time.perf_counter() - t0
+    ok = [r for r in results if "error" not in r]
+    lv = Level(c, len(results), sum(r["tokens"] for r in ok), duration, failed=len(results) - len(ok))
+    lv.output_tok_s = lv.output_tokens / duration
+    lv.ttft_ms = pct([r["ttft"] for r in ok])
+    lv.tpot_ms = pct([(r["end"] - r["ttft"]) / max(r["tokens"] - 1, 1) for r in ok])
+    lv.itl_ms = pct([b - x for r in ok for x, b in zip(r["chunks"], r["chunks"][1:])])
+    return lv
+
+
+# -- the fused-loop reference ------------------------------------------------------------------------
+def fused_reference(a, ctx: int, out_dir: Path) -> dict:
+    """tok/s of the fused decode loop at each concurrency as batch, from `python -m jaxllm.bench`."""
+    path = out_dir / "fused_loop.json"
+    src = ["--shape", a.shape] if a.shape else ["--model-dir", a.model_dir]
+    cmd = [sys.executable, "-m", "jaxllm.bench", *src, "--batches", ",".join(map(str, a.concurrency)),
+           "--ctx", str(ctx), "--steps", str(a.output_len), "--quant", a.quant, "--kv-quant", a.kv_quant,
+           "--out", str(path)] + (["--tp", str(a.tp)] if a.tp else [])
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"the fused-loop bench failed:\n{r.stderr[-2000:]}")
+    rep = json.loads(path.read_text())
+    return {p["batch"]: p for p in rep["points"]}, rep
+
+
+def table(rep: dict) -> str:
+    s = rep["settings"]
+    ready = "" if rep.get("ready_s") is None else f"; server ready {rep['ready_s']:.1f} s after start"
+    head = (f"serving {rep['subject']} on {rep.get('device', '?')}: prompts of {s['prompt_len']} tokens, "
+            f"{s['output_len']} new, {s['rounds']} requests a client; fused loop at ctx {s['fused_ctx']}{ready}")
+    cols = ["clients", "requests", "tok/s", "fused tok/s", "ratio", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
+            "ITL p50", "ITL p99", "failed"]
+    rows = []
+    for lv in rep["levels"]:
+        def f(d, k):
+            return f"{d[k]:.1f}" if d.get(k) is not None else "-"
+        rows.append([str(lv["concurrency"]), str(lv["requests"]), f"{lv['output_tok_s']:.1f}",
+                     "-" if lv["fused_tok_s"] is None else f"{lv['fused_tok_s']:.1f}",
+                     "-" if lv["ratio"] is None else f"{lv['ratio']:.2f}",
+                     f(lv["ttft_ms"], "p50"), f(lv["ttft_ms"], "p99"), f(lv["tpot_ms"], "p50"),
+                     f(lv["tpot_ms"], "p99"), f(lv["itl_ms"], "p50"), f(lv["itl_ms"], "p99"), str(lv["failed"])])
+    width = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    fmt = lambda r: "  ".join(x.rjust(w) for x, w in zip(r, width))      # noqa: E731
+    return "\n".join([head, fmt(cols) + "   (ms)", *map(fmt, rows)])
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    if min(a.concurrency) < 1 or a.prompt_len < 1 or a.output_len < 2 or a.rounds < 1:
+        raise SystemExit("--concurrency, --prompt-len, --rounds must be >= 1 and --output-len >= 2")
+    a.max_num_seqs = a.max_num_seqs or max(a.concurrency)
+    a.max_model_len = a.max_model_len or -(-(a.prompt_len + a.output_len) // 64) * 64
+    if a.vocab is None:
+        if a.url:
+            a.vocab = 1000
+        elif a.shape:
+            from .shapes import resolve_shape
+            a.vocab = resolve_shape(a.shape)[0].vocab_size
+        else:
+            a.vocab = 1000            # ids every vocabulary holds
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    ctx = a.prompt_len + a.output_len // 2
+    ref, ref_rep = ({}, None) if a.url or a.no_reference else fused_reference(a, ctx, out.parent)
+    server = None
+    ready = None
+    if not a.url:
+        server = Server(server_args(a), out.with_suffix(".server.log"))
+        ready = server.wait_ready()
+        print(f"server ready in {ready:.1f} s", file=sys.stderr)
+    url = a.url or server.url
+    rng = np.random.default_rng(a.seed)
+    levels = []
+    try:
+        for c in a.concurrency:
+            lv = asyncio.run(run_level(url, c, a, rng))
+            if c in ref and ref[c].get("tok_s"):
+                lv.fused_tok_s = ref[c]["tok_s"]
+                lv.ratio = lv.output_tok_s / lv.fused_tok_s
+            levels.append(lv)
+            print(f"concurrency {c}: {lv.output_tok_s:.1f} tok/s", file=sys.stderr)
+    finally:
+        if server is not None:
+            server.stop()
+    rep = {"subject": a.shape or a.model_dir or a.url, "date": datetime.datetime.now(datetime.timezone.utc)
+           .isoformat(timespec="seconds"), "git_commit": git_commit(), "ready_s": ready,
+           "settings": {k: getattr(a, k) for k in ("prompt_len", "output_len", "rounds", "max_num_seqs",
+                                                   "max_model_len", "max_num_batched_tokens", "decode_steps",
+                                                   "tp", "quant", "kv_quant", "concurrency")} | {"fused_ctx": ctx},
+           "levels": [asdict(x) for x in levels]}
+    if ref_rep is not None:
+        rep.update(device=ref_rep["device"]["kind"], jax_version=ref_rep["jax_version"],
+                   fused_loop={"ceilings": ref_rep["ceilings"], "kernels": ref_rep["kernels"]["enabled"]})
+    out.write_text(json.dumps(rep, indent=2))
+    print(f"wrote {out}", file=sys.stderr)
+    print(table(rep), flush=True)
+    return 0
