@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -173,17 +174,19 @@ async def run_level(url: str, c: int, a, rng) -> Level:
 
 
 # -- the fused-loop reference ------------------------------------------------------------------------
-def fused_reference(a, ctx: int, out_dir: Path) -> dict:
-    """tok/s of the fused decode loop at each concurrency as batch, from `python -m jaxllm.bench`."""
-    path = out_dir / "fused_loop.json"
+def fused_reference(a, ctx: int) -> tuple[dict, dict]:
+    """The fused decode loop at each concurrency as batch, from `python -m jaxllm.bench` (its whole
+    report goes into this one's)."""
     src = ["--shape", a.shape] if a.shape else ["--model-dir", a.model_dir]
-    cmd = [sys.executable, "-m", "jaxllm.bench", *src, "--batches", ",".join(map(str, a.concurrency)),
-           "--ctx", str(ctx), "--steps", str(a.output_len), "--quant", a.quant, "--kv-quant", a.kv_quant,
-           "--out", str(path)] + (["--tp", str(a.tp)] if a.tp else [])
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"the fused-loop bench failed:\n{r.stderr[-2000:]}")
-    rep = json.loads(path.read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "fused_loop.json"
+        cmd = [sys.executable, "-m", "jaxllm.bench", *src, "--batches", ",".join(map(str, a.concurrency)),
+               "--ctx", str(ctx), "--steps", str(a.output_len), "--quant", a.quant, "--kv-quant", a.kv_quant,
+               "--out", str(path)] + (["--tp", str(a.tp)] if a.tp else [])
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"the fused-loop bench failed:\n{r.stderr[-2000:]}")
+        rep = json.loads(path.read_text())
     return {p["batch"]: p for p in rep["points"]}, rep
 
 
@@ -225,7 +228,7 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     ctx = a.prompt_len + a.output_len // 2
-    ref, ref_rep = ({}, None) if a.url or a.no_reference else fused_reference(a, ctx, out.parent)
+    ref, ref_rep = ({}, None) if a.url or a.no_reference else fused_reference(a, ctx)
     server = None
     ready = None
     if not a.url:
@@ -253,8 +256,7 @@ def main(argv=None) -> int:
                                                    "tp", "quant", "kv_quant", "concurrency")} | {"fused_ctx": ctx},
            "levels": [asdict(x) for x in levels]}
     if ref_rep is not None:
-        rep.update(device=ref_rep["device"]["kind"], jax_version=ref_rep["jax_version"],
-                   fused_loop={"ceilings": ref_rep["ceilings"], "kernels": ref_rep["kernels"]["enabled"]})
+        rep.update(device=ref_rep["device"]["kind"], jax_version=ref_rep["jax_version"], fused_loop=ref_rep)
     out.write_text(json.dumps(rep, indent=2))
     print(f"wrote {out}", file=sys.stderr)
     print(table(rep), flush=True)
