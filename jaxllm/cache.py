@@ -37,10 +37,11 @@ class LayerKV:
     """Layer `idx` of a kind's stacked cache {"k", "v": [n, B, S, K, hd]}: new tokens are written
     into the stack in place, and attention reads the layer out of it (or a kernel reads it there).
     `rows` [P]: the cache row each batch row works on (a prefill of some of the slots); None: batch
-    row b is cache row b."""
+    row b is cache row b, for the first `batch` rows (all of them for None)."""
     stack: dict
     idx: jax.Array
     rows: jax.Array | None = None
+    batch: int | None = None
 
     def write(self, k: jax.Array, v: jax.Array, positions: jax.Array) -> "LayerKV":
         """Each token at its position; negative positions (padding, idle rows) are not written.
@@ -51,16 +52,16 @@ class LayerKV:
         from . import kernels
         rows = self.rows
         if kernels.enabled() or jax.default_backend() != "cpu":
-            return LayerKV({"k": write_layer(self.stack["k"], self.idx, k, positions, rows),
-                            "v": write_layer(self.stack["v"], self.idx, v, positions, rows)}, self.idx, rows)
+            return self.with_stacks({"k": write_layer(self.stack["k"], self.idx, k, positions, rows),
+                                     "v": write_layer(self.stack["v"], self.idx, v, positions, rows)})
 
         def put(buf, new):
             return buf.at[self.idx].set(write_layer(buf[self.idx][None], 0, new, positions, rows)[0])
-        return LayerKV({"k": put(self.stack["k"], k), "v": put(self.stack["v"], v)}, self.idx, rows)
+        return self.with_stacks({"k": put(self.stack["k"], k), "v": put(self.stack["v"], v)})
 
     def layer(self) -> dict:
         """This layer's K/V [P, S, K, hd] of the rows worked on."""
-        return {name: gather_rows(a[self.idx], self.rows) for name, a in self.stack.items()}
+        return {name: gather_rows(a[self.idx], self.rows, self.batch) for name, a in self.stack.items()}
 
     def kernel_stacks(self) -> tuple[dict, str]:
         """The stacks a kernel writes this layer's new token into, and how it picks the slot
@@ -68,13 +69,15 @@ class LayerKV:
         return dict(self.stack), "drop"
 
     def with_stacks(self, stacks: dict) -> "LayerKV":
-        return LayerKV({**self.stack, **stacks}, self.idx, self.rows)
+        return LayerKV({**self.stack, **stacks}, self.idx, self.rows, self.batch)
 
 
-def gather_rows(x: jax.Array, rows: jax.Array | None, axis: int = 0) -> jax.Array:
-    """The rows `rows` of x along `axis` (all of them for None); rows past the end (padding) read
-    the last one, whose values nothing uses."""
-    return x if rows is None else jnp.take(x, rows, axis=axis, mode="clip")
+def gather_rows(x: jax.Array, rows: jax.Array | None, batch: int | None = None) -> jax.Array:
+    """The rows `rows` of x [R, ...] (None: the first `batch` of them, or all); rows past the end
+    (padding) read the last one, whose values nothing uses."""
+    if rows is None:
+        return x if batch is None or batch == x.shape[0] else x[:batch]
+    return jnp.take(x, rows, axis=0, mode="clip")
 
 
 def write_layer(buf: jax.Array, idx, new: jax.Array, positions: jax.Array, rows=None) -> jax.Array:

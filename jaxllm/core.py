@@ -173,14 +173,17 @@ def decode_step(cfg: ModelConfig, weights, state: State, dtype=jnp.bfloat16):
 
 
 def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, *, max_steps: int,
-           dtype=jnp.bfloat16):
-    """Up to n_steps (at most max_steps) decode steps, ending once no slot is live. `stop` [B]:
-    slots to end first (a request cancelled or stopped by the host).
+           rows: int | None = None, dtype=jnp.bfloat16):
+    """Up to n_steps (at most max_steps) decode steps of the first `rows` slots (all for None; the
+    others must not be live), ending once none is live. `stop` [rows]: slots to end first (a
+    request cancelled or stopped by the host).
 
-    -> (state, tokens [B, max_steps], count [B]): slot b sampled tokens[b, :count[b]]."""
+    -> (state, tokens [rows, max_steps], count [rows]): slot b sampled tokens[b, :count[b]]."""
+    full = state.slots
+    B = full.last.shape[0] if rows is None else rows
+    slots = jax.tree_util.tree_map(lambda a: a[:B], full)
     if stop is not None:
-        state = state.replace(slots=state.slots.replace(active=state.slots.active & ~stop))
-    B = state.slots.last.shape[0]
+        slots = slots.replace(active=slots.active & ~stop)
     out = jnp.zeros((B, max_steps), jnp.int32)
 
     def cond(c):
@@ -193,8 +196,12 @@ def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, *, max_s
         out = jax.lax.dynamic_update_slice_in_dim(out, jnp.where(live, tok, 0)[:, None], i, axis=1)
         return i + 1, s, out, count + live.astype(jnp.int32)
 
-    _, state, out, count = jax.lax.while_loop(cond, body, (jnp.int32(0), state, out, jnp.zeros((B,), jnp.int32)))
-    return state, out, count
+    init = (jnp.int32(0), State(state.cache, slots), out, jnp.zeros((B,), jnp.int32))
+    _, s, out, count = jax.lax.while_loop(cond, body, init)
+    if B < full.last.shape[0]:
+        slots = jax.tree_util.tree_map(lambda a, v: a.at[:B].set(v), full, s.slots)
+        s = s.replace(slots=slots)
+    return s, out, count
 
 
 # -- the host side ---------------------------------------------------------------------------------
@@ -224,11 +231,12 @@ class EngineCore:
                                 None if targets is None else e.put_rows(targets), out=out)
         return res
 
-    def decode(self, n_steps: int, max_steps: int, stop=None):
-        """-> (tokens [B, max_steps], count [B]) on the device; see `core.decode`."""
+    def decode(self, n_steps: int, max_steps: int, stop=None, rows: int | None = None):
+        """-> (tokens [rows, max_steps], count [rows]) on the device; see `core.decode`."""
         e = self.engine
         stop = None if stop is None else e.put_rows(np.asarray(stop, bool))
-        self.state, toks, count = e.run("decode", self.state, np.int32(n_steps), stop, max_steps=max_steps)
+        self.state, toks, count = e.run("decode", self.state, np.int32(n_steps), stop, max_steps=max_steps,
+                                        rows=rows)
         return toks, count
 
     # -- lockstep batches: every row a prompt, prefilled in chunks ----------------------------------

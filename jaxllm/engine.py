@@ -1,6 +1,7 @@
 """The engine: a loaded model plus the compiled prefill / decode-loop / forward functions."""
 from __future__ import annotations
 
+import logging
 import os
 import time
 import warnings
@@ -21,6 +22,7 @@ from .sharding import single_device_layout
 from .split_cache import KVOptions, choose_layout, make_cache
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+log = logging.getLogger("jaxllm")
 
 
 @dataclass
@@ -74,7 +76,7 @@ class Engine:
         d = self.dtype
         self._fns = {"prefill": jax.jit(partial(core.prefill, cfg, dtype=d), static_argnames=("out",),
                                         donate_argnames=("state",)),
-                     "decode": jax.jit(partial(core.decode, cfg, dtype=d), static_argnames=("max_steps",),
+                     "decode": jax.jit(partial(core.decode, cfg, dtype=d), static_argnames=("max_steps", "rows"),
                                        donate_argnames=("state",))}
         self._executables: dict = {}
         self.compile_s = 0.0          # seconds spent compiling the core's calls so far
@@ -114,11 +116,14 @@ class Engine:
             if key not in self._executables and key not in todo:
                 with kernels.use_layout(self.layout):
                     todo[key] = self._fns[name].lower(self.weights, *args, **static)
+        t1 = time.perf_counter()
         workers = threads or max(1, min(len(todo), (os.cpu_count() or 2)))
         with cf.ThreadPoolExecutor(workers) as pool:
             for key, exe in zip(todo, pool.map(lambda lowered: lowered.compile(), todo.values())):
                 self._executables[key] = exe
         dt = time.perf_counter() - t0
+        log.info("%d calls traced and lowered in %.1f s, compiled in %.1f s (%d threads)", len(todo), t1 - t0,
+                 dt - (t1 - t0), workers)
         self.compile_s += dt
         return dt
 

@@ -191,9 +191,10 @@ def layer_weights(group: dict, idx):
 
 
 def put(tree, i, new, rows=None):
-    """Layer i of a cache stack tree set to `new` (only cache rows `rows` of it, where given)."""
+    """Layer i of a cache stack tree set to `new`: cache rows `rows` of it where given, else its
+    leading rows (as many as `new` has)."""
     if rows is None:
-        return jax.tree_util.tree_map(lambda a, n: a.at[i].set(n), tree, new)
+        return jax.tree_util.tree_map(lambda a, n: a.at[i, :n.shape[0]].set(n), tree, new)
     return jax.tree_util.tree_map(lambda a, n: a.at[i, rows].set(n, mode="drop"), tree, new)
 
 
@@ -204,7 +205,7 @@ def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.A
     Each token is written into the cache at its position (a negative position is padding, never
     written) and attends to everything its row of the cache holds at earlier positions. `rows` [B]
     names the cache row of each batch row (a prefill into some of a cache's rows; a row past the
-    cache's end is padding); None: batch row b is cache row b.
+    cache's end is padding); None: batch row b is cache row b (the cache may hold more rows).
     """
     hooks = family_hooks(cfg)
     x = embed(cfg, weights, tokens, dtype)
@@ -229,9 +230,9 @@ def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.A
             w = layer_weights(weights["layers"][b.group], s["idx"])
             lc = caches[name]
             if isinstance(lc, dict):
-                lc = kv.LayerKV(lc, s["cache_idx"], rows)
+                lc = kv.LayerKV(lc, s["cache_idx"], rows, tokens.shape[0])
             else:
-                lc = split.layer_view(lc, s["cache_idx"], tokens.shape[1], rows)
+                lc = split.layer_view(lc, s["cache_idx"], tokens.shape[1], rows, tokens.shape[0])
             if next_norms is not None:
                 x, lc = decoder_layer(cfg, b.kind, w, x[0], positions, lc, h=x[1],
                                       next_norm=Stacked(next_norms[b.group], s["idx"], "attn_norm"))

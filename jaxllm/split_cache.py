@@ -282,18 +282,20 @@ class StackedLayer:
         o = stacked_attention(q, arrays, self.idx, positions, scale=cfg.query_scale, softcap=cfg.attn_softcap,
                               window=a.window, keys=keys)
         if o is None:
-            o = jax.tree_util.tree_map(lambda x: x[self.idx], c).attend(cfg, a, w, q, positions)
+            o = jax.tree_util.tree_map(lambda x: gather_rows(x[self.idx], None, q.shape[0]), c).attend(
+                cfg, a, w, q, positions)
         return o
 
 
-def layer_view(cache: RingKV | BlockKV, idx: jax.Array, tokens_per_row: int, rows: jax.Array | None = None):
+def layer_view(cache: RingKV | BlockKV, idx: jax.Array, tokens_per_row: int, rows: jax.Array | None = None,
+               batch: int | None = None):
     """What a layer's attention works on: the stacks themselves where the decode kernel reads them
-    in place (one token per row of every cache row, kernels on), else the layer sliced out, of the
-    cache rows `rows` where given (put back by the caller)."""
+    in place (one token per row of the leading cache rows, kernels on), else the layer sliced out,
+    of the cache rows `rows` (or the first `batch`) where given (put back by the caller)."""
     from . import kernels
     if tokens_per_row == 1 and rows is None and kernels.enabled():
         return StackedLayer(cache, idx)
-    return jax.tree_util.tree_map(lambda x: gather_rows(x[idx], rows), cache)
+    return jax.tree_util.tree_map(lambda x: gather_rows(x[idx], rows, batch), cache)
 
 
 def has_kv_readers(cfg: ModelConfig, kind: int) -> bool:

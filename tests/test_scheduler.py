@@ -13,7 +13,7 @@ import pytest
 
 import jaxllm
 from jaxllm.serve.protocol import GenRequest
-from jaxllm.serve.scheduler import Delta, Failed, Finished, Job, PrefillShapes, Scheduler
+from jaxllm.serve.scheduler import Delta, Failed, Finished, Job, Scheduler, Shapes
 import tiny
 
 HERE = os.path.dirname(__file__)
@@ -42,16 +42,19 @@ def test_server_equals_engine_generate(layouts, case):
         assert r["devices"] == 1
 
 
-def test_prefill_shapes():
-    s = PrefillShapes(budget=2048, max_rows=64, max_piece=2048)
-    assert s.lengths() == [16, 32, 64, 128, 256, 512, 1024, 2048]
-    assert s.row_counts(16) == [1, 4, 16, 64] and s.row_counts(256) == [1, 4, 8] and s.row_counts(2048) == [1]
-    assert all(P * C <= 2048 for P, C in s.all())
+def test_shapes():
+    s = Shapes(budget=2048, slots=64, max_piece=2048)
+    assert s.lengths() == [128, 512, 2048] and s.decodes() == [1, 4, 16, 64]
+    assert s.row_counts(128) == [1, 4, 16] and s.row_counts(512) == [1] and s.row_counts(2048) == [1]
+    assert s.prefills() == [(1, 128), (4, 128), (16, 128), (1, 512), (1, 2048)]
     assert s.choose([100]) == (1, 128, [100])
     assert s.choose([5000, 10]) == (1, 2048, [2048])            # a long prompt fills the forward
-    assert s.choose([10, 5000, 3]) == (4, 16, [10, 16, 3])      # the first one sets the length
-    assert s.choose([60] * 40) == (32, 64, [60] * 32)
-    assert PrefillShapes(budget=64, max_rows=8, max_piece=48).lengths() == [16, 32, 48]
+    assert s.choose([10, 5000, 3]) == (4, 128, [10, 128, 3])    # short pieces share a forward
+    assert s.choose([300, 10]) == (1, 512, [300])
+    assert s.choose([60] * 40) == (16, 128, [60] * 16)
+    assert s.decode_rows(1) == 1 and s.decode_rows(5) == 16 and s.decode_rows(64) == 64
+    assert Shapes(budget=64, slots=9, max_piece=48).lengths() == [48]
+    assert Shapes(budget=64, slots=9, max_piece=48).decodes() == [1, 4, 9]
 
 
 # -- chunked prefill interleaved with decoding (in process, on a tiny model) ----------------------

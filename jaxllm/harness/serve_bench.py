@@ -83,7 +83,7 @@ def server_args(a) -> list[str]:
            "--compilation-cache": a.compilation_cache}
     flags = [x for k, v in opt.items() if v is not None for x in (k, str(v))]
     return src + flags + ["--quant", a.quant, "--kv-quant", a.kv_quant, "--max-queue", str(4 * a.max_num_seqs),
-                          "--disable-uvicorn-access-log", "--log-level", "warning"]
+                          "--disable-uvicorn-access-log", "--log-level", "info"]
 
 
 class Server:

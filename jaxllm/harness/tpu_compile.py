@@ -157,7 +157,7 @@ def compile_shape(shape: str, tp: int = 4, dp: int = 1, max_ctx: int = 2048, bat
         "prefill": lambda: jax.jit(partial(core.prefill, cfg, dtype=dtype), static_argnames=("out",),
                                    donate_argnames=("state",)).lower(
             weights, state, abstract_pieces(layout, batch, prompt_len), out="sample"),
-        "decode_loop": lambda: jax.jit(partial(core.decode, cfg, dtype=dtype), static_argnames=("max_steps",),
+        "decode_loop": lambda: jax.jit(partial(core.decode, cfg, dtype=dtype), static_argnames=("max_steps", "rows"),
                                        donate_argnames=("state",)).lower(
             weights, state, jax.ShapeDtypeStruct((), jnp.int32), max_steps=n_out),
     }

@@ -71,41 +71,55 @@ class QueueFull(Exception):
     pass
 
 
-# -- prefill shapes -------------------------------------------------------------------------------
+# -- the shapes compiled before serving -------------------------------------------------------------
+def ladder(cap: int, factor: int = 4) -> list[int]:
+    """1, factor, factor**2, ... below cap, then cap."""
+    out, n = [], 1
+    while n < cap:
+        out.append(n)
+        n *= factor
+    return out + [cap]
+
+
 @dataclass(frozen=True)
-class PrefillShapes:
-    """The [rows, tokens] shapes a prefill forward takes, few enough to compile them all before
-    serving: piece lengths C from 16 up by factors of 2 (and the longest piece), rows P from 1 up by
-    factors of 4 (and as many as the budget and the slots allow), P x C within the budget."""
-    budget: int           # tokens a forward may take (--max-num-batched-tokens)
-    max_rows: int         # slots
+class Shapes:
+    """The shapes of the device calls, few enough to compile them all before serving (each is a
+    trace and a compile). Prefill forwards [rows, tokens]: pieces of up to 128 tokens, several
+    prompts' in one forward (rows 1, 4, 16, ... as the budget and the slots allow), or one longer
+    piece of 512, 2048, ... tokens up to the longest piece. Decode blocks run over the leading 1, 4,
+    16, ... slots, so a few live requests do not pay for every slot."""
+    budget: int           # tokens a prefill forward may take (--max-num-batched-tokens)
+    slots: int
     max_piece: int        # the longest piece of one prompt in a forward
+    short: int = 128
 
     def lengths(self) -> list[int]:
-        out, c = [], 16
-        while c < self.max_piece:
-            out.append(c)
-            c *= 2
-        return out + [self.max_piece]
+        out = [min(self.short, self.max_piece)]
+        while out[-1] * 4 < self.max_piece:
+            out.append(out[-1] * 4)
+        return out + ([self.max_piece] if out[-1] < self.max_piece else [])
 
     def row_counts(self, C: int) -> list[int]:
-        cap = max(1, min(self.max_rows, self.budget // C))
-        out, p = [], 1
-        while p < cap:
-            out.append(p)
-            p *= 4
-        return out + [cap]
+        if C != self.lengths()[0]:
+            return [1]
+        return ladder(max(1, min(self.slots, self.budget // C)))
 
-    def all(self) -> list[tuple[int, int]]:
+    def prefills(self) -> list[tuple[int, int]]:
         return [(P, C) for C in self.lengths() for P in self.row_counts(C)]
+
+    def decodes(self) -> list[int]:
+        return ladder(self.slots)
+
+    def decode_rows(self, live: int) -> int:
+        """The leading slots a decode block covers when slots below `live` are in use."""
+        return next(n for n in self.decodes() if n >= live)
 
     def choose(self, remaining: list[int]) -> tuple[int, int, list[int]]:
         """For prompts waiting with `remaining` tokens each (in admission order): (P, C, the piece
-        length of each prompt taken, in order). The first prompt sets the piece length; the next
-        ones join while rows are left, each with a piece of at most C tokens."""
+        length of each prompt taken, in order). The first prompt sets the piece length; short
+        pieces take the next prompts along while rows are left, each with at most C tokens."""
         C = next(c for c in self.lengths() if c >= min(remaining[0], self.max_piece))
-        cap = self.row_counts(C)[-1]
-        pieces = [min(r, C) for r in remaining[:cap]]
+        pieces = [min(r, C) for r in remaining[:self.row_counts(C)[-1]]]
         P = next(p for p in self.row_counts(C) if p >= len(pieces))
         return P, C, pieces
 
@@ -127,8 +141,8 @@ class Scheduler:
         self.engine = engine
         self.eos = set(engine.cfg.eos_ids)
         self.core = engine.core(max_num_seqs, max_model_len)
-        self.shapes = PrefillShapes(max_num_batched_tokens, max_num_seqs,
-                                    min(max_num_batched_tokens, engine.kv_options.prefill_chunk, max_model_len))
+        self.shapes = Shapes(max_num_batched_tokens, max_num_seqs,
+                             min(max_num_batched_tokens, engine.kv_options.prefill_chunk, max_model_len))
         self.decode_steps = decode_steps
         self.slots: list[Job | None] = [None] * max_num_seqs
         self.to_stop = np.zeros(max_num_seqs, bool)        # slots to end on the device at the next decode
@@ -168,18 +182,19 @@ class Scheduler:
     def warmup(self) -> float:
         """Compile every call a request can wait on: each prefill shape and the decode block.
         -> seconds taken."""
-        e, B = self.engine, self.core.num_slots
-        state = e.state_shapes(B, self.core.max_len)
+        e = self.engine
+        state = e.state_shapes(self.core.num_slots, self.core.max_len)
         calls = [("prefill", (state, e.row_shapes(Pieces.shapes(P, C, rows=True)), None), {"out": "sample"})
-                 for P, C in self.shapes.all()]
-        calls.append(("decode", (state, np.int32(1), e.row_shapes(np.zeros(B, bool))),
-                      {"max_steps": self.decode_steps}))
+                 for P, C in self.shapes.prefills()]
+        calls += [("decode", (state, np.int32(1), e.row_shapes(np.zeros(n, bool))),
+                   {"max_steps": self.decode_steps, "rows": n}) for n in self.shapes.decodes()]
         return e.precompile(calls)
 
     def start(self, warmup: bool = True):
         if warmup:
             t = self.warmup()
-            log.info("compiled %d prefill shapes and the decode block in %.1f s", len(self.shapes.all()), t)
+            log.info("compiled %d prefill and %d decode shapes in %.1f s", len(self.shapes.prefills()),
+                     len(self.shapes.decodes()), t)
         self.thread.start()
 
     def drain(self, timeout: float):
@@ -227,7 +242,7 @@ class Scheduler:
                 self._reap()
                 self._admit()
                 launched = self._launch()
-                keep = 1 if launched else 0      # read back all but the newest call
+                keep = 2 if launched else 0      # read back all but the two newest calls
                 while len(self.inflight) > keep:
                     self._collect(self.inflight.popleft())
                 if self.stopping and not self._busy() and not self.inflight:
@@ -276,11 +291,13 @@ class Scheduler:
         decoding = [j for j in self.slots if j is not None and j not in self.prefilling]
         if decoding:
             n = 1 if self.prefilling else self.decode_steps
-            stop, self.to_stop = self.to_stop, np.zeros_like(self.to_stop)
-            toks = self.core.decode(n, self.decode_steps, stop)
-            rec = {"kind": "decode", "steps": n, "tokens": {}}
+            rows = self.shapes.decode_rows(max(j.slot for j in decoding) + 1)
+            stop = self.to_stop[:rows].copy()
+            self.to_stop[:rows] = False
+            toks = self.core.decode(n, self.decode_steps, stop, rows)
+            rec = {"kind": "decode", "steps": n, "rows": rows, "tokens": {}}
             self.record.append(rec)
-            self.inflight.append(Launched("decode", toks, list(self.slots), record=rec))
+            self.inflight.append(Launched("decode", toks, self.slots[:rows], record=rec))
             launched = True
         return launched
 
