@@ -45,6 +45,21 @@ def test_prefill_attention(B, T, H, K, S, hd, window, softcap, start, blocks):
     assert float(jnp.max(jnp.abs(o - ref))) < 5e-6 * max(1, hd / 64)
 
 
+def test_prefill_attention_over_other_cache_rows():
+    """Rows of a prefill read the cache rows `rows` names (the engine core prefills some slots of a
+    larger cache), a row past the cache being padding with no position to read."""
+    q, ks, vs, _ = _case(4, 21, 4, 2, 48, 32, [0], jnp.float32, seed=9)
+    q = q[:3]
+    pos = jnp.asarray([[p + t if p >= 0 else -1 for t in range(21)] for p in (10, 0, -1)], jnp.int32)
+    rows = jnp.asarray([2, 0, 4], jnp.int32)
+    o = prefill_attention(q, {"k": ks, "v": vs}, jnp.int32(1), pos, rows=rows, scale=0.3, blocks=Blocks(16, 16, 4))
+    for b, r in enumerate([2, 0]):
+        mask = attention_mask(pos[b:b + 1], slot_positions(1, 48), None)
+        ref = attend(q[b:b + 1], ks[1, r:r + 1], vs[1, r:r + 1], mask, 0.3, None)
+        assert float(jnp.max(jnp.abs(o[b:b + 1] - ref))) < 5e-6
+    assert float(jnp.max(jnp.abs(o[2]))) == 0.0            # padding: nothing to attend to
+
+
 def test_prefill_attention_bf16():
     q, ks, vs, pos = _case(1, 70, 8, 2, 80, 64, [0], jnp.bfloat16, seed=1)
     ref = attend(q, ks[0], vs[0], attention_mask(pos, slot_positions(1, 80), None), 0.125, None)
@@ -68,7 +83,7 @@ def test_prefill_kernel_selection(monkeypatch):
     for mode in ("pallas", "xla"):
         monkeypatch.setenv("JAXLLM_KERNELS", mode)
         kernels._seen.clear()
-        out = stacked_prefill(q, {"k": ks, "v": vs}, jnp.int32(0), pos, scale=0.25, softcap=None, window=None)
+        out = stacked_prefill(q, {"k": ks, "v": vs}, jnp.int32(0), pos, None, scale=0.25, softcap=None, window=None)
         chosen = [s["choice"] for s in kernels.selections() if s["kernel"] == "prefill attention"]
         if mode == "xla":
             assert out is None and not chosen

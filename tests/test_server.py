@@ -97,10 +97,10 @@ def processes(model_dir, tmp_path_factory):
     """Both server processes start at once (and while the reference engine compiles)."""
     logs = tmp_path_factory.mktemp("server_logs")
     main = ServerProcess(model_dir, logs / "main.log", "--max-num-seqs", "8", "--max-model-len", str(MAX_LEN),
-                         "--api-key", API_KEY, "--max-request-bytes", "200000")
-    # the drain test's 150-token stream must finish inside the drain window on a loaded CI machine
-    small = ServerProcess(model_dir, logs / "small.log", "--max-num-seqs", "1", "--max-queue", "1",
-                          "--max-model-len", "512", "--shutdown-timeout", "180")
+                         "--api-key", API_KEY, "--max-request-bytes", "200000", "--body-timeout", "2")
+    # the drain test's 16 running streams must finish inside the drain window on a loaded CI machine
+    small = ServerProcess(model_dir, logs / "small.log", "--max-num-seqs", "16", "--max-queue", "24",
+                          "--max-model-len", "256", "--shutdown-timeout", "240")
     yield main, small
     for p in (main, small):
         p.terminate()
@@ -447,36 +447,69 @@ def test_request_timeout(engine):
         assert tc.get("/health").json()["running"] == 0
 
 
-# -- 5. queue full -> 429; SIGTERM drains and exits 0 ------------------------------------------------
-def test_queue_full_then_sigterm_drains(processes):
+# -- 5. a stalled body -> 408 -------------------------------------------------------------------------
+def test_stalled_body_gets_408(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert "stalled" in json.loads(body)["error"]["message"]
+
+
+# -- 6. queue full -> 429; SIGTERM: running requests finish, queued ones get a 503, exit 0 -----------
+def test_sigterm_finishes_running_and_503s_the_queue(processes):
     small = processes[1].wait_ready()
-    # long enough (seconds, even on a fast machine) to hold the only slot while the queue fills
-    long = {"prompt": "Hello world", "max_tokens": 150, "temperature": 0, "stream": True, "ignore_eos": True}
-    short = {"prompt": "Hi", "max_tokens": 4, "temperature": 0}
+    running = {"prompt": "Hello world", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    queued = {"prompt": "Hi", "max_tokens": 4, "temperature": 0}
+
+    async def request(http, body, stream):
+        if not stream:
+            r = await http.post("/v1/completions", json=body)
+            return r.status_code, r.json()
+        async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+        return r.status_code, lines
 
     async def run():
-        async with httpx.AsyncClient(base_url=small.url, timeout=300) as http:
-            async with http.stream("POST", "/v1/completions", json=long) as first:
-                lines = first.aiter_lines()
-                async for line in lines:
-                    if line.startswith("data: "):
-                        break                                   # running in the only slot
-                queued = asyncio.create_task(http.post("/v1/completions", json=short))
-                t0 = time.time()
-                while small.health()["waiting"] < 1 and time.time() - t0 < 60:
-                    await asyncio.sleep(0.005)
-                r = await http.post("/v1/completions", json=short)
-                assert r.status_code == 429 and r.headers.get("retry-after")
-                assert r.json()["error"]["type"] == "rate_limit_error"
-                small.proc.send_signal(signal.SIGTERM)          # in-flight requests must still finish
-                rest = [line async for line in lines]
-            second = await queued
-            return rest, second
+        async with httpx.AsyncClient(base_url=small.url, timeout=600,
+                                     limits=httpx.Limits(max_connections=64)) as http:
+            first = [asyncio.create_task(request(http, running, i % 2 == 0)) for i in range(16)]
+            t0 = time.time()
+            while small.health()["running"] < 16 and time.time() - t0 < 120:
+                await asyncio.sleep(0.02)
+            rest = [asyncio.create_task(request(http, queued, i % 2 == 0)) for i in range(24)]
+            while small.health()["waiting"] < 24 and time.time() - t0 < 120:
+                await asyncio.sleep(0.02)
+            assert small.health()["running"] == 16
+            r = await http.post("/v1/completions", json=queued)
+            assert r.status_code == 429 and r.headers.get("retry-after")
+            assert r.json()["error"]["type"] == "rate_limit_error"
+            small.proc.send_signal(signal.SIGTERM)
+            t1 = time.time()
+            return await asyncio.gather(*first), await asyncio.gather(*rest), t1
 
-    rest, second = asyncio.run(run())
-    assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
-    finals = [json.loads(x[6:]) for x in rest if x.startswith("data: {")]
-    assert finals[-1]["choices"][0]["finish_reason"] == "length"
-    assert second.status_code == 200 and second.json()["usage"]["completion_tokens"] >= 1
-    assert small.proc.wait(60) == 0
+    done, refused, t_sigterm = asyncio.run(run())
+    for i, (status, got) in enumerate(done):             # every running request completes
+        assert status == 200
+        if i % 2:
+            assert got["choices"][0]["finish_reason"] == "length" and got["usage"]["completion_tokens"] == 120
+        else:
+            finals = [json.loads(x[6:]) for x in got if x.startswith("data: {")]
+            assert finals[-1]["choices"][0]["finish_reason"] == "length" and got[-1] == "data: [DONE]"
+    for i, (status, got) in enumerate(refused):          # every queued one gets an OpenAI 503
+        if i % 2:
+            assert status == 503 and got["error"]["type"] == "server_error", got
+            assert set(got["error"]) == {"message", "type", "param", "code"}
+        else:
+            err = json.loads(got[-2][6:])
+            assert got[-1] == "data: [DONE]" and "shutting down" in err["error"]["message"], got
+    assert small.proc.wait(240) == 0
+    print(f"\nexit {time.time() - t_sigterm:.1f} s after SIGTERM")
     assert "Traceback" not in small.output()

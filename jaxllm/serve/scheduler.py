@@ -1,21 +1,24 @@
-"""The engine thread: owns the device and the engine core, admits queued requests into free slots,
-prefills their prompts in chunks and decodes every live slot in blocks.
+"""The scheduler: one thread owns the device and the engine core (admits queued requests into free
+slots, prefills their prompts in chunks, decodes the live slots in blocks), another reads each
+call's tokens back and turns them into the requests' text.
 
-Request handlers (asyncio) hand a `Job` to `Scheduler.submit` and read `Event`s back from it; the
-thread never blocks on a client, and a client never touches the device.
+Request handlers (asyncio) hand a `Job` to `Scheduler.submit` and read `Event`s back from it; no
+thread here blocks on a client, and a client never touches the device.
 
-Each round the thread launches at most one prefill forward (pieces of the waiting prompts, at most
-`max_num_batched_tokens` tokens, several requests' pieces in one forward) and then a decode block
-over every live slot, so a new request waits for no running one to finish, and between two tokens of
-a running request at most one prefill forward runs. While prompts wait for their prefill the blocks
-are one step long, so that prefills follow one another closely; otherwise `decode_steps` long. Calls
-are launched before the results of the last ones are read, so the device does not wait for the host.
+Each round the engine thread launches at most one prefill forward (pieces of the waiting prompts,
+at most `max_num_batched_tokens` tokens, several requests' pieces in one forward) and then a decode
+block over the live slots, so a new request waits for no running one to finish, and between two
+tokens of a running request at most one prefill forward runs. While prompts wait for their prefill
+the blocks are one step long, so that prefills follow one another closely; otherwise `decode_steps`
+long. The output thread detokenizes a block while the device runs the next (on GPUs the host drives
+the decode loop, so the engine thread is inside that call meanwhile); at most two calls wait for it.
 """
 from __future__ import annotations
 
 import collections
 import itertools
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -61,6 +64,7 @@ class Job:
     n_tokens: int = 0
     slot: int = -1
     prefilled: int = 0                      # prompt tokens sent to the device so far
+    done: bool = False                      # its last event went out
     id: int = field(default_factory=lambda: next(_ids))
 
     def cancel(self):
@@ -144,21 +148,24 @@ class Scheduler:
         self.shapes = Shapes(max_num_batched_tokens, max_num_seqs,
                              min(max_num_batched_tokens, engine.kv_options.prefill_chunk, max_model_len))
         self.decode_steps = decode_steps
-        self.slots: list[Job | None] = [None] * max_num_seqs
+        self.slots: list[Job | None] = [None] * max_num_seqs      # the engine thread's
         self.to_stop = np.zeros(max_num_seqs, bool)        # slots to end on the device at the next decode
         self.prefilling: list[Job] = []                     # admitted, prompt not all sent
         self.max_queue = max_queue
         self.waiting: collections.deque[Job] = collections.deque()
+        self.ended: collections.deque[Job] = collections.deque()   # finished by the output thread
         self.cond = threading.Condition()
+        self.lock = threading.Lock()    # a request's end event goes out once
         self.stopping = False          # no new requests
         self.deadline = None           # running requests end with a 503 past this (monotonic)
         self.done = False
+        self.results: queue.Queue[Launched | None] = queue.Queue(maxsize=2)
         self.thread = threading.Thread(target=self._run, name="jaxllm-engine", daemon=True)
-        self.inflight: collections.deque[Launched] = collections.deque()
+        self.output = threading.Thread(target=self._read_results, name="jaxllm-output", daemon=True)
         self.finished = 0              # requests completed
         self.generated = 0             # tokens sampled for requests (a freed slot stops adding)
         # What the device ran, in order: {"kind": "prefill", "pieces": [(job, start, length), ...]}
-        # or {"kind": "decode", "steps": n, "tokens": {job: count}} (filled when read back).
+        # or {"kind": "decode", "steps": n, "rows": r, "tokens": {job: count}} (filled when read back).
         self.record: collections.deque[dict] = collections.deque(maxlen=record)
 
     # -- called from request handlers ------------------------------------------------------------
@@ -180,7 +187,7 @@ class Scheduler:
 
     # -- lifecycle -------------------------------------------------------------------------------
     def warmup(self) -> float:
-        """Compile every call a request can wait on: each prefill shape and the decode block.
+        """Compile every call a request can wait on: each prefill shape and each decode block.
         -> seconds taken."""
         e = self.engine
         state = e.state_shapes(self.core.num_slots, self.core.max_len)
@@ -196,6 +203,7 @@ class Scheduler:
             log.info("compiled %d prefill and %d decode shapes in %.1f s", len(self.shapes.prefills()),
                      len(self.shapes.decodes()), t)
         self.thread.start()
+        self.output.start()
 
     def drain(self, timeout: float):
         """Stop taking requests: queued ones end with a 503 now, running ones may finish for `timeout`
@@ -206,60 +214,53 @@ class Scheduler:
             waiting, self.waiting = list(self.waiting), collections.deque()
             self.cond.notify()
         for job in waiting:
-            job.emit(Failed(503, "the server is shutting down"))
+            self._end(job, Failed(503, "the server is shutting down"))
 
     def shutdown(self, timeout: float = 10.0):
-        """End everything now (running requests get a 503) and stop the thread."""
+        """End everything now (running requests get a 503) and stop the threads."""
         self.drain(0.0)
         with self.cond:
             self.done = True
             self.cond.notify()
         self.thread.join(timeout)
-
-    def idle(self) -> bool:
-        with self.cond:
-            return not self.waiting and not self._busy()
+        self.output.join(timeout)
 
     # -- the engine thread -----------------------------------------------------------------------
     def _run(self):
-        while True:
-            with self.cond:
-                while (not self.done and not self.waiting and not self._busy() and not self.inflight
-                       and self.deadline is None):
-                    self.cond.wait()
-                if self.done and not self._busy():
-                    break
-                past = self.deadline is not None and time.monotonic() >= self.deadline
-            try:
+        try:
+            while True:
+                with self.cond:
+                    while not (self.done or self.waiting or self.ended or self._busy() or self.deadline):
+                        self.cond.wait()
+                    if self.done:
+                        break
+                    past = self.deadline is not None and time.monotonic() >= self.deadline
+                self._free_ended()
                 if past:
                     self._fail_running(503, "the server is shutting down")
-                    self._drop_inflight()
                     with self.cond:
-                        if self.done:
-                            break
                         self.cond.wait(0.05)
                     continue
-                self._reap()
-                self._admit()
-                launched = self._launch()
-                keep = 2 if launched else 0      # read back all but the two newest calls
-                while len(self.inflight) > keep:
-                    self._collect(self.inflight.popleft())
-                if self.stopping and not self._busy() and not self.inflight:
-                    with self.cond:
-                        self.cond.wait(0.05)
-            except Exception:                      # a device failure: fail the batch, keep serving
-                log.exception("engine step failed")
-                self._drop_inflight()
-                self._fail_running(500, "internal error while generating; see the server log")
-                self.core.reset()
-        self._fail_running(503, "the server is shutting down")
+                try:
+                    self._reap()
+                    self._admit()
+                    if not self._launch():         # nothing to run (draining, or only waiting on results)
+                        with self.cond:
+                            self.cond.wait(0.05)
+                except Exception:                  # a device failure: fail the batch, keep serving
+                    log.exception("engine step failed")
+                    self._fail_running(500, "internal error while generating; see the server log")
+                    self.core.reset()
+        finally:
+            self._fail_running(503, "the server is shutting down")
+            self.results.put(None)
 
     def _busy(self) -> bool:
         return any(j is not None for j in self.slots)
 
     def _admit(self):
-        """Give free slots to queued requests (their prompts then wait for prefill)."""
+        """Give free slots (the lowest first, so live requests stay in the leading slots) to queued
+        requests; their prompts then wait for prefill."""
         if self.stopping:
             return
         for b in range(len(self.slots)):
@@ -270,7 +271,8 @@ class Scheduler:
                 return
             job.text = TextStream(self.engine.tokenizer, job.req.stop)
             job.slot, job.prefilled = b, 0
-            self.slots[b] = job
+            with self.cond:
+                self.slots[b] = job
             self.to_stop[b] = False            # its prefill sets the slot anew
             self.prefilling.append(job)
 
@@ -284,22 +286,21 @@ class Scheduler:
 
     def _launch(self) -> bool:
         """Launch one prefill forward where prompts wait, then a decode block where slots are live."""
-        launched = False
-        if self.prefilling:
+        prefilled = bool(self.prefilling)
+        if prefilled:
             self._launch_prefill()
-            launched = True
         decoding = [j for j in self.slots if j is not None and j not in self.prefilling]
-        if decoding:
-            n = 1 if self.prefilling else self.decode_steps
-            rows = self.shapes.decode_rows(max(j.slot for j in decoding) + 1)
-            stop = self.to_stop[:rows].copy()
-            self.to_stop[:rows] = False
-            toks = self.core.decode(n, self.decode_steps, stop, rows)
-            rec = {"kind": "decode", "steps": n, "rows": rows, "tokens": {}}
-            self.record.append(rec)
-            self.inflight.append(Launched("decode", toks, self.slots[:rows], record=rec))
-            launched = True
-        return launched
+        if not decoding:
+            return prefilled
+        n = 1 if self.prefilling else self.decode_steps
+        rows = self.shapes.decode_rows(max(j.slot for j in decoding) + 1)
+        stop = self.to_stop[:rows].copy()
+        self.to_stop[:rows] = False
+        toks = self.core.decode(n, self.decode_steps, stop, rows)
+        rec = {"kind": "decode", "steps": n, "rows": rows, "tokens": {}}
+        self.record.append(rec)
+        self.results.put(Launched("decode", toks, self.slots[:rows], record=rec))
+        return True
 
     def _launch_prefill(self):
         P, C, lengths = self.shapes.choose([len(j.req.prompt_ids) - j.prefilled for j in self.prefilling])
@@ -323,21 +324,63 @@ class Scheduler:
         self.prefilling = [j for j in self.prefilling if j.prefilled < len(j.req.prompt_ids)]
         self.record.append({"kind": "prefill", "pieces": [(j.id, int(s), int(n)) for j, s, n in
                                                           zip(jobs, start, length)]})
-        self.inflight.append(Launched("prefill", first, jobs, finals=list(final[:len(jobs)])))
+        self.results.put(Launched("prefill", first, jobs, finals=list(final[:len(jobs)])))
+
+    def _free(self, job: Job):
+        """Give a request's slot back (the engine thread only)."""
+        if job.slot >= 0 and self.slots[job.slot] is job:
+            with self.cond:
+                self.slots[job.slot] = None
+            self.to_stop[job.slot] = True
+        if job in self.prefilling:
+            self.prefilling.remove(job)
+
+    def _free_ended(self):
+        while True:
+            with self.cond:
+                if not self.ended:
+                    return
+                job = self.ended.popleft()
+            self._free(job)
+
+    def _reap(self):
+        """Free the slots of requests whose client went away or timed out."""
+        for job in [j for j in self.slots if j is not None and j.cancelled.is_set()]:
+            self._end(job, None)
+            self._free(job)
+
+    def _fail_running(self, status: int, message: str):
+        for job in [j for j in self.slots if j is not None]:
+            self._end(job, Failed(status, message))
+            self._free(job)
+
+    # -- the output thread -----------------------------------------------------------------------
+    def _read_results(self):
+        while True:
+            call = self.results.get()
+            if call is None:
+                return
+            try:
+                self._collect(call)
+            except Exception:                  # the call failed on the device: its requests fail
+                log.exception("reading a device call's results failed")
+                for job in call.jobs:
+                    if job is not None and self._end(job, Failed(500, "internal error while generating; "
+                                                                      "see the server log")):
+                        self._ended(job)
 
     def _collect(self, call: Launched):
-        """Hand a call's tokens to the requests that held the slots when it was launched; a slot
-        freed (and maybe refilled) since then ignores them."""
+        """Hand a call's tokens to the requests that held the slots when it was launched."""
         get = self.engine.layout.get
         if call.kind == "prefill":
             first = get(call.result)
             for i, job in enumerate(call.jobs):
-                if call.finals[i] and self.slots[job.slot] is job:
+                if call.finals[i] and not job.done:
                     self._take(job, [int(first[i])])
             return
         toks, count = (get(x) for x in call.result)
         for b, job in enumerate(call.jobs):
-            if job is not None and count[b] and self.slots[b] is job:
+            if job is not None and count[b] and not job.done:
                 call.record["tokens"][job.id] = int(count[b])
                 self._take(job, toks[b, :count[b]].tolist())
 
@@ -361,29 +404,23 @@ class Scheduler:
         text.append(job.text.finish())     # held-back text is final now (empty after a stop string)
         if job.text.stopped:
             reason = "stop"
-        if any(text):
-            job.emit(Delta("".join(text)))
-        job.emit(Finished(reason, job.n_tokens))
-        self.finished += 1
-        self._free(job)
+        if self._end(job, Finished(reason, job.n_tokens), "".join(text)):
+            self.finished += 1
+            self._ended(job)
 
-    def _free(self, job: Job):
+    def _ended(self, job: Job):
         with self.cond:
-            self.slots[job.slot] = None
-        self.to_stop[job.slot] = True
-        if job in self.prefilling:
-            self.prefilling.remove(job)
+            self.ended.append(job)
+            self.cond.notify()
 
-    def _reap(self):
-        """Free the slots of requests whose client went away or timed out."""
-        for job in [j for j in self.slots if j is not None and j.cancelled.is_set()]:
-            self._free(job)
-
-    def _drop_inflight(self):
-        self.inflight.clear()
-
-    def _fail_running(self, status: int, message: str):
-        jobs = [j for j in self.slots if j is not None]
-        for job in jobs:
-            self._free(job)
-            job.emit(Failed(status, message))
+    def _end(self, job: Job, event, text: str = "") -> bool:
+        """Send a request's last events (none for None), once whichever thread gets there first."""
+        with self.lock:
+            if job.done:
+                return False
+            job.done = True
+        if text:
+            job.emit(Delta(text))
+        if event is not None:
+            job.emit(event)
+        return True
