@@ -82,6 +82,9 @@ def main(argv=None) -> int:
         print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 1
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
+    # Three threads share the GIL (HTTP, the engine's launches, reading results back): with the default
+    # 5 ms switch interval one thread's Python could hold the next device launch back by that long.
+    sys.setswitchinterval(0.0005)
     import uvicorn
 
     import jaxllm

@@ -37,6 +37,25 @@ class TextStream:
             return self._emit(len(self.text))
         return self._emit(len(self.text) - self._partial_stop(self.text))
 
+    def push_many(self, tokens: list[int]) -> tuple[str, int]:
+        """Add a block of generated tokens -> (the text now safe to emit, how many of the tokens
+        were taken: all of them unless a stop string ended the text first). Without stop strings
+        the block is decoded at once, which is what a server reading a decode block back needs."""
+        if self.stop:
+            out = []
+            for i, tok in enumerate(tokens):
+                out.append(self.push(tok))
+                if self.stopped:
+                    return "".join(out), i + 1
+            return "".join(out), len(tokens)
+        if self.stopped or not tokens:
+            return "", 0
+        self.ids.extend(tokens)
+        new = self._window_text()
+        if new and not new.endswith(REPLACEMENT):
+            self._extend(new, len(self.ids))
+        return self._emit(len(self.text)), len(tokens)
+
     def finish(self) -> str:
         """The generation ended (EOS, length): everything left is final, held-back text included."""
         if not self.stopped:

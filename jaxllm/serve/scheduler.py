@@ -386,19 +386,20 @@ class Scheduler:
 
     def _take(self, job: Job, toks: list[int]):
         """Fold a request's new tokens in, emit their text as one delta, finish it when it is done."""
-        text = []
-        for tok in toks:
-            job.n_tokens += 1
-            self.generated += 1
-            if tok in self.eos and not job.req.ignore_eos:
-                return self._finish(job, "stop", text)
-            text.append(job.text.push(tok))
-            if job.text.stopped:
-                return self._finish(job, "stop", text)
-            if job.n_tokens >= job.req.max_tokens:
-                return self._finish(job, "length", text)
-        if any(text):
-            job.emit(Delta("".join(text)))
+        r = job.req
+        toks = toks[:r.max_tokens - job.n_tokens]
+        eos = next((i for i, t in enumerate(toks) if t in self.eos), None) if not r.ignore_eos else None
+        text, taken = job.text.push_many(toks if eos is None else toks[:eos])
+        stopped = job.text.stopped
+        n = taken + (1 if eos is not None and not stopped else 0)       # an EOS counts as generated
+        job.n_tokens += n
+        self.generated += n
+        if stopped or eos is not None:
+            return self._finish(job, "stop", [text])
+        if job.n_tokens >= r.max_tokens:
+            return self._finish(job, "length", [text])
+        if text:
+            job.emit(Delta(text))
 
     def _finish(self, job: Job, reason: str, text: list[str]):
         text.append(job.text.finish())     # held-back text is final now (empty after a stop string)
