@@ -132,23 +132,23 @@ class Engine:
         """A KV cache of `num_slots` rows of `max_len` positions and its slot table, on the mesh."""
         return EngineCore(self, num_slots, max_len)
 
+    def _make_state(self, batch: int, length: int) -> core.State:
+        """The one place a KV cache is made: the engine's KV policy, and an empty slot table."""
+        return core.State(make_cache(self.cfg, self.kv_layout, self.kv_options, batch, length, self.dtype),
+                          core.Slots.empty(batch))
+
     def new_state(self, batch: int, length: int) -> core.State:
         """A zeroed cache laid out on the mesh (batch over "data", KV heads over "model") and an
         empty slot table."""
         key = (batch, length)
         if key not in self._state_makers:        # one compiled allocator per cache shape
-            def make():
-                return core.State(make_cache(self.cfg, self.kv_layout, self.kv_options, batch, length, self.dtype),
-                                  core.Slots.empty(batch))
+            make = partial(self._make_state, batch, length)
             self._state_makers[key] = jax.jit(make, out_shardings=self.state_shardings(jax.eval_shape(make)))
         return self._state_makers[key]()
 
     def state_shapes(self, batch: int, length: int) -> core.State:
         """The state `new_state` makes, as shape structs with their shardings (nothing allocated)."""
-        def make():
-            return core.State(make_cache(self.cfg, self.kv_layout, self.kv_options, batch, length, self.dtype),
-                              core.Slots.empty(batch))
-        shapes = jax.eval_shape(make)
+        shapes = jax.eval_shape(partial(self._make_state, batch, length))
         return jax.tree_util.tree_map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                                       shapes, self.state_shardings(shapes))
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import core, kernels
 from ..sharding import layout_for
-from ..split_cache import KVOptions, RingKV, choose_layout, make_cache
+from ..split_cache import KVOptions, RingKV, choose_layout
 from ..engine import DTYPES, check_sampling
 from ..errors import JaxllmError, RequestError
 from ..sampling import SamplingParams
@@ -144,13 +144,6 @@ def median_ms(times: list[float]) -> float:
     return float(np.median(times)) * 1e3
 
 
-def cache_shapes(cfg, batch: int, length: int, dtype, kv_quant: str = "none", opts: KVOptions | None = None):
-    """The cache the engine would use for `length` positions under `kv_quant`, as shape structs."""
-    opts = opts or KVOptions()
-    layout = choose_layout(kv_quant, length, opts)
-    return jax.eval_shape(lambda: make_cache(cfg, layout, opts, batch, length, dtype))
-
-
 def filled_ring_positions(pos: jax.Array, ctx: int) -> jax.Array:
     """Slot positions of rings [n, B, W] that have been written up to position ctx - 1 (random ones
     would mostly fall outside the window, and a kernel skips the reads of slots it cannot see)."""
@@ -243,7 +236,7 @@ def run_point(eng, fam, batch, a, ceilings, mem_limit) -> Point:
     p.roofline_ms = cost.bytes / (ceilings.bandwidth * a.tp) * 1e3
     p.compute_ms = cost.flops / (ceilings.matmul_flops * a.tp) * 1e3
     p.ceiling_tok_s = batch / max(p.roofline_ms, p.compute_ms) * 1e3
-    cache_bytes = nbytes(cache_shapes(cfg, batch, a.ctx + a.steps, dtype, a.kv_quant, a.kv_options)) // a.tp
+    cache_bytes = nbytes(eng.state_shapes(batch, a.ctx + a.steps).cache) // a.tp
     if mem_limit and nbytes(weights) // a.tp + cache_bytes > 0.9 * mem_limit:
         p.skipped = f"KV cache of {cache_bytes / 2**30:.1f} GiB does not fit next to the weights"
         return p

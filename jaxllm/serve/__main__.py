@@ -108,6 +108,7 @@ def main(argv=None) -> int:
     except JaxllmError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    log.info("model loaded %.1f s after start", time.monotonic() - STARTED)
     limit = engine.cfg.max_position
     if args.max_model_len is not None and args.max_model_len > limit:
         print(f"error: --max-model-len {args.max_model_len} exceeds the model's maximum of {limit} positions",
