@@ -240,6 +240,17 @@ class EngineCore:
         return toks, count
 
     # -- lockstep batches: every row a prompt, prefilled in chunks ----------------------------------
+    def prepare(self, longest: int, n_steps: int) -> float:
+        """Compile what `prefill_prompts` of prompts up to `longest` tokens and `run_to_completion(
+        n_steps)` call, if not compiled yet. -> seconds it took."""
+        e, B = self.engine, self.num_slots
+        C, _ = e.chunking(longest)
+        state = e.state_shapes(B, self.max_len)
+        calls = [("prefill", (state, e.row_shapes(Pieces.shapes(B, C, rows=True)), None), {"out": "sample"})]
+        if n_steps >= 1:
+            calls.append(("decode", (state, np.int32(1), None), {"max_steps": bucket(n_steps, 1), "rows": None}))
+        return e.precompile(calls)
+
     def _chunks(self, tokens: np.ndarray, lens: np.ndarray, chunk: int):
         """(start, tokens [B, chunk], lengths [B]) of each chunk of right-padded rows."""
         for s in range(0, tokens.shape[1], chunk):
@@ -265,7 +276,7 @@ class EngineCore:
         """Decode every live slot until it is done or has n_steps more tokens, in one loop."""
         if n_steps < 1:
             return np.zeros((self.num_slots, 0), np.int32), np.zeros((self.num_slots,), np.int32)
-        toks, count = self.decode(n_steps, bucket(n_steps, 1))
+        toks, count = self.decode(n_steps, bucket(n_steps, 1), rows=None)
         get = self.engine.layout.get
         return get(toks), get(count)
 

@@ -41,6 +41,7 @@ class GenerateStats:
     ttft_s: float = 0.0
     decode_s: float = 0.0
     steps: int = 0             # decode steps after the first token
+    compile_s: float = 0.0     # compiling the calls this run needed (not part of ttft_s or decode_s)
 
 
 def check_sampling(max_tokens, temperature, top_k, top_p):
@@ -80,6 +81,7 @@ class Engine:
                                        donate_argnames=("state",))}
         self._executables: dict = {}
         self.compile_s = 0.0          # seconds spent compiling the core's calls so far
+        self.on_compile = None        # on_compile(n_calls) -> a callable to call when they are done
 
     # -- the core's compiled calls ----------------------------------------------------------------
     def run(self, name: str, *args, **static):
@@ -112,6 +114,9 @@ class Engine:
         t0 = time.perf_counter()
         keys = list(dict.fromkeys(_signature(*c) for c in calls if _signature(*c) not in self._executables))
         todo = {k: c for c in calls for k in [_signature(*c)] if k in keys}
+        if not todo:
+            return 0.0
+        done = self.on_compile(len(todo)) if self.on_compile else None
         workers = threads or max(1, min(len(todo), os.cpu_count() or 2))
         traced = 0.0
         with cf.ThreadPoolExecutor(workers) as pool:
@@ -127,6 +132,8 @@ class Engine:
         dt = time.perf_counter() - t0
         log.info("%d calls compiled in %.1f s (%.1f s of it tracing and lowering, %d compile threads)",
                  len(todo), dt, traced, workers)
+        if done is not None:
+            done()
         self.compile_s += dt
         return dt
 
@@ -227,26 +234,30 @@ class Engine:
     def generate_ids(self, ids: list[list[int]], max_tokens=64, temperature=0.0, top_k=None,
                      top_p=None, seed=0, stop=None) -> list[Completion]:
         """The lockstep batch: every row admitted into a cache of its own size, prefilled in chunks,
-        then decoded to completion in one on-device loop."""
+        then decoded to completion in one on-device loop. What it needs compiled is compiled first,
+        so `stats` times the run itself."""
         check_sampling(max_tokens, temperature, top_k, top_p)
         lens = [len(x) for x in ids]
         if min(lens) == 0:
             raise RequestError("a prompt encoded to no tokens")
-        if max(lens) > self.max_ctx - 1:
-            raise RequestError(f"prompt of {max(lens)} tokens does not fit max_ctx {self.max_ctx} "
-                               f"(it needs room for at least one new token)")
+        n = max(lens)
+        if n + max_tokens > self.max_ctx:
+            raise RequestError(f"a prompt of {n} tokens and max_tokens {max_tokens} need {n + max_tokens} "
+                               f"positions, more than max_ctx {self.max_ctx}: lower max_tokens to at most "
+                               f"{max(self.max_ctx - n, 0)} or raise max_ctx")
         B = len(ids)
-        S = min(bucket(max(lens) + max_tokens), self.max_ctx)
-        row_max = np.array([min(max_tokens, S - n) for n in lens], np.int32)
+        S = min(bucket(n + max_tokens), self.max_ctx)
         check_fits(self.kv_plan(B, S))
         params = SamplingParams.make(B, temperature, top_k, top_p, seed)
-        t0 = time.perf_counter()
         eng_core = self.core(B, S)
-        first = eng_core.prefill_prompts(ids, params, row_max)
+        compile_s = eng_core.prepare(n, max_tokens - 1)
+        t0 = time.perf_counter()
+        first = eng_core.prefill_prompts(ids, params, np.full(B, max_tokens, np.int32))
         t1 = time.perf_counter()
-        rest, count = eng_core.run_to_completion(int(row_max.max()) - 1)
+        rest, count = eng_core.run_to_completion(max_tokens - 1)
         t2 = time.perf_counter()
-        self.stats = GenerateStats(B, sum(lens), int(B + count.sum()), t1 - t0, t2 - t1, int(count.max(initial=0)))
+        self.stats = GenerateStats(B, sum(lens), int(B + count.sum()), t1 - t0, t2 - t1, int(count.max(initial=0)),
+                                   compile_s)
         return [self._finish(ids[b], [int(first[b])] + rest[b, :count[b]].tolist(), stop) for b in range(B)]
 
     def _finish(self, prompt_ids, new_ids, stop) -> Completion:

@@ -8,6 +8,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # TF32 (errors near 1e-3), which the kernel tests' tolerances would otherwise measure when they run
 # compiled there. CPUs compute float32 dots in full either way.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+# The front ends turn JAX's persistent compilation cache on; the suite's processes (both workers,
+# the servers and CLIs they start) share one folder of their own, so each step compiles once a run.
+os.environ.setdefault("JAXLLM_COMPILATION_CACHE", os.path.join(__import__("tempfile").gettempdir(),
+                                                               f"jaxllm-test-xla-{os.getuid()}"))
 sys.path.insert(0, os.path.dirname(__file__))
 
 

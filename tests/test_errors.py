@@ -119,3 +119,10 @@ def test_bad_flags(flags, needle):
 def test_prompt_longer_than_max_ctx():
     r = infer("--raw-prompt", "--prompt", "word " * 200, "--max-ctx", "64", "--max-tokens", "4")
     assert_one_line_error(r, "max_ctx", "64")
+
+
+def test_max_tokens_beyond_the_context():
+    """A prompt and --max-tokens that need more positions than the context (the embedded model's
+    default of 8192) are refused with both numbers, not run until killed."""
+    r = infer("--raw-prompt", "--prompt", "The capital of France is", "--max-tokens", "10000000")
+    assert_one_line_error(r, "max_tokens 10000000", "max_ctx 8192")

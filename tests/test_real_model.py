@@ -84,7 +84,7 @@ def test_cli_continuation_and_json():
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 2
     keys = {"prompt", "text", "token_ids", "num_prompt_tokens", "num_new_tokens", "ttft_ms", "decode_tok_s",
-            "finish_reason"}
+            "finish_reason", "load_s", "compile_s"}
     for line in lines:
         rec = json.loads(line)
         assert set(rec) == keys

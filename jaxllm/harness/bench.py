@@ -92,10 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="decode sampling: 0 is greedy")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--out", default="bench.json", help="JSON results path")
+    p.add_argument("--out", default="bench-results/bench.json", help="JSON results path (its folder is made)")
     p.add_argument("--plot", default=None, help="PNG plot path (default: --out with .png)")
     p.add_argument("--probe-mib", type=int, default=None, help="bandwidth probe size (default: by device)")
     p.add_argument("--matmul-n", type=int, default=None, help="matmul probe size n (n x n x n)")
+    from ..compilation_cache import add_flag
+    add_flag(p)
     return p
 
 
@@ -370,6 +372,8 @@ def main(argv=None) -> int:
         from .serve_bench import main as serve_main
         return serve_main([x for x in argv if x != "--serve"])
     a = build_parser().parse_args(argv)
+    from ..compilation_cache import enable
+    enable(a.compilation_cache)
     try:
         check_args(a)
         return sweep(a)

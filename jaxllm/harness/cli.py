@@ -38,12 +38,21 @@ def add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel degree (default: all local devices)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="activation/compute dtype")
     from .. import distributed
+    from ..compilation_cache import add_flag
     distributed.add_args(p)
+    add_flag(p)
 
 
 def load_engine(args, quiet: bool = False):
+    """The engine the flags ask for; `args.load_s` gets the seconds loading took. On a terminal a
+    line shows the load's progress, then each compile's."""
+    import time
+
     import jaxllm
     from .. import distributed
+    from ..compilation_cache import enable
+    t0 = time.perf_counter()
+    enable(args.compilation_cache)
     if distributed.init_from_args(args) and not distributed.is_main_process():
         sys.stdout = open(os.devnull, "w")     # every process computes; process 0 prints
         quiet = True
@@ -68,11 +77,36 @@ def load_engine(args, quiet: bool = False):
             bar.close()
         for w in caught:
             sys.stderr.write(f"warning: {w.message}\n")
+    args.load_s = time.perf_counter() - t0
     # on stderr, so --json output stays clean; always shown when the split long-context cache is used
     if eng.kv_layout.split or (not quiet and sys.stderr.isatty()):
         from ..kv_plan import report
         report(eng.kv_plan(1))
+    if not quiet and sys.stderr.isatty():
+        eng.on_compile = compile_ticker
     return eng
+
+
+def compile_ticker(n: int):
+    """A line on stderr that counts the seconds while `n` calls compile (the first run of a shape
+    can take a while; later runs read JAX's compilation cache); -> the function that clears it."""
+    import threading
+    import time
+    stop, t0 = threading.Event(), time.perf_counter()
+
+    def tick():
+        while not stop.wait(0.25):
+            sys.stderr.write(f"\rcompiling {n} step{'s' if n > 1 else ''}... {time.perf_counter() - t0:.0f} s")
+            sys.stderr.flush()
+    thread = threading.Thread(target=tick, daemon=True)
+    thread.start()
+
+    def done():
+        stop.set()
+        thread.join()
+        sys.stderr.write("\r\033[K")
+        sys.stderr.flush()
+    return done
 
 
 @contextmanager

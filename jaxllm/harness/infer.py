@@ -63,20 +63,22 @@ def run_generate(args, eng):
                         chat=not args.raw_prompt)
     st = eng.stats
     ttft_ms = st.ttft_s * 1000
-    decode_steps = max(st.steps - 1, 0)
-    tok_s = (decode_steps * st.batch / st.decode_s) if st.decode_s > 0 else 0.0
+    # tokens after each row's first, over the loop's time (rows that stopped early count what they made)
+    tok_s = (st.new_tokens - st.batch) / st.decode_s if st.decode_s > 0 else 0.0
+    load_s = getattr(args, "load_s", 0.0)
     for p, c in zip(prompts, outs):
         if args.json:
             print(json.dumps({"prompt": p, "text": c.text, "token_ids": c.token_ids,
                               "num_prompt_tokens": len(c.prompt_token_ids), "num_new_tokens": len(c.token_ids),
                               "ttft_ms": round(ttft_ms, 3), "decode_tok_s": round(tok_s, 3),
-                              "finish_reason": c.finish_reason}, ensure_ascii=False), flush=True)
+                              "finish_reason": c.finish_reason, "load_s": round(load_s, 3),
+                              "compile_s": round(st.compile_s, 3)}, ensure_ascii=False), flush=True)
         else:
             print(c.text if len(outs) == 1 else f"--- {p[:60]!r}\n{c.text}", flush=True)
     if not args.json:
         sys.stderr.write(f"[{eng.name}] batch {st.batch}: {st.prompt_tokens} prompt + {st.new_tokens} new tokens, "
-                         f"TTFT {ttft_ms:.1f} ms, decode {tok_s:.1f} tok/s "
-                         f"(first call includes compilation)\n")
+                         f"TTFT {ttft_ms:.1f} ms, decode {tok_s:.1f} tok/s; load {load_s:.1f} s, "
+                         f"compile {st.compile_s:.1f} s\n")
 
 
 def main(argv=None):

@@ -44,6 +44,17 @@ class Level:
     ratio: float | None = None
 
 
+def length_range(s: str) -> tuple[int, int]:
+    try:
+        lo, _, hi = s.partition(":")
+        r = (int(lo), int(hi or lo))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or LO:HI, got {s!r}") from None
+    if not 1 <= r[0] <= r[1]:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {s!r}")
+    return r
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jaxllm.bench --serve", description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group(required=True)
@@ -51,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model-dir", help="serve this model")
     src.add_argument("--url", help="a running server to load instead (no fused-loop reference)")
     p.add_argument("--concurrency", type=int_list, default=[1, 16, 64], help="comma-separated client counts")
-    p.add_argument("--prompt-len", type=int, default=100)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--prompt-len", type=length_range, default=(100, 100),
+                   help="prompt tokens: N, or LO:HI for lengths drawn uniformly")
+    p.add_argument("--output-len", type=length_range, default=(128, 128), help="new tokens: N, or LO:HI")
     p.add_argument("--rounds", type=int, default=4, help="requests each client sends, one after another")
     p.add_argument("--vocab", type=int, default=None, help="prompt ids are drawn below this (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="server slots (default: the largest concurrency)")
@@ -195,11 +207,15 @@ async def run_level(url: str, c: int, a, rng) -> Level:
     from urllib.parse import urlparse
     u = urlparse(url)
     conns = [Connection(u.hostname, u.port or 80) for _ in range(c)]
-    prompts = [rng.integers(0, a.vocab, a.prompt_len).tolist() for _ in range(c * a.rounds)]
+    n = c * a.rounds
+    prompts = [rng.integers(0, a.vocab, rng.integers(a.prompt_len[0], a.prompt_len[1] + 1)).tolist()
+               for _ in range(n)]
+    outs = rng.integers(a.output_len[0], a.output_len[1] + 1, n).tolist()
     await one_request(conns[0], prompts[0][:8], 4)                 # the server awake
 
     async def client(i):
-        return [await one_request(conns[i], prompts[i * a.rounds + k], a.output_len) for k in range(a.rounds)]
+        return [await one_request(conns[i], prompts[i * a.rounds + k], outs[i * a.rounds + k])
+                for k in range(a.rounds)]
     t0 = time.perf_counter()
     results = [r for rs in await asyncio.gather(*(client(i) for i in range(c))) for r in rs]
     duration = time.perf_counter() - t0
@@ -222,7 +238,7 @@ def fused_reference(a, ctx: int) -> tuple[dict, dict]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "fused_loop.json"
         cmd = [sys.executable, "-m", "jaxllm.bench", *src, "--batches", ",".join(map(str, a.concurrency)),
-               "--ctx", str(ctx), "--steps", str(a.output_len), "--quant", a.quant, "--kv-quant", a.kv_quant,
+               "--ctx", str(ctx), "--steps", str(a.output_len[1]), "--quant", a.quant, "--kv-quant", a.kv_quant,
                "--out", str(path)] + (["--tp", str(a.tp)] if a.tp else [])
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
@@ -234,8 +250,10 @@ def fused_reference(a, ctx: int) -> tuple[dict, dict]:
 def table(rep: dict) -> str:
     s = rep["settings"]
     ready = "" if rep.get("ready_s") is None else f"; server ready {rep['ready_s']:.1f} s after start"
-    head = (f"serving {rep['subject']} on {rep.get('device', '?')}: prompts of {s['prompt_len']} tokens, "
-            f"{s['output_len']} new, {s['rounds']} requests a client; fused loop at ctx {s['fused_ctx']}{ready}")
+    def span(r):
+        return str(r[0]) if r[0] == r[1] else f"{r[0]}-{r[1]}"
+    head = (f"serving {rep['subject']} on {rep.get('device', '?')}: prompts of {span(s['prompt_len'])} tokens, "
+            f"{span(s['output_len'])} new, {s['rounds']} requests a client; fused loop at ctx {s['fused_ctx']}{ready}")
     cols = ["clients", "requests", "tok/s", "fused tok/s", "ratio", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
             "ITL p50", "ITL p99", "failed"]
     rows = []
@@ -254,10 +272,10 @@ def table(rep: dict) -> str:
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
-    if min(a.concurrency) < 1 or a.prompt_len < 1 or a.output_len < 2 or a.rounds < 1:
-        raise SystemExit("--concurrency, --prompt-len, --rounds must be >= 1 and --output-len >= 2")
+    if min(a.concurrency) < 1 or a.output_len[0] < 2 or a.rounds < 1:
+        raise SystemExit("--concurrency and --rounds must be >= 1 and --output-len >= 2")
     a.max_num_seqs = a.max_num_seqs or max(a.concurrency)
-    a.max_model_len = a.max_model_len or -(-(a.prompt_len + a.output_len) // 64) * 64
+    a.max_model_len = a.max_model_len or -(-(a.prompt_len[1] + a.output_len[1]) // 64) * 64
     if a.vocab is None:
         if a.url:
             a.vocab = 1000
@@ -268,7 +286,7 @@ def main(argv=None) -> int:
             a.vocab = 1000            # ids every vocabulary holds
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    ctx = a.prompt_len + a.output_len // 2
+    ctx = (sum(a.prompt_len) + sum(a.output_len) // 2) // 2        # a request's mean decode context
     ref, ref_rep = ({}, None) if a.url or a.no_reference else fused_reference(a, ctx)
     server = None
     ready = None
