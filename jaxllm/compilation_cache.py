@@ -1,6 +1,13 @@
-"""JAX's persistent compilation cache, on by default for every front end: a process that compiles
-a step another process has compiled already (same program, same devices, same JAX) reads the
-executable from disk instead.
+"""Compiled steps kept on disk, on by default for every front end, in two layers:
+
+- JAX's persistent compilation cache: a process that compiles a program another process compiled
+  already (same program, same devices, same JAX) reads the executable instead of running XLA.
+- The engine's own executables (`executables/` beside it, for the engines the front ends make):
+  the core's prefill and decode calls, serialized whole, under a key of everything that shapes them
+  (this package's source, JAX's version, the devices and mesh, the model's configuration and weight
+  layout, the call's arguments, the environment that picks code paths). A hit skips tracing and
+  lowering too, which for a model with Pallas kernels is most of a warm start. A library user who
+  changes code paths inside a process (tests patching functions) must not have it on.
 
 The folder is `$JAXLLM_COMPILATION_CACHE`, else `$XDG_CACHE_HOME/jaxllm/xla` (`~/.cache/jaxllm/xla`);
 `--compilation-cache DIR` moves it and `--compilation-cache off` (or the variable set to `off`) turns
@@ -8,13 +15,19 @@ it off.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import os
+import pickle
 from pathlib import Path
 
 log = logging.getLogger("jaxllm")
 OFF = ("off", "none", "0", "false", "no")
 MIN_COMPILE_SECONDS = 0.5           # compiles quicker than this are not worth a file
+# Environment that changes what the engine traces or how XLA compiles it.
+KEY_ENV = ("XLA_FLAGS", "JAXLLM_KERNELS", "JAXLLM_LAYER_SCAN", "JAXLLM_SCAN_UNROLL", "JAXLLM_INT8_WIDEN",
+           "JAX_DEFAULT_MATMUL_PRECISION")
 
 
 def default_dir() -> Path:
@@ -46,6 +59,77 @@ def enable(flag: str | None = None) -> Path | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
+
+
+def executables_folder(path: Path | None) -> Path | None:
+    """Where a front end's engine keeps its executables, for the folder `enable` returned."""
+    return None if path is None else path / "executables"
+
+
+# -- the engine's executables ------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """sha256 of every Python file of this package: a changed line is a different program."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def describe(tree) -> str:
+    """A pytree's structure, and each leaf's shape, dtype and sharding."""
+    import jax
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    parts = [str(treedef)]
+    for x in leaves:
+        sharding = getattr(x, "sharding", None)
+        parts.append(f"{getattr(x, 'shape', ())}:{getattr(x, 'dtype', type(x).__name__)}:{sharding}")
+    return "|".join(parts)
+
+
+def executable_key(*material) -> str:
+    import jax
+    import jaxlib
+    h = hashlib.sha256()
+    for part in (source_digest(), jax.__version__, jaxlib.__version__, str(jax.config.read("jax_enable_x64")),
+                 *(f"{k}={os.environ.get(k, '')}" for k in KEY_ENV), *material):
+        h.update(str(part).encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def load_executable(folder: Path | None, key: str):
+    """The executable stored under `key` in `folder`, or None (none stored, off, or unreadable)."""
+    if folder is None:
+        return None
+    path = folder / f"{key}.bin"
+    try:
+        payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+        from jax.experimental.serialize_executable import deserialize_and_load
+        return deserialize_and_load(payload, in_tree, out_tree)
+    except FileNotFoundError:
+        return None
+    except Exception as e:                      # damaged or from an incompatible runtime: compile anew
+        log.warning("compiled step %s unreadable (%s: %s); compiling it again", path.name, type(e).__name__, e)
+        path.unlink(missing_ok=True)
+        return None
+
+
+def store_executable(folder: Path | None, key: str, compiled) -> None:
+    """Keep `compiled` under `key` in `folder`, written whole or not at all."""
+    if folder is None:
+        return
+    try:
+        from jax.experimental.serialize_executable import serialize
+        blob = pickle.dumps(serialize(compiled))
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f"{key}.{os.getpid()}.tmp"
+        tmp.write_bytes(blob)
+        os.replace(tmp, folder / f"{key}.bin")
+    except Exception as e:                      # a read-only disk, or a step that cannot be serialized
+        log.info("compiled step not kept (%s: %s)", type(e).__name__, e)
 
 
 def add_flag(parser) -> None:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import core, kernels
+from . import compilation_cache, core, kernels
 from .config import ModelConfig
 from .core import EngineCore, bucket
 from .errors import RequestError
@@ -82,6 +82,7 @@ class Engine:
         self._executables: dict = {}
         self.compile_s = 0.0          # seconds spent compiling the core's calls so far
         self.on_compile = None        # on_compile(n_calls) -> a callable to call when they are done
+        self.steps_cache = None       # a folder to keep the compiled calls in (`compilation_cache`)
 
     # -- the core's compiled calls ----------------------------------------------------------------
     def run(self, name: str, *args, **static):
@@ -97,14 +98,30 @@ class Engine:
         return exe
 
     def _compile(self, name: str, args, static: dict):
-        """Lower under this engine's layout (the kernels run per device on the mesh's shards) and
-        compile."""
+        """The call read from the compiled-steps cache, or lowered under this engine's layout (the
+        kernels run per device on the mesh's shards), compiled and kept there."""
         t0 = time.perf_counter()
-        with kernels.use_layout(self.layout):
-            lowered = self._fns[name].lower(self.weights, *args, **static)
-        exe = lowered.compile()
+        key = self._disk_key(name, args, static)
+        exe = compilation_cache.load_executable(self.steps_cache, key)
+        if exe is None:
+            exe = self._lower(name, args, static).compile()
+            compilation_cache.store_executable(self.steps_cache, key, exe)
         self.compile_s += time.perf_counter() - t0
         return exe
+
+    def _lower(self, name: str, args, static: dict):
+        with kernels.use_layout(self.layout):
+            return self._fns[name].lower(self.weights, *args, **static)
+
+    def _disk_key(self, name: str, args, static: dict) -> str | None:
+        if self.steps_cache is None:
+            return None
+        mesh = self.layout.mesh
+        devices = [(d.platform, d.device_kind, d.id) for d in mesh.devices.flat]
+        return compilation_cache.executable_key(
+            name, sorted(static.items()), self.cfg, self.dtype_name, self.quant, self.kv_layout, self.kv_options,
+            devices, mesh.shape, jax.process_count(), compilation_cache.describe(self.weights),
+            compilation_cache.describe(args))
 
     def precompile(self, calls: list[tuple[str, tuple, dict]], threads: int | None = None) -> float:
         """Compile every (name, args, static) call not compiled yet: each is traced and lowered in
@@ -116,22 +133,33 @@ class Engine:
         todo = {k: c for c in calls for k in [_signature(*c)] if k in keys}
         if not todo:
             return 0.0
-        done = self.on_compile(len(todo)) if self.on_compile else None
+        loaded = 0
+        for key in list(todo):                  # read back what an earlier process compiled
+            exe = compilation_cache.load_executable(self.steps_cache, self._disk_key(*todo[key]))
+            if exe is not None:
+                self._executables[key] = exe
+                del todo[key]
+                loaded += 1
+        done = self.on_compile(len(todo)) if self.on_compile and todo else None
         workers = threads or max(1, min(len(todo), os.cpu_count() or 2))
         traced = 0.0
+
+        def compile_and_keep(lowered, disk_key):
+            exe = lowered.compile()
+            compilation_cache.store_executable(self.steps_cache, disk_key, exe)
+            return exe
         with cf.ThreadPoolExecutor(workers) as pool:
             futures = {}
             for key, (name, args, static) in todo.items():
                 t = time.perf_counter()
-                with kernels.use_layout(self.layout):
-                    lowered = self._fns[name].lower(self.weights, *args, **static)
+                lowered = self._lower(name, args, static)
                 traced += time.perf_counter() - t
-                futures[key] = pool.submit(lowered.compile)
+                futures[key] = pool.submit(compile_and_keep, lowered, self._disk_key(name, args, static))
             for key, fut in futures.items():
                 self._executables[key] = fut.result()
         dt = time.perf_counter() - t0
-        log.info("%d calls compiled in %.1f s (%.1f s of it tracing and lowering, %d compile threads)",
-                 len(todo), dt, traced, workers)
+        log.info("%d calls compiled in %.1f s (%.1f s of it tracing and lowering, %d compile threads), %d read "
+                 "from the compiled-steps cache", len(todo), dt, traced, workers, loaded)
         if done is not None:
             done()
         self.compile_s += dt

@@ -1,5 +1,6 @@
-"""JAX's persistent compilation cache, as every front end turns it on: a second process compiling
-the same steps reads them from the cache folder."""
+"""Compiled steps kept on disk, as every front end turns them on: a second process compiling the
+same steps reads them (JAX's compilation cache for any program, the engine's executables for its
+prefill and decode calls), and a damaged executable is compiled again."""
 import json
 import os
 import subprocess
@@ -11,31 +12,44 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = """
 import json, sys
 import jax
-from jaxllm.compilation_cache import enable
+from jaxllm import compilation_cache as cc
 hits = []
 jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name) if name.endswith("cache_hits") else None)
-assert enable(sys.argv[2]) is not None
+path = cc.enable(sys.argv[2])
 import jaxllm
 eng = jaxllm.load(sys.argv[1], quant="none", dtype="float32", max_ctx=64)
-eng.generate_ids([[1, 2, 3]], max_tokens=6)
-print(json.dumps({"hits": len(hits), "compile_s": eng.stats.compile_s}))
+if sys.argv[3] == "steps":
+    eng.steps_cache = cc.executables_folder(path)
+out = eng.generate_ids([[1, 2, 3]], max_tokens=6)[0].token_ids
+print(json.dumps({"hits": len(hits), "compile_s": eng.stats.compile_s, "tokens": out}))
 """
+
+
+def run(model, cache, mode):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    r = subprocess.run([sys.executable, "-c", SCRIPT, str(model), str(cache), mode], capture_output=True, text=True,
+                       timeout=600, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
 
 
 def test_second_process_reads_the_compiled_steps(tmp_path):
     tiny.make("gemma3", tmp_path / "m")
-    cache = tmp_path / "xla"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
-    runs = []
-    for _ in range(2):
-        r = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "m"), str(cache)], capture_output=True,
-                           text=True, timeout=600, env=env, cwd=ROOT)
-        assert r.returncode == 0, r.stderr[-3000:]
-        runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
-    print(runs)
-    assert any(cache.iterdir())                      # the first run wrote the folder
-    assert runs[1]["hits"] >= 2                      # the prefill and the decode loop, at least
-    assert runs[1]["compile_s"] < runs[0]["compile_s"]
+    xla, steps = tmp_path / "xla", tmp_path / "steps"
+    first, _ = run(tmp_path / "m", xla, "xla")              # JAX's cache alone
+    second, _ = run(tmp_path / "m", xla, "xla")
+    assert any(xla.iterdir()) and second["hits"] >= 2      # the prefill and the decode loop, at least
+    cold, _ = run(tmp_path / "m", steps, "steps")           # the engine's executables too
+    files = sorted((steps / "executables").glob("*.bin"))
+    assert len(files) == 2
+    warm, _ = run(tmp_path / "m", steps, "steps")
+    print(first, second, cold, warm)
+    assert warm["hits"] == 0 and warm["compile_s"] < cold["compile_s"] / 4     # not even traced
+    assert first["tokens"] == second["tokens"] == cold["tokens"] == warm["tokens"]
+    files[0].write_bytes(files[0].read_bytes()[:100])      # damaged: compiled again, with a warning
+    again, err = run(tmp_path / "m", steps, "steps")
+    assert again["tokens"] == cold["tokens"] and "unreadable" in err and "Traceback" not in err
+    assert files[0].stat().st_size > 100
 
 
 def test_off_and_folder_resolution(tmp_path, monkeypatch):
@@ -46,3 +60,4 @@ def test_off_and_folder_resolution(tmp_path, monkeypatch):
     assert cc.resolve("off") is None and cc.resolve(str(tmp_path / "x")) == tmp_path / "x"
     monkeypatch.setenv("JAXLLM_COMPILATION_CACHE", "off")
     assert cc.resolve() is None and cc.resolve(str(tmp_path / "y")) == tmp_path / "y"
+    assert cc.executables_folder(None) is None

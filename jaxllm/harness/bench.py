@@ -373,7 +373,7 @@ def main(argv=None) -> int:
         return serve_main([x for x in argv if x != "--serve"])
     a = build_parser().parse_args(argv)
     from ..compilation_cache import enable
-    enable(a.compilation_cache)
+    a.cache = enable(a.compilation_cache)
     try:
         check_args(a)
         return sweep(a)
@@ -394,6 +394,8 @@ def sweep(a) -> int:
     a.layout = layout_for(a.tp)
     eng, fam, subject = load_subject(a)
     cfg, weights = eng.cfg, eng.weights
+    from ..compilation_cache import executables_folder
+    eng.steps_cache = executables_folder(getattr(a, "cache", None))
     device = jax.devices()[0]
     ceilings = ceil.measure(a.probe_mib << 20 if a.probe_mib else None, a.matmul_n, device)
     mem = device_memory(device)

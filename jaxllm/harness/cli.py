@@ -52,7 +52,7 @@ def load_engine(args, quiet: bool = False):
     from .. import distributed
     from ..compilation_cache import enable
     t0 = time.perf_counter()
-    enable(args.compilation_cache)
+    cache = enable(args.compilation_cache)
     if distributed.init_from_args(args) and not distributed.is_main_process():
         sys.stdout = open(os.devnull, "w")     # every process computes; process 0 prints
         quiet = True
@@ -78,6 +78,8 @@ def load_engine(args, quiet: bool = False):
         for w in caught:
             sys.stderr.write(f"warning: {w.message}\n")
     args.load_s = time.perf_counter() - t0
+    from ..compilation_cache import executables_folder
+    eng.steps_cache = executables_folder(cache)
     # on stderr, so --json output stays clean; always shown when the split long-context cache is used
     if eng.kv_layout.split or (not quiet and sys.stderr.isatty()):
         from ..kv_plan import report

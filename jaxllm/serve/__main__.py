@@ -109,6 +109,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     log.info("model loaded %.1f s after start", time.monotonic() - STARTED)
+    from jaxllm.compilation_cache import executables_folder
+    engine.steps_cache = executables_folder(cache)
     limit = engine.cfg.max_position
     if args.max_model_len is not None and args.max_model_len > limit:
         print(f"error: --max-model-len {args.max_model_len} exceeds the model's maximum of {limit} positions",
