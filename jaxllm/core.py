@@ -272,11 +272,13 @@ class EngineCore:
         firsts = np.stack([self.engine.layout.get(f) for f in firsts])
         return firsts[np.argmax(np.stack(finals), axis=0), np.arange(B)]
 
-    def run_to_completion(self, n_steps: int) -> tuple[np.ndarray, np.ndarray]:
-        """Decode every live slot until it is done or has n_steps more tokens, in one loop."""
+    def run_to_completion(self, n_steps: int, steps: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Decode every live slot until it is done or has n_steps more tokens, in one loop (of
+        `steps` steps where given: 0 runs the compiled loop once without a step, so that its first
+        run's costs stay out of a timed one)."""
         if n_steps < 1:
             return np.zeros((self.num_slots, 0), np.int32), np.zeros((self.num_slots,), np.int32)
-        toks, count = self.decode(n_steps, bucket(n_steps, 1), rows=None)
+        toks, count = self.decode(n_steps if steps is None else steps, bucket(n_steps, 1), rows=None)
         get = self.engine.layout.get
         return get(toks), get(count)
 
