@@ -57,9 +57,9 @@ def length_range(s: str) -> tuple[int, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jaxllm.bench --serve", description=__doc__.splitlines()[0])
-    src = p.add_mutually_exclusive_group(required=True)
+    src = p.add_mutually_exclusive_group()
     src.add_argument("--shape", help="serve random weights of this architecture (token-id prompts)")
-    src.add_argument("--model-dir", help="serve this model")
+    src.add_argument("--model-dir", help="serve this model (default: the embedded one)")
     src.add_argument("--url", help="a running server to load instead (no fused-loop reference)")
     p.add_argument("--concurrency", type=int_list, default=[1, 16, 64], help="comma-separated client counts")
     p.add_argument("--prompt-len", type=length_range, default=(100, 100),
@@ -88,8 +88,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def source_args(a) -> list[str]:
+    return ["--shape", a.shape] if a.shape else ["--model-dir", a.model_dir] if a.model_dir else []
+
+
 def server_args(a) -> list[str]:
-    src = ["--shape", a.shape] if a.shape else ["--model-dir", a.model_dir]
+    src = source_args(a)
     opt = {"--max-num-seqs": a.max_num_seqs, "--max-model-len": a.max_model_len, "--tp": a.tp,
            "--max-num-batched-tokens": a.max_num_batched_tokens, "--decode-steps": a.decode_steps,
            "--compilation-cache": a.compilation_cache}
@@ -234,7 +238,7 @@ async def run_level(url: str, c: int, a, rng) -> Level:
 def fused_reference(a, ctx: int) -> tuple[dict, dict]:
     """The fused decode loop at each concurrency as batch, from `python -m jaxllm.bench` (its whole
     report goes into this one's)."""
-    src = ["--shape", a.shape] if a.shape else ["--model-dir", a.model_dir]
+    src = source_args(a) or ["--shape", "gemma3-270m"]        # the embedded model's architecture
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "fused_loop.json"
         cmd = [sys.executable, "-m", "jaxllm.bench", *src, "--batches", ",".join(map(str, a.concurrency)),
@@ -308,7 +312,7 @@ def main(argv=None) -> int:
     finally:
         if server is not None:
             server.stop()
-    rep = {"subject": a.shape or a.model_dir or a.url, "date": datetime.datetime.now(datetime.timezone.utc)
+    rep = {"subject": a.shape or a.model_dir or a.url or "the embedded model", "date": datetime.datetime.now(datetime.timezone.utc)
            .isoformat(timespec="seconds"), "git_commit": git_commit(), "ready_s": ready,
            "settings": {k: getattr(a, k) for k in ("prompt_len", "output_len", "rounds", "max_num_seqs",
                                                    "max_model_len", "max_num_batched_tokens", "decode_steps",
