@@ -53,6 +53,8 @@ class Failed:
 
 
 _ids = itertools.count(1)
+ARRIVAL_GAP = 0.002      # seconds between arrivals that still count as one burst
+ARRIVAL_WAIT = 0.010     # the longest a burst holds the first prefill back
 
 
 @dataclass(eq=False)
@@ -153,6 +155,7 @@ class Scheduler:
         self.prefilling: list[Job] = []                     # admitted, prompt not all sent
         self.max_queue = max_queue
         self.waiting: collections.deque[Job] = collections.deque()
+        self.last_submit = 0.0
         self.ended: collections.deque[Job] = collections.deque()   # finished by the output thread
         self.cond = threading.Condition()
         self.lock = threading.Lock()    # a request's end event goes out once
@@ -178,6 +181,7 @@ class Scheduler:
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
             self.waiting.append(job)
+            self.last_submit = time.monotonic()
             self.cond.notify()
 
     def load(self) -> dict:
@@ -243,6 +247,7 @@ class Scheduler:
                     continue
                 try:
                     self._reap()
+                    self._gather_arrivals()
                     self._admit()
                     if not self._launch():         # nothing to run (draining, or only waiting on results)
                         with self.cond:
@@ -257,6 +262,22 @@ class Scheduler:
 
     def _busy(self) -> bool:
         return any(j is not None for j in self.slots)
+
+    def _gather_arrivals(self):
+        """While no slot decodes, let a burst of requests arrive before the first prefill: clients
+        that send together (a batch job, the round of a benchmark) then share one forward instead of
+        each waiting for the forwards of the ones that came a millisecond earlier. Waits while
+        requests keep coming ARRIVAL_GAP apart, up to ARRIVAL_WAIT in all."""
+        if self.prefilling or any(j is not None for j in self.slots) or not self.waiting:
+            return
+        start = time.monotonic()
+        with self.cond:
+            while len(self.waiting) < len(self.slots) and not self.done and not self.stopping:
+                now = time.monotonic()
+                wait = min(self.last_submit + ARRIVAL_GAP, start + ARRIVAL_WAIT) - now
+                if wait <= 0:
+                    return
+                self.cond.wait(wait)
 
     def _admit(self):
         """Give free slots (the lowest first, so live requests stay in the leading slots) to queued
