@@ -12,7 +12,8 @@ __version__ = "0.1.0"
 
 
 def load(model_dir=None, max_ctx=8192, quant="int8", kv_quant="auto", tp=None, dtype="bfloat16",
-         progress=None, dp=1, kv_options=None) -> Engine:
+         progress=None, dp=1, kv_options=None, speculative=None, num_speculative_tokens=4,
+         draft_model_dir=None) -> Engine:
     """Load a model (HF directory, .gguf file, saved jaxllm checkpoint, hub id, or the embedded
     default when None), sharded over `tp` devices ("model" axis; None = every device) times `dp`
     ("data" axis, splitting the batch).
@@ -20,6 +21,9 @@ def load(model_dir=None, max_ctx=8192, quant="int8", kv_quant="auto", tp=None, d
     kv_quant: "auto" keeps a full-length compute-dtype KV cache up to `kv_options.threshold`
     (32768) positions and switches above it to the split cache (sliding layers in a ring buffer,
     global layers int8); "int8" always uses the split int8 cache; "none" never quantizes KV.
+
+    speculative: None, "ngram" (drafts looked up in the sequence itself) or "draft" (drafts from the
+    model at `draft_model_dir`, which must share the tokenizer); `num_speculative_tokens` a cycle.
     """
     from .engine import DTYPES
     from .loading import load_model
@@ -32,6 +36,8 @@ def load(model_dir=None, max_ctx=8192, quant="int8", kv_quant="auto", tp=None, d
         raise ModelError(f"kv_quant must be one of {', '.join(KV_QUANT_MODES)}, got {kv_quant!r}")
     if max_ctx is not None and (not isinstance(max_ctx, numbers.Integral) or max_ctx < 2):
         raise ModelError(f"max_ctx must be an integer of at least 2, got {max_ctx!r}")
+    from .speculative import Speculation, check_args
+    check_args(speculative, num_speculative_tokens, draft_model_dir)     # before any weight is read
     from .sharding import layout_for
     layout = layout_for(tp, dp)
     cfg, fam, weights, tok, name = load_model(model_dir, DTYPES[dtype], quant, progress, layout)
@@ -39,5 +45,13 @@ def load(model_dir=None, max_ctx=8192, quant="int8", kv_quant="auto", tp=None, d
     weights = out_major(weights, layout, donate=True)      # the loader's arrays: ours to consume
     if max_ctx is None:
         max_ctx = min(cfg.max_position, 8192)
+    spec, draft = None, None
+    if speculative == "draft":
+        dcfg, _, draft, _, _ = load_model(draft_model_dir, DTYPES[dtype], quant, None, layout)
+        draft = out_major(draft, layout, donate=True)
+        spec = Speculation("draft", num_speculative_tokens, draft_cfg=dcfg)
+    elif speculative is not None:
+        spec = Speculation(speculative, num_speculative_tokens)
     return Engine(cfg, weights, tok, dtype=dtype, max_ctx=int(max_ctx), name=name, quant=quant,
-                  layout=layout, kv_quant=kv_quant, kv_options=kv_options)
+                  layout=layout, kv_quant=kv_quant, kv_options=kv_options, speculation=spec,
+                  draft_weights=draft)

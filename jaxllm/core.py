@@ -26,6 +26,7 @@ from flax import struct
 from .config import ModelConfig
 from .model import forward, logits_from_hidden
 from .sampling import SamplingParams, sample
+from .speculative import SpecSlots, Speculation, accept, ngram_draft, update_rate, wants_draft, write_history
 
 LOGIT_ELEMENTS = 1 << 26        # float32 logits made at once when scoring, at most (256 MiB)
 
@@ -40,19 +41,22 @@ class Slots:
     active: jax.Array          # the slot holds a request that is still generating
     ignore_eos: jax.Array      # EOS does not end this slot (benchmarks ask for exact lengths)
     params: SamplingParams
+    spec: SpecSlots | None = None    # with speculative decoding: the slots' tokens, acceptance
 
     @staticmethod
-    def empty(batch: int) -> "Slots":
+    def empty(batch: int, length: int, spec: bool = False) -> "Slots":
         def zeros(dtype=jnp.int32):        # distinct buffers: the whole state is donated
             return jnp.zeros((batch,), dtype)
         params = jax.tree_util.tree_map(jnp.array, SamplingParams.make(batch))
-        return Slots(zeros(), zeros(), zeros(), zeros(), zeros(bool), zeros(bool), params)
+        return Slots(zeros(), zeros(), zeros(), zeros(), zeros(bool), zeros(bool), params,
+                     SpecSlots.empty(batch, length) if spec else None)
 
 
 @struct.dataclass
 class State:
     cache: dict
     slots: Slots
+    draft_cache: dict | None = None      # the draft model's KV cache (speculation with one)
 
 
 @struct.dataclass
@@ -104,17 +108,28 @@ def is_eos(tok: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
 
 
 # -- prefill ---------------------------------------------------------------------------------------
+def model_weights(weights, spec: Speculation | None):
+    """(the model's weights, the draft model's or None) of what the engine passes."""
+    return tuple(weights) if spec is not None and spec.draft_cfg is not None else (weights, None)
+
+
 def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=None, *, out: str = "sample",
-            dtype=jnp.bfloat16):
-    """One forward over `pieces`, writing their K/V into the cache.
+            spec: Speculation | None = None, dtype=jnp.bfloat16):
+    """One forward over `pieces`, writing their K/V into the cache (and the draft model's).
 
     out="sample": final rows start their slots -> (state, first tokens [P]);
     out="logits": -> (state, float32 logits [P, C, V]); the slot table is left as it is;
     out="nll": -> (state, NLL [N]) of targets (flat token index [N] into the P x C tokens, target
     id [N]; a negative target scores 0), the logits made a few rows at a time.
     """
-    h, cache = forward(cfg, weights, pieces.tokens, pieces.positions(), state.cache, dtype, rows=pieces.rows)
+    weights, draft = model_weights(weights, spec)
+    positions = pieces.positions()
+    h, cache = forward(cfg, weights, pieces.tokens, positions, state.cache, dtype, rows=pieces.rows)
     state = state.replace(cache=cache)
+    if draft is not None and out == "sample":
+        _, dcache = forward(spec.draft_cfg, draft, pieces.tokens, positions, state.draft_cache, dtype,
+                            rows=pieces.rows)
+        state = state.replace(draft_cache=dcache)
     if out == "logits":
         return state, logits_from_hidden(cfg, weights, h)
     if out == "nll":
@@ -130,10 +145,21 @@ def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=Non
         return a.at[rows].set(v, mode="drop")
     sl = state.slots
     one = jnp.ones((P,), jnp.int32)
-    slots = Slots(last=put(sl.last, first), pos=put(sl.pos, pieces.start + pieces.length), step=put(sl.step, one),
+    end = pieces.start + pieces.length
+    slots = Slots(last=put(sl.last, first), pos=put(sl.pos, end), step=put(sl.step, one),
                   remaining=put(sl.remaining, pieces.max_new - 1), active=put(sl.active, live),
                   ignore_eos=put(sl.ignore_eos, pieces.ignore_eos),
-                  params=jax.tree_util.tree_map(put, sl.params, pieces.params))
+                  params=jax.tree_util.tree_map(put, sl.params, pieces.params), spec=sl.spec)
+    if sl.spec is not None:               # the prompt's tokens and the first one, for drafting
+        hist = write_history(sl.spec.history, pieces.rows, positions, pieces.tokens)
+        hist = write_history(hist, pieces.rows, jnp.where(pieces.final, end, -1)[:, None], first[:, None])
+        new_rows = jnp.where(pieces.start == 0, rows, sl.last.shape[0])     # a new request's slot
+
+        def reset(a, v):
+            return a.at[new_rows].set(v, mode="drop")
+        sp = sl.spec
+        slots = slots.replace(spec=sp.replace(history=hist, rate=reset(sp.rate, 1.0), idle=reset(sp.idle, 0),
+                                              stats=reset(sp.stats, 0)))
     return state.replace(slots=slots), first
 
 
@@ -169,14 +195,74 @@ def decode_step(cfg: ModelConfig, weights, state: State, dtype=jnp.bfloat16):
     active = live & (sl.ignore_eos | ~is_eos(tok, cfg.eos_ids)) & (remaining > 0)
     slots = sl.replace(last=jnp.where(live, tok, sl.last), pos=sl.pos + inc, step=sl.step + inc,
                        remaining=remaining, active=active)
-    return State(cache, slots), tok, live
+    if sl.spec is not None:
+        hist = write_history(sl.spec.history, None, jnp.where(live, sl.pos + 1, -1)[:, None], tok[:, None])
+        slots = slots.replace(spec=sl.spec.replace(history=hist, idle=sl.spec.idle + 1))
+    return state.replace(cache=cache, slots=slots), tok, live
+
+
+def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, dtype=jnp.bfloat16):
+    """One speculative cycle for every live slot (or the plain step where no row drafts)
+    -> (state, new tokens [B, K + 1], how many of them each row made [B])."""
+    weights, draft = model_weights(weights, spec)
+    sl = state.slots
+    live, K = sl.active, spec.k
+    B = live.shape[0]
+    drafting = wants_draft(sl.spec, live) & (sl.remaining > 1)
+
+    def plain(state):
+        state, tok, live = decode_step(cfg, weights, state, dtype)
+        if draft is not None:      # the draft cache learns the token the model was fed
+            _, dcache = forward(spec.draft_cfg, draft, sl.last[:, None], jnp.where(live, sl.pos, -1)[:, None],
+                                state.draft_cache, dtype)
+            state = state.replace(draft_cache=dcache)
+        new = jnp.zeros((B, K + 1), jnp.int32).at[:, 0].set(tok)
+        return state, new, live.astype(jnp.int32)
+
+    def verify(state, drafts, n_draft):
+        j = jnp.arange(K + 1, dtype=jnp.int32)[None, :]
+        tokens = jnp.concatenate([sl.last[:, None], drafts], axis=1)
+        positions = jnp.where(live[:, None] & (j <= n_draft[:, None]), sl.pos[:, None] + j, -1)
+        h, cache = forward(cfg, weights, tokens, positions, state.cache, dtype)
+        a, nxt = accept(logits_from_hidden(cfg, weights, h), drafts, n_draft, sl.params, sl.step)
+        new = jnp.where(j < a[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), 0)
+        new = jnp.where(j == a[:, None], nxt[:, None], new)
+        n_new = jnp.minimum(a + 1, sl.remaining)
+        eos = (j < n_new[:, None]) & ~sl.ignore_eos[:, None] & is_eos(new.reshape(-1), cfg.eos_ids).reshape(B, K + 1)
+        n_new = jnp.where(jnp.any(eos, 1), jnp.argmax(eos, 1) + 1, n_new)
+        n_new = jnp.where(live, n_new, 0)
+        last = jnp.take_along_axis(new, jnp.maximum(n_new - 1, 0)[:, None], axis=1)[:, 0]
+        remaining = sl.remaining - n_new
+        hist = write_history(sl.spec.history, None, jnp.where(j < n_new[:, None], sl.pos[:, None] + 1 + j, -1), new)
+        slots = sl.replace(last=jnp.where(live, last, sl.last), pos=sl.pos + n_new, step=sl.step + n_new,
+                           remaining=remaining, active=live & ~jnp.any(eos, 1) & (remaining > 0),
+                           spec=update_rate(sl.spec.replace(history=hist), drafting, n_draft, a))
+        return state.replace(cache=cache, slots=slots), new, n_new
+
+    if draft is None:               # n-gram lookup is cheap: look first, verify where something matched
+        drafts, n_draft = ngram_draft(sl.spec.history, sl.pos, K, spec.ngram)
+        n_draft = jnp.where(drafting, jnp.minimum(n_draft, sl.remaining - 1), 0)
+        return jax.lax.cond(jnp.any(n_draft > 0), lambda st: verify(st, drafts, n_draft), plain, state)
+
+    def with_draft_model(state):
+        def step(carry, j):        # K greedy proposals, and the last one fed too (its K/V kept)
+            tok, dcache = carry
+            pos = jnp.where(live, sl.pos + j, -1)
+            h, dcache = forward(spec.draft_cfg, draft, tok[:, None], pos[:, None], dcache, dtype)
+            nxt = jnp.argmax(logits_from_hidden(spec.draft_cfg, draft, h[:, 0]), axis=-1).astype(jnp.int32)
+            return (nxt, dcache), nxt
+        (_, dcache), props = jax.lax.scan(step, (sl.last, state.draft_cache), jnp.arange(K + 1, dtype=jnp.int32))
+        n_draft = jnp.where(drafting, jnp.minimum(K, sl.remaining - 1), 0)
+        return verify(state.replace(draft_cache=dcache), props[:K].T, n_draft)
+    return jax.lax.cond(jnp.any(drafting), with_draft_model, plain, state)
 
 
 def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, *, max_steps: int,
-           rows: int | None = None, dtype=jnp.bfloat16):
-    """Up to n_steps (at most max_steps) decode steps of the first `rows` slots (all for None; the
-    others must not be live), ending once none is live. `stop` [rows]: slots to end first (a
-    request cancelled or stopped by the host).
+           rows: int | None = None, spec: Speculation | None = None, dtype=jnp.bfloat16):
+    """Up to n_steps decode steps (speculative cycles, with `spec`) of the first `rows` slots (all
+    for None; the others must not be live), ending once none is live or a row's next tokens would
+    not fit the max_steps of the output. `stop` [rows]: slots to end first (a request cancelled or
+    stopped by the host).
 
     -> (state, tokens [rows, max_steps], count [rows]): slot b sampled tokens[b, :count[b]]."""
     full = state.slots
@@ -186,17 +272,33 @@ def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, *, max_s
         slots = slots.replace(active=slots.active & ~stop)
     out = jnp.zeros((B, max_steps), jnp.int32)
 
-    def cond(c):
-        i, s, _, _ = c
-        return (i < jnp.minimum(n_steps, max_steps)) & jnp.any(s.slots.active)
+    if spec is None:
+        def cond(c):
+            i, s, _, _ = c
+            return (i < jnp.minimum(n_steps, max_steps)) & jnp.any(s.slots.active)
 
-    def body(c):
-        i, s, out, count = c
-        s, tok, live = decode_step(cfg, weights, s, dtype)
-        out = jax.lax.dynamic_update_slice_in_dim(out, jnp.where(live, tok, 0)[:, None], i, axis=1)
-        return i + 1, s, out, count + live.astype(jnp.int32)
+        def body(c):
+            i, s, out, count = c
+            s, tok, live = decode_step(cfg, weights, s, dtype)
+            out = jax.lax.dynamic_update_slice_in_dim(out, jnp.where(live, tok, 0)[:, None], i, axis=1)
+            return i + 1, s, out, count + live.astype(jnp.int32)
+    else:
+        T = spec.k + 1
 
-    init = (jnp.int32(0), State(state.cache, slots), out, jnp.zeros((B,), jnp.int32))
+        def cond(c):
+            i, s, _, count = c
+            room = jnp.max(jnp.where(s.slots.active, count, 0)) + T <= max_steps
+            return (i < n_steps) & jnp.any(s.slots.active) & room
+
+        def body(c):
+            i, s, out, count = c
+            s, new, n_new = spec_cycle(cfg, weights, s, spec, dtype)
+            j = jnp.arange(T, dtype=jnp.int32)[None, :]
+            cols = jnp.where(j < n_new[:, None], count[:, None] + j, max_steps)
+            out = out.at[jnp.arange(B)[:, None], cols].set(new, mode="drop")
+            return i + 1, s, out, count + n_new
+
+    init = (jnp.int32(0), state.replace(slots=slots), out, jnp.zeros((B,), jnp.int32))
     _, s, out, count = jax.lax.while_loop(cond, body, init)
     if B < full.last.shape[0]:
         slots = jax.tree_util.tree_map(lambda a, v: a.at[:B].set(v), full, s.slots)
@@ -248,8 +350,13 @@ class EngineCore:
         state = e.state_shapes(B, self.max_len)
         calls = [("prefill", (state, e.row_shapes(Pieces.shapes(B, C, rows=True)), None), {"out": "sample"})]
         if n_steps >= 1:
-            calls.append(("decode", (state, np.int32(1), None), {"max_steps": bucket(n_steps, 1), "rows": None}))
+            calls.append(("decode", (state, np.int32(1), None), {"max_steps": self.out_size(n_steps), "rows": None}))
         return e.precompile(calls)
+
+    def out_size(self, n_tokens: int) -> int:
+        """A decode call's output buffer for up to n_tokens tokens a row (room for a last
+        speculative cycle's tokens past them), bucketed."""
+        return self.engine.core_out_size(n_tokens)
 
     def _chunks(self, tokens: np.ndarray, lens: np.ndarray, chunk: int):
         """(start, tokens [B, chunk], lengths [B]) of each chunk of right-padded rows."""
@@ -278,7 +385,7 @@ class EngineCore:
         run's costs stay out of a timed one)."""
         if n_steps < 1:
             return np.zeros((self.num_slots, 0), np.int32), np.zeros((self.num_slots,), np.int32)
-        toks, count = self.decode(n_steps if steps is None else steps, bucket(n_steps, 1), rows=None)
+        toks, count = self.decode(n_steps if steps is None else steps, self.out_size(n_steps), rows=None)
         get = self.engine.layout.get
         return get(toks), get(count)
 
@@ -289,6 +396,16 @@ class EngineCore:
         for s, tok, length in self._chunks(tokens, np.asarray(lens, np.int32), chunk):
             out.append(self.engine.layout.get(self.prefill(Pieces.make(tok, s, length), out="logits")))
         return np.concatenate(out, axis=1)
+
+    def spec_stats(self, rows=None) -> dict | None:
+        """Speculation so far, summed over the slots (or `rows`): verify cycles, tokens drafted,
+        drafts accepted; None without speculation."""
+        spec = self.state.slots.spec
+        if spec is None:
+            return None
+        st = self.engine.layout.get(spec.stats)
+        st = st if rows is None else st[np.asarray(rows)]
+        return dict(zip(("cycles", "drafted", "accepted"), (int(x) for x in st.sum(axis=0))))
 
     def step_logits(self, tokens, positions) -> np.ndarray:
         """The forward a decode step runs (the decode kernels where they are on), for checks: one

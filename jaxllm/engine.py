@@ -1,6 +1,7 @@
 """The engine: a loaded model plus the compiled prefill / decode-loop / forward functions."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -15,9 +16,10 @@ import numpy as np
 from . import compilation_cache, core, kernels
 from .config import ModelConfig
 from .core import EngineCore, bucket
-from .errors import RequestError
+from .errors import ModelError, RequestError
 from .kv_plan import check_fits, plan_cache
 from .sampling import SamplingParams
+from .speculative import Speculation
 from .sharding import single_device_layout
 from .split_cache import KVOptions, choose_layout, make_cache
 
@@ -42,6 +44,14 @@ class GenerateStats:
     decode_s: float = 0.0
     steps: int = 0             # decode steps after the first token
     compile_s: float = 0.0     # compiling the calls this run needed (not part of ttft_s or decode_s)
+    spec: dict | None = None   # speculation: verify cycles, tokens drafted and accepted, summed over rows
+
+    def spec_summary(self) -> str:
+        if not self.spec:
+            return ""
+        c, d, a = self.spec["cycles"], self.spec["drafted"], self.spec["accepted"]
+        return (f"; speculation: {a}/{d} drafts accepted ({a / max(d, 1):.0%}), "
+                f"{(a + c) / max(c, 1):.2f} tokens a verify cycle")
 
 
 def check_sampling(max_tokens, temperature, top_k, top_p):
@@ -61,13 +71,19 @@ class Engine:
 
     def __init__(self, cfg: ModelConfig, weights, tokenizer, *, dtype="bfloat16", max_ctx=8192,
                  name="model", quant="none", layout=None, kv_quant="auto",
-                 kv_options: KVOptions | None = None):
+                 kv_options: KVOptions | None = None, speculation: Speculation | None = None,
+                 draft_weights=None):
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
         self.layout = layout or single_device_layout()   # weights must already lie on its mesh
         self._state_makers = {}
         self.dtype_name, self.dtype = dtype, DTYPES[dtype]
         self.max_ctx, self.name, self.quant = max_ctx, name, quant
+        self.spec, self.draft_weights = speculation, draft_weights
         self.kv_options = kv_options or KVOptions()
+        if speculation is not None:
+            check_draft(cfg, speculation, draft_weights)
+            self.kv_options = dataclasses.replace(self.kv_options,
+                                                  spec_tokens=max(self.kv_options.spec_tokens, speculation.k))
         self.kv_layout = choose_layout(kv_quant, max_ctx, self.kv_options)
         if max_ctx > cfg.max_position:
             warnings.warn(f"max_ctx {max_ctx} is beyond the model's trained context of {cfg.max_position} "
@@ -75,20 +91,25 @@ class Engine:
         check_fits(self.kv_plan(1))
         self.stats = GenerateStats()
         d = self.dtype
-        self._fns = {"prefill": jax.jit(partial(core.prefill, cfg, dtype=d), static_argnames=("out",),
-                                        donate_argnames=("state",)),
-                     "decode": jax.jit(partial(core.decode, cfg, dtype=d), static_argnames=("max_steps", "rows"),
-                                       donate_argnames=("state",))}
+        self._fns = {"prefill": jax.jit(partial(core.prefill, cfg, spec=speculation, dtype=d),
+                                        static_argnames=("out",), donate_argnames=("state",)),
+                     "decode": jax.jit(partial(core.decode, cfg, spec=speculation, dtype=d),
+                                       static_argnames=("max_steps", "rows"), donate_argnames=("state",))}
         self._executables: dict = {}
         self.compile_s = 0.0          # seconds spent compiling the core's calls so far
         self.on_compile = None        # on_compile(n_calls) -> a callable to call when they are done
         self.steps_cache = None       # a folder to keep the compiled calls in (`compilation_cache`)
 
     # -- the core's compiled calls ----------------------------------------------------------------
+    @property
+    def call_weights(self):
+        """What the core's calls take as weights: the model's, and the draft model's with one."""
+        return self.weights if self.draft_weights is None else (self.weights, self.draft_weights)
+
     def run(self, name: str, *args, **static):
         """Call the core's `name` ("prefill" or "decode") with the weights and `args`, through the
         executable compiled for these shapes (compiled now if this is their first call)."""
-        return self.executable(name, args, static)(self.weights, *args)
+        return self.executable(name, args, static)(self.call_weights, *args)
 
     def executable(self, name: str, args, static: dict):
         key = _signature(name, args, static)
@@ -111,7 +132,7 @@ class Engine:
 
     def _lower(self, name: str, args, static: dict):
         with kernels.use_layout(self.layout):
-            return self._fns[name].lower(self.weights, *args, **static)
+            return self._fns[name].lower(self.call_weights, *args, **static)
 
     def _disk_key(self, name: str, args, static: dict) -> str | None:
         if self.steps_cache is None:
@@ -120,7 +141,7 @@ class Engine:
         devices = [(d.platform, d.device_kind, d.id) for d in mesh.devices.flat]
         return compilation_cache.executable_key(
             name, sorted(static.items()), self.cfg, self.dtype_name, self.quant, self.kv_layout, self.kv_options,
-            devices, mesh.shape, jax.process_count(), compilation_cache.describe(self.weights),
+            self.spec, devices, mesh.shape, jax.process_count(), compilation_cache.describe(self.call_weights),
             compilation_cache.describe(args))
 
     def precompile(self, calls: list[tuple[str, tuple, dict]], threads: int | None = None) -> float:
@@ -171,9 +192,13 @@ class Engine:
         return EngineCore(self, num_slots, max_len)
 
     def _make_state(self, batch: int, length: int) -> core.State:
-        """The one place a KV cache is made: the engine's KV policy, and an empty slot table."""
-        return core.State(make_cache(self.cfg, self.kv_layout, self.kv_options, batch, length, self.dtype),
-                          core.Slots.empty(batch))
+        """The one place a KV cache is made: the engine's KV policy (the draft model's cache too,
+        where there is one), and an empty slot table."""
+        def cache(cfg):
+            return make_cache(cfg, self.kv_layout, self.kv_options, batch, length, self.dtype)
+        draft = self.spec.draft_cfg if self.spec is not None else None
+        return core.State(cache(self.cfg), core.Slots.empty(batch, length, self.spec is not None),
+                          None if draft is None else cache(draft))
 
     def new_state(self, batch: int, length: int) -> core.State:
         """A zeroed cache laid out on the mesh (batch over "data", KV heads over "model") and an
@@ -192,7 +217,8 @@ class Engine:
 
     def state_shardings(self, state: core.State) -> core.State:
         rows = jax.tree_util.tree_map(lambda a: self.layout.batch_sharding(a.shape), state.slots)
-        return core.State(self.layout.cache_shardings(state.cache), rows)
+        draft = None if state.draft_cache is None else self.layout.cache_shardings(state.draft_cache)
+        return core.State(self.layout.cache_shardings(state.cache), rows, draft)
 
     def put_rows(self, tree):
         """Per-row host data (a pytree of arrays with the row axis first) -> global arrays split over
@@ -207,6 +233,10 @@ class Engine:
         def shape(a):
             return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=self.layout.batch_sharding(np.shape(a)))
         return jax.tree_util.tree_map(shape, tree)
+
+    def core_out_size(self, n_tokens: int) -> int:
+        """A decode call's output buffer for n_tokens tokens a row (see `EngineCore.out_size`)."""
+        return bucket(n_tokens + (0 if self.spec is None else self.spec.k + 1), 1)
 
     def kv_plan(self, batch: int, length: int | None = None):
         """What a cache of `batch` rows and `length` (default max_ctx) positions takes."""
@@ -287,7 +317,7 @@ class Engine:
         rest, count = eng_core.run_to_completion(max_tokens - 1)
         t2 = time.perf_counter()
         self.stats = GenerateStats(B, sum(lens), int(B + count.sum()), t, t2 - t1, int(count.max(initial=0)),
-                                   compile_s)
+                                   compile_s, eng_core.spec_stats())
         return [self._finish(ids[b], [int(first[b])] + rest[b, :count[b]].tolist(), stop) for b in range(B)]
 
     def _finish(self, prompt_ids, new_ids, stop) -> Completion:
@@ -306,6 +336,17 @@ class Engine:
         """Sliding-window perplexity of `text` -> PerplexityResult (.ppl .nll .num_scored_tokens)."""
         from .harness.perplexity import perplexity
         return perplexity(self, text, window, stride)
+
+
+def check_draft(cfg: ModelConfig, spec: Speculation, draft_weights) -> None:
+    if spec.method == "draft":
+        if draft_weights is None:
+            raise ModelError("speculation with a draft model needs the draft model's weights")
+        # Gemma 3 270M and 1B have 262144 ids, the larger Gemma 3 262208 (the same tokenizer, with
+        # image tokens appended): every id a draft proposes is one of the model's.
+        if spec.draft_cfg.vocab_size > cfg.vocab_size:
+            raise ModelError(f"the draft model's vocabulary ({spec.draft_cfg.vocab_size} tokens) is larger than "
+                             f"the model's ({cfg.vocab_size}): a draft model must share the tokenizer")
 
 
 def _signature(name: str, args, static: dict):

@@ -41,12 +41,15 @@ class KVOptions:
     prefill_chunk: int = 4096
     int8_rings: bool = False      # split cache: sliding-layer rings in int8 too (half the memory)
     store_keys: bool = True       # split cache: k_eq_v global layers store keys (False: rebuilt from V)
+    spec_tokens: int = 0          # tokens a speculative cycle may write past a row's position
 
     def __post_init__(self):
         for name in ("threshold", "block", "prefill_chunk"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ModelError(f"KV option {name} must be a positive integer, got {v!r}")
+        if not isinstance(self.spec_tokens, int) or self.spec_tokens < 0:
+            raise ModelError(f"KV option spec_tokens must be a non-negative integer, got {self.spec_tokens!r}")
         for name in ("int8_rings", "store_keys"):
             if not isinstance(getattr(self, name), bool):
                 raise ModelError(f"KV option {name} must be True or False, got {getattr(self, name)!r}")
@@ -334,7 +337,9 @@ def make_cache(cfg: ModelConfig, layout: KVLayout, opts: KVOptions, batch: int, 
         if a.window is not None:
             # Layers reading another layer's ring see it after this forward's write, so the ring
             # must still hold the window before a whole prefill chunk: window + chunk - 1 slots.
-            extra = opts.prefill_chunk - 1 if has_kv_readers(cfg, kind) else 0
+            # A speculative cycle writes drafts past the row's position that may be rejected: the
+            # ring holds them beside the window rather than over keys a later query still sees.
+            extra = max(opts.prefill_chunk - 1 if has_kv_readers(cfg, kind) else 0, opts.spec_tokens)
             cache[KIND_NAMES[kind]] = RingKV.zeros(n, batch, min(a.window + extra, length), a, dtype,
                                                    layout.int8 and opts.int8_rings)
         else:

@@ -16,7 +16,9 @@ import numpy as np  # noqa: E402
 
 import jaxllm  # noqa: E402
 import gemma4_refs  # noqa: E402
+from jaxllm.engine import Engine  # noqa: E402
 from jaxllm.serve.app import ServeOptions, build_app  # noqa: E402
+from jaxllm.speculative import Speculation  # noqa: E402
 from tp_models import make  # noqa: E402
 
 MAX_LEN = 96
@@ -33,15 +35,21 @@ CASES = [
     ("full-tp4", "gemma3", "none", False, 4),
     ("split-int8-tp4", "gemma3", "int8", False, 4),
     ("e2b-split-int8", "e2b", "int8", False, 1),
+    ("spec-ngram", "gemma3", "none", False, 1),           # the server speculates, the reference not
+    ("spec-ngram-split-int8", "gemma3", "int8", False, 1),
 ]
 WRITERS = {"gemma3": lambda p: make("gemma3", p), "e2b": lambda p: gemma4_refs.build("e2b").save_pretrained(p)}
 
 
 def prompts(n: int = 12) -> list[list[int]]:
     """Lengths from 3 to 70: inside one prefill piece, and across several (pieces of 32), past the
-    sliding window of 8."""
+    sliding window of 8; every other one a short pattern repeated (n-gram drafts find it)."""
     rng = np.random.default_rng(0)
-    return [rng.integers(3, 150, int(k)).tolist() for k in np.linspace(3, 70, n)]
+    out = []
+    for i, k in enumerate(np.linspace(3, 70, n)):
+        k = int(k)
+        out.append(rng.integers(3, 150, k).tolist() if i % 2 else (rng.integers(3, 150, 5).tolist() * k)[:k])
+    return out
 
 
 async def ask(http, ids, stream: bool):
@@ -85,6 +93,9 @@ def run_case(tmp, name, ckpt, kv_quant, rings, tp):
     eng.tokenizer = Ids()
     ps = prompts()
     want = [c.text for c in eng.generate_ids(ps, max_tokens=NEW)]
+    if name.startswith("spec"):
+        eng = Engine(eng.cfg, eng.weights, eng.tokenizer, dtype="float32", max_ctx=MAX_LEN, kv_quant=kv_quant,
+                     kv_options=eng.kv_options, layout=eng.layout, speculation=Speculation("ngram", 3))
     app = build_app(eng, ServeOptions(served_name="m", max_model_len=MAX_LEN, max_num_seqs=16,
                                       max_num_batched_tokens=32, max_queue=CLIENTS))
     sched = app.state.server.scheduler
@@ -99,7 +110,8 @@ def run_case(tmp, name, ckpt, kv_quant, rings, tp):
             "concurrent": all(t == want[i % len(ps)] for i, t in enumerate(many)),
             "mismatch": [i for i, t in enumerate(many) if t != want[i % len(ps)]],
             "cache_spec": [str(s) for s in k.sharding.spec], "devices": len(k.sharding.device_set),
-            "prefills": sum(r["kind"] == "prefill" for r in sched.record)}
+            "prefills": sum(r["kind"] == "prefill" for r in sched.record),
+            "speculation": sched.core.spec_stats()}
 
 
 def main(tmp):

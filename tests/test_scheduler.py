@@ -29,13 +29,19 @@ def layouts(tmp_path_factory):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", ["full", "split-int8", "int8-rings", "full-tp4", "split-int8-tp4", "e2b-split-int8"])
+@pytest.mark.parametrize("case", ["full", "split-int8", "int8-rings", "full-tp4", "split-int8-tp4", "e2b-split-int8",
+                                  "spec-ngram", "spec-ngram-split-int8"])
 def test_server_equals_engine_generate(layouts, case):
+    """Greedy answers alone and to 64 concurrent clients equal `Engine.generate`'s; a server that
+    speculates equals the plain engine."""
     r = layouts[case]
-    print(f"{case}: {r['layout']}, cache {r['cache_spec']} on {r['devices']} devices, {r['prefills']} prefills")
+    print(f"{case}: {r['layout']}, cache {r['cache_spec']} on {r['devices']} devices, {r['prefills']} prefills, "
+          f"speculation {r['speculation']}")
     assert r["alone"], case
     assert r["concurrent"], (case, r["mismatch"])
     assert ("split" in r["layout"]) == ("split" in case or "rings" in case)
+    if case.startswith("spec"):
+        assert r["speculation"]["accepted"] > 0
     if case.endswith("tp4"):             # KV heads over "model": the cache is sharded, not replicated
         assert r["devices"] == 4 and r["cache_spec"][3] == "model", r["cache_spec"]
     else:

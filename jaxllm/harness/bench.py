@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import core, kernels
+from ..speculative import SpecSlots
 from ..sharding import layout_for
 from ..split_cache import KVOptions, RingKV, choose_layout
 from ..engine import DTYPES, check_sampling
@@ -53,6 +54,7 @@ class Point:
     ttft_compile_s: dict = field(default_factory=dict)
     prefill_flops: dict = field(default_factory=dict)    # prompt length -> FLOPs of that prefill
     prefill_mfu: dict = field(default_factory=dict)      # prompt length -> of the measured matmul rate
+    speculation: dict | None = None                      # verify cycles, drafted, accepted (last run)
     skipped: str | None = None
 
 
@@ -86,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV-cache format, as in jaxllm.infer (auto: split int8 cache above 32K)")
     p.add_argument("--int8-rings", action="store_true",
                    help="with an int8 split cache, keep the sliding layers' rings in int8 too")
+    p.add_argument("--speculative", choices=("ngram", "draft"), default=None,
+                   help="speculative decoding in the loop (random tokens: what free text finds to draft)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--draft-shape", default=None, help="the draft model's shape (random weights), for --speculative draft")
+    p.add_argument("--draft-model-dir", default=None, help="or a real draft model, for --speculative draft")
     p.add_argument("--rebuild-keys", action="store_true",
                    help="with a split cache, global layers whose V is their K store V alone and rebuild keys")
     p.add_argument("--seed", type=int, default=0)
@@ -110,6 +117,10 @@ def check_args(a) -> None:
     if a.warmup < 0:
         raise RequestError(f"--warmup must be >= 0, got {a.warmup}")
     check_sampling(1, a.temperature, a.top_k, a.top_p)
+    from ..speculative import check_args as check_speculative
+    if a.draft_shape and a.draft_model_dir:
+        raise RequestError("a draft model is --draft-shape or --draft-model-dir, not both")
+    check_speculative(a.speculative, a.num_speculative_tokens, a.draft_shape or a.draft_model_dir)
     a.kv_options = KVOptions(int8_rings=a.int8_rings, store_keys=not a.rebuild_keys)
     layout = choose_layout(a.kv_quant, a.ctx + a.steps, a.kv_options)
     if a.int8_rings and not layout.int8:
@@ -126,12 +137,15 @@ def load_subject(a):
     length = a.ctx + a.steps
     if a.shape:
         eng = random_engine(a.shape, dtype=a.dtype, quant=a.quant, max_ctx=length, layout=a.layout,
-                            kv_quant=a.kv_quant, kv_options=a.kv_options, seed=a.seed)
+                            kv_quant=a.kv_quant, kv_options=a.kv_options, seed=a.seed, speculative=a.speculative,
+                            num_speculative_tokens=a.num_speculative_tokens, draft_shape=a.draft_shape,
+                            draft_model_dir=a.draft_model_dir)
         subject = {"shape": a.shape}
     else:
         import jaxllm
         eng = jaxllm.load(a.model_dir, quant=a.quant, dtype=a.dtype, max_ctx=length, tp=a.tp, kv_quant=a.kv_quant,
-                          kv_options=a.kv_options)
+                          kv_options=a.kv_options, speculative=a.speculative,
+                          num_speculative_tokens=a.num_speculative_tokens, draft_model_dir=a.draft_model_dir)
         subject = {"model_dir": str(a.model_dir)}
     return eng, family_for({"model_type": eng.cfg.family}), subject
 
@@ -167,10 +181,19 @@ def decode_state(eng, batch: int, ctx: int, steps: int, seed: int, params: Sampl
              for name, c in cache.items()}
     last = np.asarray(jax.random.randint(jax.random.key(seed), (batch,), 0, eng.cfg.vocab_size, jnp.int32))
     full = np.full((batch,), 1, np.int32)
+    spec = None
+    if eng.spec is not None:         # random tokens: n-gram lookup finds what free text would
+        history = np.asarray(jax.random.randint(jax.random.key(seed + 1), (batch, ctx + steps), 0,
+                                                eng.cfg.vocab_size, jnp.int32))
+        spec = jax.tree_util.tree_map(np.asarray, SpecSlots.empty(batch, ctx + steps)).replace(history=history)
     slots = core.Slots(last=last, pos=full * ctx, step=full, remaining=full * steps,
                        active=np.ones(batch, bool), ignore_eos=np.ones(batch, bool),
-                       params=jax.tree_util.tree_map(np.asarray, params))
-    return core.State(cache, eng.put_rows(slots))
+                       params=jax.tree_util.tree_map(np.asarray, params), spec=spec)
+    draft = None
+    if shapes.draft_cache is not None:
+        draft = random_like(shapes.draft_cache, seed + 2,
+                            jax.tree_util.tree_map(lambda s: s.sharding, shapes.draft_cache))
+    return core.State(cache, eng.put_rows(slots), draft)
 
 
 def time_decode(eng, batch, a) -> tuple[float, list[float]]:
@@ -179,20 +202,23 @@ def time_decode(eng, batch, a) -> tuple[float, list[float]]:
     params = SamplingParams.make(batch, a.temperature, a.top_k, a.top_p, a.seed)
     state = jax.block_until_ready(decode_state(eng, batch, a.ctx, a.steps, a.seed, params))
     steps = eng.layout.put(np.int32(a.steps))
+    size = a.steps if eng.spec is None else eng.core_out_size(a.steps)
     t0 = time.perf_counter()
-    loop = eng.executable("decode", (state, steps, None), {"max_steps": a.steps})
+    loop = eng.executable("decode", (state, steps, None), {"max_steps": size, "rows": None})
     compile_s = time.perf_counter() - t0
-    runs = []
+    runs, spec = [], None
     for i in range(a.warmup + a.repeats):
         if i:
             state = jax.block_until_ready(decode_state(eng, batch, a.ctx, a.steps, a.seed + i, params))
         t0 = time.perf_counter()
-        out = loop(eng.weights, state, steps, None)
+        out = loop(eng.call_weights, state, steps, None)
         out[1].block_until_ready()
         if i >= a.warmup:
             runs.append(time.perf_counter() - t0)
+        if out[0].slots.spec is not None:       # cycles, drafted, accepted, summed over the rows
+            spec = dict(zip(("cycles", "drafted", "accepted"), np.asarray(out[0].slots.spec.stats).sum(0).tolist()))
         del out, state                 # freed after the clock stops, as a fresh state is made
-    return compile_s, runs
+    return compile_s, runs, spec
 
 
 def time_prefill(eng, batch, prompt_len, a) -> tuple[float, float]:
@@ -244,7 +270,7 @@ def run_point(eng, fam, batch, a, ceilings, mem_limit) -> Point:
         p.skipped = f"KV cache of {cache_bytes / 2**30:.1f} GiB does not fit next to the weights"
         return p
     try:
-        p.compile_s, runs = time_decode(eng, batch, a)
+        p.compile_s, runs, p.speculation = time_decode(eng, batch, a)
         p.step_ms_runs = [r / a.steps * 1e3 for r in runs]
         p.ms_per_step = median_ms(runs) / a.steps
         p.tok_s = batch / p.ms_per_step * 1e3
@@ -288,12 +314,22 @@ def report(a, cfg, weights, subject, ceilings, points) -> dict:
                      "batches": a.batches, "prompt_lens": a.prompt_lens, "kv_quant": a.kv_quant,
                      "int8_rings": a.int8_rings, "rebuild_keys": a.rebuild_keys,
                      "scan_unroll": os.environ.get("JAXLLM_SCAN_UNROLL") or "auto",
+                     "speculative": a.speculative, "num_speculative_tokens": a.num_speculative_tokens,
+                     "draft_shape": a.draft_shape, "draft_model_dir": a.draft_model_dir,
                      "xla_flags": os.environ.get("XLA_FLAGS", ""),
                      "sampling": {"temperature": a.temperature, "top_k": a.top_k, "top_p": a.top_p}},
         "ceilings": ceilings.to_json(),
         "kernels": {"mode": kernels.mode(), "enabled": kernels.enabled(), "selections": kernels.selections()},
         "points": [asdict(p) for p in points],
     }
+
+
+def speculation_note(s) -> str:
+    if not s.get("speculative"):
+        return ""
+    source = s.get("draft_shape") or s.get("draft_model_dir")
+    draft = f" from {source}" if source else ""
+    return f"; speculative {s['speculative']}{draft}, {s['num_speculative_tokens']} tokens a cycle"
 
 
 def sampling_note(s) -> str:
@@ -310,10 +346,11 @@ def table(rep: dict) -> str:
             f"bandwidth {c['bandwidth_GBps']:.1f} GB/s ({c['bandwidth_method']}), "
             f"bf16 matmul {c['matmul_bf16_TFLOPs']:.2f} TFLOP/s; "
             f"decode kernels: {'Pallas' if rep.get('kernels', {}).get('enabled') else 'XLA'}"
-            + sampling_note(rep["settings"].get("sampling")))
+            + sampling_note(rep["settings"].get("sampling")) + speculation_note(rep["settings"]))
     lens = rep["settings"]["prompt_lens"]
+    spec = any(p.get("speculation") for p in rep["points"])
     cols = ["batch", "ms/step", "tok/s", "MB/step", "roofline ms", "HBM frac", "compute ms", "ceiling tok/s",
-            "compile s"] + [f"TTFT@{n} ms" for n in lens] + [f"MFU@{n}" for n in lens]
+            "compile s"] + [f"TTFT@{n} ms" for n in lens] + [f"MFU@{n}" for n in lens] + (["accepted"] if spec else [])
     rows = []
     for p in rep["points"]:
         if p["skipped"]:
@@ -324,13 +361,21 @@ def table(rep: dict) -> str:
                      f"{p['ceiling_tok_s']:.0f}", f"{p['compile_s']:.1f}"]
                     + [f"{p['ttft_ms'][str(n)]:.1f}" if str(n) in p['ttft_ms'] else "" for n in lens]
                     + [f"{p['prefill_mfu'][str(n)]:.1%}" if str(n) in p.get('prefill_mfu', {}) else ""
-                       for n in lens])
+                       for n in lens]
+                    + ([accepted(p.get("speculation"))] if spec else []))
     full = [r for r in rows if len(r) == len(cols)]
     width = [max([len(cols[i])] + [len(r[i]) for r in full]) for i in range(len(cols))]
     def fmt(r):
         return "  ".join(x.rjust(w) for x, w in zip(r, width)) if len(r) == len(cols) else \
             f"{r[0].rjust(width[0])}  {r[1]}"
     return "\n".join([head, fmt(cols), *map(fmt, rows)])
+
+
+def accepted(s) -> str:
+    """Drafts accepted, and tokens a verify cycle."""
+    if not s or not s["drafted"]:
+        return "no drafts"
+    return f"{s['accepted'] / s['drafted']:.0%}, {(s['accepted'] + s['cycles']) / s['cycles']:.2f}/cycle"
 
 
 def plot(rep: dict, path: str) -> bool:

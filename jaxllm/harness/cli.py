@@ -41,6 +41,15 @@ def add_model_args(p: argparse.ArgumentParser):
     from ..compilation_cache import add_flag
     distributed.add_args(p)
     add_flag(p)
+    add_speculative_args(p)
+
+
+def add_speculative_args(p: argparse.ArgumentParser):
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--speculative", choices=("ngram", "draft"), default=None,
+                   help="draft tokens by n-gram lookup in the sequence itself, or with --draft-model-dir")
+    g.add_argument("--num-speculative-tokens", type=positive_int, default=4, help="tokens drafted a cycle")
+    g.add_argument("--draft-model-dir", default=None, help="a smaller model sharing the tokenizer")
 
 
 def load_engine(args, quiet: bool = False):
@@ -71,7 +80,10 @@ def load_engine(args, quiet: bool = False):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             eng = jaxllm.load(args.model_dir, max_ctx=args.max_ctx, quant=args.quant, kv_quant=args.kv_quant,
-                              tp=args.tp, dtype=args.dtype, progress=progress)
+                              tp=args.tp, dtype=args.dtype, progress=progress,
+                              speculative=getattr(args, "speculative", None),
+                              num_speculative_tokens=getattr(args, "num_speculative_tokens", 4),
+                              draft_model_dir=getattr(args, "draft_model_dir", None))
     finally:
         if bar is not None:
             bar.close()

@@ -72,13 +72,14 @@ def run_generate(args, eng):
                               "num_prompt_tokens": len(c.prompt_token_ids), "num_new_tokens": len(c.token_ids),
                               "ttft_ms": round(ttft_ms, 3), "decode_tok_s": round(tok_s, 3),
                               "finish_reason": c.finish_reason, "load_s": round(load_s, 3),
-                              "compile_s": round(st.compile_s, 3)}, ensure_ascii=False), flush=True)
+                              "compile_s": round(st.compile_s, 3), **({"speculation": st.spec} if st.spec else {})},
+                             ensure_ascii=False), flush=True)
         else:
             print(c.text if len(outs) == 1 else f"--- {p[:60]!r}\n{c.text}", flush=True)
     if not args.json:
         sys.stderr.write(f"[{eng.name}] batch {st.batch}: {st.prompt_tokens} prompt + {st.new_tokens} new tokens, "
                          f"TTFT {ttft_ms:.1f} ms, decode {tok_s:.1f} tok/s; load {load_s:.1f} s, "
-                         f"compile {st.compile_s:.1f} s\n")
+                         f"compile {st.compile_s:.1f} s{st.spec_summary()}\n")
 
 
 def main(argv=None):

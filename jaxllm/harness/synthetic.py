@@ -113,9 +113,14 @@ class IdsTokenizer:
 
 
 def random_engine(shape: str, *, dtype: str = "bfloat16", quant: str = "int8", max_ctx: int = 4096, layout=None,
-                  kv_quant: str = "auto", kv_options=None, seed: int = 0, **overrides):
+                  kv_quant: str = "auto", kv_options=None, seed: int = 0, speculative=None,
+                  num_speculative_tokens: int = 4, draft_shape: str | None = None,
+                  draft_model_dir: str | None = None, **overrides):
     """An Engine of a named architecture (a preset name or a config.json path) with random weights
-    made in their shardings on `layout` (default: one device), and no tokenizer (`IdsTokenizer`)."""
+    made in their shardings on `layout` (default: one device), and no tokenizer (`IdsTokenizer`).
+    `speculative` as in `jaxllm.load`; a draft model is a random `draft_shape` or the real model at
+    `draft_model_dir` (the cost of a cycle is the same; what it accepts of random logits is not
+    meaningful either way)."""
     from ..engine import DTYPES, Engine
     from ..errors import ModelError
     from ..kernels.weights import out_major
@@ -125,11 +130,30 @@ def random_engine(shape: str, *, dtype: str = "bfloat16", quant: str = "int8", m
         raise ModelError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if quant not in ("int8", "none"):
         raise ModelError(f"quant must be 'int8' or 'none', got {quant!r}")
+    from ..speculative import Speculation, check_args
+    if draft_shape is not None and draft_model_dir is not None:
+        raise ModelError("a draft model is a random shape or a model directory, not both")
+    check_args(speculative, num_speculative_tokens, draft_shape or draft_model_dir)
     layout = layout or single_device_layout()
-    cfg, fam = resolve_shape(shape, **overrides)
-    specs = fam.abstract(cfg)
-    check_divisible(layout, specs)
-    shardings = layout.weight_shardings(specs, lambda s: is_quantized(s, quant))
-    weights = out_major(random_weights(specs, quant, DTYPES[dtype], seed, shardings), layout, donate=True)
+
+    def build(name, seed, **kw):
+        cfg, fam = resolve_shape(name, **kw)
+        specs = fam.abstract(cfg)
+        check_divisible(layout, specs)
+        shardings = layout.weight_shardings(specs, lambda s: is_quantized(s, quant))
+        return cfg, out_major(random_weights(specs, quant, DTYPES[dtype], seed, shardings), layout, donate=True)
+    cfg, weights = build(shape, seed, **overrides)
+    spec, draft = None, None
+    if speculative == "draft" and draft_model_dir is not None:
+        from ..loading import load_model
+        dcfg, _, draft, _, _ = load_model(draft_model_dir, DTYPES[dtype], quant, None, layout)
+        draft = out_major(draft, layout, donate=True)
+        spec = Speculation("draft", num_speculative_tokens, draft_cfg=dcfg)
+    elif speculative == "draft":
+        dcfg, draft = build(draft_shape, seed + 1)
+        spec = Speculation("draft", num_speculative_tokens, draft_cfg=dcfg)
+    elif speculative is not None:
+        spec = Speculation(speculative, num_speculative_tokens)
     return Engine(cfg, weights, IdsTokenizer(), dtype=dtype, max_ctx=max_ctx, name=f"{shape} (random weights)",
-                  quant=quant, layout=layout, kv_quant=kv_quant, kv_options=kv_options)
+                  quant=quant, layout=layout, kv_quant=kv_quant, kv_options=kv_options, speculation=spec,
+                  draft_weights=draft)

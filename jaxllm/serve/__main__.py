@@ -61,7 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     from ..compilation_cache import add_flag
+    from ..harness.cli import add_speculative_args
     add_flag(p)
+    add_speculative_args(p)
     return p.parse_args(argv)
 
 
@@ -101,10 +103,14 @@ def main(argv=None) -> int:
             from jaxllm.harness.synthetic import random_engine
             from jaxllm.sharding import layout_for
             engine = random_engine(args.shape, dtype=args.dtype, quant=args.quant, max_ctx=args.max_model_len or 8192,
-                                   layout=layout_for(args.tp), kv_quant=args.kv_quant)
+                                   layout=layout_for(args.tp), kv_quant=args.kv_quant, speculative=args.speculative,
+                                   num_speculative_tokens=args.num_speculative_tokens,
+                                   draft_model_dir=args.draft_model_dir)
         else:
             engine = jaxllm.load(args.model_dir, max_ctx=args.max_model_len, quant=args.quant, dtype=args.dtype,
-                                 kv_quant=args.kv_quant, tp=args.tp)
+                                 kv_quant=args.kv_quant, tp=args.tp, speculative=args.speculative,
+                                 num_speculative_tokens=args.num_speculative_tokens,
+                                 draft_model_dir=args.draft_model_dir)
     except JaxllmError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

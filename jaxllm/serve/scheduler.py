@@ -149,7 +149,8 @@ class Scheduler:
         self.core = engine.core(max_num_seqs, max_model_len)
         self.shapes = Shapes(max_num_batched_tokens, max_num_seqs,
                              min(max_num_batched_tokens, engine.kv_options.prefill_chunk, max_model_len))
-        self.decode_steps = decode_steps
+        self.decode_steps = decode_steps          # steps (speculative cycles) a decode block
+        self.out_size = self.core.out_size(decode_steps * (1 if engine.spec is None else engine.spec.k + 1))
         self.slots: list[Job | None] = [None] * max_num_seqs      # the engine thread's
         self.to_stop = np.zeros(max_num_seqs, bool)        # slots to end on the device at the next decode
         self.prefilling: list[Job] = []                     # admitted, prompt not all sent
@@ -198,7 +199,7 @@ class Scheduler:
         calls = [("prefill", (state, e.row_shapes(Pieces.shapes(P, C, rows=True)), None), {"out": "sample"})
                  for P, C in self.shapes.prefills()]
         calls += [("decode", (state, np.int32(1), e.row_shapes(np.zeros(n, bool))),
-                   {"max_steps": self.decode_steps, "rows": n}) for n in self.shapes.decodes()]
+                   {"max_steps": self.out_size, "rows": n}) for n in self.shapes.decodes()]
         return e.precompile(calls)
 
     def start(self, warmup: bool = True):
@@ -317,7 +318,7 @@ class Scheduler:
         rows = self.shapes.decode_rows(max(j.slot for j in decoding) + 1)
         stop = self.to_stop[:rows].copy()
         self.to_stop[:rows] = False
-        toks = self.core.decode(n, self.decode_steps, stop, rows)
+        toks = self.core.decode(n, self.out_size, stop, rows)
         rec = {"kind": "decode", "steps": n, "rows": rows, "tokens": {}}
         self.record.append(rec)
         self.results.put(Launched("decode", toks, self.slots[:rows], record=rec))

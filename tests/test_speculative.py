@@ -1,0 +1,142 @@
+"""Speculative decoding: greedy output identical to plain decoding (n-gram drafts and a draft
+model, full-length and split caches, rows that accept different counts in one batch), and sampled
+output distributed exactly as plain sampling's."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import pytest
+
+import jaxllm
+import tiny
+from jaxllm.engine import Engine
+from jaxllm.speculative import Speculation, ngram_draft
+
+CODE = open(jaxllm.__file__.replace("__init__.py", "sampling.py")).read()[:2300]
+FREE = ("The river valley was quiet in the early morning. A heron stood in the shallows, and far off a "
+        "dog barked twice. Write a short story about what happens next in the valley, in your own words.")
+
+
+def test_ngram_lookup_takes_the_latest_longest_match():
+    import jax.numpy as jnp
+    h = jnp.asarray([[5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 6, 7, 0, 0, 0, 0]], jnp.int32)
+    # last tokens "6 7" at position 11: "6 7" ended at 2 and 7; the latest (7) is followed by 1 2 6 7
+    drafts, n = ngram_draft(h, jnp.asarray([11]), 4, (1, 3))
+    assert drafts.tolist() == [[1, 2, 6, 7]] and n.tolist() == [4]
+    # "5 6 7" (3-gram) at position 7 matched at 2, followed by 8 9 5; only 4 tokens lie before 7
+    drafts, n = ngram_draft(h, jnp.asarray([7]), 6, (1, 3))
+    assert drafts[0, :5].tolist() == [8, 9, 5, 6, 7] and n.tolist() == [5]
+    drafts, n = ngram_draft(h, jnp.asarray([4]), 3, (1, 3))                 # 9 never seen before
+    assert n.tolist() == [0]
+
+
+@lru_cache(maxsize=None)
+def engines(kv_quant: str):
+    """The embedded model in float32 (plain, n-gram speculation), sharing its weights."""
+    base = jaxllm.load(None, max_ctx=1536, quant="none", dtype="float32", kv_quant=kv_quant)
+    spec = Engine(base.cfg, base.weights, base.tokenizer, dtype="float32", max_ctx=1536, kv_quant=kv_quant,
+                  speculation=Speculation("ngram", 4))
+    return base, spec
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_quant", ["none", "int8"])
+def test_greedy_speculation_is_plain_decoding(kv_quant):
+    """512 new tokens after an 800-token prompt (the 512-position sliding window's ring wraps more
+    than twice), alone and in a batch with a row that finds little to look up."""
+    base, spec = engines(kv_quant)
+    assert base.kv_layout.split == (kv_quant == "int8")
+    prompts = [CODE + "\n\n# The same code again:\n", FREE]
+    want = base.generate(prompts, max_tokens=512, chat=False)
+    plain_tok_s = (base.stats.new_tokens - 2) / base.stats.decode_s
+    got = spec.generate(prompts, max_tokens=512, chat=False)
+    st = spec.stats
+    print(f"{base.kv_layout.name}: {st.spec}, decode {(st.new_tokens - 2) / st.decode_s:.1f} tok/s against "
+          f"{plain_tok_s:.1f} plain")
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert len(got[0].prompt_token_ids) > 750 and len(want[0].token_ids) > 200
+    assert st.spec["accepted"] > 0
+    alone = spec.generate(prompts[1:], max_tokens=64, chat=False)[0]
+    assert alone.token_ids == want[1].token_ids[:64]
+
+
+@pytest.mark.slow
+def test_greedy_speculation_with_a_draft_model(tmp_path):
+    """A tiny random draft model sharing the vocabulary proposes nonsense: the output is the plain
+    output all the same."""
+    base, _ = engines("none")
+    tiny.make("gemma3", tmp_path, seed=2, vocab_size=base.cfg.vocab_size, num_hidden_layers=2)
+    from jaxllm.loading import load_model
+    dcfg, _, dweights, _, _ = load_model(str(tmp_path), base.dtype, "none")
+    eng = Engine(base.cfg, base.weights, base.tokenizer, dtype="float32", max_ctx=1536,
+                 speculation=Speculation("draft", 3, draft_cfg=dcfg), draft_weights=dweights)
+    prompts = [CODE[:1200], FREE]
+    want = base.generate(prompts, max_tokens=96, chat=False)
+    got = eng.generate(prompts, max_tokens=96, chat=False)
+    print("draft model:", eng.stats.spec)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert eng.stats.spec["drafted"] > 0
+
+
+# -- the distribution under sampling ---------------------------------------------------------------
+SEEDS = 3000
+PROMPT = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2]           # its last tokens recur: n-gram drafts exist
+
+
+@lru_cache(maxsize=None)
+def small_vocab_model(path):
+    tiny.make("qwen3", path, seed=4, vocab_size=8)
+    return jaxllm.load(str(path), quant="none", dtype="float32", max_ctx=32)
+
+
+def sampled(eng, seeds=SEEDS) -> np.ndarray:
+    """The first three tokens of the prompt sampled under `seeds` seeds, one row each -> [seeds, 3]."""
+    from jaxllm.sampling import SamplingParams
+    ids = [PROMPT] * seeds
+    eng_core = eng.core(seeds, 32)
+    params = SamplingParams(np.ones(seeds, np.float32), np.zeros(seeds, np.int32), np.ones(seeds, np.float32),
+                            np.arange(seeds, dtype=np.uint32))
+    first = eng_core.prefill_prompts(ids, params, np.full(seeds, 3, np.int32), np.ones(seeds, bool))
+    rest, count = eng_core.run_to_completion(2)
+    assert (count == 2).all()
+    sampled.stats = eng_core.spec_stats()
+    return np.concatenate([first[:, None], rest[:, :2]], axis=1)
+
+
+def chi2_same(a: np.ndarray, b: np.ndarray) -> float:
+    """p-value of a chi-square test that two samples of token triples share one distribution."""
+    from scipy.stats import chi2_contingency
+    keys = sorted(set(map(tuple, a)) | set(map(tuple, b)))
+    index = {k: i for i, k in enumerate(keys)}
+    table = np.zeros((2, len(keys)))
+    for row, sample in enumerate((a, b)):
+        for t in map(tuple, sample):
+            table[row, index[t]] += 1
+    table = table[:, table.sum(0) >= 5]             # the test wants expected counts of 5 or more
+    return float(chi2_contingency(table)[1])
+
+
+def test_sampled_distribution_is_unchanged(tmp_path_factory, monkeypatch):
+    """At temperature 1 on a model of 8 tokens, the first 3 tokens of 3000 seeds with n-gram
+    speculation (drafts accepted with probability p, rejections resampled from p without the
+    draft) against 3000 without: a chi-square test must not tell them apart at the 0.1% level,
+    and does tell apart a rule that accepts every draft."""
+    base = small_vocab_model(tmp_path_factory.mktemp("v8"))
+    spec = Engine(base.cfg, base.weights, None, dtype="float32", max_ctx=32, speculation=Speculation("ngram", 2))
+    plain, specd = sampled(base), sampled(spec)
+    stats = sampled.stats
+    p = chi2_same(plain, specd)
+    print(f"p = {p:.3f}; distinct triples {len(set(map(tuple, plain)))}; speculation {stats}")
+    assert stats["drafted"] > 1000 and 0 < stats["accepted"] < stats["drafted"]
+    assert p > 1e-3
+
+    from jaxllm import core
+
+    def always_accept(logits, drafts, n_draft, params, step):    # a wrong rule: a test double
+        a, nxt = real(logits, drafts, n_draft, params, step)
+        return n_draft, nxt
+    real = core.accept
+    monkeypatch.setattr(core, "accept", always_accept)
+    wrong = Engine(base.cfg, base.weights, None, dtype="float32", max_ctx=32, speculation=Speculation("ngram", 2))
+    assert chi2_same(plain, sampled(wrong)) < 1e-6
