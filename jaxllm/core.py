@@ -26,7 +26,8 @@ from flax import struct
 from .config import ModelConfig
 from .model import forward, logits_from_hidden
 from .sampling import SamplingParams, sample
-from .speculative import SpecSlots, Speculation, accept, ngram_draft, update_rate, wants_draft, write_history
+from .speculative import (SpecSlots, Speculation, accept, ngram_draft, update_rate, wants_draft, worth_verifying,
+                          write_history)
 
 LOGIT_ELEMENTS = 1 << 26        # float32 logits made at once when scoring, at most (256 MiB)
 
@@ -202,13 +203,13 @@ def decode_step(cfg: ModelConfig, weights, state: State, dtype=jnp.bfloat16):
 
 
 def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, dtype=jnp.bfloat16):
-    """One speculative cycle for every live slot (or the plain step where no row drafts)
+    """One speculative cycle for every live slot (or the plain step where drafting would not pay)
     -> (state, new tokens [B, K + 1], how many of them each row made [B])."""
     weights, draft = model_weights(weights, spec)
     sl = state.slots
     live, K = sl.active, spec.k
     B = live.shape[0]
-    drafting = wants_draft(sl.spec, live) & (sl.remaining > 1)
+    drafting = wants_draft(sl.spec, live, spec.min_accept) & (sl.remaining > 1)
 
     def plain(state):
         state, tok, live = decode_step(cfg, weights, state, dtype)
@@ -242,7 +243,8 @@ def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, dtype
     if draft is None:               # n-gram lookup is cheap: look first, verify where something matched
         drafts, n_draft = ngram_draft(sl.spec.history, sl.pos, K, spec.ngram)
         n_draft = jnp.where(drafting, jnp.minimum(n_draft, sl.remaining - 1), 0)
-        return jax.lax.cond(jnp.any(n_draft > 0), lambda st: verify(st, drafts, n_draft), plain, state)
+        go = worth_verifying(sl.spec, n_draft, live, spec.min_accept)
+        return jax.lax.cond(go, lambda st: verify(st, drafts, n_draft), plain, state)
 
     def with_draft_model(state):
         def step(carry, j):        # K greedy proposals, and the last one fed too (its K/V kept)
@@ -252,9 +254,9 @@ def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, dtype
             nxt = jnp.argmax(logits_from_hidden(spec.draft_cfg, draft, h[:, 0]), axis=-1).astype(jnp.int32)
             return (nxt, dcache), nxt
         (_, dcache), props = jax.lax.scan(step, (sl.last, state.draft_cache), jnp.arange(K + 1, dtype=jnp.int32))
-        n_draft = jnp.where(drafting, jnp.minimum(K, sl.remaining - 1), 0)
         return verify(state.replace(draft_cache=dcache), props[:K].T, n_draft)
-    return jax.lax.cond(jnp.any(drafting), with_draft_model, plain, state)
+    n_draft = jnp.where(drafting, jnp.minimum(K, sl.remaining - 1), 0)
+    return jax.lax.cond(worth_verifying(sl.spec, n_draft, live, spec.min_accept), with_draft_model, plain, state)
 
 
 def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, *, max_steps: int,

@@ -30,7 +30,7 @@ from .sampling import SamplingParams, _row_keys, filtered
 
 METHODS = ("ngram", "draft")
 PROBE_EVERY = 16         # a row that stopped drafting tries again this many cycles later
-MIN_ACCEPT = 0.15        # a row drafts while its running acceptance rate stays above this
+MIN_ACCEPT = 0.15        # a row drafts while its running acceptance rate stays at or above this
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class Speculation:
     k: int = 4                            # tokens drafted a cycle
     ngram: tuple[int, int] = (1, 3)       # n-gram lengths looked up, longest first
     draft_cfg: ModelConfig | None = None  # the draft model's configuration (method "draft")
+    min_accept: float = MIN_ACCEPT        # 0: rows draft every cycle whatever they accept (a cycle's cost)
 
     def __post_init__(self):
         _check_method(self.method, self.k)
@@ -146,10 +147,20 @@ def accept(logits: jax.Array, drafts: jax.Array, n_draft: jax.Array, p: Sampling
     return jnp.where(sampling, a_s, a_g), jnp.where(sampling, nxt_s, nxt_g)
 
 
-def wants_draft(spec: SpecSlots, live: jax.Array) -> jax.Array:
+def wants_draft(spec: SpecSlots, live: jax.Array, min_accept: float) -> jax.Array:
     """Rows that draft this cycle: live ones whose drafts have been paying, and the others now and
     then, to find out whether they would again."""
-    return live & ((spec.rate >= MIN_ACCEPT) | (spec.idle >= PROBE_EVERY))
+    return live & ((spec.rate >= min_accept) | (spec.idle >= PROBE_EVERY))
+
+
+def worth_verifying(spec: SpecSlots, n_draft: jax.Array, live: jax.Array, min_accept: float) -> jax.Array:
+    """Whether this cycle verifies: a verify forward costs every live row K + 1 positions, so it runs
+    when the drafts are expected to add at least `min_accept` tokens per live row (a row's expectation:
+    its running acceptance rate, `min_accept` for a probe, times its drafts). One row alone verifies
+    whenever it drafts; in a batch, one row probing among rows with nothing to draft does not make
+    them all pay for a verify."""
+    expected = jnp.sum(jnp.maximum(spec.rate, min_accept) * n_draft.astype(jnp.float32))
+    return jnp.any(n_draft > 0) & (expected >= min_accept * jnp.sum(live))
 
 
 def update_rate(spec: SpecSlots, drafting: jax.Array, n_draft: jax.Array, a: jax.Array) -> SpecSlots:

@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--draft-shape", default=None, help="the draft model's shape (random weights), for --speculative draft")
     p.add_argument("--draft-model-dir", default=None, help="or a real draft model, for --speculative draft")
+    p.add_argument("--draft-always", action="store_true",
+                   help="rows draft every cycle however little they accept (the cost of a cycle); "
+                        "by default rows whose drafts fail stop drafting, as in serving")
     p.add_argument("--rebuild-keys", action="store_true",
                    help="with a split cache, global layers whose V is their K store V alone and rebuild keys")
     p.add_argument("--seed", type=int, default=0)
@@ -121,6 +124,8 @@ def check_args(a) -> None:
     if a.draft_shape and a.draft_model_dir:
         raise RequestError("a draft model is --draft-shape or --draft-model-dir, not both")
     check_speculative(a.speculative, a.num_speculative_tokens, a.draft_shape or a.draft_model_dir)
+    if a.draft_always and not (a.speculative and a.shape):
+        raise RequestError("--draft-always measures a cycle of --speculative on a random --shape")
     a.kv_options = KVOptions(int8_rings=a.int8_rings, store_keys=not a.rebuild_keys)
     layout = choose_layout(a.kv_quant, a.ctx + a.steps, a.kv_options)
     if a.int8_rings and not layout.int8:
@@ -139,7 +144,7 @@ def load_subject(a):
         eng = random_engine(a.shape, dtype=a.dtype, quant=a.quant, max_ctx=length, layout=a.layout,
                             kv_quant=a.kv_quant, kv_options=a.kv_options, seed=a.seed, speculative=a.speculative,
                             num_speculative_tokens=a.num_speculative_tokens, draft_shape=a.draft_shape,
-                            draft_model_dir=a.draft_model_dir)
+                            draft_model_dir=a.draft_model_dir, draft_always=a.draft_always)
         subject = {"shape": a.shape}
     else:
         import jaxllm
@@ -316,6 +321,7 @@ def report(a, cfg, weights, subject, ceilings, points) -> dict:
                      "scan_unroll": os.environ.get("JAXLLM_SCAN_UNROLL") or "auto",
                      "speculative": a.speculative, "num_speculative_tokens": a.num_speculative_tokens,
                      "draft_shape": a.draft_shape, "draft_model_dir": a.draft_model_dir,
+                     "draft_always": a.draft_always,
                      "xla_flags": os.environ.get("XLA_FLAGS", ""),
                      "sampling": {"temperature": a.temperature, "top_k": a.top_k, "top_p": a.top_p}},
         "ceilings": ceilings.to_json(),

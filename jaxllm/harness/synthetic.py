@@ -115,12 +115,13 @@ class IdsTokenizer:
 def random_engine(shape: str, *, dtype: str = "bfloat16", quant: str = "int8", max_ctx: int = 4096, layout=None,
                   kv_quant: str = "auto", kv_options=None, seed: int = 0, speculative=None,
                   num_speculative_tokens: int = 4, draft_shape: str | None = None,
-                  draft_model_dir: str | None = None, **overrides):
+                  draft_model_dir: str | None = None, draft_always: bool = False, **overrides):
     """An Engine of a named architecture (a preset name or a config.json path) with random weights
     made in their shardings on `layout` (default: one device), and no tokenizer (`IdsTokenizer`).
     `speculative` as in `jaxllm.load`; a draft model is a random `draft_shape` or the real model at
     `draft_model_dir` (the cost of a cycle is the same; what it accepts of random logits is not
-    meaningful either way)."""
+    meaningful either way); `draft_always` keeps every row drafting whatever it accepts, for the cost
+    of a cycle."""
     from ..engine import DTYPES, Engine
     from ..errors import ModelError
     from ..kernels.weights import out_major
@@ -143,17 +144,15 @@ def random_engine(shape: str, *, dtype: str = "bfloat16", quant: str = "int8", m
         shardings = layout.weight_shardings(specs, lambda s: is_quantized(s, quant))
         return cfg, out_major(random_weights(specs, quant, DTYPES[dtype], seed, shardings), layout, donate=True)
     cfg, weights = build(shape, seed, **overrides)
-    spec, draft = None, None
+    spec, dcfg, draft = None, None, None
     if speculative == "draft" and draft_model_dir is not None:
         from ..loading import load_model
         dcfg, _, draft, _, _ = load_model(draft_model_dir, DTYPES[dtype], quant, None, layout)
         draft = out_major(draft, layout, donate=True)
-        spec = Speculation("draft", num_speculative_tokens, draft_cfg=dcfg)
     elif speculative == "draft":
         dcfg, draft = build(draft_shape, seed + 1)
-        spec = Speculation("draft", num_speculative_tokens, draft_cfg=dcfg)
-    elif speculative is not None:
-        spec = Speculation(speculative, num_speculative_tokens)
+    if speculative is not None:
+        spec = Speculation(speculative, num_speculative_tokens, draft_cfg=dcfg, **({"min_accept": 0.0} if draft_always else {}))
     return Engine(cfg, weights, IdsTokenizer(), dtype=dtype, max_ctx=max_ctx, name=f"{shape} (random weights)",
                   quant=quant, layout=layout, kv_quant=kv_quant, kv_options=kv_options, speculation=spec,
                   draft_weights=draft)
