@@ -25,7 +25,8 @@ from flax import struct
 
 from .config import ModelConfig
 from .model import forward, logits_from_hidden
-from .sampling import SamplingParams, sample
+from .sampling import LogProbs, SamplingParams, sample
+from .sampling import logprobs as _lp
 from .speculative import (SpecSlots, Speculation, accept, ngram_draft, update_rate, wants_draft, worth_verifying,
                           write_history)
 
@@ -115,13 +116,15 @@ def model_weights(weights, spec: Speculation | None):
 
 
 def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=None, *, out: str = "sample",
-            spec: Speculation | None = None, dtype=jnp.bfloat16):
+            logprobs: int = 0, spec: Speculation | None = None, dtype=jnp.bfloat16):
     """One forward over `pieces`, writing their K/V into the cache (and the draft model's).
 
-    out="sample": final rows start their slots -> (state, first tokens [P]);
+    out="sample": final rows start their slots -> (state, first tokens [P]), or with `logprobs` n
+    > 0 (state, (first tokens, their LogProbs [P] with the top n));
     out="logits": -> (state, float32 logits [P, C, V]); the slot table is left as it is;
     out="nll": -> (state, NLL [N]) of targets (flat token index [N] into the P x C tokens, target
-    id [N]; a negative target scores 0), the logits made a few rows at a time.
+    id [N]; a negative target scores 0), the logits made a few rows at a time;
+    out="logprobs": -> (state, LogProbs [N] of the same targets, with the top `logprobs`).
     """
     weights, draft = model_weights(weights, spec)
     positions = pieces.positions()
@@ -133,12 +136,13 @@ def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=Non
         state = state.replace(draft_cache=dcache)
     if out == "logits":
         return state, logits_from_hidden(cfg, weights, h)
-    if out == "nll":
-        return state, _nll(cfg, weights, h, *targets)
+    if out in ("nll", "logprobs"):
+        return state, _score(cfg, weights, h, *targets, top=logprobs if out == "logprobs" else None)
     P, C = pieces.tokens.shape
     last = jnp.clip(pieces.length - 1, 0, C - 1)
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
-    first = sample(logits_from_hidden(cfg, weights, h_last), pieces.params, jnp.zeros((P,), jnp.int32))
+    first_logits = logits_from_hidden(cfg, weights, h_last)
+    first = sample(first_logits, pieces.params, jnp.zeros((P,), jnp.int32))
     live = pieces.final & (pieces.ignore_eos | ~is_eos(first, cfg.eos_ids)) & (pieces.max_new > 1)
     rows = jnp.arange(P, dtype=jnp.int32) if pieces.rows is None else pieces.rows
 
@@ -161,12 +165,15 @@ def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=Non
         sp = sl.spec
         slots = slots.replace(spec=sp.replace(history=hist, rate=reset(sp.rate, 1.0), idle=reset(sp.idle, 0),
                                               stats=reset(sp.stats, 0)))
+    if logprobs:
+        return state.replace(slots=slots), (first, _lp(first_logits, first, logprobs))
     return state.replace(slots=slots), first
 
 
-def _nll(cfg: ModelConfig, weights, h, where, target):
-    """NLL of target [N] given the hidden states at flat positions where [N] of h [P, C, D]; only
-    scored positions pay for the vocabulary projection."""
+def _score(cfg: ModelConfig, weights, h, where, target, top: int | None):
+    """Scores of target [N] given the hidden states at flat positions where [N] of h [P, C, D]: the
+    NLL [N] (a negative target scores 0), or with `top` its LogProbs [N] and the top alternatives.
+    Only scored positions pay for the vocabulary projection, a few rows at a time."""
     flat = h.reshape(-1, h.shape[-1])
     n = where.shape[0]
     rows = _divisor_at_most(n, max(1, LOGIT_ELEMENTS // cfg.vocab_size))
@@ -174,9 +181,12 @@ def _nll(cfg: ModelConfig, weights, h, where, target):
     def chunk(args):
         w, t = args
         logits = logits_from_hidden(cfg, weights, flat[w])                  # [rows, V] float32
+        if top is not None:
+            return _lp(logits, t, top)
         picked = jnp.take_along_axis(logits, jnp.maximum(t, 0)[:, None], axis=-1)[:, 0]
         return jnp.where(t >= 0, jax.nn.logsumexp(logits, axis=-1) - picked, 0.0)
-    return jax.lax.map(chunk, (where.reshape(n // rows, rows), target.reshape(n // rows, rows))).reshape(n)
+    res = jax.lax.map(chunk, (where.reshape(n // rows, rows), target.reshape(n // rows, rows)))
+    return jax.tree_util.tree_map(lambda a: a.reshape(n, *a.shape[2:]), res)
 
 
 def _divisor_at_most(n: int, cap: int) -> int:
@@ -185,12 +195,13 @@ def _divisor_at_most(n: int, cap: int) -> int:
 
 # -- decode ----------------------------------------------------------------------------------------
 def decode_step(cfg: ModelConfig, weights, state: State, dtype=jnp.bfloat16):
-    """One token for every live slot -> (state, sampled tokens [B], live [B])."""
+    """One token for every live slot -> (state, sampled tokens [B], live [B], float32 logits [B, V])."""
     sl = state.slots
     live = sl.active
     pos = jnp.where(live, sl.pos, -1)
     h, cache = forward(cfg, weights, sl.last[:, None], pos[:, None], state.cache, dtype)
-    tok = sample(logits_from_hidden(cfg, weights, h[:, 0]), sl.params, sl.step)
+    logits = logits_from_hidden(cfg, weights, h[:, 0])
+    tok = sample(logits, sl.params, sl.step)
     inc = live.astype(jnp.int32)
     remaining = sl.remaining - inc
     active = live & (sl.ignore_eos | ~is_eos(tok, cfg.eos_ids)) & (remaining > 0)
@@ -199,12 +210,13 @@ def decode_step(cfg: ModelConfig, weights, state: State, dtype=jnp.bfloat16):
     if sl.spec is not None:
         hist = write_history(sl.spec.history, None, jnp.where(live, sl.pos + 1, -1)[:, None], tok[:, None])
         slots = slots.replace(spec=sl.spec.replace(history=hist, idle=sl.spec.idle + 1))
-    return state.replace(cache=cache, slots=slots), tok, live
+    return state.replace(cache=cache, slots=slots), tok, live, logits
 
 
-def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, dtype=jnp.bfloat16):
+def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, dtype=jnp.bfloat16, n_logprobs: int = 0):
     """One speculative cycle for every live slot (or the plain step where drafting would not pay)
-    -> (state, new tokens [B, K + 1], how many of them each row made [B])."""
+    -> (state, new tokens [B, K + 1], how many of them each row made [B], their LogProbs [B, K + 1]
+    with the top n_logprobs, or None)."""
     weights, draft = model_weights(weights, spec)
     sl = state.slots
     live, K = sl.active, spec.k
@@ -212,20 +224,25 @@ def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, dtype
     drafting = wants_draft(sl.spec, live, spec.min_accept) & (sl.remaining > 1)
 
     def plain(state):
-        state, tok, live = decode_step(cfg, weights, state, dtype)
+        state, tok, live, logits = decode_step(cfg, weights, state, dtype)
         if draft is not None:      # the draft cache learns the token the model was fed
             _, dcache = forward(spec.draft_cfg, draft, sl.last[:, None], jnp.where(live, sl.pos, -1)[:, None],
                                 state.draft_cache, dtype)
             state = state.replace(draft_cache=dcache)
         new = jnp.zeros((B, K + 1), jnp.int32).at[:, 0].set(tok)
-        return state, new, live.astype(jnp.int32)
+        lp = None
+        if n_logprobs:
+            lp = jax.tree_util.tree_map(lambda z, v: z.at[:, 0].set(v), LogProbs.zeros((B, K + 1), n_logprobs),
+                                        _lp(logits, tok, n_logprobs))
+        return state, new, live.astype(jnp.int32), lp
 
     def verify(state, drafts, n_draft):
         j = jnp.arange(K + 1, dtype=jnp.int32)[None, :]
         tokens = jnp.concatenate([sl.last[:, None], drafts], axis=1)
         positions = jnp.where(live[:, None] & (j <= n_draft[:, None]), sl.pos[:, None] + j, -1)
         h, cache = forward(cfg, weights, tokens, positions, state.cache, dtype)
-        a, nxt = accept(logits_from_hidden(cfg, weights, h), drafts, n_draft, sl.params, sl.step)
+        logits = logits_from_hidden(cfg, weights, h)
+        a, nxt = accept(logits, drafts, n_draft, sl.params, sl.step)
         new = jnp.where(j < a[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), 0)
         new = jnp.where(j == a[:, None], nxt[:, None], new)
         n_new = jnp.minimum(a + 1, sl.remaining)
@@ -238,7 +255,8 @@ def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, dtype
         slots = sl.replace(last=jnp.where(live, last, sl.last), pos=sl.pos + n_new, step=sl.step + n_new,
                            remaining=remaining, active=live & ~jnp.any(eos, 1) & (remaining > 0),
                            spec=update_rate(sl.spec.replace(history=hist), drafting, n_draft, a))
-        return state.replace(cache=cache, slots=slots), new, n_new
+        lp = _lp(logits, new, n_logprobs) if n_logprobs else None
+        return state.replace(cache=cache, slots=slots), new, n_new, lp
 
     if draft is None:               # n-gram lookup is cheap: look first, verify where something matched
         drafts, n_draft = ngram_draft(sl.spec.history, sl.pos, K, spec.ngram)
@@ -260,19 +278,20 @@ def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, dtype
 
 
 def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, *, max_steps: int,
-           rows: int | None = None, spec: Speculation | None = None, dtype=jnp.bfloat16):
+           rows: int | None = None, logprobs: int = 0, spec: Speculation | None = None, dtype=jnp.bfloat16):
     """Up to n_steps decode steps (speculative cycles, with `spec`) of the first `rows` slots (all
     for None; the others must not be live), ending once none is live or a row's next tokens would
     not fit the max_steps of the output. `stop` [rows]: slots to end first (a request cancelled or
     stopped by the host).
 
-    -> (state, tokens [rows, max_steps], count [rows]): slot b sampled tokens[b, :count[b]]."""
+    -> (state, tokens [rows, max_steps], count [rows], LogProbs [rows, max_steps] with the top
+    `logprobs` or None): slot b sampled tokens[b, :count[b]]."""
     full = state.slots
     B = full.last.shape[0] if rows is None else rows
     slots = jax.tree_util.tree_map(lambda a: a[:B], full)
     if stop is not None:
         slots = slots.replace(active=slots.active & ~stop)
-    out = jnp.zeros((B, max_steps), jnp.int32)
+    out = (jnp.zeros((B, max_steps), jnp.int32), LogProbs.zeros((B, max_steps), logprobs) if logprobs else None)
 
     if spec is None:
         def cond(c):
@@ -281,8 +300,10 @@ def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, *, max_s
 
         def body(c):
             i, s, out, count = c
-            s, tok, live = decode_step(cfg, weights, s, dtype)
-            out = jax.lax.dynamic_update_slice_in_dim(out, jnp.where(live, tok, 0)[:, None], i, axis=1)
+            s, tok, live, logits = decode_step(cfg, weights, s, dtype)
+            new = (jnp.where(live, tok, 0), _lp(logits, tok, logprobs) if logprobs else None)
+            out = jax.tree_util.tree_map(lambda o, v: jax.lax.dynamic_update_slice_in_dim(o, v[:, None], i, axis=1),
+                                         out, new)
             return i + 1, s, out, count + live.astype(jnp.int32)
     else:
         T = spec.k + 1
@@ -294,18 +315,19 @@ def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, *, max_s
 
         def body(c):
             i, s, out, count = c
-            s, new, n_new = spec_cycle(cfg, weights, s, spec, dtype)
+            s, new, n_new, lp = spec_cycle(cfg, weights, s, spec, dtype, logprobs)
             j = jnp.arange(T, dtype=jnp.int32)[None, :]
             cols = jnp.where(j < n_new[:, None], count[:, None] + j, max_steps)
-            out = out.at[jnp.arange(B)[:, None], cols].set(new, mode="drop")
+            out = jax.tree_util.tree_map(lambda o, v: o.at[jnp.arange(B)[:, None], cols].set(v, mode="drop"),
+                                         out, (new, lp))
             return i + 1, s, out, count + n_new
 
     init = (jnp.int32(0), state.replace(slots=slots), out, jnp.zeros((B,), jnp.int32))
-    _, s, out, count = jax.lax.while_loop(cond, body, init)
+    _, s, (out, lp), count = jax.lax.while_loop(cond, body, init)
     if B < full.last.shape[0]:
         slots = jax.tree_util.tree_map(lambda a, v: a.at[:B].set(v), full, s.slots)
         s = s.replace(slots=slots)
-    return s, out, count
+    return s, out, count, lp
 
 
 # -- the host side ---------------------------------------------------------------------------------
@@ -329,30 +351,34 @@ class EngineCore:
         self.state = self.engine.new_state(self.num_slots, self.max_len)
 
     # -- device calls (results stay on the device until read) -------------------------------------
-    def prefill(self, pieces: Pieces, out: str = "sample", targets=None):
+    def prefill(self, pieces: Pieces, out: str = "sample", targets=None, logprobs: int = 0):
         e = self.engine
+        static = {"out": out, **({"logprobs": logprobs} if logprobs else {})}
         self.state, res = e.run("prefill", self.state, e.put_rows(pieces),
-                                None if targets is None else e.put_rows(targets), out=out)
+                                None if targets is None else e.put_rows(targets), **static)
         return res
 
-    def decode(self, n_steps: int, max_steps: int, stop=None, rows: int | None = None):
-        """-> (tokens [rows, max_steps], count [rows]) on the device; see `core.decode`."""
+    def decode(self, n_steps: int, max_steps: int, stop=None, rows: int | None = None, logprobs: int = 0):
+        """-> (tokens [rows, max_steps], count [rows], LogProbs or None) on the device; see
+        `core.decode`."""
         e = self.engine
         stop = None if stop is None else e.put_rows(np.asarray(stop, bool))
-        self.state, toks, count = e.run("decode", self.state, np.int32(n_steps), stop, max_steps=max_steps,
-                                        rows=rows)
-        return toks, count
+        static = {"max_steps": max_steps, "rows": rows, **({"logprobs": logprobs} if logprobs else {})}
+        self.state, toks, count, lp = e.run("decode", self.state, np.int32(n_steps), stop, **static)
+        return toks, count, lp
 
     # -- lockstep batches: every row a prompt, prefilled in chunks ----------------------------------
-    def prepare(self, longest: int, n_steps: int) -> float:
+    def prepare(self, longest: int, n_steps: int, logprobs: int = 0) -> float:
         """Compile what `prefill_prompts` of prompts up to `longest` tokens and `run_to_completion(
         n_steps)` call, if not compiled yet. -> seconds it took."""
         e, B = self.engine, self.num_slots
         C, _ = e.chunking(longest)
         state = e.state_shapes(B, self.max_len)
-        calls = [("prefill", (state, e.row_shapes(Pieces.shapes(B, C, rows=True)), None), {"out": "sample"})]
+        lp = {"logprobs": logprobs} if logprobs else {}
+        calls = [("prefill", (state, e.row_shapes(Pieces.shapes(B, C, rows=True)), None), {"out": "sample", **lp})]
         if n_steps >= 1:
-            calls.append(("decode", (state, np.int32(1), None), {"max_steps": self.out_size(n_steps), "rows": None}))
+            calls.append(("decode", (state, np.int32(1), None),
+                          {"max_steps": self.out_size(n_steps), "rows": None, **lp}))
         return e.precompile(calls)
 
     def out_size(self, n_tokens: int) -> int:
@@ -365,8 +391,10 @@ class EngineCore:
         for s in range(0, tokens.shape[1], chunk):
             yield s, tokens[:, s:s + chunk], np.clip(lens - s, 0, chunk).astype(np.int32)
 
-    def prefill_prompts(self, ids: list[list[int]], params: SamplingParams, max_new, ignore_eos=None) -> np.ndarray:
-        """Prompt b into slot b, every slot at once, in chunks; -> each row's first token."""
+    def prefill_prompts(self, ids: list[list[int]], params: SamplingParams, max_new, ignore_eos=None,
+                        logprobs: int = 0):
+        """Prompt b into slot b, every slot at once, in chunks; -> each row's first token [B] (and
+        with `logprobs` their LogProbs [B], host arrays)."""
         from .engine import pad_rows
         B = len(ids)
         lens = np.asarray([len(x) for x in ids], np.int32)
@@ -376,20 +404,25 @@ class EngineCore:
         for s, tok, length in self._chunks(tokens, lens, C):
             final = (length > 0) & (lens - s <= C)
             rows = np.where(length > 0, np.arange(B), B).astype(np.int32)     # done rows: padding
-            firsts.append(self.prefill(Pieces.make(tok, s, length, final, rows, params, max_new, ignore_eos)))
+            firsts.append(self.prefill(Pieces.make(tok, s, length, final, rows, params, max_new, ignore_eos),
+                                       logprobs=logprobs))
             finals.append(final)
-        firsts = np.stack([self.engine.layout.get(f) for f in firsts])
-        return firsts[np.argmax(np.stack(finals), axis=0), np.arange(B)]
+        which = np.argmax(np.stack(finals), axis=0), np.arange(B)
+        firsts = jax.tree_util.tree_map(lambda *a: np.stack([self.engine.layout.get(x) for x in a])[which], *firsts)
+        return firsts
 
-    def run_to_completion(self, n_steps: int, steps: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def run_to_completion(self, n_steps: int, steps: int | None = None, logprobs: int = 0):
         """Decode every live slot until it is done or has n_steps more tokens, in one loop (of
         `steps` steps where given: 0 runs the compiled loop once without a step, so that its first
-        run's costs stay out of a timed one)."""
+        run's costs stay out of a timed one). -> host (tokens [B, S], count [B], LogProbs [B, S]
+        with `logprobs`, else None)."""
         if n_steps < 1:
-            return np.zeros((self.num_slots, 0), np.int32), np.zeros((self.num_slots,), np.int32)
-        toks, count = self.decode(n_steps if steps is None else steps, self.out_size(n_steps), rows=None)
-        get = self.engine.layout.get
-        return get(toks), get(count)
+            B = self.num_slots
+            return (np.zeros((B, 0), np.int32), np.zeros((B,), np.int32),
+                    jax.tree_util.tree_map(np.asarray, LogProbs.zeros((B, 0), logprobs)) if logprobs else None)
+        toks, count, lp = self.decode(n_steps if steps is None else steps, self.out_size(n_steps), rows=None,
+                                      logprobs=logprobs)
+        return jax.tree_util.tree_map(self.engine.layout.get, (toks, count, lp))
 
     def logits(self, tokens: np.ndarray, lens: np.ndarray, chunk: int) -> np.ndarray:
         """Causal logits [B, T, V] of right-padded rows tokens [B, T] (T whole chunks), row b in

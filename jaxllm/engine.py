@@ -18,7 +18,7 @@ from .config import ModelConfig
 from .core import EngineCore, bucket
 from .errors import ModelError, RequestError
 from .kv_plan import check_fits, plan_cache
-from .sampling import SamplingParams
+from .sampling import MAX_LOGPROBS, SamplingParams
 from .speculative import Speculation
 from .sharding import single_device_layout
 from .split_cache import KVOptions, choose_layout, make_cache
@@ -33,6 +33,16 @@ class Completion:
     token_ids: list[int]
     finish_reason: str                 # "stop" (EOS or a stop string) | "length"
     prompt_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None     # one per token of token_ids, when asked for
+
+
+@dataclass
+class TokenLogprob:
+    """A token's log-probability under the model (log_softmax of its raw logits, before temperature
+    and top-k/top-p) and the `logprobs` most likely tokens at that position, most likely first."""
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -52,6 +62,22 @@ class GenerateStats:
         c, d, a = self.spec["cycles"], self.spec["drafted"], self.spec["accepted"]
         return (f"; speculation: {a}/{d} drafts accepted ({a / max(d, 1):.0%}), "
                 f"{(a + c) / max(c, 1):.2f} tokens a verify cycle")
+
+
+def check_logprobs(logprobs) -> int:
+    """-> the number of alternatives the core computes (0: none) for `logprobs` None or 0..20."""
+    if logprobs is None:
+        return 0
+    if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_LOGPROBS:
+        raise RequestError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {logprobs!r}")
+    return MAX_LOGPROBS                  # one compiled variant for every count; rows take what they asked
+
+
+def token_logprobs(lp, row: int, ids: list[int], top: int) -> list[TokenLogprob]:
+    """Tokens `ids` of row `row` of host LogProbs [B, S], with `top` alternatives each."""
+    return [TokenLogprob(t, float(lp.token[row, i]),
+                         list(zip(lp.top_ids[row, i, :top].tolist(), lp.top[row, i, :top].tolist())))
+            for i, t in enumerate(ids)]
 
 
 def check_sampling(max_tokens, temperature, top_k, top_p):
@@ -92,9 +118,9 @@ class Engine:
         self.stats = GenerateStats()
         d = self.dtype
         self._fns = {"prefill": jax.jit(partial(core.prefill, cfg, spec=speculation, dtype=d),
-                                        static_argnames=("out",), donate_argnames=("state",)),
+                                        static_argnames=("out", "logprobs"), donate_argnames=("state",)),
                      "decode": jax.jit(partial(core.decode, cfg, spec=speculation, dtype=d),
-                                       static_argnames=("max_steps", "rows"), donate_argnames=("state",))}
+                                       static_argnames=("max_steps", "rows", "logprobs"), donate_argnames=("state",))}
         self._executables: dict = {}
         self.compile_s = 0.0          # seconds spent compiling the core's calls so far
         self.on_compile = None        # on_compile(n_calls) -> a callable to call when they are done
@@ -280,21 +306,23 @@ class Engine:
         return self.tokenizer.encode(prompt)
 
     def generate(self, prompts, max_tokens=64, temperature=0.0, top_k=None, top_p=None, seed=0,
-                 stop=None, chat=True) -> list[Completion]:
+                 stop=None, chat=True, logprobs: int | None = None) -> list[Completion]:
         check_sampling(max_tokens, temperature, top_k, top_p)
         if isinstance(prompts, str):
             prompts = [prompts]
         if not prompts:
             raise RequestError("no prompts given")
         ids = [self.encode_prompt(p, chat) for p in prompts]
-        return self.generate_ids(ids, max_tokens, temperature, top_k, top_p, seed, stop)
+        return self.generate_ids(ids, max_tokens, temperature, top_k, top_p, seed, stop, logprobs)
 
     def generate_ids(self, ids: list[list[int]], max_tokens=64, temperature=0.0, top_k=None,
-                     top_p=None, seed=0, stop=None) -> list[Completion]:
+                     top_p=None, seed=0, stop=None, logprobs: int | None = None) -> list[Completion]:
         """The lockstep batch: every row admitted into a cache of its own size, prefilled in chunks,
         then decoded to completion in one on-device loop. What it needs compiled is compiled first,
-        so `stats` times the run itself."""
+        so `stats` times the run itself. `logprobs` n (0 to 20): each token's log-probability and
+        the n most likely tokens, computed in the loop."""
         check_sampling(max_tokens, temperature, top_k, top_p)
+        n_lp = check_logprobs(logprobs)
         lens = [len(x) for x in ids]
         if min(lens) == 0:
             raise RequestError("a prompt encoded to no tokens")
@@ -308,19 +336,27 @@ class Engine:
         check_fits(self.kv_plan(B, S))
         params = SamplingParams.make(B, temperature, top_k, top_p, seed)
         eng_core = self.core(B, S)
-        compile_s = eng_core.prepare(n, max_tokens - 1)
+        compile_s = eng_core.prepare(n, max_tokens - 1, n_lp)
         t0 = time.perf_counter()
-        first = eng_core.prefill_prompts(ids, params, np.full(B, max_tokens, np.int32))
+        first = eng_core.prefill_prompts(ids, params, np.full(B, max_tokens, np.int32), logprobs=n_lp)
         t1 = time.perf_counter()
-        eng_core.run_to_completion(max_tokens - 1, steps=0)      # the loop's first run, untimed
+        eng_core.run_to_completion(max_tokens - 1, steps=0, logprobs=n_lp)      # the loop's first run, untimed
         t1, t = time.perf_counter(), t1 - t0
-        rest, count = eng_core.run_to_completion(max_tokens - 1)
+        rest, count, rest_lp = eng_core.run_to_completion(max_tokens - 1, logprobs=n_lp)
         t2 = time.perf_counter()
         self.stats = GenerateStats(B, sum(lens), int(B + count.sum()), t, t2 - t1, int(count.max(initial=0)),
                                    compile_s, eng_core.spec_stats())
-        return [self._finish(ids[b], [int(first[b])] + rest[b, :count[b]].tolist(), stop) for b in range(B)]
+        if not n_lp:
+            return [self._finish(ids[b], [int(first[b])] + rest[b, :count[b]].tolist(), stop) for b in range(B)]
+        first, first_lp = first
+        lp = jax.tree_util.tree_map(lambda f, r: np.concatenate([f[:, None], r], axis=1), first_lp, rest_lp)
+        outs = []
+        for b in range(B):
+            new = [int(first[b])] + rest[b, :count[b]].tolist()
+            outs.append(self._finish(ids[b], new, stop, token_logprobs(lp, b, new, logprobs)))
+        return outs
 
-    def _finish(self, prompt_ids, new_ids, stop) -> Completion:
+    def _finish(self, prompt_ids, new_ids, stop, logprobs=None) -> Completion:
         reason = "length"
         if new_ids and new_ids[-1] in self.cfg.eos_ids:
             new_ids, reason = new_ids[:-1], "stop"
@@ -330,7 +366,8 @@ class Engine:
             if i >= 0:
                 text, reason = text[:i], "stop"
                 new_ids = _ids_covering(self.tokenizer, new_ids, text)
-        return Completion(text, new_ids, reason, list(prompt_ids))
+        return Completion(text, new_ids, reason, list(prompt_ids),
+                          None if logprobs is None else logprobs[:len(new_ids)])
 
     def perplexity(self, text: str, window: int = 2048, stride: int | None = None):
         """Sliding-window perplexity of `text` -> PerplexityResult (.ppl .nll .num_scored_tokens)."""

@@ -182,3 +182,28 @@ def sample(logits: jax.Array, p: SamplingParams, step: jax.Array) -> jax.Array:
     branch = jnp.where(jnp.any(sampling), jnp.where(any_top_k, 2, 1), 0)
     drawn = jax.lax.switch(branch, [lambda: greedy, lambda: draw(False), lambda: draw(True)])
     return jnp.where(sampling, drawn, greedy)
+
+
+MAX_LOGPROBS = 20          # top alternatives a token may report (OpenAI's limit)
+
+
+@struct.dataclass
+class LogProbs:
+    """Log-probabilities under the model's own distribution (log_softmax of the raw float32 logits,
+    before temperature, top-k/top-p or penalties: what vLLM reports by default)."""
+    token: jax.Array         # [...] of the chosen token
+    top_ids: jax.Array       # [..., n] int32: the n most likely tokens, most likely first
+    top: jax.Array           # [..., n] their log-probabilities
+
+    @staticmethod
+    def zeros(shape: tuple, n: int) -> "LogProbs":
+        return LogProbs(jnp.zeros(shape, jnp.float32), jnp.zeros((*shape, n), jnp.int32),
+                        jnp.zeros((*shape, n), jnp.float32))
+
+
+def logprobs(logits: jax.Array, tokens: jax.Array, n: int) -> LogProbs:
+    """logits [..., V] float32, tokens [...] -> LogProbs [...] with the top n."""
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0]
+    top, ids = jax.lax.top_k(logits, n)
+    return LogProbs(picked - lse, ids.astype(jnp.int32), top - lse[..., None])

@@ -99,6 +99,34 @@ def test_max_tokens_per_row_and_finish_reason(eng):
         assert len(out[0].token_ids) == 5
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_logprobs_are_the_log_softmax_of_the_logits(eng, speculative):
+    """Each token's log-probability and top alternatives, computed in the loop (and in speculative
+    cycles), equal log_softmax of `Engine.logits` at its position, greedy and sampled."""
+    from jaxllm.engine import Engine
+    from jaxllm.speculative import Speculation
+    gen = eng if not speculative else Engine(eng.cfg, eng.weights, None, dtype="float32", max_ctx=64,
+                                             speculation=Speculation("ngram", 3))
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11]]
+    for temperature in (0.0, 0.9):
+        outs = gen.generate_ids(prompts, max_tokens=12, temperature=temperature, seed=3, logprobs=3)
+        for p, c in zip(prompts, outs):
+            seq = p + c.token_ids
+            logits = np.asarray(eng.logits(np.array([seq], np.int32))[0], np.float64)
+            want = logits - logits.max(-1, keepdims=True)
+            want -= np.log(np.exp(want).sum(-1, keepdims=True))
+            assert len(c.logprobs) == len(c.token_ids) > 0
+            for i, t in enumerate(c.logprobs):
+                at = len(p) - 1 + i
+                assert t.token_id == seq[at + 1]
+                np.testing.assert_allclose(t.logprob, want[at, t.token_id], atol=1e-4)
+                assert [j for j, _ in t.top] == np.argsort(-want[at], kind="stable")[:3].tolist()
+                np.testing.assert_allclose([v for _, v in t.top], np.sort(want[at])[::-1][:3], atol=1e-4)
+    assert eng.generate_ids(prompts[:1], max_tokens=2)[0].logprobs is None
+    with pytest.raises(jaxllm.RequestError, match="logprobs must be an integer from 0 to 20"):
+        eng.generate_ids(prompts, max_tokens=2, logprobs=21)
+
+
 def forward_and_steps(eng, ids):
     """Full-forward logits of ids [2, T] and the logits of decoding them one step at a time."""
     stepper, steps = eng.core(2, 16), []

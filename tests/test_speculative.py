@@ -98,7 +98,7 @@ def sampled(eng, seeds=SEEDS) -> np.ndarray:
     params = SamplingParams(np.ones(seeds, np.float32), np.zeros(seeds, np.int32), np.ones(seeds, np.float32),
                             np.arange(seeds, dtype=np.uint32))
     first = eng_core.prefill_prompts(ids, params, np.full(seeds, 3, np.int32), np.ones(seeds, bool))
-    rest, count = eng_core.run_to_completion(2)
+    rest, count, _ = eng_core.run_to_completion(2)
     assert (count == 2).all()
     sampled.stats = eng_core.spec_stats()
     return np.concatenate([first[:, None], rest[:, :2]], axis=1)

@@ -400,7 +400,7 @@ class Scheduler:
                 if call.finals[i] and not job.done:
                     self._take(job, [int(first[i])])
             return
-        toks, count = (get(x) for x in call.result)
+        toks, count = (get(x) for x in call.result[:2])
         for b, job in enumerate(call.jobs):
             if job is not None and count[b] and not job.done:
                 call.record["tokens"][job.id] = int(count[b])
