@@ -22,7 +22,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .protocol import ApiError, GenRequest, bad, full_response, parse_request, stream_chunk, usage_chunk
+from .output import Parts, chat_features
+from .protocol import (
+    ApiError,
+    ChatDeltas,
+    GenRequest,
+    bad,
+    full_response,
+    parse_request,
+    stream_chunk,
+    usage_chunk,
+)
 from .scheduler import Delta, Failed, Finished, Job, QueueFull, Scheduler
 
 log = logging.getLogger("jaxllm.serve")
@@ -87,6 +97,7 @@ class Server:
         self.engine, self.opts = engine, opts
         self.scheduler = Scheduler(engine, opts.max_num_seqs, opts.max_model_len, opts.max_queue,
                                    opts.decode_steps, opts.max_num_batched_tokens)
+        self.features = chat_features(engine.cfg.family)      # reasoning and tool calls in chat answers
         self.started = time.time()
 
     # -- plumbing --------------------------------------------------------------------------------
@@ -179,7 +190,7 @@ class Server:
         self.check_auth(request)
         body = await self.read_json(request)
         req = await run_in_threadpool(parse_request, kind, body, self.engine, self.opts.served_name,
-                                      self.opts.max_model_len)
+                                      self.opts.max_model_len, self.features)
         inbox = Inbox()
         job = Job(req, inbox.put)
         try:
@@ -195,30 +206,42 @@ class Server:
             return StreamingResponse(self.stream(req, job, inbox, deadline), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"}, background=BackgroundTask(job.cancel))
         try:
-            return await self.collect(request, req, inbox, deadline)
+            return await self.collect(request, req, job, inbox, deadline)
         except ClientGone:
             return Response(status_code=499)     # nobody reads it; the slot is freed below
         finally:
             job.cancel()              # frees the slot if the client left or the deadline passed
             inbox.close()
 
-    async def collect(self, request: Request, req: GenRequest, inbox: Inbox, deadline: float):
-        parts = []
+    async def collect(self, request: Request, req: GenRequest, job: Job, inbox: Inbox, deadline: float):
+        texts = []
         while True:
             try:
                 ev = await self.next_event(inbox, deadline, request)
             except TimedOut:
                 raise self.timeout_error() from None
             if isinstance(ev, Delta):
-                parts.append(ev.text)
+                texts.append(ev.text)
             elif isinstance(ev, Finished):
-                return JSONResponse(full_response(req, "".join(parts), ev.finish_reason, ev.completion_tokens))
+                text, parts = "".join(texts), None
+                if req.output is not None:            # reasoning and tool calls read out of the answer
+                    reader = req.output.reader()
+                    parts = reader.push(text)
+                    parts.add(reader.finish())
+                return JSONResponse(full_response(req, text, ev.finish_reason, ev.completion_tokens, parts))
             elif isinstance(ev, Failed):
                 raise ApiError(ev.status, ev.message, type=ev.type)
 
     async def stream(self, req: GenRequest, job: Job, inbox: Inbox, deadline: float):
         def sse(obj) -> str:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+        reader = None if req.output is None else req.output.reader()
+        deltas, calls = ChatDeltas(), 0
+
+        def chunks(parts: Parts):                # a chat answer read as it streams
+            nonlocal calls
+            calls += len(parts.calls)
+            return [sse(stream_chunk(req, None, delta=d)) for d in deltas(parts)]
         try:
             if req.kind == "chat":
                 yield sse(stream_chunk(req, None, role=True))
@@ -229,9 +252,15 @@ class Server:
                     yield sse(self.timeout_error().body())
                     break
                 if isinstance(ev, Delta):
-                    yield sse(stream_chunk(req, ev.text))
+                    for c in chunks(reader.push(ev.text)) if reader else [sse(stream_chunk(req, ev.text))]:
+                        yield c
                 elif isinstance(ev, Finished):
-                    yield sse(stream_chunk(req, None, ev.finish_reason))
+                    reason = ev.finish_reason
+                    if reader is not None:
+                        for c in chunks(reader.finish()):
+                            yield c
+                        reason = "tool_calls" if calls else reason
+                    yield sse(stream_chunk(req, None, reason))
                     if req.include_usage:
                         yield sse(usage_chunk(req, ev.completion_tokens))
                     break

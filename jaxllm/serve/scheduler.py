@@ -21,8 +21,8 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -291,7 +291,7 @@ class Scheduler:
             job = self._next_waiting()
             if job is None:
                 return
-            job.text = TextStream(self.engine.tokenizer, job.req.stop)
+            job.text = TextStream(self.engine.tokenizer, job.req.stop, job.req.skip_special)
             job.slot, job.prefilled = b, 0
             with self.cond:
                 self.slots[b] = job
