@@ -77,8 +77,9 @@ class ScriptedCore:
     answering each prompt with `reply(prompt_ids) -> token ids` (an EOS ends it early, the request's
     token limit cuts it). The prompts it was sent are kept in `prompts`."""
 
-    def __init__(self, reply, num_slots: int, max_len: int, eos_ids):
+    def __init__(self, reply, num_slots: int, max_len: int, eos_ids, step_s: float = 0.0):
         self.reply, self.num_slots, self.max_len, self.eos = reply, num_slots, max_len, set(eos_ids)
+        self.step_s = step_s                # seconds a decode step takes (a slow device)
         self.prompts: list[list[int]] = []
         self.reset()
 
@@ -113,6 +114,7 @@ class ScriptedCore:
 
     def decode(self, n_steps: int, max_steps: int, stop=None, rows: int | None = None):
         rows = rows or self.num_slots
+        time.sleep(self.step_s * n_steps)
         toks, count = np.zeros((rows, max_steps), np.int32), np.zeros(rows, np.int32)
         for b in range(rows):
             if stop is not None and stop[b]:
@@ -125,14 +127,14 @@ class ScriptedCore:
 class ScriptedEngine:
     """A loaded engine (config, tokenizer, layout) whose core answers from a script."""
 
-    def __init__(self, engine, reply):
-        self._engine, self.reply, self.cores = engine, reply, []
+    def __init__(self, engine, reply, step_s: float = 0.0):
+        self._engine, self.reply, self.step_s, self.cores = engine, reply, step_s, []
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
     def core(self, num_slots: int, max_len: int) -> ScriptedCore:
-        self.cores.append(ScriptedCore(self.reply, num_slots, max_len, self._engine.cfg.eos_ids))
+        self.cores.append(ScriptedCore(self.reply, num_slots, max_len, self._engine.cfg.eos_ids, self.step_s))
         return self.cores[-1]
 
 

@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .metrics import CONTENT_TYPE, Metrics
 from .output import Parts, chat_features
 from .protocol import (
     ApiError,
@@ -97,6 +98,7 @@ class Server:
         self.engine, self.opts = engine, opts
         self.scheduler = Scheduler(engine, opts.max_num_seqs, opts.max_model_len, opts.max_queue,
                                    opts.decode_steps, opts.max_num_batched_tokens)
+        self.metrics = self.scheduler.observer = Metrics(self.scheduler, opts.served_name)
         self.features = chat_features(engine.cfg.family)      # reasoning and tool calls in chat answers
         self.started = time.time()
 
@@ -180,6 +182,9 @@ class Server:
             "id": self.opts.served_name, "object": "model", "created": int(self.started),
             "owned_by": "jaxllm", "max_model_len": self.opts.max_model_len}]})
 
+    async def metrics_text(self, request: Request):
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
+
     async def completions(self, request: Request):
         return await self.generate(request, "completion")
 
@@ -208,6 +213,7 @@ class Server:
         try:
             return await self.collect(request, req, job, inbox, deadline)
         except ClientGone:
+            self.metrics.failed("abort")
             return Response(status_code=499)     # nobody reads it; the slot is freed below
         finally:
             job.cancel()              # frees the slot if the client left or the deadline passed
@@ -219,6 +225,7 @@ class Server:
             try:
                 ev = await self.next_event(inbox, deadline, request)
             except TimedOut:
+                self.metrics.failed("timeout")
                 raise self.timeout_error() from None
             if isinstance(ev, Delta):
                 texts.append(ev.text)
@@ -228,8 +235,11 @@ class Server:
                     reader = req.output.reader()
                     parts = reader.push(text)
                     parts.add(reader.finish())
-                return JSONResponse(full_response(req, text, ev.finish_reason, ev.completion_tokens, parts))
+                body = full_response(req, text, ev.finish_reason, ev.completion_tokens, parts)
+                self.metrics.finished(job, body["choices"][0]["finish_reason"])
+                return JSONResponse(body)
             elif isinstance(ev, Failed):
+                self.metrics.failed("error")
                 raise ApiError(ev.status, ev.message, type=ev.type)
 
     async def stream(self, req: GenRequest, job: Job, inbox: Inbox, deadline: float):
@@ -242,6 +252,7 @@ class Server:
             nonlocal calls
             calls += len(parts.calls)
             return [sse(stream_chunk(req, None, delta=d)) for d in deltas(parts)]
+        ended = False
         try:
             if req.kind == "chat":
                 yield sse(stream_chunk(req, None, role=True))
@@ -249,26 +260,34 @@ class Server:
                 try:
                     ev = await self.next_event(inbox, deadline)
                 except TimedOut:
+                    ended = True
+                    self.metrics.failed("timeout")
                     yield sse(self.timeout_error().body())
                     break
                 if isinstance(ev, Delta):
                     for c in chunks(reader.push(ev.text)) if reader else [sse(stream_chunk(req, ev.text))]:
                         yield c
                 elif isinstance(ev, Finished):
+                    ended = True
                     reason = ev.finish_reason
                     if reader is not None:
                         for c in chunks(reader.finish()):
                             yield c
                         reason = "tool_calls" if calls else reason
+                    self.metrics.finished(job, reason)
                     yield sse(stream_chunk(req, None, reason))
                     if req.include_usage:
                         yield sse(usage_chunk(req, ev.completion_tokens))
                     break
                 elif isinstance(ev, Failed):
+                    ended = True
+                    self.metrics.failed("error")
                     yield sse(ApiError(ev.status, ev.message, type=ev.type).body())
                     break
             yield "data: [DONE]\n\n"
         finally:
+            if not ended:                        # the client went away mid-stream
+                self.metrics.failed("abort")
             job.cancel()
             inbox.close()
 
@@ -304,6 +323,7 @@ def build_app(engine, opts: ServeOptions) -> Starlette:
 
     routes = [
         Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.metrics_text, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
