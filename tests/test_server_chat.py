@@ -1,7 +1,7 @@
 """Chat features of the server, through the official openai client against live servers of tiny
 Qwen3 and Gemma 4 checkpoints saved with the families' real chat templates: tool calls (a whole
-round trip, streamed deltas, tool_choice, malformed calls), reasoning, enable_thinking, and
-the 400s for bad input.
+round trip, streamed deltas, tool_choice, malformed calls), reasoning, enable_thinking,
+/tokenize and /detokenize, and the 400s for bad input.
 
 The answers are scripted (`tiny_chat.ScriptedEngine`): each test says what the model answers to a
 prompt, and the prompt the server rendered is checked against the template's own rendering.
@@ -273,6 +273,29 @@ def test_gemma4_thinking(gemma4):
     assert r.choices[0].message.content == "Four." and getattr(r.choices[0].message, "reasoning_content", None) is None
 
 
+# -- /tokenize, /detokenize, /v1/models -------------------------------------------------------------
+def test_tokenize_and_detokenize(qwen3):
+    text = "Hello <|im_start|> café 東京"
+    r = qwen3.post("/tokenize", {"prompt": text}).json()
+    assert r == {"count": len(r["tokens"]), "max_model_len": MAX_LEN, "tokens": qwen3.tok.encode(text),
+                 "token_strs": None}
+    assert qwen3.post("/detokenize", {"tokens": r["tokens"]}).json() == {"prompt": text}
+    strs = qwen3.post("/tokenize", {"prompt": "ab", "return_token_strs": True, "model": "m"}).json()["token_strs"]
+    assert strs == ["a", "b"]
+
+    # a chat tokenizes as the chat route renders it: the count is the request's prompt_tokens
+    qwen3.answer = lambda p: "Hi."
+    body = {"messages": ASK, "tools": TOOLS, "chat_template_kwargs": {"enable_thinking": False}}
+    r = qwen3.post("/tokenize", body).json()
+    usage = qwen3.chat(messages=ASK, tools=TOOLS, extra_body={"chat_template_kwargs": {"enable_thinking": False}}).usage
+    assert r["count"] == usage.prompt_tokens and r["tokens"] == qwen3.last_prompt()
+    no_gen = qwen3.post("/tokenize", {**body, "add_generation_prompt": False}).json()
+    assert qwen3.tok.decode(no_gen["tokens"], skip_special=False).endswith("Paris?<|im_end|>\n")
+
+    models = qwen3.client.models.list().data
+    assert [(m.id, m.max_model_len) for m in models] == [("m", MAX_LEN)]
+
+
 # -- bad input: a 400 naming the problem, and the server keeps serving ------------------------------
 CALLED = {"role": "assistant", "content": None, "tool_calls": [
     {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
@@ -303,6 +326,16 @@ BAD = [  # (path, body, words the message must contain)
      "chat_template_kwargs.reasoning_effort"),
     ("/v1/chat/completions", {"messages": ASK, "chat_template_kwargs": []}, "'chat_template_kwargs' must be"),
     ("/v1/chat/completions", {"messages": ASK, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/tokenize", {"prompt": "x", "messages": ASK}, "one of 'prompt'"),
+    ("/tokenize", {}, "one of 'prompt'"),
+    ("/tokenize", {"prompt": ["x"]}, "'prompt' must be a string"),
+    ("/tokenize", {"prompt": "x", "tools": WEATHER}, "'tools' applies to 'messages' only"),
+    ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+    ("/tokenize", {"prompt": "x", "truncate": 4}, "unknown field 'truncate'"),
+    ("/tokenize", {"messages": []}, "non-empty"),
+    ("/detokenize", {"tokens": [1, 10 ** 6]}, "must lie in"),
+    ("/detokenize", {"tokens": "1 2"}, "'tokens' must be a list"),
+    ("/detokenize", {"tokens": [1], "skip_special_tokens": True}, "unknown field 'skip_special_tokens'"),
 ]
 
 
@@ -316,7 +349,8 @@ def test_bad_chat_input_gets_400(qwen3, case):
     assert qwen3.chat(messages=ASK, max_tokens=8).choices[0].message.content == "Fine."
 
 
-def test_unknown_model_is_404(qwen3):
+def test_unknown_model_on_tokenize_is_404(qwen3):
+    assert qwen3.post("/tokenize", {"prompt": "x", "model": "other"}).status_code == 404
     with pytest.raises(openai.NotFoundError):
         qwen3.client.chat.completions.create(model="other", messages=ASK)
 

@@ -29,9 +29,11 @@ from .protocol import (
     ChatDeltas,
     GenRequest,
     bad,
+    detokenize,
     full_response,
     parse_request,
     stream_chunk,
+    tokenize,
     usage_chunk,
 )
 from .scheduler import Delta, Failed, Finished, Job, QueueFull, Scheduler
@@ -185,6 +187,17 @@ class Server:
     async def metrics_text(self, request: Request):
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
 
+    async def tokenize(self, request: Request):
+        self.check_auth(request)
+        body = await self.read_json(request)
+        return JSONResponse(await run_in_threadpool(tokenize, body, self.engine, self.opts.served_name,
+                                                    self.opts.max_model_len, self.features))
+
+    async def detokenize(self, request: Request):
+        self.check_auth(request)
+        body = await self.read_json(request)
+        return JSONResponse(await run_in_threadpool(detokenize, body, self.engine, self.opts.served_name))
+
     async def completions(self, request: Request):
         return await self.generate(request, "completion")
 
@@ -324,6 +337,8 @@ def build_app(engine, opts: ServeOptions) -> Starlette:
     routes = [
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics_text, methods=["GET"]),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),

@@ -11,6 +11,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from ..errors import JaxllmError
+from ..tokenizer import Tokenizer
 from .chat import chat_prompt
 from .fields import (
     ApiError,
@@ -176,6 +178,12 @@ def parse_request(kind: str, body, engine, served_name: str, max_model_len: int,
                       output=plan, **sampling)
 
 
+# -- /tokenize and /detokenize (vLLM's) ------------------------------------------------------------
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs",
+                   "tools", "chat_template_kwargs"}
+CHAT_ONLY = ("add_generation_prompt", "tools", "chat_template_kwargs")
+
+
 def _check_model(body: dict, served_name: str) -> None:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -183,6 +191,56 @@ def _check_model(body: dict, served_name: str) -> None:
     if model not in (None, served_name):
         raise ApiError(404, f"The model '{model}' does not exist; this server serves '{served_name}'",
                        param="model", code="model_not_found")
+
+
+def _tokenizer(engine, param: str):
+    if engine.tokenizer is None:
+        raise bad("this model has no tokenizer", param)
+    return engine.tokenizer
+
+
+def tokenize(body, engine, served_name: str, max_model_len: int, features: ChatFeatures) -> dict:
+    """`prompt` (a string) or chat `messages` -> their token ids, as the generation routes see them."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    check_fields(body, TOKENIZE_FIELDS)
+    _check_model(body, served_name)
+    if ("prompt" in body) == ("messages" in body):
+        raise bad("send one of 'prompt' (a string) and 'messages' (a chat)", "prompt")
+    tok = _tokenizer(engine, "prompt" if "prompt" in body else "messages")
+    if "prompt" in body:
+        extra = next((k for k in CHAT_ONLY if k in body), None)
+        if extra:
+            raise bad(f"'{extra}' applies to 'messages' only", extra)
+        if not isinstance(body["prompt"], str):
+            raise bad("'prompt' must be a string", "prompt")
+        try:
+            ids = tok.encode(body["prompt"], add_special=bool_field(body, "add_special_tokens", True))
+        except JaxllmError as e:
+            raise bad(str(e), "prompt") from None
+    else:
+        ids, _ = chat_prompt(body, engine, features, bool_field(body, "add_generation_prompt", True),
+                             bool_field(body, "add_special_tokens"))
+    strs = None
+    if bool_field(body, "return_token_strs"):
+        strs = [tok.tok.id_to_token(i) if isinstance(tok, Tokenizer) else str(i) for i in ids]
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+
+
+def detokenize(body, engine, served_name: str) -> dict:
+    """`tokens` -> their text, special tokens included (so it inverts /tokenize)."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    check_fields(body, {"model", "tokens"})
+    _check_model(body, served_name)
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(is_int(t) for t in ids):
+        raise bad("'tokens' must be a list of token ids", "tokens")
+    vocab = engine.cfg.vocab_size
+    if any(not 0 <= t < vocab for t in ids):
+        raise bad(f"token ids in 'tokens' must lie in [0, {vocab})", "tokens")
+    tok = _tokenizer(engine, "tokens")
+    return {"prompt": tok.decode(ids, skip_special=False) if isinstance(tok, Tokenizer) else tok.decode(ids)}
 
 
 def _fit_context(n_prompt: int, max_tokens: int | None, limit: int, default: int | None,
