@@ -259,11 +259,9 @@ class Server:
         def sse(obj) -> str:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
         reader = None if req.output is None else req.output.reader()
-        deltas, calls = ChatDeltas(), 0
+        deltas = ChatDeltas()
 
         def chunks(parts: Parts):                # a chat answer read as it streams
-            nonlocal calls
-            calls += len(parts.calls)
             return [sse(stream_chunk(req, None, delta=d)) for d in deltas(parts)]
         ended = False
         try:
@@ -286,7 +284,7 @@ class Server:
                     if reader is not None:
                         for c in chunks(reader.finish()):
                             yield c
-                        reason = "tool_calls" if calls else reason
+                        reason = "tool_calls" if deltas.calls else reason
                     self.metrics.finished(job, reason)
                     yield sse(stream_chunk(req, None, reason))
                     if req.include_usage:
