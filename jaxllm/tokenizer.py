@@ -6,6 +6,7 @@ from datetime import datetime
 from pathlib import Path
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import ModelError, RequestError
@@ -31,14 +32,14 @@ class Tokenizer:
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
-    def from_hf_dir(cls, d: Path, fallback_template: str | None = None) -> "Tokenizer | None":
+    def from_hf_dir(cls, d: Path, fallback_template: str | None = None) -> Tokenizer | None:
         from tokenizers import Tokenizer as HFTokenizer
         path = d / "tokenizer.json"
         if not path.exists():
             return None
         try:
             tok = HFTokenizer.from_file(str(path))
-        except Exception as e:
+        except Exception as e:          # noqa: BLE001 (the tokenizers library raises plain Exception)
             raise ModelError(f"{path}: unreadable tokenizer ({str(e).splitlines()[0]})") from None
         tc = read_json(d / "tokenizer_config.json")
         template = tc.get("chat_template")
@@ -69,24 +70,48 @@ class Tokenizer:
     def decode(self, ids, skip_special: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    **template_kwargs) -> str:
+        """The chat template applied as transformers' apply_chat_template does: `tools` (OpenAI
+        function definitions) and keyword arguments such as `enable_thinking` reach the template."""
         if not self.chat_template:
             raise RequestError("this model has no chat template; send a raw prompt instead")
-        if self._template is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            env.filters["tojson"] = lambda x, indent=None, **k: json.dumps(x, indent=indent, ensure_ascii=False)
-            self._template = env.from_string(self.chat_template)
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            if self._template is None:
+                self._template = _environment().from_string(self.chat_template)
+            return self._template.render(**template_kwargs, messages=messages, tools=tools,
+                                         add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except jinja2.TemplateError as e:
             raise RequestError(f"chat template rejected the messages: {e}") from None
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def template_variables(self) -> set[str]:
+        """The names the chat template reads (`tools`, `enable_thinking`, ...): a request's tools
+        must not go to a template that would drop them."""
+        if not self.chat_template:
+            return set()
+        try:
+            return jinja2.meta.find_undeclared_variables(_environment().parse(self.chat_template))
+        except jinja2.TemplateError:
+            return set()
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, **template_kwargs) -> list[int]:
         # The template writes BOS itself, as transformers' apply_chat_template does.
-        return self.encode(self.render_chat(messages), add_special=False)
+        return self.encode(self.render_chat(messages, tools=tools, **template_kwargs), add_special=False)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    """A sandbox like transformers' for chat templates."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.filters["tojson"] = _tojson
+    return env
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """transformers' tojson filter (tool schemas in templates are rendered with it)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise(msg):

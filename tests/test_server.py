@@ -366,6 +366,36 @@ BAD = [  # (id, path, raw body or JSON, headers, status, words the message must 
     ("stop_too_long", "/v1/completions", {"prompt": "x", "stop": "z" * 600}, None, 400, "at most"),
     ("logprobs", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
      None, 400, "not supported"),
+    # OpenAI and vLLM fields this server does not implement: refused by name (docs/server.md lists them)
+    ("top_logprobs", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     None, 400, "'top_logprobs'"),
+    ("echo", "/v1/completions", {"prompt": "x", "echo": True}, None, 400, "'echo'"),
+    ("suffix", "/v1/completions", {"prompt": "x", "suffix": "y"}, None, 400, "'suffix'"),
+    ("best_of", "/v1/completions", {"prompt": "x", "best_of": 3}, None, 400, "'best_of'"),
+    ("presence_penalty", "/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, None, 400, "'presence_penalty'"),
+    ("frequency_penalty", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                    "frequency_penalty": 1}, None, 400, "'frequency_penalty'"),
+    ("logit_bias", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, None, 400, "'logit_bias'"),
+    ("response_format", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                 "response_format": {"type": "json_object"}}, None, 400, "'response_format'"),
+    ("guided_json", "/v1/completions", {"prompt": "x", "guided_json": {"type": "object"}}, None, 400, "'guided_json'"),
+    ("repetition_penalty", "/v1/completions", {"prompt": "x", "repetition_penalty": 1.1}, None, 400,
+     "'repetition_penalty'"),
+    ("functions", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": []}, None, 400,
+     "'functions'"),
+    # Gemma 3 has no tool-call format and no thinking: tools, tool messages and enable_thinking are refused
+    ("tools_without_format", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, None, 400, "'tools' is not supported"),
+    ("tool_message_without_format", "/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "a", "content": "y"}]}, None, 400,
+     "no tool-call format"),
+    ("enable_thinking_without_thinking", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                                  "chat_template_kwargs": {"enable_thinking": True}},
+     None, 400, "enable_thinking"),
+    ("tokenize_both", "/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, None, 400,
+     "one of 'prompt'"),
+    ("tokenize_key", "/tokenize", {"prompt": "x"}, {}, 401, "API key"),
+    ("detokenize_range", "/detokenize", {"tokens": [0, 10 ** 7]}, None, 400, "must lie in"),
 ]
 
 
@@ -391,6 +421,50 @@ def test_extreme_but_valid_values_are_served(server):
             "top_p": 1, "stop": [], "n": 1, "user": "u", "presence_penalty": 0}
     r = httpx.post(server.url + "/v1/completions", json=body, headers=headers(), timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_tokenize_matches_the_generation_routes(engine, client, model_name, server):
+    """/tokenize counts what /v1/completions and /v1/chat/completions count; /detokenize inverts it;
+    /v1/models tells the context length."""
+    def post(path, body):
+        r = httpx.post(server.url + path, json=body, headers=headers(), timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+    t = post("/tokenize", {"prompt": PROMPT})
+    assert t["tokens"] == engine.tokenizer.encode(PROMPT) and t["max_model_len"] == MAX_LEN
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=1, temperature=0)
+    assert t["count"] == r.usage.prompt_tokens
+    assert post("/detokenize", {"tokens": t["tokens"]})["prompt"] == engine.tokenizer.decode(t["tokens"], False)
+    t = post("/tokenize", {"messages": CHAT, "model": model_name})
+    r = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=1, temperature=0)
+    assert t["count"] == r.usage.prompt_tokens and t["tokens"] == engine.encode_prompt(CHAT, chat=True)
+    assert [(m.id, m.max_model_len) for m in client.models.list().data] == [(model_name, MAX_LEN)]
+
+
+def test_metrics_count_the_requests(client, model_name, server):
+    """/metrics (no key needed, like /health): after 3 completions the request counter is 3 up and
+    the token counters are up by the usage the responses reported."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def counters():
+        r = httpx.get(server.url + "/metrics", timeout=30)
+        assert r.status_code == 200
+        out = {}
+        for fam in text_string_to_metric_families(r.text):
+            for smp in fam.samples:
+                if smp.name.endswith(("_total", "_count")):
+                    out[smp.name] = out.get(smp.name, 0) + smp.value
+        return out
+    before = counters()
+    usages = [client.completions.create(model=model_name, prompt=p, max_tokens=n, temperature=0).usage
+              for p, n in ((PROMPT, 4), ("Hello world", 7), (CORPUS[3], 2))]
+    after = counters()
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    assert delta["jaxllm:request_success_total"] == 3
+    assert delta["jaxllm:prompt_tokens_total"] == sum(u.prompt_tokens for u in usages)
+    assert delta["jaxllm:generation_tokens_total"] == sum(u.completion_tokens for u in usages)
+    assert delta["jaxllm:time_to_first_token_seconds_count"] == 3 == delta["jaxllm:e2e_request_latency_seconds_count"]
+    assert delta["jaxllm:request_failure_total"] == 0
 
 
 def test_wrong_method_and_open_health(server):

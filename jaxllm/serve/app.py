@@ -22,7 +22,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .protocol import ApiError, GenRequest, bad, full_response, parse_request, stream_chunk, usage_chunk
+from .metrics import CONTENT_TYPE, Metrics
+from .output import Parts, chat_features
+from .protocol import (
+    ApiError,
+    ChatDeltas,
+    GenRequest,
+    bad,
+    detokenize,
+    full_response,
+    parse_request,
+    stream_chunk,
+    tokenize,
+    usage_chunk,
+)
 from .scheduler import Delta, Failed, Finished, Job, QueueFull, Scheduler
 
 log = logging.getLogger("jaxllm.serve")
@@ -87,6 +100,8 @@ class Server:
         self.engine, self.opts = engine, opts
         self.scheduler = Scheduler(engine, opts.max_num_seqs, opts.max_model_len, opts.max_queue,
                                    opts.decode_steps, opts.max_num_batched_tokens)
+        self.metrics = self.scheduler.observer = Metrics(self.scheduler, opts.served_name)
+        self.features = chat_features(engine.cfg.family)      # reasoning and tool calls in chat answers
         self.started = time.time()
 
     # -- plumbing --------------------------------------------------------------------------------
@@ -169,6 +184,20 @@ class Server:
             "id": self.opts.served_name, "object": "model", "created": int(self.started),
             "owned_by": "jaxllm", "max_model_len": self.opts.max_model_len}]})
 
+    async def metrics_text(self, request: Request):
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    async def tokenize(self, request: Request):
+        self.check_auth(request)
+        body = await self.read_json(request)
+        return JSONResponse(await run_in_threadpool(tokenize, body, self.engine, self.opts.served_name,
+                                                    self.opts.max_model_len, self.features))
+
+    async def detokenize(self, request: Request):
+        self.check_auth(request)
+        body = await self.read_json(request)
+        return JSONResponse(await run_in_threadpool(detokenize, body, self.engine, self.opts.served_name))
+
     async def completions(self, request: Request):
         return await self.generate(request, "completion")
 
@@ -179,7 +208,7 @@ class Server:
         self.check_auth(request)
         body = await self.read_json(request)
         req = await run_in_threadpool(parse_request, kind, body, self.engine, self.opts.served_name,
-                                      self.opts.max_model_len)
+                                      self.opts.max_model_len, self.features)
         inbox = Inbox()
         job = Job(req, inbox.put)
         try:
@@ -195,30 +224,46 @@ class Server:
             return StreamingResponse(self.stream(req, job, inbox, deadline), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"}, background=BackgroundTask(job.cancel))
         try:
-            return await self.collect(request, req, inbox, deadline)
+            return await self.collect(request, req, job, inbox, deadline)
         except ClientGone:
+            self.metrics.failed("abort")
             return Response(status_code=499)     # nobody reads it; the slot is freed below
         finally:
             job.cancel()              # frees the slot if the client left or the deadline passed
             inbox.close()
 
-    async def collect(self, request: Request, req: GenRequest, inbox: Inbox, deadline: float):
-        parts = []
+    async def collect(self, request: Request, req: GenRequest, job: Job, inbox: Inbox, deadline: float):
+        texts = []
         while True:
             try:
                 ev = await self.next_event(inbox, deadline, request)
             except TimedOut:
+                self.metrics.failed("timeout")
                 raise self.timeout_error() from None
             if isinstance(ev, Delta):
-                parts.append(ev.text)
+                texts.append(ev.text)
             elif isinstance(ev, Finished):
-                return JSONResponse(full_response(req, "".join(parts), ev.finish_reason, ev.completion_tokens))
+                text, parts = "".join(texts), None
+                if req.output is not None:            # reasoning and tool calls read out of the answer
+                    reader = req.output.reader()
+                    parts = reader.push(text)
+                    parts.add(reader.finish())
+                body = full_response(req, text, ev.finish_reason, ev.completion_tokens, parts)
+                self.metrics.finished(job, body["choices"][0]["finish_reason"])
+                return JSONResponse(body)
             elif isinstance(ev, Failed):
+                self.metrics.failed("error")
                 raise ApiError(ev.status, ev.message, type=ev.type)
 
     async def stream(self, req: GenRequest, job: Job, inbox: Inbox, deadline: float):
         def sse(obj) -> str:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+        reader = None if req.output is None else req.output.reader()
+        deltas = ChatDeltas()
+
+        def chunks(parts: Parts):                # a chat answer read as it streams
+            return [sse(stream_chunk(req, None, delta=d)) for d in deltas(parts)]
+        ended = False
         try:
             if req.kind == "chat":
                 yield sse(stream_chunk(req, None, role=True))
@@ -226,20 +271,34 @@ class Server:
                 try:
                     ev = await self.next_event(inbox, deadline)
                 except TimedOut:
+                    ended = True
+                    self.metrics.failed("timeout")
                     yield sse(self.timeout_error().body())
                     break
                 if isinstance(ev, Delta):
-                    yield sse(stream_chunk(req, ev.text))
+                    for c in chunks(reader.push(ev.text)) if reader else [sse(stream_chunk(req, ev.text))]:
+                        yield c
                 elif isinstance(ev, Finished):
-                    yield sse(stream_chunk(req, None, ev.finish_reason))
+                    ended = True
+                    reason = ev.finish_reason
+                    if reader is not None:
+                        for c in chunks(reader.finish()):
+                            yield c
+                        reason = "tool_calls" if deltas.calls else reason
+                    self.metrics.finished(job, reason)
+                    yield sse(stream_chunk(req, None, reason))
                     if req.include_usage:
                         yield sse(usage_chunk(req, ev.completion_tokens))
                     break
                 elif isinstance(ev, Failed):
+                    ended = True
+                    self.metrics.failed("error")
                     yield sse(ApiError(ev.status, ev.message, type=ev.type).body())
                     break
             yield "data: [DONE]\n\n"
         finally:
+            if not ended:                        # the client went away mid-stream
+                self.metrics.failed("abort")
             job.cancel()
             inbox.close()
 
@@ -275,6 +334,9 @@ def build_app(engine, opts: ServeOptions) -> Starlette:
 
     routes = [
         Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.metrics_text, methods=["GET"]),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),

@@ -13,9 +13,10 @@ REPLACEMENT = "\ufffd"
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: list[str] | None = None):
+    def __init__(self, tokenizer, stop: list[str] | None = None, skip_special: bool = True):
         self.tokenizer = tokenizer
         self.stop = list(stop or [])
+        self.skip_special = skip_special   # False: special tokens (a family's tool-call markers) are text
         self.ids: list[int] = []
         self.prefix = 0                # ids[prefix:read] were decoded already: the window's context
         self.read = 0
@@ -70,9 +71,13 @@ class TextStream:
             self.text, self.stopped = self.text[:cut], True
 
     def _window_text(self) -> str:
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        after = self.tokenizer.decode(self.ids[self.prefix:])
+        before = self._decode(self.ids[self.prefix:self.read])
+        after = self._decode(self.ids[self.prefix:])
         return after[len(before):]
+
+    def _decode(self, ids: list[int]) -> str:
+        # stand-in tokenizers (random-weight models) take only the ids
+        return self.tokenizer.decode(ids) if self.skip_special else self.tokenizer.decode(ids, skip_special=False)
 
     def _emit(self, upto: int) -> str:
         if upto <= self.sent:

@@ -6,35 +6,30 @@ accepted only at its neutral value (e.g. `n: 1`, `logprobs: null`, `presence_pen
 """
 from __future__ import annotations
 
-import math
 import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from ..errors import JaxllmError
+from ..tokenizer import Tokenizer
+from .chat import chat_prompt
+from .fields import (
+    ApiError,
+    bad,
+    bool_field,
+    check_fields,
+    int_field,
+    is_int,
+    is_num,
+    neutral,
+    num_field,
+)
+from .output import ChatFeatures, OutputPlan, Parts, chat_features
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
 SEED_MOD = 2 ** 32
-CHAT_ROLES = ("system", "user", "assistant", "developer")
-
-
-class ApiError(Exception):
-    """An error that reaches the client as an OpenAI error body with an HTTP status."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param)
 
 
 @dataclass
@@ -54,52 +49,8 @@ class GenRequest:
     include_usage: bool = False
     id: str = ""
     created: int = 0
-
-
-# -- field checks ---------------------------------------------------------------------------------
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
-
-
-def _int(body, name, lo=None, hi=None):
-    v = body.get(name)
-    if v is None:
-        return None
-    if not _is_int(v):
-        raise bad(f"'{name}' must be an integer, got {v!r}", name)
-    if lo is not None and v < lo:
-        raise bad(f"'{name}' must be >= {lo}, got {v}", name)
-    if hi is not None and v > hi:
-        raise bad(f"'{name}' must be <= {hi}, got {v}", name)
-    return v
-
-
-def _num(body, name):
-    v = body.get(name)
-    if v is None:
-        return None
-    if not _is_num(v):
-        raise bad(f"'{name}' must be a number, got {v!r}", name)
-    return float(v)
-
-
-def _bool(body, name) -> bool:
-    v = body.get(name, False)
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise bad(f"'{name}' must be true or false, got {v!r}", name)
-    return v
-
-
-def _neutral(body, name, ok) -> None:
-    """Fields of the OpenAI API this server does not implement: accepted only at a neutral value."""
-    if name in body and not ok(body[name]):
-        raise bad(f"'{name}' = {body[name]!r} is not supported by this server", name)
+    skip_special: bool = True          # special tokens are left out of the text
+    output: OutputPlan | None = None   # chat: how the answer is read (reasoning, tool calls)
 
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stream",
@@ -107,29 +58,21 @@ COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed",
                  "logprobs", "ignore_eos"}     # ignore_eos: vLLM's extension, for benchmarks
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format",
-                               "tools", "tool_choice", "parallel_tool_calls"}
-
-
-def _check_fields(body: dict, allowed: set[str]) -> None:
-    unknown = sorted(k for k in body if k not in allowed)
-    if unknown:
-        raise bad(f"unknown field '{unknown[0]}' (this server refuses fields it does not implement)", unknown[0])
+                               "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs"}
 
 
 def _check_unsupported(body: dict) -> None:
-    zero = lambda v: v is None or (_is_num(v) and v == 0)    # noqa: E731
-    _neutral(body, "n", lambda v: v is None or (_is_int(v) and v == 1))
-    _neutral(body, "presence_penalty", zero)
-    _neutral(body, "frequency_penalty", zero)
-    _neutral(body, "logit_bias", lambda v: not v)
-    _neutral(body, "logprobs", lambda v: v is None or v is False or (_is_int(v) and v == 0))
-    _neutral(body, "top_logprobs", lambda v: v is None or (_is_int(v) and v == 0))
-    _neutral(body, "echo", lambda v: v is None or v is False)
-    _neutral(body, "suffix", lambda v: v is None)
-    _neutral(body, "best_of", lambda v: v is None or (_is_int(v) and v == 1))
-    _neutral(body, "tools", lambda v: not v)
-    _neutral(body, "tool_choice", lambda v: v in (None, "none", "auto"))
-    _neutral(body, "response_format", lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"))
+    zero = lambda v: v is None or (is_num(v) and v == 0)
+    neutral(body, "n", lambda v: v is None or (is_int(v) and v == 1))
+    neutral(body, "presence_penalty", zero)
+    neutral(body, "frequency_penalty", zero)
+    neutral(body, "logit_bias", lambda v: not v)
+    neutral(body, "logprobs", lambda v: v is None or v is False or (is_int(v) and v == 0))
+    neutral(body, "top_logprobs", lambda v: v is None or (is_int(v) and v == 0))
+    neutral(body, "echo", lambda v: v is None or v is False)
+    neutral(body, "suffix", lambda v: v is None)
+    neutral(body, "best_of", lambda v: v is None or (is_int(v) and v == 1))
+    neutral(body, "response_format", lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"))
 
 
 def _stop(body) -> list[str]:
@@ -149,14 +92,14 @@ def _stop(body) -> list[str]:
 
 
 def _sampling(body, vocab_size: int) -> dict:
-    temperature = _num(body, "temperature")
+    temperature = num_field(body, "temperature")
     if temperature is not None and temperature < 0:
         raise bad(f"'temperature' must be >= 0, got {temperature}", "temperature")
-    top_p = _num(body, "top_p")
+    top_p = num_field(body, "top_p")
     if top_p is not None and not 0 < top_p <= 1:
         raise bad(f"'top_p' must be in (0, 1], got {top_p}", "top_p")
-    top_k = _int(body, "top_k", lo=-1)
-    seed = _int(body, "seed")
+    top_k = int_field(body, "top_k", lo=-1)
+    seed = int_field(body, "seed")
     temperature = 1.0 if temperature is None else temperature     # OpenAI's default
     if seed is None:
         seed = secrets.randbelow(SEED_MOD)
@@ -173,7 +116,7 @@ def _stream_options(body, stream: bool) -> bool:
         raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
     if not isinstance(opts, dict) or any(k != "include_usage" for k in opts):
         raise bad("'stream_options' must be an object with the one field 'include_usage'", "stream_options")
-    return _bool(opts, "include_usage")
+    return bool_field(opts, "include_usage")
 
 
 # -- prompts --------------------------------------------------------------------------------------
@@ -186,7 +129,7 @@ def completion_prompt_ids(body: dict, engine) -> list[int]:
         if engine.tokenizer is None:
             raise bad("this model has no tokenizer; send 'prompt' as a list of token ids", "prompt")
         ids = engine.tokenizer.encode(p)
-    elif isinstance(p, list) and p and all(_is_int(t) for t in p):
+    elif isinstance(p, list) and p and all(is_int(t) for t in p):
         vocab = engine.cfg.vocab_size
         if any(not 0 <= t < vocab for t in p):
             raise bad(f"token ids in 'prompt' must lie in [0, {vocab})", "prompt")
@@ -202,77 +145,102 @@ def completion_prompt_ids(body: dict, engine) -> list[int]:
     return ids
 
 
-def _message_text(content, i: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
-
-
-def chat_messages(body: dict) -> list[dict]:
-    msgs = body.get("messages")
-    if msgs is None:
-        raise bad("'messages' is required", "messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise bad("'messages' must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise bad(f"messages[{i}] must be an object with 'role' and 'content'", "messages")
-        extra = sorted(set(m) - {"role", "content", "name"})
-        if extra:
-            raise bad(f"messages[{i}] has unknown field '{extra[0]}'", "messages")
-        role = m.get("role")
-        if role not in CHAT_ROLES:
-            raise bad(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", "messages")
-        out.append({"role": "system" if role == "developer" else role,
-                    "content": _message_text(m.get("content"), i)})
-    return out
-
-
-def chat_prompt_ids(body: dict, engine) -> list[int]:
-    messages = chat_messages(body)
-    if engine.tokenizer is None:
-        raise bad("this model has no tokenizer, so chat requests cannot be served", "messages")
-    try:
-        ids = engine.tokenizer.encode_chat(messages)
-    except JaxllmError as e:
-        raise bad(str(e), "messages") from None
-    if not ids:
-        raise bad("'messages' render to an empty prompt", "messages")
-    return ids
-
-
 # -- the whole request ----------------------------------------------------------------------------
-def parse_request(kind: str, body, engine, served_name: str, max_model_len: int) -> GenRequest:
-    """Validate a decoded JSON body for /v1/completions (kind 'completion') or /v1/chat/completions."""
+def parse_request(kind: str, body, engine, served_name: str, max_model_len: int,
+                  features: ChatFeatures | None = None) -> GenRequest:
+    """Validate a decoded JSON body for /v1/completions (kind 'completion') or /v1/chat/completions;
+    `features`: what the model family's chat answers hold (by default from the engine's family)."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    _check_fields(body, COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS)
+    check_fields(body, COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS)
+    _check_model(body, served_name)
+    _check_unsupported(body)
+    stream = bool_field(body, "stream")
+    ignore_eos = bool_field(body, "ignore_eos")
+    include_usage = _stream_options(body, stream)
+    stop = _stop(body)
+    sampling = _sampling(body, engine.cfg.vocab_size)
+    max_tokens = int_field(body, "max_tokens", lo=1)
+    if kind == "chat":
+        mct = int_field(body, "max_completion_tokens", lo=1)
+        max_tokens = mct if mct is not None else max_tokens
+    plan = None
+    if kind == "completion":
+        ids = completion_prompt_ids(body, engine)
+    else:
+        ids, plan = chat_prompt(body, engine, features or chat_features(engine.cfg.family))
+    max_tokens = _fit_context(len(ids), max_tokens, max_model_len, default=16 if kind == "completion" else None,
+                              prompt_param="prompt" if kind == "completion" else "messages")
+    rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+    special = plan is not None and any(p is not None and p.decode_special for p in (plan.tools, plan.reasoning))
+    return GenRequest(kind, served_name, ids, max_tokens, stop=stop, ignore_eos=ignore_eos, stream=stream,
+                      include_usage=include_usage, id=rid, created=int(time.time()), skip_special=not special,
+                      output=plan, **sampling)
+
+
+# -- /tokenize and /detokenize (vLLM's) ------------------------------------------------------------
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs",
+                   "tools", "chat_template_kwargs"}
+CHAT_ONLY = ("add_generation_prompt", "tools", "chat_template_kwargs")
+
+
+def _check_model(body: dict, served_name: str) -> None:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad(f"'model' must be a string, got {model!r}", "model")
     if model not in (None, served_name):
         raise ApiError(404, f"The model '{model}' does not exist; this server serves '{served_name}'",
                        param="model", code="model_not_found")
-    _check_unsupported(body)
-    stream = _bool(body, "stream")
-    ignore_eos = _bool(body, "ignore_eos")
-    include_usage = _stream_options(body, stream)
-    stop = _stop(body)
-    sampling = _sampling(body, engine.cfg.vocab_size)
-    max_tokens = _int(body, "max_tokens", lo=1)
-    if kind == "chat":
-        mct = _int(body, "max_completion_tokens", lo=1)
-        max_tokens = mct if mct is not None else max_tokens
-    ids = completion_prompt_ids(body, engine) if kind == "completion" else chat_prompt_ids(body, engine)
-    max_tokens = _fit_context(len(ids), max_tokens, max_model_len, default=16 if kind == "completion" else None,
-                              prompt_param="prompt" if kind == "completion" else "messages")
-    rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
-    return GenRequest(kind, served_name, ids, max_tokens, stop=stop, ignore_eos=ignore_eos, stream=stream,
-                      include_usage=include_usage, id=rid, created=int(time.time()), **sampling)
+
+
+def _tokenizer(engine, param: str):
+    if engine.tokenizer is None:
+        raise bad("this model has no tokenizer", param)
+    return engine.tokenizer
+
+
+def tokenize(body, engine, served_name: str, max_model_len: int, features: ChatFeatures) -> dict:
+    """`prompt` (a string) or chat `messages` -> their token ids, as the generation routes see them."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    check_fields(body, TOKENIZE_FIELDS)
+    _check_model(body, served_name)
+    if ("prompt" in body) == ("messages" in body):
+        raise bad("send one of 'prompt' (a string) and 'messages' (a chat)", "prompt")
+    tok = _tokenizer(engine, "prompt" if "prompt" in body else "messages")
+    if "prompt" in body:
+        extra = next((k for k in CHAT_ONLY if k in body), None)
+        if extra:
+            raise bad(f"'{extra}' applies to 'messages' only", extra)
+        if not isinstance(body["prompt"], str):
+            raise bad("'prompt' must be a string", "prompt")
+        try:
+            ids = tok.encode(body["prompt"], add_special=bool_field(body, "add_special_tokens", True))
+        except JaxllmError as e:
+            raise bad(str(e), "prompt") from None
+    else:
+        ids, _ = chat_prompt(body, engine, features, bool_field(body, "add_generation_prompt", True),
+                             bool_field(body, "add_special_tokens"))
+    strs = None
+    if bool_field(body, "return_token_strs"):
+        strs = [tok.tok.id_to_token(i) if isinstance(tok, Tokenizer) else str(i) for i in ids]
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+
+
+def detokenize(body, engine, served_name: str) -> dict:
+    """`tokens` -> their text, special tokens included (so it inverts /tokenize)."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    check_fields(body, {"model", "tokens"})
+    _check_model(body, served_name)
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(is_int(t) for t in ids):
+        raise bad("'tokens' must be a list of token ids", "tokens")
+    vocab = engine.cfg.vocab_size
+    if any(not 0 <= t < vocab for t in ids):
+        raise bad(f"token ids in 'tokens' must lie in [0, {vocab})", "tokens")
+    tok = _tokenizer(engine, "tokens")
+    return {"prompt": tok.decode(ids, skip_special=False) if isinstance(tok, Tokenizer) else tok.decode(ids)}
 
 
 def _fit_context(n_prompt: int, max_tokens: int | None, limit: int, default: int | None,
@@ -295,12 +263,31 @@ def usage(n_prompt: int, n_completion: int) -> dict:
             "total_tokens": n_prompt + n_completion}
 
 
-def full_response(req: GenRequest, text: str, finish_reason: str, n_completion: int) -> dict:
+def tool_call_json(c) -> dict:
+    return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+
+
+def chat_message(req: GenRequest, text: str, parts: Parts | None) -> dict:
+    if req.output is None or parts is None:
+        return {"role": "assistant", "content": text}
+    msg = {"role": "assistant", "content": parts.content or None}
+    if req.output.reasoning is not None:
+        msg["reasoning_content"] = parts.reasoning or None
+    if parts.calls:
+        msg["tool_calls"] = [tool_call_json(c) for c in parts.calls]
+    return msg
+
+
+def full_response(req: GenRequest, text: str, finish_reason: str, n_completion: int,
+                  parts: Parts | None = None) -> dict:
+    """The whole answer; `parts`: a chat answer read by its `OutputPlan`."""
     if req.kind == "completion":
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         obj = "text_completion"
     else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        if parts is not None and parts.calls:
+            finish_reason = "tool_calls"
+        choice = {"index": 0, "message": chat_message(req, text, parts), "logprobs": None,
                   "finish_reason": finish_reason}
         obj = "chat.completion"
     return {"id": req.id, "object": obj, "created": req.created, "model": req.model, "choices": [choice],
@@ -308,19 +295,43 @@ def full_response(req: GenRequest, text: str, finish_reason: str, n_completion: 
 
 
 def stream_chunk(req: GenRequest, text: str | None, finish_reason: str | None = None,
-                 role: bool = False) -> dict:
-    """One SSE chunk with a text delta (or the role announcement, or the finish reason)."""
+                 role: bool = False, delta: dict | None = None) -> dict:
+    """One SSE chunk with a text delta (or a chat `delta`, the role announcement, or the finish reason)."""
     if req.kind == "completion":
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         obj = "text_completion"
     else:
-        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        if delta is None:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     chunk = {"id": req.id, "object": obj, "created": req.created, "model": req.model, "choices": [choice]}
     if req.include_usage:
         chunk["usage"] = None
     return chunk
+
+
+class ChatDeltas:
+    """A streamed chat answer's parts -> OpenAI deltas: reasoning and content as text, each tool
+    call as a delta with its index, id and name, then one with its arguments."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, parts: Parts) -> list[dict]:
+        out, d = [], {}
+        if parts.reasoning:
+            d["reasoning_content"] = parts.reasoning
+        if parts.content:
+            d["content"] = parts.content
+        if d:
+            out.append(d)
+        for c in parts.calls:
+            fn = {"name": c.name, "arguments": ""}
+            out.append({"tool_calls": [{"index": self.calls, "id": c.id, "type": "function", "function": fn}]})
+            out.append({"tool_calls": [{"index": self.calls, "function": {"arguments": c.arguments}}]})
+            self.calls += 1
+        return out
 
 
 def usage_chunk(req: GenRequest, n_completion: int) -> dict:

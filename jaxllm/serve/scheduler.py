@@ -21,8 +21,8 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -68,9 +68,22 @@ class Job:
     prefilled: int = 0                      # prompt tokens sent to the device so far
     done: bool = False                      # its last event went out
     id: int = field(default_factory=lambda: next(_ids))
+    arrived: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None     # when its first tokens were read back
+    last_token_at: float | None = None
 
     def cancel(self):
         self.cancelled.set()
+
+
+class Observer:
+    """What the scheduler reports as it runs (the server's metrics); by default nothing is kept."""
+
+    def tokens(self, job: Job, n: int, now: float):
+        """`n` more tokens of `job` were read back at `now` (before its timestamps are updated)."""
+
+    def spec(self, stats: dict):
+        """Speculation of requests that ended: {"cycles", "drafted", "accepted"} added up."""
 
 
 class QueueFull(Exception):
@@ -145,6 +158,7 @@ class Scheduler:
     def __init__(self, engine, max_num_seqs: int, max_model_len: int, max_queue: int, decode_steps: int = 8,
                  max_num_batched_tokens: int = 2048, record: int = 10_000):
         self.engine = engine
+        self.observer = Observer()
         self.eos = set(engine.cfg.eos_ids)
         self.core = engine.core(max_num_seqs, max_model_len)
         self.shapes = Shapes(max_num_batched_tokens, max_num_seqs,
@@ -171,6 +185,9 @@ class Scheduler:
         # What the device ran, in order: {"kind": "prefill", "pieces": [(job, start, length), ...]}
         # or {"kind": "decode", "steps": n, "rows": r, "tokens": {job: count}} (filled when read back).
         self.record: collections.deque[dict] = collections.deque(maxlen=record)
+        # Slots whose request ended and whose speculation counts are not reported yet: they are read
+        # (one device read) before a new prompt resets the slot, or when the engine goes idle.
+        self.spec_unread: list[int] = []
 
     # -- called from request handlers ------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -189,6 +206,11 @@ class Scheduler:
         with self.cond:
             return {"running": sum(j is not None for j in self.slots), "waiting": len(self.waiting),
                     "slots": len(self.slots), "finished": self.finished, "generated_tokens": self.generated}
+
+    def kv_positions(self) -> int:
+        """KV-cache positions that hold the tokens of the requests in the slots."""
+        with self.cond:
+            return sum(j.prefilled + j.n_tokens for j in self.slots if j is not None)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def warmup(self) -> float:
@@ -248,6 +270,8 @@ class Scheduler:
                     continue
                 try:
                     self._reap()
+                    if self.spec_unread and not self._busy():     # idle: report what the slots drafted
+                        self._read_spec(self.spec_unread)
                     self._gather_arrivals()
                     self._admit()
                     if not self._launch():         # nothing to run (draining, or only waiting on results)
@@ -291,7 +315,7 @@ class Scheduler:
             job = self._next_waiting()
             if job is None:
                 return
-            job.text = TextStream(self.engine.tokenizer, job.req.stop)
+            job.text = TextStream(self.engine.tokenizer, job.req.stop, job.req.skip_special)
             job.slot, job.prefilled = b, 0
             with self.cond:
                 self.slots[b] = job
@@ -342,11 +366,20 @@ class Scheduler:
             max_new[i], ignore[i] = r.max_tokens, r.ignore_eos
             temp[i], top_k[i], top_p[i], seed[i] = r.temperature, r.top_k or 0, 1.0 if r.top_p is None else r.top_p, r.seed
         params = SamplingParams(temp, top_k, top_p, seed)
+        reset = [b for b in self.spec_unread if b in rows[start == 0]]
+        if reset:                          # the prefill resets these slots' speculation counts
+            self._read_spec(reset)
         first = self.core.prefill(Pieces.make(tokens, start, length, final, rows, params, max_new, ignore))
         self.prefilling = [j for j in self.prefilling if j.prefilled < len(j.req.prompt_ids)]
         self.record.append({"kind": "prefill", "pieces": [(j.id, int(s), int(n)) for j, s, n in
                                                           zip(jobs, start, length)]})
         self.results.put(Launched("prefill", first, jobs, finals=list(final[:len(jobs)])))
+
+    def _read_spec(self, slots: list[int]):
+        stats = self.core.spec_stats(rows=slots)
+        self.spec_unread = [b for b in self.spec_unread if b not in slots]
+        if stats is not None:
+            self.observer.spec(stats)
 
     def _free(self, job: Job):
         """Give a request's slot back (the engine thread only)."""
@@ -354,6 +387,8 @@ class Scheduler:
             with self.cond:
                 self.slots[job.slot] = None
             self.to_stop[job.slot] = True
+            if self.engine.spec is not None and job.slot not in self.spec_unread:
+                self.spec_unread.append(job.slot)
         if job in self.prefilling:
             self.prefilling.remove(job)
 
@@ -414,6 +449,11 @@ class Scheduler:
         text, taken = job.text.push_many(toks if eos is None else toks[:eos])
         stopped = job.text.stopped
         n = taken + (1 if eos is not None and not stopped else 0)       # an EOS counts as generated
+        if n:
+            now = time.monotonic()
+            self.observer.tokens(job, n, now)
+            job.first_token_at = job.first_token_at or now
+            job.last_token_at = now
         job.n_tokens += n
         self.generated += n
         if stopped or eos is not None:
