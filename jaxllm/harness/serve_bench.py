@@ -42,6 +42,7 @@ class Level:
     failed: int = 0
     fused_tok_s: float | None = None
     ratio: float | None = None
+    speculation: dict | None = None    # verify cycles, drafted, accepted over the level (from /metrics)
 
 
 def length_range(s: str) -> tuple[int, int]:
@@ -75,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", choices=("int8", "none"), default="int8")
     p.add_argument("--kv-quant", choices=("auto", "int8", "none"), default="auto")
     p.add_argument("--compilation-cache", default=None, help="passed to the server (a folder, or 'off')")
+    p.add_argument("--speculative", choices=("ngram", "draft"), default=None,
+                   help="the server speculates (the fused-loop reference stays plain decoding)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None)
+    p.add_argument("--draft-model-dir", default=None)
     p.add_argument("--no-reference", action="store_true", help="skip the fused-loop figures")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results/serve.json", help="JSON results path")
@@ -96,7 +101,8 @@ def server_args(a) -> list[str]:
     src = source_args(a)
     opt = {"--max-num-seqs": a.max_num_seqs, "--max-model-len": a.max_model_len, "--tp": a.tp,
            "--max-num-batched-tokens": a.max_num_batched_tokens, "--decode-steps": a.decode_steps,
-           "--compilation-cache": a.compilation_cache}
+           "--compilation-cache": a.compilation_cache, "--speculative": a.speculative,
+           "--num-speculative-tokens": a.num_speculative_tokens, "--draft-model-dir": a.draft_model_dir}
     flags = [x for k, v in opt.items() if v is not None for x in (k, str(v))]
     return src + flags + ["--quant", a.quant, "--kv-quant", a.kv_quant, "--max-queue", str(4 * a.max_num_seqs),
                           "--disable-uvicorn-access-log", "--log-level", "info"]
@@ -200,6 +206,28 @@ async def one_request(conn: Connection, ids: list[int], max_tokens: int) -> dict
     return {"ttft": chunks[0], "end": chunks[-1], "chunks": chunks, "tokens": n}
 
 
+SPEC_METRICS = {"jaxllm:spec_decode_num_drafts": "cycles", "jaxllm:spec_decode_num_draft_tokens": "drafted",
+                "jaxllm:spec_decode_num_accepted_tokens": "accepted"}
+
+
+def spec_counts(url: str) -> dict | None:
+    """The server's speculation counters (verify cycles, drafted, accepted), or None where it does
+    not speculate."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    got = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        if fam.name in SPEC_METRICS:
+            got[SPEC_METRICS[fam.name]] = sum(s.value for s in fam.samples if s.name.endswith("_total"))
+    return got or None
+
+
+def spec_summary(d: dict | None) -> str:
+    if not d or not d["drafted"]:
+        return "-"
+    return f"{d['accepted'] / d['drafted']:.0%}, {(d['accepted'] + d['cycles']) / d['cycles']:.2f}/cycle"
+
+
 def pct(xs, scale=1e3) -> dict:
     if not xs:
         return {}
@@ -216,6 +244,7 @@ async def run_level(url: str, c: int, a, rng) -> Level:
                for _ in range(n)]
     outs = rng.integers(a.output_len[0], a.output_len[1] + 1, n).tolist()
     await one_request(conns[0], prompts[0][:8], 4)                 # the server awake
+    before = spec_counts(url)
 
     async def client(i):
         return [await one_request(conns[i], prompts[i * a.rounds + k], outs[i * a.rounds + k])
@@ -231,6 +260,9 @@ async def run_level(url: str, c: int, a, rng) -> Level:
     lv.ttft_ms = pct([r["ttft"] for r in ok])
     lv.tpot_ms = pct([(r["end"] - r["ttft"]) / max(r["tokens"] - 1, 1) for r in ok])
     lv.itl_ms = pct([b - x for r in ok for x, b in zip(r["chunks"], r["chunks"][1:])])
+    if before is not None:
+        time.sleep(0.2)                  # the server reads a slot's counts back once it is idle
+        lv.speculation = {k: v - before[k] for k, v in spec_counts(url).items()}
     return lv
 
 
@@ -258,8 +290,9 @@ def table(rep: dict) -> str:
         return str(r[0]) if r[0] == r[1] else f"{r[0]}-{r[1]}"
     head = (f"serving {rep['subject']} on {rep.get('device', '?')}: prompts of {span(s['prompt_len'])} tokens, "
             f"{span(s['output_len'])} new, {s['rounds']} requests a client; fused loop at ctx {s['fused_ctx']}{ready}")
+    spec = any(lv.get("speculation") for lv in rep["levels"])
     cols = ["clients", "requests", "tok/s", "fused tok/s", "ratio", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
-            "ITL p50", "ITL p99", "failed"]
+            "ITL p50", "ITL p99", "failed"] + (["accepted"] if spec else [])
     rows = []
     for lv in rep["levels"]:
         def f(d, k):
@@ -268,7 +301,8 @@ def table(rep: dict) -> str:
                      "-" if lv["fused_tok_s"] is None else f"{lv['fused_tok_s']:.1f}",
                      "-" if lv["ratio"] is None else f"{lv['ratio']:.2f}",
                      f(lv["ttft_ms"], "p50"), f(lv["ttft_ms"], "p99"), f(lv["tpot_ms"], "p50"),
-                     f(lv["tpot_ms"], "p99"), f(lv["itl_ms"], "p50"), f(lv["itl_ms"], "p99"), str(lv["failed"])])
+                     f(lv["tpot_ms"], "p99"), f(lv["itl_ms"], "p50"), f(lv["itl_ms"], "p99"), str(lv["failed"])]
+                    + ([spec_summary(lv.get("speculation"))] if spec else []))
     width = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     fmt = lambda r: "  ".join(x.rjust(w) for x, w in zip(r, width))      # noqa: E731
     return "\n".join([head, fmt(cols) + "   (ms)", *map(fmt, rows)])
@@ -316,7 +350,8 @@ def main(argv=None) -> int:
            .isoformat(timespec="seconds"), "git_commit": git_commit(), "ready_s": ready,
            "settings": {k: getattr(a, k) for k in ("prompt_len", "output_len", "rounds", "max_num_seqs",
                                                    "max_model_len", "max_num_batched_tokens", "decode_steps",
-                                                   "tp", "quant", "kv_quant", "concurrency")} | {"fused_ctx": ctx},
+                                                   "tp", "quant", "kv_quant", "concurrency", "speculative",
+                                                   "num_speculative_tokens", "draft_model_dir")} | {"fused_ctx": ctx},
            "levels": [asdict(x) for x in levels]}
     if ref_rep is not None:
         rep.update(device=ref_rep["device"]["kind"], jax_version=ref_rep["jax_version"], fused_loop=ref_rep)
