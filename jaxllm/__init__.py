@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 def load(model_dir=None, max_ctx=8192, quant="int8", kv_quant="auto", tp=None, dtype="bfloat16",
          progress=None, dp=1, kv_options=None, speculative=None, num_speculative_tokens=4,
-         draft_model_dir=None) -> Engine:
+         draft_model_dir=None, speculative_max_batch=4) -> Engine:
     """Load a model (HF directory, .gguf file, saved jaxllm checkpoint, hub id, or the embedded
     default when None), sharded over `tp` devices ("model" axis; None = every device) times `dp`
     ("data" axis, splitting the batch).
@@ -23,7 +23,8 @@ def load(model_dir=None, max_ctx=8192, quant="int8", kv_quant="auto", tp=None, d
     global layers int8); "int8" always uses the split int8 cache; "none" never quantizes KV.
 
     speculative: None, "ngram" (drafts looked up in the sequence itself) or "draft" (drafts from the
-    model at `draft_model_dir`, which must share the tokenizer); `num_speculative_tokens` a cycle.
+    model at `draft_model_dir`, which must share the tokenizer); `num_speculative_tokens` a cycle;
+    cycles with more than `speculative_max_batch` live rows decode plainly (None: no limit).
     """
     from .engine import DTYPES
     from .loading import load_model
@@ -49,9 +50,9 @@ def load(model_dir=None, max_ctx=8192, quant="int8", kv_quant="auto", tp=None, d
     if speculative == "draft":
         dcfg, _, draft, _, _ = load_model(draft_model_dir, DTYPES[dtype], quant, None, layout)
         draft = out_major(draft, layout, donate=True)
-        spec = Speculation("draft", num_speculative_tokens, draft_cfg=dcfg)
+        spec = Speculation("draft", num_speculative_tokens, draft_cfg=dcfg, max_batch=speculative_max_batch)
     elif speculative is not None:
-        spec = Speculation(speculative, num_speculative_tokens)
+        spec = Speculation(speculative, num_speculative_tokens, max_batch=speculative_max_batch)
     return Engine(cfg, weights, tok, dtype=dtype, max_ctx=int(max_ctx), name=name, quant=quant,
                   layout=layout, kv_quant=kv_quant, kv_options=kv_options, speculation=spec,
                   draft_weights=draft)

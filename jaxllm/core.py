@@ -261,7 +261,7 @@ def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, dtype
     if draft is None:               # n-gram lookup is cheap: look first, verify where something matched
         drafts, n_draft = ngram_draft(sl.spec.history, sl.pos, K, spec.ngram)
         n_draft = jnp.where(drafting, jnp.minimum(n_draft, sl.remaining - 1), 0)
-        go = worth_verifying(sl.spec, n_draft, live, spec.min_accept)
+        go = worth_verifying(sl.spec, n_draft, live, spec)
         return jax.lax.cond(go, lambda st: verify(st, drafts, n_draft), plain, state)
 
     def with_draft_model(state):
@@ -274,7 +274,7 @@ def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, dtype
         (_, dcache), props = jax.lax.scan(step, (sl.last, state.draft_cache), jnp.arange(K + 1, dtype=jnp.int32))
         return verify(state.replace(draft_cache=dcache), props[:K].T, n_draft)
     n_draft = jnp.where(drafting, jnp.minimum(K, sl.remaining - 1), 0)
-    return jax.lax.cond(worth_verifying(sl.spec, n_draft, live, spec.min_accept), with_draft_model, plain, state)
+    return jax.lax.cond(worth_verifying(sl.spec, n_draft, live, spec), with_draft_model, plain, state)
 
 
 def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, *, max_steps: int,

@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--draft-shape", default=None, help="the draft model's shape (random weights), for --speculative draft")
     p.add_argument("--draft-model-dir", default=None, help="or a real draft model, for --speculative draft")
+    from .cli import add_max_batch_arg
+    add_max_batch_arg(p)
     p.add_argument("--draft-always", action="store_true",
                    help="rows draft every cycle however little they accept (the cost of a cycle); "
                         "by default rows whose drafts fail stop drafting, as in serving")
@@ -144,13 +146,15 @@ def load_subject(a):
         eng = random_engine(a.shape, dtype=a.dtype, quant=a.quant, max_ctx=length, layout=a.layout,
                             kv_quant=a.kv_quant, kv_options=a.kv_options, seed=a.seed, speculative=a.speculative,
                             num_speculative_tokens=a.num_speculative_tokens, draft_shape=a.draft_shape,
-                            draft_model_dir=a.draft_model_dir, draft_always=a.draft_always)
+                            draft_model_dir=a.draft_model_dir, draft_always=a.draft_always,
+                            speculative_max_batch=a.speculative_max_batch)
         subject = {"shape": a.shape}
     else:
         import jaxllm
         eng = jaxllm.load(a.model_dir, quant=a.quant, dtype=a.dtype, max_ctx=length, tp=a.tp, kv_quant=a.kv_quant,
                           kv_options=a.kv_options, speculative=a.speculative,
-                          num_speculative_tokens=a.num_speculative_tokens, draft_model_dir=a.draft_model_dir)
+                          num_speculative_tokens=a.num_speculative_tokens, draft_model_dir=a.draft_model_dir,
+                          speculative_max_batch=a.speculative_max_batch)
         subject = {"model_dir": str(a.model_dir)}
     return eng, family_for({"model_type": eng.cfg.family}), subject
 
@@ -321,7 +325,7 @@ def report(a, cfg, weights, subject, ceilings, points) -> dict:
                      "scan_unroll": os.environ.get("JAXLLM_SCAN_UNROLL") or "auto",
                      "speculative": a.speculative, "num_speculative_tokens": a.num_speculative_tokens,
                      "draft_shape": a.draft_shape, "draft_model_dir": a.draft_model_dir,
-                     "draft_always": a.draft_always,
+                     "draft_always": a.draft_always, "speculative_max_batch": a.speculative_max_batch,
                      "xla_flags": os.environ.get("XLA_FLAGS", ""),
                      "sampling": {"temperature": a.temperature, "top_k": a.top_k, "top_p": a.top_p}},
         "ceilings": ceilings.to_json(),

@@ -50,6 +50,16 @@ def add_speculative_args(p: argparse.ArgumentParser):
                    help="draft tokens by n-gram lookup in the sequence itself, or with --draft-model-dir")
     g.add_argument("--num-speculative-tokens", type=positive_int, default=4, help="tokens drafted a cycle")
     g.add_argument("--draft-model-dir", default=None, help="a smaller model sharing the tokenizer")
+    add_max_batch_arg(g)
+
+
+def add_max_batch_arg(g):
+    g.add_argument("--speculative-max-batch", type=max_batch, default=4,
+                   help="speculate while at most this many rows decode, else decode plainly ('none': any)")
+
+
+def max_batch(s: str):
+    return None if s == "none" else positive_int(s)
 
 
 def load_engine(args, quiet: bool = False):
@@ -83,7 +93,8 @@ def load_engine(args, quiet: bool = False):
                               tp=args.tp, dtype=args.dtype, progress=progress,
                               speculative=getattr(args, "speculative", None),
                               num_speculative_tokens=getattr(args, "num_speculative_tokens", 4),
-                              draft_model_dir=getattr(args, "draft_model_dir", None))
+                              draft_model_dir=getattr(args, "draft_model_dir", None),
+                              speculative_max_batch=getattr(args, "speculative_max_batch", 4))
     finally:
         if bar is not None:
             bar.close()

@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the server speculates (the fused-loop reference stays plain decoding)")
     p.add_argument("--num-speculative-tokens", type=int, default=None)
     p.add_argument("--draft-model-dir", default=None)
+    p.add_argument("--speculative-max-batch", default=None)
     p.add_argument("--no-reference", action="store_true", help="skip the fused-loop figures")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results/serve.json", help="JSON results path")
@@ -102,7 +103,8 @@ def server_args(a) -> list[str]:
     opt = {"--max-num-seqs": a.max_num_seqs, "--max-model-len": a.max_model_len, "--tp": a.tp,
            "--max-num-batched-tokens": a.max_num_batched_tokens, "--decode-steps": a.decode_steps,
            "--compilation-cache": a.compilation_cache, "--speculative": a.speculative,
-           "--num-speculative-tokens": a.num_speculative_tokens, "--draft-model-dir": a.draft_model_dir}
+           "--num-speculative-tokens": a.num_speculative_tokens, "--draft-model-dir": a.draft_model_dir,
+           "--speculative-max-batch": a.speculative_max_batch}
     flags = [x for k, v in opt.items() if v is not None for x in (k, str(v))]
     return src + flags + ["--quant", a.quant, "--kv-quant", a.kv_quant, "--max-queue", str(4 * a.max_num_seqs),
                           "--disable-uvicorn-access-log", "--log-level", "info"]

@@ -115,7 +115,8 @@ class IdsTokenizer:
 def random_engine(shape: str, *, dtype: str = "bfloat16", quant: str = "int8", max_ctx: int = 4096, layout=None,
                   kv_quant: str = "auto", kv_options=None, seed: int = 0, speculative=None,
                   num_speculative_tokens: int = 4, draft_shape: str | None = None,
-                  draft_model_dir: str | None = None, draft_always: bool = False, **overrides):
+                  draft_model_dir: str | None = None, draft_always: bool = False,
+                  speculative_max_batch: int | None = 4, **overrides):
     """An Engine of a named architecture (a preset name or a config.json path) with random weights
     made in their shardings on `layout` (default: one device), and no tokenizer (`IdsTokenizer`).
     `speculative` as in `jaxllm.load`; a draft model is a random `draft_shape` or the real model at
@@ -152,7 +153,8 @@ def random_engine(shape: str, *, dtype: str = "bfloat16", quant: str = "int8", m
     elif speculative == "draft":
         dcfg, draft = build(draft_shape, seed + 1)
     if speculative is not None:
-        spec = Speculation(speculative, num_speculative_tokens, draft_cfg=dcfg, **({"min_accept": 0.0} if draft_always else {}))
+        always = {"min_accept": 0.0, "max_batch": None} if draft_always else {"max_batch": speculative_max_batch}
+        spec = Speculation(speculative, num_speculative_tokens, draft_cfg=dcfg, **always)
     return Engine(cfg, weights, IdsTokenizer(), dtype=dtype, max_ctx=max_ctx, name=f"{shape} (random weights)",
                   quant=quant, layout=layout, kv_quant=kv_quant, kv_options=kv_options, speculation=spec,
                   draft_weights=draft)

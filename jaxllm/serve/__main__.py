@@ -105,12 +105,12 @@ def main(argv=None) -> int:
             engine = random_engine(args.shape, dtype=args.dtype, quant=args.quant, max_ctx=args.max_model_len or 8192,
                                    layout=layout_for(args.tp), kv_quant=args.kv_quant, speculative=args.speculative,
                                    num_speculative_tokens=args.num_speculative_tokens,
-                                   draft_model_dir=args.draft_model_dir)
+                                   draft_model_dir=args.draft_model_dir, speculative_max_batch=args.speculative_max_batch)
         else:
             engine = jaxllm.load(args.model_dir, max_ctx=args.max_model_len, quant=args.quant, dtype=args.dtype,
                                  kv_quant=args.kv_quant, tp=args.tp, speculative=args.speculative,
                                  num_speculative_tokens=args.num_speculative_tokens,
-                                 draft_model_dir=args.draft_model_dir)
+                                 draft_model_dir=args.draft_model_dir, speculative_max_batch=args.speculative_max_batch)
     except JaxllmError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
