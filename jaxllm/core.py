@@ -163,8 +163,7 @@ def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=Non
         def reset(a, v):
             return a.at[new_rows].set(v, mode="drop")
         sp = sl.spec
-        slots = slots.replace(spec=sp.replace(history=hist, rate=reset(sp.rate, 1.0), idle=reset(sp.idle, 0),
-                                              stats=reset(sp.stats, 0)))
+        slots = slots.replace(spec=sp.replace(history=hist, rate=reset(sp.rate, 1.0), idle=reset(sp.idle, 0)))
     if logprobs:
         return state.replace(slots=slots), (first, _lp(first_logits, first, logprobs))
     return state.replace(slots=slots), first
@@ -433,8 +432,8 @@ class EngineCore:
         return np.concatenate(out, axis=1)
 
     def spec_stats(self, rows=None) -> dict | None:
-        """Speculation so far, summed over the slots (or `rows`): verify cycles, tokens drafted,
-        drafts accepted; None without speculation."""
+        """Speculation since the core was made, summed over the slots (or `rows`): verify cycles,
+        tokens drafted, drafts accepted; None without speculation."""
         spec = self.state.slots.spec
         if spec is None:
             return None

@@ -79,7 +79,7 @@ class SpecSlots:
     history: jax.Array       # [B, H] int32: the slot's tokens by position (prompt, then generated)
     rate: jax.Array          # [B] float32: running acceptance rate of its drafts
     idle: jax.Array          # [B] int32: cycles since it last drafted
-    stats: jax.Array         # [B, 3] int32: cycles, tokens drafted, drafts accepted
+    stats: jax.Array         # [B, 3] int32: cycles, tokens drafted, drafts accepted (since the core was made)
 
     @staticmethod
     def empty(batch: int, length: int) -> "SpecSlots":
@@ -158,17 +158,17 @@ def wants_draft(spec: SpecSlots, live: jax.Array, min_accept: float) -> jax.Arra
 
 
 def worth_verifying(slots: SpecSlots, n_draft: jax.Array, live: jax.Array, spec: Speculation) -> jax.Array:
-    """Whether this cycle verifies: a verify forward costs every live row K + 1 positions, so it runs
-    when the drafts are expected to add at least `min_accept` tokens per live row (a row's expectation:
-    its running acceptance rate, `min_accept` for a probe, times its drafts), and while no more than
-    `max_batch` rows are live. One row alone verifies whenever it drafts; in a batch, one row probing
-    among rows with nothing to draft does not make them all pay for a verify. Past a few rows the
-    verify's K + 1 positions a row cost more than one step (a Gemma 3 12B shape on an H100: 1.12x a
-    plain step at 8 rows, 1.43x at 32; the server at 16 clients lost half its throughput to drafts
-    accepted a quarter of the time), which is what `max_batch` keeps out."""
-    n_live = jnp.sum(live)
+    """Whether this cycle verifies: a verify forward costs every live row K + 1 positions, and costs
+    more over a plain step the more rows there are (a Gemma 3 12B shape on an H100: 1.12x a plain
+    step at 8 rows, 1.43x at 32), so it runs when the drafts are expected to add at least
+    `min_accept` tokens per live row for each live row (a row's expectation: its running acceptance
+    rate, `min_accept` for a probe, times its drafts), and while no more than `max_batch` rows are
+    live. One row alone verifies whenever it drafts; in a batch, one row probing among rows with
+    nothing to draft does not make them all pay for a verify. (Before both limits, the Qwen3-4B
+    server lost half its throughput at 16 clients to drafts accepted a quarter of the time.)"""
+    n_live = jnp.sum(live).astype(jnp.float32)
     expected = jnp.sum(jnp.maximum(slots.rate, spec.min_accept) * n_draft.astype(jnp.float32))
-    go = jnp.any(n_draft > 0) & (expected >= spec.min_accept * n_live)
+    go = jnp.any(n_draft > 0) & (expected >= spec.min_accept * n_live * n_live)
     return go if spec.max_batch is None else go & (n_live <= spec.max_batch)
 
 

@@ -123,7 +123,8 @@ def test_sampled_distribution_is_unchanged(tmp_path_factory, monkeypatch):
     draft) against 3000 without: a chi-square test must not tell them apart at the 0.1% level,
     and does tell apart a rule that accepts every draft."""
     base = small_vocab_model(tmp_path_factory.mktemp("v8"))
-    spec = Engine(base.cfg, base.weights, None, dtype="float32", max_ctx=32, speculation=Speculation("ngram", 2))
+    # every row drafts whatever it accepts, at any batch: exactness must not rest on the off-switch
+    spec = Engine(base.cfg, base.weights, None, dtype="float32", max_ctx=32, speculation=Speculation("ngram", 2, min_accept=0.0, max_batch=None))
     plain, specd = sampled(base), sampled(spec)
     stats = sampled.stats
     p = chi2_same(plain, specd)
@@ -138,5 +139,5 @@ def test_sampled_distribution_is_unchanged(tmp_path_factory, monkeypatch):
         return n_draft, nxt
     real = core.accept
     monkeypatch.setattr(core, "accept", always_accept)
-    wrong = Engine(base.cfg, base.weights, None, dtype="float32", max_ctx=32, speculation=Speculation("ngram", 2))
+    wrong = Engine(base.cfg, base.weights, None, dtype="float32", max_ctx=32, speculation=Speculation("ngram", 2, min_accept=0.0, max_batch=None))
     assert chi2_same(plain, sampled(wrong)) < 1e-6

@@ -185,9 +185,10 @@ class Scheduler:
         # What the device ran, in order: {"kind": "prefill", "pieces": [(job, start, length), ...]}
         # or {"kind": "decode", "steps": n, "rows": r, "tokens": {job: count}} (filled when read back).
         self.record: collections.deque[dict] = collections.deque(maxlen=record)
-        # Slots whose request ended and whose speculation counts are not reported yet: they are read
-        # (one device read) before a new prompt resets the slot, or when the engine goes idle.
-        self.spec_unread: list[int] = []
+        # Speculation counts reported so far; the core's are read (one device read) when the engine
+        # goes idle after decoding, so that a busy server never waits on the device for them.
+        self.spec_reported = {"cycles": 0, "drafted": 0, "accepted": 0}
+        self.spec_unread = False
 
     # -- called from request handlers ------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -271,7 +272,7 @@ class Scheduler:
                 try:
                     self._reap()
                     if self.spec_unread and not self._busy():     # idle: report what the slots drafted
-                        self._read_spec(self.spec_unread)
+                        self._read_spec()
                     self._gather_arrivals()
                     self._admit()
                     if not self._launch():         # nothing to run (draining, or only waiting on results)
@@ -281,6 +282,7 @@ class Scheduler:
                     log.exception("engine step failed")
                     self._fail_running(500, "internal error while generating; see the server log")
                     self.core.reset()
+                    self.spec_reported = dict.fromkeys(self.spec_reported, 0)     # a fresh core counts afresh
         finally:
             self._fail_running(503, "the server is shutting down")
             self.results.put(None)
@@ -366,20 +368,18 @@ class Scheduler:
             max_new[i], ignore[i] = r.max_tokens, r.ignore_eos
             temp[i], top_k[i], top_p[i], seed[i] = r.temperature, r.top_k or 0, 1.0 if r.top_p is None else r.top_p, r.seed
         params = SamplingParams(temp, top_k, top_p, seed)
-        reset = [b for b in self.spec_unread if b in rows[start == 0]]
-        if reset:                          # the prefill resets these slots' speculation counts
-            self._read_spec(reset)
         first = self.core.prefill(Pieces.make(tokens, start, length, final, rows, params, max_new, ignore))
         self.prefilling = [j for j in self.prefilling if j.prefilled < len(j.req.prompt_ids)]
         self.record.append({"kind": "prefill", "pieces": [(j.id, int(s), int(n)) for j, s, n in
                                                           zip(jobs, start, length)]})
         self.results.put(Launched("prefill", first, jobs, finals=list(final[:len(jobs)])))
 
-    def _read_spec(self, slots: list[int]):
-        stats = self.core.spec_stats(rows=slots)
-        self.spec_unread = [b for b in self.spec_unread if b not in slots]
+    def _read_spec(self):
+        stats = self.core.spec_stats()
+        self.spec_unread = False
         if stats is not None:
-            self.observer.spec(stats)
+            self.observer.spec({k: v - self.spec_reported[k] for k, v in stats.items()})
+            self.spec_reported = stats
 
     def _free(self, job: Job):
         """Give a request's slot back (the engine thread only)."""
@@ -387,8 +387,7 @@ class Scheduler:
             with self.cond:
                 self.slots[job.slot] = None
             self.to_stop[job.slot] = True
-            if self.engine.spec is not None and job.slot not in self.spec_unread:
-                self.spec_unread.append(job.slot)
+            self.spec_unread = self.engine.spec is not None
         if job in self.prefilling:
             self.prefilling.remove(job)
 
