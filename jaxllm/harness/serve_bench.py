@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-speculative-tokens", type=int, default=None)
     p.add_argument("--draft-model-dir", default=None)
     p.add_argument("--speculative-max-batch", default=None)
+    p.add_argument("--logprobs", type=int, default=None,
+                   help="every request asks for this many top log-probabilities a token")
     p.add_argument("--no-reference", action="store_true", help="skip the fused-loop figures")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results/serve.json", help="JSON results path")
@@ -186,9 +188,9 @@ class Connection:
             self.writer.close()
 
 
-async def one_request(conn: Connection, ids: list[int], max_tokens: int) -> dict:
+async def one_request(conn: Connection, ids: list[int], max_tokens: int, logprobs: int | None = None) -> dict:
     body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **({"logprobs": logprobs} if logprobs is not None else {})}
     t0 = time.perf_counter()
     chunks, n, err = [], 0, None
     try:
@@ -249,7 +251,7 @@ async def run_level(url: str, c: int, a, rng) -> Level:
     before = spec_counts(url)
 
     async def client(i):
-        return [await one_request(conns[i], prompts[i * a.rounds + k], outs[i * a.rounds + k])
+        return [await one_request(conns[i], prompts[i * a.rounds + k], outs[i * a.rounds + k], a.logprobs)
                 for k in range(a.rounds)]
     t0 = time.perf_counter()
     results = [r for rs in await asyncio.gather(*(client(i) for i in range(c))) for r in rs]
@@ -353,7 +355,7 @@ def main(argv=None) -> int:
            "settings": {k: getattr(a, k) for k in ("prompt_len", "output_len", "rounds", "max_num_seqs",
                                                    "max_model_len", "max_num_batched_tokens", "decode_steps",
                                                    "tp", "quant", "kv_quant", "concurrency", "speculative",
-                                                   "num_speculative_tokens", "draft_model_dir")} | {"fused_ctx": ctx},
+                                                   "num_speculative_tokens", "draft_model_dir", "logprobs")} | {"fused_ctx": ctx},
            "levels": [asdict(x) for x in levels]}
     if ref_rep is not None:
         rep.update(device=ref_rep["device"]["kind"], jax_version=ref_rep["jax_version"], fused_loop=ref_rep)
