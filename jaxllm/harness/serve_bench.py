@@ -247,7 +247,7 @@ async def run_level(url: str, c: int, a, rng) -> Level:
     prompts = [rng.integers(0, a.vocab, rng.integers(a.prompt_len[0], a.prompt_len[1] + 1)).tolist()
                for _ in range(n)]
     outs = rng.integers(a.output_len[0], a.output_len[1] + 1, n).tolist()
-    await one_request(conns[0], prompts[0][:8], 4)                 # the server awake
+    await one_request(conns[0], prompts[0][:8], 4, a.logprobs)     # the server awake, its calls compiled
     before = spec_counts(url)
 
     async def client(i):
