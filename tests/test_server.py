@@ -251,7 +251,7 @@ def test_slots_joining_mid_decode_match_engine(engine):
                 tok[0, :n] = ids[s:s + n]
                 first = core.prefill(Pieces.make(tok, s, n, s + n == len(ids), [b], params, 12))
             out[j], slot_of[j] = [int(np.asarray(first)[0])], b
-        toks, count = (np.asarray(x) for x in core.decode(3, 3))
+        toks, count, _ = (np.asarray(x) for x in core.decode(3, 3))
         for j, b in list(slot_of.items()):
             out[j] += toks[b, :count[b]].tolist()
             if len(out[j]) >= 12 or out[j][-1] in engine.cfg.eos_ids:
