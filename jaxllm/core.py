@@ -120,7 +120,9 @@ def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=Non
     """One forward over `pieces`, writing their K/V into the cache (and the draft model's).
 
     out="sample": final rows start their slots -> (state, first tokens [P]), or with `logprobs` n
-    > 0 (state, (first tokens, their LogProbs [P] with the top n));
+    > 0 (state, (first tokens, their LogProbs [P] with the top n)), and with `targets` too (state,
+    (first tokens, their LogProbs, LogProbs [N] of the targets)): the prompts' own tokens scored in
+    the forward that prefills them (a server's `echo` with log-probabilities);
     out="logits": -> (state, float32 logits [P, C, V]); the slot table is left as it is;
     out="nll": -> (state, NLL [N]) of targets (flat token index [N] into the P x C tokens, target
     id [N]; a negative target scores 0), the logits made a few rows at a time;
@@ -165,7 +167,10 @@ def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=Non
         sp = sl.spec
         slots = slots.replace(spec=sp.replace(history=hist, rate=reset(sp.rate, 1.0), idle=reset(sp.idle, 0)))
     if logprobs:
-        return state.replace(slots=slots), (first, _lp(first_logits, first, logprobs))
+        res = (first, _lp(first_logits, first, logprobs))
+        if targets is not None:
+            res += (_score(cfg, weights, h, *targets, top=logprobs),)
+        return state.replace(slots=slots), res
     return state.replace(slots=slots), first
 
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import httpx
+import logprob_refs
 import numpy as np
 import pytest
 
@@ -190,6 +191,95 @@ def test_seeded_sampling_matches_engine(engine, client, model_name):
     assert other.usage.completion_tokens >= 1
 
 
+def test_logprobs_match_the_logits(engine, client, model_name):
+    """Completions' `logprobs` N and chat's `logprobs` + `top_logprobs` are log_softmax of the
+    model's logits at each token's position with the N most likely tokens, streamed or not; a stop
+    string keeps the tokens that cover the text before it, as `Engine.generate` does."""
+    ref = engine.generate([PROMPT], max_tokens=12, chat=False)[0]
+    seq = ref.prompt_token_ids + ref.token_ids
+    kw = {"model": model_name, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": 3}
+    r = client.completions.create(**kw).model_dump()["choices"][0]
+    assert r["text"] == ref.text
+    logprob_refs.check_completion(engine, r["logprobs"], seq, len(ref.prompt_token_ids), 3)
+    chunks = [c.model_dump() for c in client.completions.create(stream=True, **kw)]
+    assert logprob_refs.joined(chunks, "completion") == r["logprobs"]
+
+    stop = ref.text[len(ref.text) // 2:len(ref.text) // 2 + 3]
+    cut = engine.generate([PROMPT], max_tokens=12, chat=False, stop=[stop], logprobs=3)[0]
+    assert cut.finish_reason == "stop" and len(cut.token_ids) < len(ref.token_ids)
+    r = client.completions.create(stop=stop, **kw).model_dump()["choices"][0]
+    assert r["text"] == cut.text
+    logprob_refs.check_completion(engine, r["logprobs"], ref.prompt_token_ids + cut.token_ids,
+                                  len(ref.prompt_token_ids), 3)
+    chunks = [c.model_dump() for c in client.completions.create(stream=True, stop=stop, **kw)]
+    assert logprob_refs.joined(chunks, "completion") == r["logprobs"]
+
+    ref = engine.generate([CHAT], max_tokens=12)[0]
+    seq, n_prompt = ref.prompt_token_ids + ref.token_ids, len(ref.prompt_token_ids)
+    kw = {"model": model_name, "messages": CHAT, "max_tokens": 12, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    r = client.chat.completions.create(**kw).model_dump()["choices"][0]
+    assert r["message"]["content"] == ref.text
+    logprob_refs.check_chat(engine, r["logprobs"]["content"], seq, n_prompt, 2)
+    chunks = [c.model_dump() for c in client.chat.completions.create(stream=True, **kw)]
+    assert logprob_refs.joined(chunks, "chat") == r["logprobs"]["content"]
+    r = client.chat.completions.create(**{**kw, "top_logprobs": None}).model_dump()["choices"][0]
+    assert [c["top_logprobs"] for c in r["logprobs"]["content"]] == [[]] * len(ref.token_ids)
+    assert client.chat.completions.create(**{**kw, "logprobs": None, "top_logprobs": None}).choices[0].logprobs is None
+
+
+def test_echo_scores_the_prompt(engine, client, model_name):
+    """`echo` with `logprobs` returns the prompt's tokens scored (the first has none) before the
+    answer's: what lm-evaluation-harness's loglikelihood requests send (token ids, max_tokens 1,
+    logprobs 1), and with max_tokens 0 the prompt alone; streamed, the prompt comes first."""
+    ids = engine.tokenizer.encode(PROMPT)
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=0, echo=True, logprobs=2)
+    c = r.model_dump()["choices"][0]
+    assert (c["text"], c["finish_reason"], r.usage.completion_tokens) == (PROMPT, "length", 0)
+    logprob_refs.check_completion(engine, c["logprobs"], ids, 0, 2)
+
+    ref = engine.generate([PROMPT], max_tokens=1, chat=False)[0]
+    r = client.completions.create(model=model_name, prompt=[ids], max_tokens=1, echo=True, logprobs=1,
+                                  temperature=0, seed=1234).model_dump()["choices"][0]
+    assert r["text"] == engine.tokenizer.decode(ids) + ref.text
+    logprob_refs.check_completion(engine, r["logprobs"], ids + ref.token_ids, 0, 1)
+
+    kw = {"model": model_name, "prompt": CORPUS[4], "max_tokens": 3, "echo": True, "logprobs": 2, "temperature": 0}
+    ids = engine.tokenizer.encode(CORPUS[4])
+    ref = engine.generate_ids([ids], max_tokens=3)[0]
+    r = client.completions.create(**kw).model_dump()["choices"][0]
+    assert r["text"] == CORPUS[4] + ref.text
+    logprob_refs.check_completion(engine, r["logprobs"], ids + ref.token_ids, 0, 2)
+    chunks = [c.model_dump() for c in client.completions.create(stream=True, **kw)]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == r["text"]
+    assert logprob_refs.joined(chunks, "completion") == r["logprobs"]
+    plain = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=2, echo=True, temperature=0)
+    assert plain.choices[0].text == PROMPT + engine.generate([PROMPT], max_tokens=2, chat=False)[0].text
+    assert plain.choices[0].logprobs is None
+
+
+def test_logprobs_beside_requests_without(server):
+    """A request with log-probabilities decodes in the same blocks as requests without them: every
+    answer is what it is alone."""
+    specs = SPECS[:4]
+    body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "logprobs": 2, "echo": True}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, headers=headers(), timeout=300) as http:
+            async def with_logprobs():
+                r = await http.post("/v1/completions", json=body)
+                r.raise_for_status()
+                return r.json()["choices"][0]
+            alone = [await one_request(http, s) for s in specs] + [await with_logprobs()]
+            together = await asyncio.gather(*(one_request(http, s) for s in specs), with_logprobs())
+            return alone, together
+    alone, together = asyncio.run(run())
+    assert together[:-1] == alone[:-1]
+    assert together[-1]["text"] == alone[-1]["text"]
+    a, b = together[-1]["logprobs"], alone[-1]["logprobs"]
+    assert a["tokens"] == b["tokens"] and a["text_offset"] == b["text_offset"]
+    np.testing.assert_allclose(a["token_logprobs"][1:], b["token_logprobs"][1:], atol=logprob_refs.ATOL)
+
+
 def test_text_stream_never_splits_a_character(engine):
     from jaxllm.serve.detok import TextStream
     text = "Unicode: café, 東京 🙂🚀 Привет"
@@ -251,7 +341,7 @@ def test_slots_joining_mid_decode_match_engine(engine):
                 tok[0, :n] = ids[s:s + n]
                 first = core.prefill(Pieces.make(tok, s, n, s + n == len(ids), [b], params, 12))
             out[j], slot_of[j] = [int(np.asarray(first)[0])], b
-        toks, count = (np.asarray(x) for x in core.decode(3, 3))
+        toks, count, _ = (np.asarray(x) for x in core.decode(3, 3))
         for j, b in list(slot_of.items()):
             out[j] += toks[b, :count[b]].tolist()
             if len(out[j]) >= 12 or out[j][-1] in engine.cfg.eos_ids:
@@ -364,12 +454,19 @@ BAD = [  # (id, path, raw body or JSON, headers, status, words the message must 
     ("deep_nesting", "/v1/completions", b"[" * 50_000 + b"]" * 50_000, None, 400, "nested"),
     ("temperature_nan", "/v1/completions", b'{"prompt": "x", "temperature": NaN}', None, 400, "'temperature'"),
     ("stop_too_long", "/v1/completions", {"prompt": "x", "stop": "z" * 600}, None, 400, "at most"),
-    ("logprobs", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
-     None, 400, "not supported"),
+    ("logprobs_over_20", "/v1/completions", {"prompt": "x", "logprobs": 21}, None, 400, "'logprobs'"),
+    ("logprobs_bool", "/v1/completions", {"prompt": "x", "logprobs": True}, None, 400, "'logprobs'"),
+    ("chat_logprobs_int", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 2},
+     None, 400, "'logprobs'"),
+    ("top_logprobs_alone", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                    "top_logprobs": 2}, None, 400, "'top_logprobs' needs"),
+    ("top_logprobs_over_20", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                      "logprobs": True, "top_logprobs": 21}, None, 400, "'top_logprobs'"),
+    ("max_tokens_zero", "/v1/completions", {"prompt": "x", "max_tokens": 0}, None, 400, "'max_tokens'"),
+    ("echo_type", "/v1/completions", {"prompt": "x", "echo": 1}, None, 400, "'echo'"),
+    ("chat_echo", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, None, 400,
+     "unknown field 'echo'"),
     # OpenAI and vLLM fields this server does not implement: refused by name (docs/server.md lists them)
-    ("top_logprobs", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
-     None, 400, "'top_logprobs'"),
-    ("echo", "/v1/completions", {"prompt": "x", "echo": True}, None, 400, "'echo'"),
     ("suffix", "/v1/completions", {"prompt": "x", "suffix": "y"}, None, 400, "'suffix'"),
     ("best_of", "/v1/completions", {"prompt": "x", "best_of": 3}, None, 400, "'best_of'"),
     ("presence_penalty", "/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, None, 400, "'presence_penalty'"),

@@ -9,6 +9,7 @@ import asyncio
 import time
 
 import httpx
+import logprob_refs
 import pytest
 import tiny_chat
 from prometheus_client.parser import text_string_to_metric_families
@@ -81,6 +82,27 @@ def test_counters_match_the_requests(spec_engine):
            (("cycles", "drafts"), ("drafted", "draft_tokens"), ("accepted", "accepted_tokens"))}
     print(f"\nspeculation: server {got}, Engine.generate {spec}")
     assert got == spec and spec["accepted"] > 0
+
+
+def test_logprobs_with_speculation_and_prompts_in_pieces(spec_engine):
+    """Log-probabilities of tokens from verified drafts, and an echo's prompt scored across the
+    several forwards that prefill it (pieces of 16 tokens here), equal log_softmax of the logits."""
+    server = tiny_chat.LiveServer(spec_engine, max_model_len=MAX_LEN, max_num_seqs=4, max_num_batched_tokens=16)
+    accepted = 0
+    try:
+        client = server.client()
+        for p in PROMPTS:
+            ref = spec_engine.generate_ids([p], max_tokens=16)[0]
+            accepted += spec_engine.stats.spec["accepted"]
+            kw = {"model": "m", "prompt": p, "max_tokens": 16, "temperature": 0, "logprobs": 3, "echo": True}
+            r = client.completions.create(**kw).model_dump()["choices"][0]
+            logprob_refs.check_completion(spec_engine, r["logprobs"], p + ref.token_ids, 0, 3)
+            chunks = [c.model_dump() for c in client.completions.create(stream=True, **kw)]
+            assert logprob_refs.joined(chunks, "completion") == r["logprobs"]
+    finally:
+        server.stop()
+    assert accepted > 0           # the same drafts as generate's were verified in the server
+    assert any(start > 0 for rec in server.scheduler.record if rec["kind"] == "prefill" for _, start, _ in rec["pieces"])
 
 
 def test_gauges_while_requests_run_and_early_ends_by_reason(tmp_path_factory):

@@ -97,7 +97,9 @@ class ScriptedCore:
         end = next((i for i, t in enumerate(toks) if t in self.eos), None)
         return toks if end is None or ignore_eos else toks[:end + 1]
 
-    def prefill(self, pieces):
+    def prefill(self, pieces, targets=None, logprobs: int = 0):
+        if logprobs or targets is not None:
+            raise ValueError("a scripted answer has no log-probabilities")
         first = np.zeros(len(pieces.tokens), np.int32)
         for p, b in enumerate(np.asarray(pieces.rows)):
             if b >= self.num_slots:
@@ -112,7 +114,9 @@ class ScriptedCore:
                 first[p], self.queue[b] = answer[0], answer[1:]
         return first
 
-    def decode(self, n_steps: int, max_steps: int, stop=None, rows: int | None = None):
+    def decode(self, n_steps: int, max_steps: int, stop=None, rows: int | None = None, logprobs: int = 0):
+        if logprobs:
+            raise ValueError("a scripted answer has no log-probabilities")
         rows = rows or self.num_slots
         time.sleep(self.step_s * n_steps)
         toks, count = np.zeros((rows, max_steps), np.int32), np.zeros(rows, np.int32)
@@ -121,7 +125,7 @@ class ScriptedCore:
                 self.queue[b] = []
             take, self.queue[b] = self.queue[b][:min(n_steps, max_steps)], self.queue[b][min(n_steps, max_steps):]
             toks[b, :len(take)], count[b] = take, len(take)
-        return toks, count
+        return toks, count, None
 
 
 class ScriptedEngine:

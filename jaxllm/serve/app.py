@@ -28,6 +28,7 @@ from .protocol import (
     ApiError,
     ChatDeltas,
     GenRequest,
+    LogprobWriter,
     bad,
     detokenize,
     full_response,
@@ -36,7 +37,7 @@ from .protocol import (
     tokenize,
     usage_chunk,
 )
-from .scheduler import Delta, Failed, Finished, Job, QueueFull, Scheduler
+from .scheduler import Delta, Failed, Finished, Job, Prompt, QueueFull, Scheduler
 
 log = logging.getLogger("jaxllm.serve")
 
@@ -233,22 +234,27 @@ class Server:
             inbox.close()
 
     async def collect(self, request: Request, req: GenRequest, job: Job, inbox: Inbox, deadline: float):
-        texts = []
+        texts, logprobs = [], []
         while True:
             try:
                 ev = await self.next_event(inbox, deadline, request)
             except TimedOut:
                 self.metrics.failed("timeout")
                 raise self.timeout_error() from None
-            if isinstance(ev, Delta):
+            if isinstance(ev, Prompt):            # echo: the prompt comes first
+                texts.insert(0, req.prompt_text)
+                logprobs[:0] = ev.logprobs or []
+            elif isinstance(ev, Delta):
                 texts.append(ev.text)
+                logprobs += ev.logprobs or []
             elif isinstance(ev, Finished):
                 text, parts = "".join(texts), None
                 if req.output is not None:            # reasoning and tool calls read out of the answer
                     reader = req.output.reader()
                     parts = reader.push(text)
                     parts.add(reader.finish())
-                body = full_response(req, text, ev.finish_reason, ev.completion_tokens, parts)
+                lp = None if req.logprobs is None else LogprobWriter(req, self.engine.tokenizer)(logprobs)
+                body = full_response(req, text, ev.finish_reason, ev.completion_tokens, parts, lp)
                 self.metrics.finished(job, body["choices"][0]["finish_reason"])
                 return JSONResponse(body)
             elif isinstance(ev, Failed):
@@ -260,9 +266,20 @@ class Server:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
         reader = None if req.output is None else req.output.reader()
         deltas = ChatDeltas()
+        writer = LogprobWriter(req, self.engine.tokenizer)
 
-        def chunks(parts: Parts):                # a chat answer read as it streams
-            return [sse(stream_chunk(req, None, delta=d)) for d in deltas(parts)]
+        def chunks(parts: Parts, entries=None):   # a chat answer read as it streams
+            lp = writer(entries) if entries else None
+            ds = deltas(parts) or ([{}] if lp else [])
+            return [sse(stream_chunk(req, None, delta=d, logprobs=lp if i == 0 else None)) for i, d in enumerate(ds)]
+
+        def text_chunks(text: str, entries=None):
+            if reader is not None:
+                return chunks(reader.push(text), entries)
+            lp = writer(entries) if entries else None
+            if req.kind == "chat":
+                return [sse(stream_chunk(req, None, delta={"content": text} if text else {}, logprobs=lp))]
+            return [sse(stream_chunk(req, text, logprobs=lp))]
         ended = False
         try:
             if req.kind == "chat":
@@ -275,8 +292,9 @@ class Server:
                     self.metrics.failed("timeout")
                     yield sse(self.timeout_error().body())
                     break
-                if isinstance(ev, Delta):
-                    for c in chunks(reader.push(ev.text)) if reader else [sse(stream_chunk(req, ev.text))]:
+                if isinstance(ev, (Delta, Prompt)):
+                    text = ev.text if isinstance(ev, Delta) else req.prompt_text
+                    for c in text_chunks(text, ev.logprobs):
                         yield c
                 elif isinstance(ev, Finished):
                     ended = True

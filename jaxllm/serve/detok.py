@@ -6,6 +6,10 @@ or join byte pieces see what a whole decode would see), which keeps the cost per
 Text ending in U+FFFD (a character whose bytes have not all arrived) waits for the next token, and a
 tail that could be the start of a stop string is held back, so neither a split character nor part of
 a stop string ever reaches the client. The concatenated deltas equal `Engine.generate`'s text.
+
+`settled()` tells how many tokens the sent text accounts for, so that their log-probabilities go
+out with it: a token whose text is held back waits with it, and after a stop string only the tokens
+that cover the text up to it count (those `Engine.generate` returns).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ class TextStream:
         self.stop = list(stop or [])
         self.skip_special = skip_special   # False: special tokens (a family's tool-call markers) are text
         self.ids: list[int] = []
+        self.ends: list[int] = []      # for ids[:len(ends)]: the length of the text up to each one
         self.prefix = 0                # ids[prefix:read] were decoded already: the window's context
         self.read = 0
         self.text = ""                 # text of ids[:read]
@@ -63,8 +68,17 @@ class TextStream:
             self._extend(self._window_text(), len(self.ids))
         return self._emit(len(self.text))
 
+    def settled(self) -> int:
+        """How many of the tokens have their text wholly sent (after a stop string: how many cover
+        the text before it)."""
+        if self.stopped:
+            need = len(self.text)
+            return next((i + 1 for i, e in enumerate(self.ends) if e >= need), len(self.ids)) if need else 0
+        return sum(1 for e in self.ends if e <= self.sent)
+
     def _extend(self, new: str, read: int):
         self.text += new
+        self.ends += [len(self.text)] * (read - len(self.ends))     # tokens whose text is now known
         self.prefix, self.read = self.read, read
         cut = self._find_stop()
         if cut is not None:

@@ -2,7 +2,7 @@
 
 Validation is strict: a field this server does not know is refused with 400 naming it (a typo such
 as `max_token` would otherwise be silently ignored), and an OpenAI feature it does not implement is
-accepted only at its neutral value (e.g. `n: 1`, `logprobs: null`, `presence_penalty: 0`).
+accepted only at its neutral value (e.g. `n: 1`, `suffix: null`, `presence_penalty: 0`).
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..errors import JaxllmError
+from ..sampling import MAX_LOGPROBS
 from ..tokenizer import Tokenizer
 from .chat import chat_prompt
 from .fields import (
@@ -29,6 +30,7 @@ from .output import ChatFeatures, OutputPlan, Parts, chat_features
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
+LOGPROB_FLOOR = -9999.0       # what -inf is written as (JSON has no infinity; OpenAI's value)
 SEED_MOD = 2 ** 32
 
 
@@ -51,6 +53,14 @@ class GenRequest:
     created: int = 0
     skip_special: bool = True          # special tokens are left out of the text
     output: OutputPlan | None = None   # chat: how the answer is read (reasoning, tool calls)
+    logprobs: int | None = None        # alternatives listed per token (None: no log-probabilities)
+    echo: bool = False                 # completions: the answer starts with the prompt
+    prompt_text: str = ""              # what `echo` writes back
+
+    @property
+    def prompt_logprobs(self) -> bool:
+        """The prompt's own tokens are scored (an echo with log-probabilities)."""
+        return self.echo and self.logprobs is not None
 
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stream",
@@ -67,9 +77,6 @@ def _check_unsupported(body: dict) -> None:
     neutral(body, "presence_penalty", zero)
     neutral(body, "frequency_penalty", zero)
     neutral(body, "logit_bias", lambda v: not v)
-    neutral(body, "logprobs", lambda v: v is None or v is False or (is_int(v) and v == 0))
-    neutral(body, "top_logprobs", lambda v: v is None or (is_int(v) and v == 0))
-    neutral(body, "echo", lambda v: v is None or v is False)
     neutral(body, "suffix", lambda v: v is None)
     neutral(body, "best_of", lambda v: v is None or (is_int(v) and v == 1))
     neutral(body, "response_format", lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"))
@@ -106,6 +113,21 @@ def _sampling(body, vocab_size: int) -> dict:
     if top_k is not None and not 0 < top_k < vocab_size:
         top_k = None                  # -1, 0 and anything >= the vocabulary all mean "no top-k"
     return {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed % SEED_MOD}
+
+
+def _logprobs(kind: str, body) -> int | None:
+    """The alternatives per token a request asks for, None without log-probabilities: completions'
+    `logprobs` N, chat's `logprobs: true` with `top_logprobs` N."""
+    if kind == "completion":
+        v = body.get("logprobs")
+        if v is not None and not (is_int(v) and 0 <= v <= MAX_LOGPROBS):
+            raise bad(f"'logprobs' must be an integer from 0 to {MAX_LOGPROBS}, got {v!r}", "logprobs")
+        return v
+    on = bool_field(body, "logprobs")
+    top = int_field(body, "top_logprobs", lo=0, hi=MAX_LOGPROBS)
+    if top is not None and not on:
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if on else None
 
 
 def _stream_options(body, stream: bool) -> bool:
@@ -145,6 +167,13 @@ def completion_prompt_ids(body: dict, engine) -> list[int]:
     return ids
 
 
+def _prompt_text(body: dict, ids: list[int], engine) -> str:
+    """The prompt as `echo` returns it: the string sent, or the text of the token ids sent."""
+    p = body["prompt"]
+    p = p[0] if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)) else p
+    return p if isinstance(p, str) else engine.tokenizer.decode(ids) if engine.tokenizer is not None else ""
+
+
 # -- the whole request ----------------------------------------------------------------------------
 def parse_request(kind: str, body, engine, served_name: str, max_model_len: int,
                   features: ChatFeatures | None = None) -> GenRequest:
@@ -160,13 +189,17 @@ def parse_request(kind: str, body, engine, served_name: str, max_model_len: int,
     include_usage = _stream_options(body, stream)
     stop = _stop(body)
     sampling = _sampling(body, engine.cfg.vocab_size)
-    max_tokens = int_field(body, "max_tokens", lo=1)
+    logprobs = _logprobs(kind, body)
+    echo = bool_field(body, "echo")
+    max_tokens = int_field(body, "max_tokens", lo=0 if echo else 1)
     if kind == "chat":
         mct = int_field(body, "max_completion_tokens", lo=1)
         max_tokens = mct if mct is not None else max_tokens
-    plan = None
+    plan, prompt_text = None, ""
     if kind == "completion":
         ids = completion_prompt_ids(body, engine)
+        if echo:
+            prompt_text = _prompt_text(body, ids, engine)
     else:
         ids, plan = chat_prompt(body, engine, features or chat_features(engine.cfg.family))
     max_tokens = _fit_context(len(ids), max_tokens, max_model_len, default=16 if kind == "completion" else None,
@@ -175,7 +208,7 @@ def parse_request(kind: str, body, engine, served_name: str, max_model_len: int,
     special = plan is not None and any(p is not None and p.decode_special for p in (plan.tools, plan.reasoning))
     return GenRequest(kind, served_name, ids, max_tokens, stop=stop, ignore_eos=ignore_eos, stream=stream,
                       include_usage=include_usage, id=rid, created=int(time.time()), skip_special=not special,
-                      output=plan, **sampling)
+                      output=plan, logprobs=logprobs, echo=echo, prompt_text=prompt_text, **sampling)
 
 
 # -- /tokenize and /detokenize (vLLM's) ------------------------------------------------------------
@@ -279,15 +312,16 @@ def chat_message(req: GenRequest, text: str, parts: Parts | None) -> dict:
 
 
 def full_response(req: GenRequest, text: str, finish_reason: str, n_completion: int,
-                  parts: Parts | None = None) -> dict:
-    """The whole answer; `parts`: a chat answer read by its `OutputPlan`."""
+                  parts: Parts | None = None, logprobs: dict | None = None) -> dict:
+    """The whole answer; `parts`: a chat answer read by its `OutputPlan`; `logprobs`: from
+    `LogprobWriter`."""
     if req.kind == "completion":
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     else:
         if parts is not None and parts.calls:
             finish_reason = "tool_calls"
-        choice = {"index": 0, "message": chat_message(req, text, parts), "logprobs": None,
+        choice = {"index": 0, "message": chat_message(req, text, parts), "logprobs": logprobs,
                   "finish_reason": finish_reason}
         obj = "chat.completion"
     return {"id": req.id, "object": obj, "created": req.created, "model": req.model, "choices": [choice],
@@ -295,20 +329,62 @@ def full_response(req: GenRequest, text: str, finish_reason: str, n_completion: 
 
 
 def stream_chunk(req: GenRequest, text: str | None, finish_reason: str | None = None,
-                 role: bool = False, delta: dict | None = None) -> dict:
-    """One SSE chunk with a text delta (or a chat `delta`, the role announcement, or the finish reason)."""
+                 role: bool = False, delta: dict | None = None, logprobs: dict | None = None) -> dict:
+    """One SSE chunk with a text delta (or a chat `delta`, the role announcement, or the finish
+    reason), and the log-probabilities of the tokens it brings."""
     if req.kind == "completion":
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     else:
         if delta is None:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     chunk = {"id": req.id, "object": obj, "created": req.created, "model": req.model, "choices": [choice]}
     if req.include_usage:
         chunk["usage"] = None
     return chunk
+
+
+class LogprobWriter:
+    """Token log-probabilities (`TokenLogprob`s; the prompt's first token has none) -> a response's
+    `logprobs`, written as vLLM writes them: each token as its own decoded text, -inf as -9999.
+    Completions: `tokens`, `token_logprobs`, `top_logprobs` ({text: logprob} of the token and the
+    `logprobs` most likely ones), `text_offset` (running on across a stream's chunks); chat:
+    `content`, each token with its `bytes` and the `top_logprobs` most likely ones."""
+
+    def __init__(self, req: GenRequest, tokenizer):
+        self.kind, self.n, self.tokenizer = req.kind, req.logprobs, tokenizer
+        self.offset = 0
+
+    def text(self, token_id: int) -> str:
+        if isinstance(self.tokenizer, Tokenizer):
+            return self.tokenizer.decode([token_id], skip_special=False)
+        return self.tokenizer.decode([token_id])     # stand-in tokenizers take only the ids
+
+    def __call__(self, entries: list) -> dict:
+        if self.kind == "chat":
+            return {"content": [{**self._chat(e.token_id, e.logprob),
+                                 "top_logprobs": [self._chat(i, v) for i, v in e.top[:self.n]]} for e in entries]}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            s = self.text(e.token_id)
+            top = None if e.logprob is None else \
+                {s: _floor(e.logprob), **{self.text(i): _floor(v) for i, v in e.top[:self.n]}}
+            out["tokens"].append(s)
+            out["token_logprobs"].append(None if e.logprob is None else _floor(e.logprob))
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offset)
+            self.offset += len(s)
+        return out
+
+    def _chat(self, token_id: int, logprob: float) -> dict:
+        s = self.text(token_id)
+        return {"token": s, "logprob": _floor(logprob), "bytes": list(s.encode("utf-8", errors="replace"))}
+
+
+def _floor(v: float) -> float:
+    return max(float(v), LOGPROB_FLOOR)
 
 
 class ChatDeltas:

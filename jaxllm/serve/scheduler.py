@@ -24,10 +24,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import jax
 import numpy as np
 
 from ..core import Pieces
-from ..sampling import SamplingParams
+from ..engine import TokenLogprob, token_logprobs
+from ..sampling import MAX_LOGPROBS, SamplingParams
 from .detok import TextStream
 from .protocol import GenRequest
 
@@ -37,6 +39,14 @@ log = logging.getLogger("jaxllm.serve")
 @dataclass
 class Delta:
     text: str
+    logprobs: list | None = None     # TokenLogprob of each token the text accounts for (when asked)
+
+
+@dataclass
+class Prompt:
+    """An `echo` request's prompt was read: the answer starts with it (and its tokens' TokenLogprob,
+    the first without a value, when asked)."""
+    logprobs: list | None = None
 
 
 @dataclass
@@ -71,6 +81,9 @@ class Job:
     arrived: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None     # when its first tokens were read back
     last_token_at: float | None = None
+    logprobs: list = field(default_factory=list)     # TokenLogprob of each token taken
+    logprobs_sent: int = 0                           # how many of them went out
+    prompt_logprobs: list = field(default_factory=list)   # an echo's, as its prefill reads them
 
     def cancel(self):
         self.cancelled.set()
@@ -151,6 +164,7 @@ class Launched:
     result: object
     jobs: list                      # prefill: the job of each piece; decode: the job of each slot
     finals: list | None = None      # prefill: whether each piece ended its prompt
+    scored: list | None = None      # prefill: (start, length) of each piece whose tokens were scored, or None
     record: dict | None = None      # this call's entry in `Scheduler.record`
 
 
@@ -344,7 +358,8 @@ class Scheduler:
         rows = self.shapes.decode_rows(max(j.slot for j in decoding) + 1)
         stop = self.to_stop[:rows].copy()
         self.to_stop[:rows] = False
-        toks = self.core.decode(n, self.out_size, stop, rows)
+        lp = MAX_LOGPROBS if any(j.req.logprobs is not None for j in decoding) else 0
+        toks = self.core.decode(n, self.out_size, stop, rows, logprobs=lp)
         rec = {"kind": "decode", "steps": n, "rows": rows, "tokens": {}}
         self.record.append(rec)
         self.results.put(Launched("decode", toks, self.slots[:rows], record=rec))
@@ -365,14 +380,31 @@ class Scheduler:
             start[i], length[i], rows[i] = job.prefilled, n, job.slot
             job.prefilled += n
             final[i] = job.prefilled == len(r.prompt_ids)
-            max_new[i], ignore[i] = r.max_tokens, r.ignore_eos
+            max_new[i], ignore[i] = max(r.max_tokens, 1), r.ignore_eos
             temp[i], top_k[i], top_p[i], seed[i] = r.temperature, r.top_k or 0, 1.0 if r.top_p is None else r.top_p, r.seed
         params = SamplingParams(temp, top_k, top_p, seed)
-        first = self.core.prefill(Pieces.make(tokens, start, length, final, rows, params, max_new, ignore))
+        wants = [j.req.logprobs is not None and f for j, f in zip(jobs, final)]
+        scored = [(int(s), int(n)) if j.req.prompt_logprobs else None for j, s, n in zip(jobs, start, length)]
+        targets = self._prompt_targets(jobs, scored, P, C) if any(scored) else None
+        first = self.core.prefill(Pieces.make(tokens, start, length, final, rows, params, max_new, ignore),
+                                  targets=targets, logprobs=MAX_LOGPROBS if any(wants) or targets else 0)
         self.prefilling = [j for j in self.prefilling if j.prefilled < len(j.req.prompt_ids)]
         self.record.append({"kind": "prefill", "pieces": [(j.id, int(s), int(n)) for j, s, n in
                                                           zip(jobs, start, length)]})
-        self.results.put(Launched("prefill", first, jobs, finals=list(final[:len(jobs)])))
+        self.results.put(Launched("prefill", first, jobs, finals=list(final[:len(jobs)]), scored=scored))
+
+    @staticmethod
+    def _prompt_targets(jobs, scored, P: int, C: int):
+        """Every token of the forward scored against the prompt's next token (-1 where there is
+        none to score: other requests' pieces, padding, a prompt's last token, whose next token is
+        the first sampled one) -> (flat index [P * C], target [P * C])."""
+        target = np.full((P, C), -1, np.int32)
+        for i, (job, sc) in enumerate(zip(jobs, scored)):
+            if sc is not None:
+                s, n = sc
+                nxt = job.req.prompt_ids[s + 1:s + n + 1]
+                target[i, :len(nxt)] = nxt
+        return np.arange(P * C, dtype=np.int32), target.reshape(-1)
 
     def _read_spec(self):
         stats = self.core.spec_stats()
@@ -429,26 +461,46 @@ class Scheduler:
         """Hand a call's tokens to the requests that held the slots when it was launched."""
         get = self.engine.layout.get
         if call.kind == "prefill":
-            first = get(call.result)
+            res = call.result if isinstance(call.result, tuple) else (call.result, None)
+            first, lp, scores = jax.tree_util.tree_map(get, res + (None,) * (3 - len(res)))
+            C = len(scores.token) // len(first) if scores is not None else 0
             for i, job in enumerate(call.jobs):
-                if call.finals[i] and not job.done:
-                    self._take(job, [int(first[i])])
+                if job.done:
+                    continue
+                if call.scored[i] is not None:
+                    self._score_prompt(job, scores, i * C, *call.scored[i])
+                if call.finals[i]:
+                    if job.req.echo:
+                        job.emit(Prompt(job.prompt_logprobs if job.req.prompt_logprobs else None))
+                    self._take(job, [int(first[i])], _row(lp, i, None))
             return
-        toks, count = (get(x) for x in call.result[:2])
+        toks, count, lp = (jax.tree_util.tree_map(get, x) for x in call.result)
         for b, job in enumerate(call.jobs):
             if job is not None and count[b] and not job.done:
                 call.record["tokens"][job.id] = int(count[b])
-                self._take(job, toks[b, :count[b]].tolist())
+                self._take(job, toks[b, :count[b]].tolist(), _row(lp, b, count[b]))
 
-    def _take(self, job: Job, toks: list[int]):
-        """Fold a request's new tokens in, emit their text as one delta, finish it when it is done."""
+    def _score_prompt(self, job: Job, scores, at: int, start: int, length: int):
+        """Fold in the log-probabilities of a prompt piece's next tokens (flat rows at.. of scores)."""
+        ids = job.req.prompt_ids
+        if start == 0:
+            job.prompt_logprobs = [TokenLogprob(ids[0], None, [])]
+        nxt = ids[start + 1:start + length + 1]
+        piece = jax.tree_util.tree_map(lambda a: a[at:at + len(nxt)][None], scores)
+        job.prompt_logprobs += token_logprobs(piece, 0, nxt, job.req.logprobs)
+
+    def _take(self, job: Job, toks: list[int], lp=None):
+        """Fold a request's new tokens in (with `lp`, host LogProbs [len(toks)] of them), emit their
+        text as one delta, finish it when it is done."""
         r = job.req
         toks = toks[:r.max_tokens - job.n_tokens]
         eos = next((i for i, t in enumerate(toks) if t in self.eos), None) if not r.ignore_eos else None
         text, taken = job.text.push_many(toks if eos is None else toks[:eos])
+        if lp is not None and r.logprobs is not None:       # an EOS has none: it is not in the text
+            job.logprobs += token_logprobs(lp, 0, toks[:taken], r.logprobs)
         stopped = job.text.stopped
         n = taken + (1 if eos is not None and not stopped else 0)       # an EOS counts as generated
-        if n:
+        if n or not r.max_tokens:          # (max_tokens 0: an echo's prompt alone, read now)
             now = time.monotonic()
             self.observer.tokens(job, n, now)
             job.first_token_at = job.first_token_at or now
@@ -459,14 +511,23 @@ class Scheduler:
             return self._finish(job, "stop", [text])
         if job.n_tokens >= r.max_tokens:
             return self._finish(job, "length", [text])
-        if text:
-            job.emit(Delta(text))
+        lps = self._settled_logprobs(job)
+        if text or lps:
+            job.emit(Delta(text, lps))
+
+    def _settled_logprobs(self, job: Job) -> list | None:
+        """The log-probabilities of the tokens whose text has gone out (or goes out now)."""
+        if job.req.logprobs is None:
+            return None
+        settled = job.text.settled()
+        out, job.logprobs_sent = job.logprobs[job.logprobs_sent:settled], max(job.logprobs_sent, settled)
+        return out
 
     def _finish(self, job: Job, reason: str, text: list[str]):
         text.append(job.text.finish())     # held-back text is final now (empty after a stop string)
         if job.text.stopped:
             reason = "stop"
-        if self._end(job, Finished(reason, job.n_tokens), "".join(text)):
+        if self._end(job, Finished(reason, job.n_tokens), "".join(text), self._settled_logprobs(job)):
             self.finished += 1
             self._ended(job)
 
@@ -475,14 +536,21 @@ class Scheduler:
             self.ended.append(job)
             self.cond.notify()
 
-    def _end(self, job: Job, event, text: str = "") -> bool:
+    def _end(self, job: Job, event, text: str = "", logprobs: list | None = None) -> bool:
         """Send a request's last events (none for None), once whichever thread gets there first."""
         with self.lock:
             if job.done:
                 return False
             job.done = True
-        if text:
-            job.emit(Delta(text))
+        if text or logprobs:
+            job.emit(Delta(text, logprobs))
         if event is not None:
             job.emit(event)
         return True
+
+
+def _row(lp, b: int, n: int | None):
+    """Row b of host LogProbs as [1, n] (its first n tokens of [B, S]; n None: its one token of [B])."""
+    if lp is None:
+        return None
+    return jax.tree_util.tree_map(lambda a: a[b][None, None] if n is None else a[b:b + 1, :n], lp)
