@@ -25,7 +25,7 @@ from flax import struct
 
 from .config import ModelConfig
 from .model import forward, logits_from_hidden
-from .sampling import LogProbs, SamplingParams, sample
+from .sampling import LogProbs, Penalties, SamplingParams, penalize, sample
 from .sampling import logprobs as _lp
 from .speculative import (SpecSlots, Speculation, accept, ngram_draft, update_rate, wants_draft, worth_verifying,
                           write_history)
@@ -44,14 +44,23 @@ class Slots:
     ignore_eos: jax.Array      # EOS does not end this slot (benchmarks ask for exact lengths)
     params: SamplingParams
     spec: SpecSlots | None = None    # with speculative decoding: the slots' tokens, acceptance
+    # With penalties (a slot table made with the vocabulary size): each slot's, the count of each
+    # token it generated [B, V] and its prompt's tokens [B, V].
+    penalties: Penalties | None = None
+    counts: jax.Array | None = None
+    in_prompt: jax.Array | None = None
 
     @staticmethod
-    def empty(batch: int, length: int, spec: bool = False) -> "Slots":
+    def empty(batch: int, length: int, spec: bool = False, vocab: int | None = None) -> "Slots":
         def zeros(dtype=jnp.int32):        # distinct buffers: the whole state is donated
             return jnp.zeros((batch,), dtype)
         params = jax.tree_util.tree_map(jnp.array, SamplingParams.make(batch))
-        return Slots(zeros(), zeros(), zeros(), zeros(), zeros(bool), zeros(bool), params,
-                     SpecSlots.empty(batch, length) if spec else None)
+        slots = Slots(zeros(), zeros(), zeros(), zeros(), zeros(bool), zeros(bool), params,
+                      SpecSlots.empty(batch, length) if spec else None)
+        if vocab is None:
+            return slots
+        return slots.replace(penalties=jax.tree_util.tree_map(jnp.array, Penalties.make(batch)),
+                             counts=jnp.zeros((batch, vocab), jnp.int32), in_prompt=jnp.zeros((batch, vocab), bool))
 
 
 @struct.dataclass
@@ -75,10 +84,11 @@ class Pieces:
     ignore_eos: jax.Array      # [P] bool
     params: SamplingParams     # [P]
     rows: jax.Array | None = None
+    penalties: Penalties | None = None     # [P] (None: none)
 
     @staticmethod
     def make(tokens, start=None, length=None, final=None, rows=None, params: SamplingParams | None = None,
-             max_new=None, ignore_eos=None) -> "Pieces":
+             max_new=None, ignore_eos=None, penalties: Penalties | None = None) -> "Pieces":
         """Host arrays -> Pieces (numpy leaves; the engine puts them on the mesh)."""
         P = len(tokens)
 
@@ -88,7 +98,8 @@ class Pieces:
         return Pieces(np.asarray(tokens, np.int32), col(start, np.int32, 0), col(length, np.int32, 0),
                       col(final, bool, False), col(max_new, np.int32, 1), col(ignore_eos, bool, False),
                       jax.tree_util.tree_map(np.asarray, params),
-                      None if rows is None else np.asarray(rows, np.int32))
+                      None if rows is None else np.asarray(rows, np.int32),
+                      jax.tree_util.tree_map(np.asarray, penalties or Penalties.make(P)))
 
     @staticmethod
     def shapes(P: int, C: int, rows: bool = True) -> "Pieces":
@@ -144,19 +155,28 @@ def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=Non
     last = jnp.clip(pieces.length - 1, 0, C - 1)
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
     first_logits = logits_from_hidden(cfg, weights, h_last)
-    first = sample(first_logits, pieces.params, jnp.zeros((P,), jnp.int32))
-    live = pieces.final & (pieces.ignore_eos | ~is_eos(first, cfg.eos_ids)) & (pieces.max_new > 1)
     rows = jnp.arange(P, dtype=jnp.int32) if pieces.rows is None else pieces.rows
+    sl = state.slots
+    if sl.counts is not None:             # new prompts start their counts; prompt tokens are marked
+        sl = _count_prompt(sl, pieces, rows, positions)
+        in_prompt = jnp.take(sl.in_prompt, rows, axis=0, mode="clip")
+        pen = _penalties(pieces, P)
+        first = sample(penalize(first_logits, pen, jnp.zeros(in_prompt.shape, jnp.int32), in_prompt),
+                       pieces.params, jnp.zeros((P,), jnp.int32))
+        sl = sl.replace(counts=sl.counts.at[jnp.where(pieces.final, rows, sl.last.shape[0]), first].add(1, mode="drop"),
+                        penalties=jax.tree_util.tree_map(lambda a, v: a.at[rows].set(v, mode="drop"), sl.penalties, pen))
+    else:
+        first = sample(first_logits, pieces.params, jnp.zeros((P,), jnp.int32))
+    live = pieces.final & (pieces.ignore_eos | ~is_eos(first, cfg.eos_ids)) & (pieces.max_new > 1)
 
     def put(a, v):
         return a.at[rows].set(v, mode="drop")
-    sl = state.slots
     one = jnp.ones((P,), jnp.int32)
     end = pieces.start + pieces.length
-    slots = Slots(last=put(sl.last, first), pos=put(sl.pos, end), step=put(sl.step, one),
-                  remaining=put(sl.remaining, pieces.max_new - 1), active=put(sl.active, live),
-                  ignore_eos=put(sl.ignore_eos, pieces.ignore_eos),
-                  params=jax.tree_util.tree_map(put, sl.params, pieces.params), spec=sl.spec)
+    slots = sl.replace(last=put(sl.last, first), pos=put(sl.pos, end), step=put(sl.step, one),
+                       remaining=put(sl.remaining, pieces.max_new - 1), active=put(sl.active, live),
+                       ignore_eos=put(sl.ignore_eos, pieces.ignore_eos),
+                       params=jax.tree_util.tree_map(put, sl.params, pieces.params))
     if sl.spec is not None:               # the prompt's tokens and the first one, for drafting
         hist = write_history(sl.spec.history, pieces.rows, positions, pieces.tokens)
         hist = write_history(hist, pieces.rows, jnp.where(pieces.final, end, -1)[:, None], first[:, None])
@@ -172,6 +192,41 @@ def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=Non
             res += (_score(cfg, weights, h, *targets, top=logprobs),)
         return state.replace(slots=slots), res
     return state.replace(slots=slots), first
+
+
+def _penalties(pieces: Pieces, P: int) -> Penalties:
+    return pieces.penalties if pieces.penalties is not None else Penalties.make(P)
+
+
+def _count_prompt(sl: Slots, pieces: Pieces, rows, positions) -> Slots:
+    """A piece that starts its prompt zeroes its slot's token counts and prompt marks; every piece
+    marks its tokens as its prompt's."""
+    B = sl.last.shape[0]
+    new = jnp.where(pieces.start == 0, rows, B)
+    counts = sl.counts.at[new].set(0, mode="drop")
+    in_prompt = sl.in_prompt.at[new].set(False, mode="drop")
+    at = jnp.where(positions >= 0, rows[:, None], B)
+    return sl.replace(counts=counts, in_prompt=in_prompt.at[at, pieces.tokens].set(True, mode="drop"))
+
+
+def _penalized(logits, sl: Slots, drafts=None):
+    """The logits [B, V] that sampling sees (as they are without penalties; a live slot's
+    penalties only are looked at); with drafts [B, K], logits [B, K + 1, V] of a verify forward,
+    position j counting drafts[:, :j] as generated."""
+    if sl.counts is None:
+        return logits
+    on = sl.penalties.any_on(sl.active)
+    if drafts is None:
+        return penalize(logits, sl.penalties, sl.counts, sl.in_prompt, on)
+    B, T, V = logits.shape
+
+    def each_position():
+        fed = jnp.cumsum(jax.nn.one_hot(drafts, V, dtype=jnp.int32), axis=1)             # [B, K, V]
+        counts = sl.counts[:, None] + jnp.pad(fed, ((0, 0), (1, 0), (0, 0)))
+        rep = jax.tree_util.tree_map(lambda a: jnp.repeat(a, T, axis=0), sl.penalties)
+        return penalize(logits.reshape(B * T, V), rep, counts.reshape(B * T, V),
+                        jnp.repeat(sl.in_prompt, T, axis=0), on=jnp.asarray(True)).reshape(B, T, V)
+    return jax.lax.cond(on, each_position, lambda: logits)
 
 
 def _score(cfg: ModelConfig, weights, h, where, target, top: int | None):
@@ -205,12 +260,14 @@ def decode_step(cfg: ModelConfig, weights, state: State, dtype=jnp.bfloat16):
     pos = jnp.where(live, sl.pos, -1)
     h, cache = forward(cfg, weights, sl.last[:, None], pos[:, None], state.cache, dtype)
     logits = logits_from_hidden(cfg, weights, h[:, 0])
-    tok = sample(logits, sl.params, sl.step)
+    tok = sample(_penalized(logits, sl), sl.params, sl.step)
     inc = live.astype(jnp.int32)
     remaining = sl.remaining - inc
     active = live & (sl.ignore_eos | ~is_eos(tok, cfg.eos_ids)) & (remaining > 0)
     slots = sl.replace(last=jnp.where(live, tok, sl.last), pos=sl.pos + inc, step=sl.step + inc,
                        remaining=remaining, active=active)
+    if sl.counts is not None:
+        slots = slots.replace(counts=sl.counts.at[jnp.arange(tok.shape[0]), tok].add(inc))
     if sl.spec is not None:
         hist = write_history(sl.spec.history, None, jnp.where(live, sl.pos + 1, -1)[:, None], tok[:, None])
         slots = slots.replace(spec=sl.spec.replace(history=hist, idle=sl.spec.idle + 1))
@@ -246,7 +303,7 @@ def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, dtype
         positions = jnp.where(live[:, None] & (j <= n_draft[:, None]), sl.pos[:, None] + j, -1)
         h, cache = forward(cfg, weights, tokens, positions, state.cache, dtype)
         logits = logits_from_hidden(cfg, weights, h)
-        a, nxt = accept(logits, drafts, n_draft, sl.params, sl.step)
+        a, nxt = accept(_penalized(logits, sl, drafts), drafts, n_draft, sl.params, sl.step)
         new = jnp.where(j < a[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), 0)
         new = jnp.where(j == a[:, None], nxt[:, None], new)
         n_new = jnp.minimum(a + 1, sl.remaining)
@@ -259,6 +316,9 @@ def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, dtype
         slots = sl.replace(last=jnp.where(live, last, sl.last), pos=sl.pos + n_new, step=sl.step + n_new,
                            remaining=remaining, active=live & ~jnp.any(eos, 1) & (remaining > 0),
                            spec=update_rate(sl.spec.replace(history=hist), drafting, n_draft, a))
+        if sl.counts is not None:
+            slots = slots.replace(counts=sl.counts.at[jnp.arange(B)[:, None], new].add(
+                (j < n_new[:, None]).astype(jnp.int32)))
         lp = _lp(logits, new, n_logprobs) if n_logprobs else None
         return state.replace(cache=cache, slots=slots), new, n_new, lp
 
@@ -396,7 +456,7 @@ class EngineCore:
             yield s, tokens[:, s:s + chunk], np.clip(lens - s, 0, chunk).astype(np.int32)
 
     def prefill_prompts(self, ids: list[list[int]], params: SamplingParams, max_new, ignore_eos=None,
-                        logprobs: int = 0):
+                        logprobs: int = 0, penalties: Penalties | None = None):
         """Prompt b into slot b, every slot at once, in chunks; -> each row's first token [B] (and
         with `logprobs` their LogProbs [B], host arrays)."""
         from .engine import pad_rows
@@ -408,7 +468,7 @@ class EngineCore:
         for s, tok, length in self._chunks(tokens, lens, C):
             final = (length > 0) & (lens - s <= C)
             rows = np.where(length > 0, np.arange(B), B).astype(np.int32)     # done rows: padding
-            firsts.append(self.prefill(Pieces.make(tok, s, length, final, rows, params, max_new, ignore_eos),
+            firsts.append(self.prefill(Pieces.make(tok, s, length, final, rows, params, max_new, ignore_eos, penalties),
                                        logprobs=logprobs))
             finals.append(final)
         which = np.argmax(np.stack(finals), axis=0), np.arange(B)

@@ -18,7 +18,7 @@ from .config import ModelConfig
 from .core import EngineCore, bucket
 from .errors import ModelError, RequestError
 from .kv_plan import check_fits, plan_cache
-from .sampling import MAX_LOGPROBS, SamplingParams
+from .sampling import MAX_LOGPROBS, Penalties, SamplingParams
 from .speculative import Speculation
 from .sharding import single_device_layout
 from .split_cache import KVOptions, choose_layout, make_cache
@@ -89,6 +89,16 @@ def check_sampling(max_tokens, temperature, top_k, top_p):
         raise RequestError(f"top_k must be a non-negative integer, got {top_k!r}")
     if top_p is not None and not (0 < top_p <= 1):
         raise RequestError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
+def check_penalties(presence, frequency, repetition) -> tuple[float, float, float]:
+    for name, v in (("presence_penalty", presence), ("frequency_penalty", frequency),
+                    ("repetition_penalty", repetition)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
+            raise RequestError(f"{name} must be a finite number, got {v!r}")
+    if repetition <= 0:
+        raise RequestError(f"repetition_penalty must be > 0, got {repetition!r}")
+    return float(presence), float(frequency), float(repetition)
 
 
 class Engine:
@@ -223,7 +233,7 @@ class Engine:
         def cache(cfg):
             return make_cache(cfg, self.kv_layout, self.kv_options, batch, length, self.dtype)
         draft = self.spec.draft_cfg if self.spec is not None else None
-        return core.State(cache(self.cfg), core.Slots.empty(batch, length, self.spec is not None),
+        return core.State(cache(self.cfg), core.Slots.empty(batch, length, self.spec is not None, self.cfg.vocab_size),
                           None if draft is None else cache(draft))
 
     def new_state(self, batch: int, length: int) -> core.State:
@@ -306,22 +316,25 @@ class Engine:
         return self.tokenizer.encode(prompt)
 
     def generate(self, prompts, max_tokens=64, temperature=0.0, top_k=None, top_p=None, seed=0,
-                 stop=None, chat=True, logprobs: int | None = None) -> list[Completion]:
+                 stop=None, chat=True, logprobs: int | None = None, **penalties) -> list[Completion]:
         check_sampling(max_tokens, temperature, top_k, top_p)
         if isinstance(prompts, str):
             prompts = [prompts]
         if not prompts:
             raise RequestError("no prompts given")
         ids = [self.encode_prompt(p, chat) for p in prompts]
-        return self.generate_ids(ids, max_tokens, temperature, top_k, top_p, seed, stop, logprobs)
+        return self.generate_ids(ids, max_tokens, temperature, top_k, top_p, seed, stop, logprobs, **penalties)
 
     def generate_ids(self, ids: list[list[int]], max_tokens=64, temperature=0.0, top_k=None,
-                     top_p=None, seed=0, stop=None, logprobs: int | None = None) -> list[Completion]:
+                     top_p=None, seed=0, stop=None, logprobs: int | None = None, presence_penalty=0.0,
+                     frequency_penalty=0.0, repetition_penalty=1.0) -> list[Completion]:
         """The lockstep batch: every row admitted into a cache of its own size, prefilled in chunks,
         then decoded to completion in one on-device loop. What it needs compiled is compiled first,
         so `stats` times the run itself. `logprobs` n (0 to 20): each token's log-probability and
-        the n most likely tokens, computed in the loop."""
+        the n most likely tokens, computed in the loop. The penalties are vLLM's and OpenAI's
+        (`sampling.penalize`)."""
         check_sampling(max_tokens, temperature, top_k, top_p)
+        pen = check_penalties(presence_penalty, frequency_penalty, repetition_penalty)
         n_lp = check_logprobs(logprobs)
         lens = [len(x) for x in ids]
         if min(lens) == 0:
@@ -338,7 +351,8 @@ class Engine:
         eng_core = self.core(B, S)
         compile_s = eng_core.prepare(n, max_tokens - 1, n_lp)
         t0 = time.perf_counter()
-        first = eng_core.prefill_prompts(ids, params, np.full(B, max_tokens, np.int32), logprobs=n_lp)
+        first = eng_core.prefill_prompts(ids, params, np.full(B, max_tokens, np.int32), logprobs=n_lp,
+                                         penalties=Penalties.make(B, *pen))
         t1 = time.perf_counter()
         eng_core.run_to_completion(max_tokens - 1, steps=0, logprobs=n_lp)      # the loop's first run, untimed
         t1, t = time.perf_counter(), t1 - t0

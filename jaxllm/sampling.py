@@ -184,6 +184,40 @@ def sample(logits: jax.Array, p: SamplingParams, step: jax.Array) -> jax.Array:
     return jnp.where(sampling, drawn, greedy)
 
 
+@struct.dataclass
+class Penalties:
+    """Per-row penalties on tokens already seen, as vLLM and OpenAI define them (neutral: 0, 0, 1)."""
+    presence: jax.Array      # [B] float32: subtracted once from each generated token's logit
+    frequency: jax.Array     # [B] float32: subtracted per time a token was generated
+    repetition: jax.Array    # [B] float32: Hugging Face's, on prompt and generated tokens
+
+    @staticmethod
+    def make(batch: int, presence=0.0, frequency=0.0, repetition=1.0) -> Penalties:
+        def arr(v):
+            return jnp.broadcast_to(jnp.asarray(v, jnp.float32), (batch,))
+        return Penalties(arr(presence), arr(frequency), arr(repetition))
+
+    def any_on(self, rows: jax.Array | None = None) -> jax.Array:
+        """Whether some row (of `rows` [B] bool, where given) has a penalty."""
+        on = (self.presence != 0) | (self.frequency != 0) | (self.repetition != 1)
+        return jnp.any(on if rows is None else on & rows)
+
+
+def penalize(logits: jax.Array, pen: Penalties, counts: jax.Array, in_prompt: jax.Array,
+             on: jax.Array | None = None) -> jax.Array:
+    """logits [N, V] float32, with counts [N, V] of the tokens each row generated so far and
+    in_prompt [N, V] its prompt's tokens -> the logits sampling sees (vLLM's order): a token seen in
+    the prompt or generated has a positive logit divided by the repetition penalty and a negative
+    one multiplied by it; then frequency * count and presence * (count > 0) are subtracted. When no
+    row has a penalty (`on`, where given: whether any row that matters has one) nothing is computed."""
+    def apply():
+        made = counts > 0
+        r = pen.repetition[:, None]
+        x = jnp.where(made | in_prompt, jnp.where(logits > 0, logits / r, logits * r), logits)
+        return x - pen.frequency[:, None] * counts - pen.presence[:, None] * made
+    return jax.lax.cond(pen.any_on() if on is None else on, apply, lambda: logits)
+
+
 MAX_LOGPROBS = 20          # top alternatives a token may report (OpenAI's limit)
 
 

@@ -127,6 +127,53 @@ def test_logprobs_are_the_log_softmax_of_the_logits(eng, speculative):
         eng.generate_ids(prompts, max_tokens=2, logprobs=21)
 
 
+def penalized(logits, prompt, made, presence, frequency, repetition):
+    """numpy: logits [V] after vLLM's penalties, given the prompt and the tokens generated so far."""
+    counts = np.bincount(np.asarray(made, np.int64), minlength=logits.shape[0]).astype(np.float64)
+    seen = counts > 0
+    seen_any = seen.copy()
+    seen_any[np.asarray(prompt)] = True
+    x = np.where(seen_any, np.where(logits > 0, logits / repetition, logits * repetition), logits)
+    return x - frequency * counts - presence * seen
+
+
+PENALTIES = [{"presence_penalty": 1.5}, {"frequency_penalty": 0.7}, {"repetition_penalty": 1.8},
+             {"repetition_penalty": 0.6}, {"presence_penalty": -0.5, "frequency_penalty": 0.4, "repetition_penalty": 1.3}]
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_penalties_match_a_numpy_reference(eng, speculative):
+    """Greedy tokens under presence, frequency and repetition penalties (alone and together, in the
+    loop and in speculative cycles) are the argmax of `Engine.logits` penalized in numpy at each
+    position; log-probabilities stay those of the raw logits."""
+    from jaxllm.engine import Engine
+    from jaxllm.speculative import Speculation
+    gen = eng if not speculative else Engine(eng.cfg, eng.weights, None, dtype="float32", max_ctx=64,
+                                             speculation=Speculation("ngram", 3))
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10]]
+    plain = [c.token_ids for c in gen.generate_ids(prompts, max_tokens=16)]
+    changed, verified = 0, 0
+    for kw in PENALTIES:
+        outs = gen.generate_ids(prompts, max_tokens=16, logprobs=0, **kw)
+        verified += gen.stats.spec["cycles"] if speculative else 0
+        args = [kw.get(k, d) for k, d in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                                          ("repetition_penalty", 1.0))]
+        for p, c, before in zip(prompts, outs, plain):
+            seq = p + c.token_ids
+            logits = np.asarray(eng.logits(np.array([seq], np.int32))[0], np.float64)
+            for i, t in enumerate(c.token_ids):
+                at = len(p) - 1 + i
+                want = penalized(logits[at], p, c.token_ids[:i], *args)
+                assert t == int(np.argmax(want)), (kw, i)
+                raw = logits[at] - logits[at].max()
+                np.testing.assert_allclose(c.logprobs[i].logprob, raw[t] - np.log(np.exp(raw).sum()), atol=1e-4)
+            changed += c.token_ids != before
+    assert changed >= len(PENALTIES)          # the penalties changed what was generated
+    assert verified > 0 or not speculative    # and drafts were verified under them
+    with pytest.raises(jaxllm.RequestError, match="repetition_penalty must be > 0"):
+        eng.generate_ids(prompts, max_tokens=2, repetition_penalty=0)
+
+
 def forward_and_steps(eng, ids):
     """Full-forward logits of ids [2, T] and the logits of decoding them one step at a time."""
     stepper, steps = eng.core(2, 16), []

@@ -280,6 +280,30 @@ def test_logprobs_beside_requests_without(server):
     np.testing.assert_allclose(a["token_logprobs"][1:], b["token_logprobs"][1:], atol=logprob_refs.ATOL)
 
 
+def test_penalties_match_engine(engine, client, model_name):
+    """presence_penalty, frequency_penalty and repetition_penalty (vLLM's) give what
+    `Engine.generate` gives with them (whose tokens tests/test_decode.py checks against numpy),
+    alone and in the same decode blocks as requests without penalties."""
+    from concurrent.futures import ThreadPoolExecutor
+    kw = {"presence_penalty": 1.2, "frequency_penalty": 0.8, "repetition_penalty": 1.5}
+    ref = engine.generate([PROMPT], max_tokens=20, chat=False, **kw)[0]
+    plain = engine.generate([PROMPT], max_tokens=20, chat=False)[0]
+    assert ref.text != plain.text
+
+    def ask(penalized: bool):
+        extra = {"presence_penalty": 1.2, "frequency_penalty": 0.8, "extra_body": {"repetition_penalty": 1.5}}
+        return client.completions.create(model=model_name, prompt=PROMPT, max_tokens=20, temperature=0,
+                                         **(extra if penalized else {})).choices[0].text
+    assert ask(True) == ref.text
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(ask, [False, True, False, True]))
+    assert got == [plain.text, ref.text] * 2
+    ref = engine.generate([CHAT], max_tokens=16, frequency_penalty=1.0)[0]
+    r = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=16, temperature=0,
+                                       frequency_penalty=1.0)
+    assert r.choices[0].message.content == ref.text
+
+
 def test_text_stream_never_splits_a_character(engine):
     from jaxllm.serve.detok import TextStream
     text = "Unicode: café, 東京 🙂🚀 Привет"
@@ -469,15 +493,16 @@ BAD = [  # (id, path, raw body or JSON, headers, status, words the message must 
     # OpenAI and vLLM fields this server does not implement: refused by name (docs/server.md lists them)
     ("suffix", "/v1/completions", {"prompt": "x", "suffix": "y"}, None, 400, "'suffix'"),
     ("best_of", "/v1/completions", {"prompt": "x", "best_of": 3}, None, 400, "'best_of'"),
-    ("presence_penalty", "/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, None, 400, "'presence_penalty'"),
-    ("frequency_penalty", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                                    "frequency_penalty": 1}, None, 400, "'frequency_penalty'"),
+    ("presence_penalty_range", "/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, None, 400,
+     "'presence_penalty' must be in [-2, 2]"),
+    ("frequency_penalty_type", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                         "frequency_penalty": "1"}, None, 400, "'frequency_penalty'"),
+    ("repetition_penalty_zero", "/v1/completions", {"prompt": "x", "repetition_penalty": 0}, None, 400,
+     "'repetition_penalty' must be > 0"),
     ("logit_bias", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, None, 400, "'logit_bias'"),
     ("response_format", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                  "response_format": {"type": "json_object"}}, None, 400, "'response_format'"),
     ("guided_json", "/v1/completions", {"prompt": "x", "guided_json": {"type": "object"}}, None, 400, "'guided_json'"),
-    ("repetition_penalty", "/v1/completions", {"prompt": "x", "repetition_penalty": 1.1}, None, 400,
-     "'repetition_penalty'"),
     ("functions", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": []}, None, 400,
      "'functions'"),
     # Gemma 3 has no tool-call format and no thinking: tools, tool messages and enable_thinking are refused

@@ -22,7 +22,6 @@ from .fields import (
     check_fields,
     int_field,
     is_int,
-    is_num,
     neutral,
     num_field,
 )
@@ -45,6 +44,9 @@ class GenRequest:
     top_k: int | None = None
     top_p: float | None = None
     seed: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     stream: bool = False
@@ -65,17 +67,14 @@ class GenRequest:
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stream",
                  "stream_options", "user", "presence_penalty", "frequency_penalty", "logit_bias",
-                 "logprobs", "ignore_eos"}     # ignore_eos: vLLM's extension, for benchmarks
+                 "logprobs", "ignore_eos", "repetition_penalty"}     # ignore_eos, repetition_penalty: vLLM's
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format",
                                "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs"}
 
 
 def _check_unsupported(body: dict) -> None:
-    zero = lambda v: v is None or (is_num(v) and v == 0)
     neutral(body, "n", lambda v: v is None or (is_int(v) and v == 1))
-    neutral(body, "presence_penalty", zero)
-    neutral(body, "frequency_penalty", zero)
     neutral(body, "logit_bias", lambda v: not v)
     neutral(body, "suffix", lambda v: v is None)
     neutral(body, "best_of", lambda v: v is None or (is_int(v) and v == 1))
@@ -112,7 +111,17 @@ def _sampling(body, vocab_size: int) -> dict:
         seed = secrets.randbelow(SEED_MOD)
     if top_k is not None and not 0 < top_k < vocab_size:
         top_k = None                  # -1, 0 and anything >= the vocabulary all mean "no top-k"
-    return {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed % SEED_MOD}
+    penalties = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = num_field(body, name)
+        if v is not None and not -2 <= v <= 2:
+            raise bad(f"'{name}' must be in [-2, 2], got {v}", name)
+        penalties[name] = 0.0 if v is None else v
+    rp = num_field(body, "repetition_penalty")
+    if rp is not None and rp <= 0:
+        raise bad(f"'repetition_penalty' must be > 0, got {rp}", "repetition_penalty")
+    return {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed % SEED_MOD,
+            "repetition_penalty": 1.0 if rp is None else rp, **penalties}
 
 
 def _logprobs(kind: str, body) -> int | None:

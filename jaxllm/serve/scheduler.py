@@ -29,7 +29,7 @@ import numpy as np
 
 from ..core import Pieces
 from ..engine import TokenLogprob, token_logprobs
-from ..sampling import MAX_LOGPROBS, SamplingParams
+from ..sampling import MAX_LOGPROBS, Penalties, SamplingParams
 from .detok import TextStream
 from .protocol import GenRequest
 
@@ -383,10 +383,13 @@ class Scheduler:
             max_new[i], ignore[i] = max(r.max_tokens, 1), r.ignore_eos
             temp[i], top_k[i], top_p[i], seed[i] = r.temperature, r.top_k or 0, 1.0 if r.top_p is None else r.top_p, r.seed
         params = SamplingParams(temp, top_k, top_p, seed)
+        pen = Penalties(*(np.asarray([getattr(j.req, k) for j in jobs] + [d] * (P - len(jobs)), np.float32)
+                          for k, d in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                                       ("repetition_penalty", 1.0))))
         wants = [j.req.logprobs is not None and f for j, f in zip(jobs, final)]
         scored = [(int(s), int(n)) if j.req.prompt_logprobs else None for j, s, n in zip(jobs, start, length)]
         targets = self._prompt_targets(jobs, scored, P, C) if any(scored) else None
-        first = self.core.prefill(Pieces.make(tokens, start, length, final, rows, params, max_new, ignore),
+        first = self.core.prefill(Pieces.make(tokens, start, length, final, rows, params, max_new, ignore, pen),
                                   targets=targets, logprobs=MAX_LOGPROBS if any(wants) or targets else 0)
         self.prefilling = [j for j in self.prefilling if j.prefilled < len(j.req.prompt_ids)]
         self.record.append({"kind": "prefill", "pieces": [(j.id, int(s), int(n)) for j, s, n in
