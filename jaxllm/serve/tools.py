@@ -15,6 +15,7 @@ parse (or never ends) is returned as content, never as an error.
 """
 from __future__ import annotations
 
+import abc
 import json
 import re
 import uuid
@@ -28,19 +29,19 @@ class ToolCall:
     id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
 
 
-class ToolFormat:
+class ToolFormat(abc.ABC):
     family: str
     start: str
     end: str
     decode_special = False          # the markers are special tokens: decode the output with them
 
+    @abc.abstractmethod
     def parse(self, body: str) -> tuple[str, dict] | None:
         """The text between the markers -> (function name, arguments), or None if malformed."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def forced_prefix(self, name: str | None) -> str:
         """The start of the answer that commits the model to a call (of `name`, if given)."""
-        raise NotImplementedError
 
 
 class Qwen3Tools(ToolFormat):
