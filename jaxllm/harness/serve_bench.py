@@ -265,7 +265,7 @@ async def run_level(url: str, c: int, a, rng) -> Level:
     lv.tpot_ms = pct([(r["end"] - r["ttft"]) / max(r["tokens"] - 1, 1) for r in ok])
     lv.itl_ms = pct([b - x for r in ok for x, b in zip(r["chunks"], r["chunks"][1:])])
     if before is not None:
-        time.sleep(0.2)                  # the server reads a slot's counts back once it is idle
+        await asyncio.sleep(0.2)         # the server reads its speculation counts once it is idle
         lv.speculation = {k: v - before[k] for k, v in spec_counts(url).items()}
     return lv
 
