@@ -40,6 +40,17 @@ def engines(kv_quant: str):
     return base, spec
 
 
+PROMPTS = [CODE + "\n\n# The same code again:\n", FREE]
+
+
+@lru_cache(maxsize=None)
+def plain_answers(kv_quant: str):
+    """512 new tokens of each prompt without speculation, and the plain decode rate."""
+    base, _ = engines(kv_quant)
+    want = base.generate(PROMPTS, max_tokens=512, chat=False)
+    return want, (base.stats.new_tokens - 2) / base.stats.decode_s
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_quant", ["none", "int8"])
 def test_greedy_speculation_is_plain_decoding(kv_quant):
@@ -47,9 +58,8 @@ def test_greedy_speculation_is_plain_decoding(kv_quant):
     than twice), alone and in a batch with a row that finds little to look up."""
     base, spec = engines(kv_quant)
     assert base.kv_layout.split == (kv_quant == "int8")
-    prompts = [CODE + "\n\n# The same code again:\n", FREE]
-    want = base.generate(prompts, max_tokens=512, chat=False)
-    plain_tok_s = (base.stats.new_tokens - 2) / base.stats.decode_s
+    prompts = PROMPTS
+    want, plain_tok_s = plain_answers(kv_quant)
     got = spec.generate(prompts, max_tokens=512, chat=False)
     st = spec.stats
     print(f"{base.kv_layout.name}: {st.spec}, decode {(st.new_tokens - 2) / st.decode_s:.1f} tok/s against "
@@ -63,17 +73,16 @@ def test_greedy_speculation_is_plain_decoding(kv_quant):
 
 @pytest.mark.slow
 def test_greedy_speculation_with_a_draft_model(tmp_path):
-    """A tiny random draft model sharing the vocabulary proposes nonsense: the output is the plain
-    output all the same."""
+    """A tiny random draft model sharing the vocabulary proposes nonsense: the 512 tokens of each
+    row (past the ring wraps, in a batch) are the plain output all the same."""
     base, _ = engines("none")
     tiny.make("gemma3", tmp_path, seed=2, vocab_size=base.cfg.vocab_size, num_hidden_layers=2)
     from jaxllm.loading import load_model
     dcfg, _, dweights, _, _ = load_model(str(tmp_path), base.dtype, "none")
     eng = Engine(base.cfg, base.weights, base.tokenizer, dtype="float32", max_ctx=1536,
                  speculation=Speculation("draft", 3, draft_cfg=dcfg), draft_weights=dweights)
-    prompts = [CODE[:1200], FREE]
-    want = base.generate(prompts, max_tokens=96, chat=False)
-    got = eng.generate(prompts, max_tokens=96, chat=False)
+    want, _ = plain_answers("none")
+    got = eng.generate(PROMPTS, max_tokens=512, chat=False)
     print("draft model:", eng.stats.spec)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert eng.stats.spec["drafted"] > 0
