@@ -190,8 +190,20 @@ def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=Non
         res = (first, _lp(first_logits, first, logprobs))
         if targets is not None:
             res += (_score(cfg, weights, h, *targets, top=logprobs),)
-        return state.replace(slots=slots), res
-    return state.replace(slots=slots), first
+        return state.replace(slots=_by_rows(slots)), res
+    return state.replace(slots=_by_rows(slots)), first
+
+
+def _by_rows(slots: Slots) -> Slots:
+    """The slot table laid out as the engine made it, rows over "data": left to XLA, a [slots,
+    vocab] table takes the layout of the logits it meets (the vocabulary over "model"), and the next
+    call, compiled for the table's own layout, refuses it."""
+    from .kernels import current_layout
+    layout = current_layout()
+    if layout is None:
+        return slots
+    return jax.tree_util.tree_map(lambda a: jax.lax.with_sharding_constraint(a, layout.batch_sharding(a.shape)),
+                                  slots)
 
 
 def _penalties(pieces: Pieces, P: int) -> Penalties:
@@ -391,7 +403,7 @@ def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, *, max_s
     if B < full.last.shape[0]:
         slots = jax.tree_util.tree_map(lambda a, v: a.at[:B].set(v), full, s.slots)
         s = s.replace(slots=slots)
-    return s, out, count, lp
+    return s.replace(slots=_by_rows(s.slots)), out, count, lp
 
 
 # -- the host side ---------------------------------------------------------------------------------
