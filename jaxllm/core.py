@@ -222,14 +222,14 @@ def _count_prompt(sl: Slots, pieces: Pieces, rows, positions) -> Slots:
 
 
 def _penalized(logits, sl: Slots, drafts=None):
-    """The logits [B, V] that sampling sees (as they are without penalties; a live slot's
-    penalties only are looked at); with drafts [B, K], logits [B, K + 1, V] of a verify forward,
-    position j counting drafts[:, :j] as generated."""
+    """The logits [B, V] that sampling sees (rows without penalties get theirs back exactly); with
+    drafts [B, K], logits [B, K + 1, V] of a verify forward, position j counting drafts[:, :j] as
+    generated (built only when a live slot has a penalty: it is K + 1 times the step's counts)."""
     if sl.counts is None:
         return logits
-    on = sl.penalties.any_on(sl.active)
     if drafts is None:
-        return penalize(logits, sl.penalties, sl.counts, sl.in_prompt, on)
+        return penalize(logits, sl.penalties, sl.counts, sl.in_prompt)
+    on = sl.penalties.any_on(sl.active)
     B, T, V = logits.shape
 
     def each_position():
@@ -237,7 +237,7 @@ def _penalized(logits, sl: Slots, drafts=None):
         counts = sl.counts[:, None] + jnp.pad(fed, ((0, 0), (1, 0), (0, 0)))
         rep = jax.tree_util.tree_map(lambda a: jnp.repeat(a, T, axis=0), sl.penalties)
         return penalize(logits.reshape(B * T, V), rep, counts.reshape(B * T, V),
-                        jnp.repeat(sl.in_prompt, T, axis=0), on=jnp.asarray(True)).reshape(B, T, V)
+                        jnp.repeat(sl.in_prompt, T, axis=0)).reshape(B, T, V)
     return jax.lax.cond(on, each_position, lambda: logits)
 
 
