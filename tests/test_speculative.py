@@ -34,33 +34,35 @@ def test_ngram_lookup_takes_the_latest_longest_match():
 @lru_cache(maxsize=None)
 def engines(kv_quant: str):
     """The embedded model in float32 (plain, n-gram speculation), sharing its weights."""
-    base = jaxllm.load(None, max_ctx=1536, quant="none", dtype="float32", kv_quant=kv_quant)
-    spec = Engine(base.cfg, base.weights, base.tokenizer, dtype="float32", max_ctx=1536, kv_quant=kv_quant,
+    base = jaxllm.load(None, max_ctx=MAX_CTX, quant="none", dtype="float32", kv_quant=kv_quant)
+    spec = Engine(base.cfg, base.weights, base.tokenizer, dtype="float32", max_ctx=MAX_CTX, kv_quant=kv_quant,
                   speculation=Speculation("ngram", 4))
     return base, spec
 
 
 PROMPTS = [CODE + "\n\n# The same code again:\n", FREE]
+NEW = 256             # from the code prompt's ~800 tokens past position 1024: its ring wraps twice
+MAX_CTX = 1088
 
 
 @lru_cache(maxsize=None)
 def plain_answers(kv_quant: str):
-    """512 new tokens of each prompt without speculation, and the plain decode rate."""
+    """NEW new tokens of each prompt without speculation, and the plain decode rate."""
     base, _ = engines(kv_quant)
-    want = base.generate(PROMPTS, max_tokens=512, chat=False)
+    want = base.generate(PROMPTS, max_tokens=NEW, chat=False)
     return want, (base.stats.new_tokens - 2) / base.stats.decode_s
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_quant", ["none", "int8"])
 def test_greedy_speculation_is_plain_decoding(kv_quant):
-    """512 new tokens after an 800-token prompt (the 512-position sliding window's ring wraps more
-    than twice), alone and in a batch with a row that finds little to look up."""
+    """256 new tokens after an 800-token prompt (the 512-position sliding window's ring wraps twice),
+    alone and in a batch with a row that finds little to look up."""
     base, spec = engines(kv_quant)
     assert base.kv_layout.split == (kv_quant == "int8")
     prompts = PROMPTS
     want, plain_tok_s = plain_answers(kv_quant)
-    got = spec.generate(prompts, max_tokens=512, chat=False)
+    got = spec.generate(prompts, max_tokens=NEW, chat=False)
     st = spec.stats
     print(f"{base.kv_layout.name}: {st.spec}, decode {(st.new_tokens - 2) / st.decode_s:.1f} tok/s against "
           f"{plain_tok_s:.1f} plain")
@@ -73,16 +75,16 @@ def test_greedy_speculation_is_plain_decoding(kv_quant):
 
 @pytest.mark.slow
 def test_greedy_speculation_with_a_draft_model(tmp_path):
-    """A tiny random draft model sharing the vocabulary proposes nonsense: the 512 tokens of each
+    """A tiny random draft model sharing the vocabulary proposes nonsense: the 256 tokens of each
     row (past the ring wraps, in a batch) are the plain output all the same."""
     base, _ = engines("none")
     tiny.make("gemma3", tmp_path, seed=2, vocab_size=base.cfg.vocab_size, num_hidden_layers=2)
     from jaxllm.loading import load_model
     dcfg, _, dweights, _, _ = load_model(str(tmp_path), base.dtype, "none")
-    eng = Engine(base.cfg, base.weights, base.tokenizer, dtype="float32", max_ctx=1536,
+    eng = Engine(base.cfg, base.weights, base.tokenizer, dtype="float32", max_ctx=MAX_CTX,
                  speculation=Speculation("draft", 3, draft_cfg=dcfg), draft_weights=dweights)
     want, _ = plain_answers("none")
-    got = eng.generate(PROMPTS, max_tokens=512, chat=False)
+    got = eng.generate(PROMPTS, max_tokens=NEW, chat=False)
     print("draft model:", eng.stats.spec)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert eng.stats.spec["drafted"] > 0
