@@ -6,15 +6,16 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
+
+from . import pytree
 
 
-@struct.dataclass
+@pytree.dataclass
 class QuantArray:
     """Symmetric int8 values and a float scale over the weight's output (non-contracted) dims."""
     q: jax.Array                 # int8, the weight's shape
     scale: jax.Array             # float32, shape = q.shape[n_contract:]
-    n_contract: int = struct.field(pytree_node=False, default=1)
+    n_contract: int = pytree.static(1)
 
     @property
     def shape(self):
@@ -39,13 +40,13 @@ def quantize_np(w: np.ndarray, n_contract: int = 1, stack_dims: int = 0) -> tupl
     return q, np.squeeze(scale, axis=axes)
 
 
-@struct.dataclass
+@pytree.dataclass
 class OutMajor:
     """A layer-stacked matmul weight stored with its output dims before its contracted ones,
     `[L, *out, *in]` (a QuantArray's values so; its scales `[L, *out]` as always), which the GPU
     matmul kernels read fastest (see `kernels.weights`). The model meets it only through `Stacked`."""
     w: object
-    n_contract: int = struct.field(pytree_node=False, default=1)
+    n_contract: int = pytree.static(1)
 
 
 @dataclass(frozen=True)

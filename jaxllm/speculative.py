@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
+from . import pytree
 from .config import ModelConfig
 from .errors import ModelError
 from .sampling import SamplingParams, _row_keys, filtered
@@ -73,7 +73,7 @@ def _check_method(method, k) -> None:
         raise ModelError(f"num_speculative_tokens must be an integer from 1 to 16, got {k!r}")
 
 
-@struct.dataclass
+@pytree.dataclass
 class SpecSlots:
     """What speculation keeps per slot [B, ...]."""
     history: jax.Array       # [B, H] int32: the slot's tokens by position (prompt, then generated)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
+from . import pytree
 from .attention_blockwise import blockwise_attend, dequantize_kv, linear_loader, quantize_kv
 from .cache import gather_rows, init_cache
 from .config import KIND_NAMES, AttnSpec, ModelConfig
@@ -94,7 +94,7 @@ def _store(put, buf, scale, x):
     return put(buf, xq), put(scale, s)
 
 
-@struct.dataclass
+@pytree.dataclass
 class RingKV:
     """Sliding-window layers: slot = position % W, with W the window (plus a prefill chunk where
     other layers read the ring); `pos` holds each slot's absolute position. With `KVOptions.int8_rings`
@@ -157,7 +157,7 @@ class RingKV:
         return RingKV(put(self.k, kq), put(self.v, vq), pos, put(self.k_scale, ks), put(self.v_scale, vs))
 
 
-@struct.dataclass
+@pytree.dataclass
 class BlockKV:
     """Global layers: slot s holds position s; read `block` slots at a time.
 
@@ -169,8 +169,8 @@ class BlockKV:
     v: jax.Array
     k_scale: jax.Array | None      # [n, B, S, K] float32
     v_scale: jax.Array | None
-    block: int = struct.field(pytree_node=False, default=8192)
-    shared: bool = struct.field(pytree_node=False, default=False)
+    block: int = pytree.static(8192)
+    shared: bool = pytree.static(False)
 
     @classmethod
     def zeros(cls, n, batch, length, a: AttnSpec, dtype, int8: bool, block: int, shared: bool) -> "BlockKV":
@@ -221,7 +221,7 @@ class BlockKV:
                                 window=a.window)
 
 
-@struct.dataclass
+@pytree.dataclass
 class StackedLayer:
     """Layer `idx` of a kind's stacked split cache, for one new token per row with the GPU kernels:
     the token is written into the stacks in place and the decode-attention kernel reads the layer
