@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-max-batch", default=None)
     p.add_argument("--logprobs", type=int, default=None,
                    help="every request asks for this many top log-probabilities a token")
+    p.add_argument("--json-fraction", type=float, default=0.0,
+                   help="this fraction of the requests asks for a JSON object (response_format json_object)")
+    p.add_argument("--tokenizer", help="with --shape: a tokenizer directory for the server (structured "
+                   "output needs one)")
     p.add_argument("--no-reference", action="store_true", help="skip the fused-loop figures")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results/serve.json", help="JSON results path")
@@ -97,7 +101,9 @@ def free_port() -> int:
 
 
 def source_args(a) -> list[str]:
-    return ["--shape", a.shape] if a.shape else ["--model-dir", a.model_dir] if a.model_dir else []
+    if a.shape:
+        return ["--shape", a.shape] + (["--tokenizer", a.tokenizer] if a.tokenizer else [])
+    return ["--model-dir", a.model_dir] if a.model_dir else []
 
 
 def server_args(a) -> list[str]:
@@ -188,9 +194,11 @@ class Connection:
             self.writer.close()
 
 
-async def one_request(conn: Connection, ids: list[int], max_tokens: int, logprobs: int | None = None) -> dict:
-    body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}, **({"logprobs": logprobs} if logprobs is not None else {})}
+async def one_request(conn: Connection, ids: list[int], max_tokens: int, logprobs: int | None = None,
+                      json_object: bool = False) -> dict:
+    body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": not json_object, "stream": True,
+            "stream_options": {"include_usage": True}, **({"logprobs": logprobs} if logprobs is not None else {}),
+            **({"response_format": {"type": "json_object"}} if json_object else {})}
     t0 = time.perf_counter()
     chunks, n, err = [], 0, None
     try:
@@ -247,12 +255,13 @@ async def run_level(url: str, c: int, a, rng) -> Level:
     prompts = [rng.integers(0, a.vocab, rng.integers(a.prompt_len[0], a.prompt_len[1] + 1)).tolist()
                for _ in range(n)]
     outs = rng.integers(a.output_len[0], a.output_len[1] + 1, n).tolist()
-    await one_request(conns[0], prompts[0][:8], 4, a.logprobs)     # the server awake, its calls compiled
+    constrained = [int((i + 1) * a.json_fraction) > int(i * a.json_fraction) for i in range(n)]
+    await one_request(conns[0], prompts[0][:8], 4, a.logprobs, a.json_fraction > 0)   # awake, its calls compiled
     before = spec_counts(url)
 
     async def client(i):
-        return [await one_request(conns[i], prompts[i * a.rounds + k], outs[i * a.rounds + k], a.logprobs)
-                for k in range(a.rounds)]
+        return [await one_request(conns[i], prompts[j], outs[j], a.logprobs, constrained[j])
+                for j in range(i * a.rounds, (i + 1) * a.rounds)]
     t0 = time.perf_counter()
     results = [r for rs in await asyncio.gather(*(client(i) for i in range(c))) for r in rs]
     duration = time.perf_counter() - t0
@@ -316,6 +325,8 @@ def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     if min(a.concurrency) < 1 or a.output_len[0] < 2 or a.rounds < 1:
         raise SystemExit("--concurrency and --rounds must be >= 1 and --output-len >= 2")
+    if not 0 <= a.json_fraction <= 1:
+        raise SystemExit(f"--json-fraction must be in [0, 1], got {a.json_fraction}")
     a.max_num_seqs = a.max_num_seqs or max(a.concurrency)
     a.max_model_len = a.max_model_len or -(-(a.prompt_len[1] + a.output_len[1]) // 64) * 64
     if a.vocab is None:
@@ -355,7 +366,8 @@ def main(argv=None) -> int:
            "settings": {k: getattr(a, k) for k in ("prompt_len", "output_len", "rounds", "max_num_seqs",
                                                    "max_model_len", "max_num_batched_tokens", "decode_steps",
                                                    "tp", "quant", "kv_quant", "concurrency", "speculative",
-                                                   "num_speculative_tokens", "draft_model_dir", "logprobs")} | {"fused_ctx": ctx},
+                                                   "num_speculative_tokens", "draft_model_dir", "logprobs",
+                                                   "json_fraction")} | {"fused_ctx": ctx},
            "levels": [asdict(x) for x in levels]}
     if ref_rep is not None:
         rep.update(device=ref_rep["device"]["kind"], jax_version=ref_rep["jax_version"], fused_loop=ref_rep)

@@ -112,13 +112,30 @@ class IdsTokenizer:
         raise RequestError("a model with random weights has no chat template: use /v1/completions with token ids")
 
 
+def shape_tokenizer(path: str, cfg):
+    """The tokenizer in directory `path`, for a random-weight model of config `cfg`."""
+    from pathlib import Path
+
+    from ..errors import ModelError
+    from ..tokenizer import Tokenizer
+    tok = Tokenizer.from_hf_dir(Path(path))
+    if tok is None:
+        raise ModelError(f"{path}: no tokenizer.json")
+    n = tok.tok.get_vocab_size()
+    if n > cfg.vocab_size:
+        raise ModelError(f"{path}: the tokenizer has {n} ids, more than the model's vocabulary of {cfg.vocab_size}")
+    return tok
+
+
 def random_engine(shape: str, *, dtype: str = "bfloat16", quant: str = "int8", max_ctx: int = 4096, layout=None,
                   kv_quant: str = "auto", kv_options=None, seed: int = 0, speculative=None,
                   num_speculative_tokens: int = 4, draft_shape: str | None = None,
                   draft_model_dir: str | None = None, draft_always: bool = False,
-                  speculative_max_batch: int | None = 4, **overrides):
+                  speculative_max_batch: int | None = 4, tokenizer: str | None = None, **overrides):
     """An Engine of a named architecture (a preset name or a config.json path) with random weights
-    made in their shardings on `layout` (default: one device), and no tokenizer (`IdsTokenizer`).
+    made in their shardings on `layout` (default: one device), and no tokenizer (`IdsTokenizer`), or
+    the one in the directory `tokenizer` (its tokenizer.json; the model's vocabulary must hold its
+    ids), so that features that need text (structured output) can be measured on the shape.
     `speculative` as in `jaxllm.load`; a draft model is a random `draft_shape` or the real model at
     `draft_model_dir` (the cost of a cycle is the same; what it accepts of random logits is not
     meaningful either way); `draft_always` keeps every row drafting whatever it accepts, for the cost
@@ -155,6 +172,7 @@ def random_engine(shape: str, *, dtype: str = "bfloat16", quant: str = "int8", m
     if speculative is not None:
         always = {"min_accept": 0.0, "max_batch": None} if draft_always else {"max_batch": speculative_max_batch}
         spec = Speculation(speculative, num_speculative_tokens, draft_cfg=dcfg, **always)
-    return Engine(cfg, weights, IdsTokenizer(), dtype=dtype, max_ctx=max_ctx, name=f"{shape} (random weights)",
+    tok = IdsTokenizer() if tokenizer is None else shape_tokenizer(tokenizer, cfg)
+    return Engine(cfg, weights, tok, dtype=dtype, max_ctx=max_ctx, name=f"{shape} (random weights)",
                   quant=quant, layout=layout, kv_quant=kv_quant, kv_options=kv_options, speculation=spec,
                   draft_weights=draft)

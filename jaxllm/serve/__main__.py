@@ -30,6 +30,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     src.add_argument("--model-dir", help="HF model directory or .gguf file (default: the embedded model)")
     src.add_argument("--shape", help="serve random weights of a named architecture (e.g. qwen3-4b), for "
                      "benchmarks: prompts as token ids, text as the generated ids")
+    p.add_argument("--tokenizer", help="with --shape: the directory of a tokenizer.json to serve text with")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="model id clients send (default: the model's name)")
@@ -105,7 +106,8 @@ def main(argv=None) -> int:
             engine = random_engine(args.shape, dtype=args.dtype, quant=args.quant, max_ctx=args.max_model_len or 8192,
                                    layout=layout_for(args.tp), kv_quant=args.kv_quant, speculative=args.speculative,
                                    num_speculative_tokens=args.num_speculative_tokens,
-                                   draft_model_dir=args.draft_model_dir, speculative_max_batch=args.speculative_max_batch)
+                                   draft_model_dir=args.draft_model_dir, speculative_max_batch=args.speculative_max_batch,
+                                   tokenizer=args.tokenizer)
         else:
             engine = jaxllm.load(args.model_dir, max_ctx=args.max_model_len, quant=args.quant, dtype=args.dtype,
                                  kv_quant=args.kv_quant, tp=args.tp, speculative=args.speculative,
