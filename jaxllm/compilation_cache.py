@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import pickle
+import threading
 from pathlib import Path
 
 log = logging.getLogger("jaxllm")
@@ -130,6 +131,34 @@ def store_executable(folder: Path | None, key: str, compiled) -> None:
         os.replace(tmp, folder / f"{key}.bin")
     except Exception as e:                      # a read-only disk, or a step that cannot be serialized
         log.info("compiled step not kept (%s: %s)", type(e).__name__, e)
+
+
+_seen = threading.local()          # JAX's cache hits, per compiling thread
+_listening = False
+
+
+def _on_event(event: str, **_) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _seen.hits = getattr(_seen, "hits", 0) + 1
+
+
+def compile_and_keep(folder: Path | None, key: str, lowered):
+    """`lowered.compile()`, kept under `key` in `folder` unless JAX's persistent cache answered
+    the compile: an executable read from that cache serializes without its code on some backends
+    (the CPU's: loading it back fails at its first call with "Function ... not found"), so only
+    what XLA itself compiled is kept."""
+    global _listening
+    if folder is None:
+        return lowered.compile()
+    if not _listening:
+        import jax
+        jax.monitoring.register_event_listener(_on_event)
+        _listening = True
+    before = getattr(_seen, "hits", 0)
+    exe = lowered.compile()
+    if getattr(_seen, "hits", 0) == before:
+        store_executable(folder, key, exe)
+    return exe
 
 
 def add_flag(parser) -> None:

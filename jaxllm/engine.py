@@ -161,8 +161,7 @@ class Engine:
         key = self._disk_key(name, args, static)
         exe = compilation_cache.load_executable(self.steps_cache, key)
         if exe is None:
-            exe = self._lower(name, args, static).compile()
-            compilation_cache.store_executable(self.steps_cache, key, exe)
+            exe = compilation_cache.compile_and_keep(self.steps_cache, key, self._lower(name, args, static))
         self.compile_s += time.perf_counter() - t0
         return exe
 
@@ -202,9 +201,7 @@ class Engine:
         traced = 0.0
 
         def compile_and_keep(lowered, disk_key):
-            exe = lowered.compile()
-            compilation_cache.store_executable(self.steps_cache, disk_key, exe)
-            return exe
+            return compilation_cache.compile_and_keep(self.steps_cache, disk_key, lowered)
         with cf.ThreadPoolExecutor(workers) as pool:
             futures = {}
             for key, (name, args, static) in todo.items():
