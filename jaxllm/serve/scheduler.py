@@ -12,6 +12,12 @@ tokens of a running request at most one prefill forward runs. While prompts wait
 the blocks are one step long, so that prefills follow one another closely; otherwise `decode_steps`
 long. The output thread detokenizes a block while the device runs the next (on GPUs the host drives
 the decode loop, so the engine thread is inside that call meanwhile); at most two calls wait for it.
+
+Structured output: a constrained request's `grammar.Matcher` takes each of its tokens as the output
+thread reads them. While a constrained request decodes, the blocks are one step long, and before
+each the engine thread waits until the output thread has read every call back, then writes each
+constrained slot's allowed tokens into a bitmask the step applies (unconstrained rows all ones);
+a prefill piece that ends a constrained prompt gets its row too, for the first token.
 """
 from __future__ import annotations
 
@@ -84,6 +90,7 @@ class Job:
     logprobs: list = field(default_factory=list)     # TokenLogprob of each token taken
     logprobs_sent: int = 0                           # how many of them went out
     prompt_logprobs: list = field(default_factory=list)   # an echo's, as its prefill reads them
+    matcher: object | None = None           # structured output: its `grammar.Matcher`, freed with the slot
 
     def cancel(self):
         self.cancelled.set()
@@ -192,6 +199,8 @@ class Scheduler:
         self.deadline = None           # running requests end with a 503 past this (monotonic)
         self.done = False
         self.results: queue.Queue[Launched | None] = queue.Queue(maxsize=2)
+        self.launched = self.read = 0           # calls launched, and read back by the output thread
+        self.mask_words = -(-engine.cfg.vocab_size // 32)     # a grammar mask's row: one bit a token
         self.thread = threading.Thread(target=self._run, name="jaxllm-engine", daemon=True)
         self.output = threading.Thread(target=self._read_results, name="jaxllm-output", daemon=True)
         self.finished = 0              # requests completed
@@ -351,19 +360,49 @@ class Scheduler:
         prefilled = bool(self.prefilling)
         if prefilled:
             self._launch_prefill()
-        decoding = [j for j in self.slots if j is not None and j not in self.prefilling]
+        decoding = self._decoding()
+        constrained = any(j.matcher is not None for j in decoding)
+        if constrained:                    # their matchers must have taken their last tokens
+            self._await_results()
+            self._free_ended()
+            decoding = self._decoding()
+            constrained = any(j.matcher is not None for j in decoding)
         if not decoding:
-            return prefilled
-        n = 1 if self.prefilling else self.decode_steps
+            return prefilled or constrained
+        n = 1 if self.prefilling or constrained else self.decode_steps
         rows = self.shapes.decode_rows(max(j.slot for j in decoding) + 1)
         stop = self.to_stop[:rows].copy()
         self.to_stop[:rows] = False
         lp = MAX_LOGPROBS if any(j.req.logprobs is not None for j in decoding) else 0
-        toks = self.core.decode(n, self.out_size, stop, rows, logprobs=lp)
+        allowed = self._masks([j if j in decoding else None for j in self.slots[:rows]]) if constrained else None
+        toks = self.core.decode(n, self.out_size, stop, rows, logprobs=lp, allowed=allowed)
         rec = {"kind": "decode", "steps": n, "rows": rows, "tokens": {}}
         self.record.append(rec)
-        self.results.put(Launched("decode", toks, self.slots[:rows], record=rec))
+        self._put(Launched("decode", toks, self.slots[:rows], record=rec))
         return True
+
+    def _decoding(self) -> list[Job]:
+        return [j for j in self.slots if j is not None and j not in self.prefilling]
+
+    def _put(self, call: Launched):
+        self.launched += 1
+        self.results.put(call)
+
+    def _await_results(self):
+        """Wait until the output thread has read back every call launched so far."""
+        with self.cond:
+            while self.read < self.launched and not self.done:
+                self.cond.wait(1.0)
+
+    def _masks(self, jobs: list) -> np.ndarray:
+        """[len(jobs), words] uint32: the tokens each job's grammar allows next (all for a job
+        without one, or None)."""
+        allowed = np.full((len(jobs), self.mask_words), 0xFFFFFFFF, np.uint32)
+        for i, job in enumerate(jobs):
+            m = None if job is None else job.matcher
+            if m is not None:
+                m.fill(allowed[i])
+        return allowed
 
     def _launch_prefill(self):
         P, C, lengths = self.shapes.choose([len(j.req.prompt_ids) - j.prefilled for j in self.prefilling])
@@ -389,12 +428,15 @@ class Scheduler:
         wants = [j.req.logprobs is not None and f for j, f in zip(jobs, final)]
         scored = [(int(s), int(n)) if j.req.prompt_logprobs else None for j, s, n in zip(jobs, start, length)]
         targets = self._prompt_targets(jobs, scored, P, C) if any(scored) else None
-        first = self.core.prefill(Pieces.make(tokens, start, length, final, rows, params, max_new, ignore, pen),
+        masked = [j if f and j.matcher is not None else None for j, f in zip(jobs, final)]
+        allowed = self._masks(masked + [None] * (P - len(jobs))) if any(masked) else None
+        first = self.core.prefill(Pieces.make(tokens, start, length, final, rows, params, max_new, ignore, pen,
+                                              allowed),
                                   targets=targets, logprobs=MAX_LOGPROBS if any(wants) or targets else 0)
         self.prefilling = [j for j in self.prefilling if j.prefilled < len(j.req.prompt_ids)]
         self.record.append({"kind": "prefill", "pieces": [(j.id, int(s), int(n)) for j, s, n in
                                                           zip(jobs, start, length)]})
-        self.results.put(Launched("prefill", first, jobs, finals=list(final[:len(jobs)]), scored=scored))
+        self._put(Launched("prefill", first, jobs, finals=list(final[:len(jobs)]), scored=scored))
 
     @staticmethod
     def _prompt_targets(jobs, scored, P: int, C: int):
@@ -423,6 +465,7 @@ class Scheduler:
                 self.slots[job.slot] = None
             self.to_stop[job.slot] = True
             self.spec_unread = self.engine.spec is not None
+        job.matcher = None
         if job in self.prefilling:
             self.prefilling.remove(job)
 
@@ -459,6 +502,10 @@ class Scheduler:
                     if job is not None and self._end(job, Failed(500, "internal error while generating; "
                                                                       "see the server log")):
                         self._ended(job)
+            finally:
+                with self.cond:
+                    self.read += 1
+                    self.cond.notify_all()
 
     def _collect(self, call: Launched):
         """Hand a call's tokens to the requests that held the slots when it was launched."""
@@ -497,6 +544,11 @@ class Scheduler:
         text as one delta, finish it when it is done."""
         r = job.req
         toks = toks[:r.max_tokens - job.n_tokens]
+        complete, m = False, job.matcher
+        if m is not None:
+            toks, complete = self._follow_grammar(job, m, toks)
+            if toks is None:
+                return
         eos = next((i for i, t in enumerate(toks) if t in self.eos), None) if not r.ignore_eos else None
         text, taken = job.text.push_many(toks if eos is None else toks[:eos])
         if lp is not None and r.logprobs is not None:       # an EOS has none: it is not in the text
@@ -510,13 +562,27 @@ class Scheduler:
             job.last_token_at = now
         job.n_tokens += n
         self.generated += n
-        if stopped or eos is not None:
+        if stopped or eos is not None or complete:
             return self._finish(job, "stop", [text])
         if job.n_tokens >= r.max_tokens:
             return self._finish(job, "length", [text])
         lps = self._settled_logprobs(job)
         if text or lps:
             job.emit(Delta(text, lps))
+
+    def _follow_grammar(self, job: Job, m, toks: list[int]) -> tuple[list[int] | None, bool]:
+        """Feed a constrained request's new tokens to its matcher -> (the tokens up to the one that
+        completed the grammar, whether one did), or (None, False) where the grammar refused one (the
+        mask allowed it, so the engine and the matcher disagree: the request fails)."""
+        for i, t in enumerate(toks):
+            if not m.consume(t):
+                log.error("request %s: the grammar refused token %d: %s", job.req.id, t, m.error)
+                if self._end(job, Failed(500, f"the grammar engine refused a sampled token: {m.error}")):
+                    self._ended(job)
+                return None, False
+            if m.done:
+                return toks[:i + 1], True
+        return toks, False
 
     def _settled_logprobs(self, job: Job) -> list | None:
         """The log-probabilities of the tokens whose text has gone out (or goes out now)."""
