@@ -132,6 +132,39 @@ def test_masked_rows_sample_only_allowed_tokens_beside_speculation(tmp_path):
     assert most > 1                                      # the free row took drafts
 
 
+def test_grammar_masks_allow_text_and_eos_only_where_the_grammar_ends():
+    """On a byte-level tokenizer of 265 ids for a model of 288: a matcher's row allows the tokens its
+    grammar takes next, EOS only where the grammar may end, never a special token or an id past the
+    tokenizer; the answer is complete when the grammar can take nothing more. Compiled once per spec;
+    an invalid one is a 400 naming its field."""
+    from types import SimpleNamespace
+
+    import tiny_chat
+
+    from jaxllm.serve.fields import ApiError
+    from jaxllm.serve.grammar import Constraint, Grammars, masks
+    tok = tiny_chat.byte_tokenizer(tiny_chat.QWEN3_SPECIAL, tiny_chat.QWEN3_TAGS)
+    eos = tok.token_to_id("<|im_end|>")
+    g = Grammars(SimpleNamespace(tok=tok), 288, [eos])
+    c = Constraint("guided_regex", "regex", "ab{1,2}")
+    m = g.matcher(c)
+    a, b = (tok.encode(x).ids[0] for x in "ab")
+
+    def allowed(row) -> set[int]:
+        return set(np.nonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))[0].tolist())
+    rows = masks([m, None], g.words)
+    assert rows.shape == (2, 9) and allowed(rows[0]) == {a} and allowed(rows[1]) == set(range(288))
+    assert m.follow([a]) == (1, False) and allowed(masks([m], g.words)[0]) == {b}
+    assert m.follow([b]) == (1, False) and allowed(masks([m], g.words)[0]) == {b, eos}
+    assert m.follow([b, a]) == (1, True)                 # complete at the second b: the a is not taken
+    with pytest.raises(ValueError, match="refused"):
+        g.matcher(c).follow([b])
+    assert len(g.compiled) == 1
+    with pytest.raises(ApiError) as e:
+        g.matcher(Constraint("guided_regex", "regex", "a("))
+    assert e.value.status == 400 and e.value.param == "guided_regex" and "\n" not in e.value.message
+
+
 # -- the server ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

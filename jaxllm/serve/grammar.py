@@ -212,18 +212,16 @@ class Matcher:
     def __init__(self, m: llguidance.LLMatcher, base: np.ndarray):
         self.m, self.base = m, base
 
-    def consume(self, token: int) -> bool:
-        """Take the request's next token; False where the grammar refuses it (`error` says why)."""
-        return self.m.consume_token(int(token))
-
-    @property
-    def done(self) -> bool:
-        """The grammar is complete and can take nothing more (not even EOS, once EOS was taken)."""
-        return self.m.is_stopped()
-
-    @property
-    def error(self) -> str:
-        return self.m.get_error()
+    def follow(self, tokens: list[int]) -> tuple[int, bool]:
+        """Take a request's new tokens in order -> (how many of them the answer keeps: up to the one
+        that completed the grammar, whether one did). A token the grammar refuses (the mask allowed
+        it, so the device and the matcher disagree) raises ValueError."""
+        for i, t in enumerate(tokens):
+            if not self.m.consume_token(int(t)):
+                raise ValueError(f"the grammar refused token {t}: {self.m.get_error()}")
+            if self.m.is_stopped():         # complete: it can take nothing more (EOS, once taken, included)
+                return i + 1, True
+        return len(tokens), False
 
     def fill(self, row: np.ndarray) -> None:
         """Write the tokens allowed next into row [ceil(V / 32)] uint32."""
@@ -231,3 +229,13 @@ class Matcher:
         n = min(len(bits), len(row))
         np.bitwise_and(bits[:n], self.base[:n], out=row[:n])
         row[n:] = 0
+
+
+def masks(matchers: list[Matcher | None], words: int) -> np.ndarray:
+    """[len(matchers), words] uint32: the tokens each matcher allows next, every token where None
+    (a free row gets its logits back exactly)."""
+    out = np.full((len(matchers), words), 0xFFFFFFFF, np.uint32)
+    for row, m in zip(out, matchers):
+        if m is not None:
+            m.fill(row)
+    return out

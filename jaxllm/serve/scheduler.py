@@ -37,6 +37,7 @@ from ..core import Pieces
 from ..engine import TokenLogprob, token_logprobs
 from ..sampling import MAX_LOGPROBS, Penalties, SamplingParams
 from .detok import TextStream
+from .grammar import masks
 from .protocol import GenRequest
 
 log = logging.getLogger("jaxllm.serve")
@@ -374,7 +375,8 @@ class Scheduler:
         stop = self.to_stop[:rows].copy()
         self.to_stop[:rows] = False
         lp = MAX_LOGPROBS if any(j.req.logprobs is not None for j in decoding) else 0
-        allowed = self._masks([j if j in decoding else None for j in self.slots[:rows]]) if constrained else None
+        allowed = masks([j.matcher if j in decoding else None for j in self.slots[:rows]],
+                        self.mask_words) if constrained else None
         toks = self.core.decode(n, self.out_size, stop, rows, logprobs=lp, allowed=allowed)
         rec = {"kind": "decode", "steps": n, "rows": rows, "tokens": {}}
         self.record.append(rec)
@@ -393,16 +395,6 @@ class Scheduler:
         with self.cond:
             while self.read < self.launched and not self.done:
                 self.cond.wait(1.0)
-
-    def _masks(self, jobs: list) -> np.ndarray:
-        """[len(jobs), words] uint32: the tokens each job's grammar allows next (all for a job
-        without one, or None)."""
-        allowed = np.full((len(jobs), self.mask_words), 0xFFFFFFFF, np.uint32)
-        for i, job in enumerate(jobs):
-            m = None if job is None else job.matcher
-            if m is not None:
-                m.fill(allowed[i])
-        return allowed
 
     def _launch_prefill(self):
         P, C, lengths = self.shapes.choose([len(j.req.prompt_ids) - j.prefilled for j in self.prefilling])
@@ -428,8 +420,8 @@ class Scheduler:
         wants = [j.req.logprobs is not None and f for j, f in zip(jobs, final)]
         scored = [(int(s), int(n)) if j.req.prompt_logprobs else None for j, s, n in zip(jobs, start, length)]
         targets = self._prompt_targets(jobs, scored, P, C) if any(scored) else None
-        masked = [j if f and j.matcher is not None else None for j, f in zip(jobs, final)]
-        allowed = self._masks(masked + [None] * (P - len(jobs))) if any(masked) else None
+        masked = [j.matcher if f else None for j, f in zip(jobs, final)]
+        allowed = masks(masked + [None] * (P - len(jobs)), self.mask_words) if any(masked) else None
         first = self.core.prefill(Pieces.make(tokens, start, length, final, rows, params, max_new, ignore, pen,
                                               allowed),
                                   targets=targets, logprobs=MAX_LOGPROBS if any(wants) or targets else 0)
@@ -546,9 +538,14 @@ class Scheduler:
         toks = toks[:r.max_tokens - job.n_tokens]
         complete, m = False, job.matcher
         if m is not None:
-            toks, complete = self._follow_grammar(job, m, toks)
-            if toks is None:
+            try:
+                n, complete = m.follow(toks)
+            except ValueError as e:
+                log.error("request %s: %s", r.id, e)
+                if self._end(job, Failed(500, f"structured output failed: {e}")):
+                    self._ended(job)
                 return
+            toks = toks[:n]
         eos = next((i for i, t in enumerate(toks) if t in self.eos), None) if not r.ignore_eos else None
         text, taken = job.text.push_many(toks if eos is None else toks[:eos])
         if lp is not None and r.logprobs is not None:       # an EOS has none: it is not in the text
@@ -569,20 +566,6 @@ class Scheduler:
         lps = self._settled_logprobs(job)
         if text or lps:
             job.emit(Delta(text, lps))
-
-    def _follow_grammar(self, job: Job, m, toks: list[int]) -> tuple[list[int] | None, bool]:
-        """Feed a constrained request's new tokens to its matcher -> (the tokens up to the one that
-        completed the grammar, whether one did), or (None, False) where the grammar refused one (the
-        mask allowed it, so the engine and the matcher disagree: the request fails)."""
-        for i, t in enumerate(toks):
-            if not m.consume(t):
-                log.error("request %s: the grammar refused token %d: %s", job.req.id, t, m.error)
-                if self._end(job, Failed(500, f"the grammar engine refused a sampled token: {m.error}")):
-                    self._ended(job)
-                return None, False
-            if m.done:
-                return toks[:i + 1], True
-        return toks, False
 
     def _settled_logprobs(self, job: Job) -> list | None:
         """The log-probabilities of the tokens whose text has gone out (or goes out now)."""
