@@ -25,7 +25,7 @@ from flax import struct
 
 from .config import ModelConfig
 from .model import forward, logits_from_hidden
-from .sampling import LogProbs, Penalties, SamplingParams, penalize, sample
+from .sampling import LogProbs, Penalties, SamplingParams, mask_tokens, penalize, sample
 from .sampling import logprobs as _lp
 from .speculative import (SpecSlots, Speculation, accept, ngram_draft, update_rate, wants_draft, worth_verifying,
                           write_history)
@@ -75,7 +75,9 @@ class Pieces:
     """One prefill forward: P rows of C tokens. Row p holds length[p] tokens of a prompt, at
     positions start[p] onwards, for cache row rows[p] (None: row p is cache row p; a row past the
     cache is padding). `final` rows end their prompt: their slot gets the sampling parameters, the
-    token limit `max_new` and `ignore_eos`, samples its first token and goes live."""
+    token limit `max_new` and `ignore_eos`, samples its first token and goes live, among the tokens
+    whose bits are set in its row of `allowed` where given (a structured-output request's grammar
+    mask, `sampling.mask_tokens`)."""
     tokens: jax.Array          # [P, C] int32
     start: jax.Array           # [P] int32
     length: jax.Array          # [P] int32
@@ -85,10 +87,11 @@ class Pieces:
     params: SamplingParams     # [P]
     rows: jax.Array | None = None
     penalties: Penalties | None = None     # [P] (None: none)
+    allowed: jax.Array | None = None       # [P, ceil(V / 32)] uint32 (None: every token)
 
     @staticmethod
     def make(tokens, start=None, length=None, final=None, rows=None, params: SamplingParams | None = None,
-             max_new=None, ignore_eos=None, penalties: Penalties | None = None) -> "Pieces":
+             max_new=None, ignore_eos=None, penalties: Penalties | None = None, allowed=None) -> "Pieces":
         """Host arrays -> Pieces (numpy leaves; the engine puts them on the mesh)."""
         P = len(tokens)
 
@@ -99,7 +102,8 @@ class Pieces:
                       col(final, bool, False), col(max_new, np.int32, 1), col(ignore_eos, bool, False),
                       jax.tree_util.tree_map(np.asarray, params),
                       None if rows is None else np.asarray(rows, np.int32),
-                      jax.tree_util.tree_map(np.asarray, penalties or Penalties.make(P)))
+                      jax.tree_util.tree_map(np.asarray, penalties or Penalties.make(P)),
+                      None if allowed is None else np.asarray(allowed, np.uint32))
 
     @staticmethod
     def shapes(P: int, C: int, rows: bool = True) -> "Pieces":
@@ -161,12 +165,12 @@ def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=Non
         sl = _count_prompt(sl, pieces, rows, positions)
         in_prompt = jnp.take(sl.in_prompt, rows, axis=0, mode="clip")
         pen = _penalties(pieces, P)
-        first = sample(penalize(first_logits, pen, jnp.zeros(in_prompt.shape, jnp.int32), in_prompt),
-                       pieces.params, jnp.zeros((P,), jnp.int32))
+        first = sample(mask_tokens(penalize(first_logits, pen, jnp.zeros(in_prompt.shape, jnp.int32), in_prompt),
+                                   pieces.allowed), pieces.params, jnp.zeros((P,), jnp.int32))
         sl = sl.replace(counts=sl.counts.at[jnp.where(pieces.final, rows, sl.last.shape[0]), first].add(1, mode="drop"),
                         penalties=jax.tree_util.tree_map(lambda a, v: a.at[rows].set(v, mode="drop"), sl.penalties, pen))
     else:
-        first = sample(first_logits, pieces.params, jnp.zeros((P,), jnp.int32))
+        first = sample(mask_tokens(first_logits, pieces.allowed), pieces.params, jnp.zeros((P,), jnp.int32))
     live = pieces.final & (pieces.ignore_eos | ~is_eos(first, cfg.eos_ids)) & (pieces.max_new > 1)
 
     def put(a, v):
@@ -265,14 +269,15 @@ def _divisor_at_most(n: int, cap: int) -> int:
 
 
 # -- decode ----------------------------------------------------------------------------------------
-def decode_step(cfg: ModelConfig, weights, state: State, dtype=jnp.bfloat16):
-    """One token for every live slot -> (state, sampled tokens [B], live [B], float32 logits [B, V])."""
+def decode_step(cfg: ModelConfig, weights, state: State, dtype=jnp.bfloat16, allowed=None):
+    """One token for every live slot (among the tokens `allowed` [B, ceil(V / 32)] lets each take,
+    where given) -> (state, sampled tokens [B], live [B], float32 logits [B, V])."""
     sl = state.slots
     live = sl.active
     pos = jnp.where(live, sl.pos, -1)
     h, cache = forward(cfg, weights, sl.last[:, None], pos[:, None], state.cache, dtype)
     logits = logits_from_hidden(cfg, weights, h[:, 0])
-    tok = sample(_penalized(logits, sl), sl.params, sl.step)
+    tok = sample(mask_tokens(_penalized(logits, sl), allowed), sl.params, sl.step)
     inc = live.astype(jnp.int32)
     remaining = sl.remaining - inc
     active = live & (sl.ignore_eos | ~is_eos(tok, cfg.eos_ids)) & (remaining > 0)
@@ -286,18 +291,22 @@ def decode_step(cfg: ModelConfig, weights, state: State, dtype=jnp.bfloat16):
     return state.replace(cache=cache, slots=slots), tok, live, logits
 
 
-def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, dtype=jnp.bfloat16, n_logprobs: int = 0):
+def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, dtype=jnp.bfloat16, n_logprobs: int = 0,
+               allowed=None):
     """One speculative cycle for every live slot (or the plain step where drafting would not pay)
     -> (state, new tokens [B, K + 1], how many of them each row made [B], their LogProbs [B, K + 1]
-    with the top n_logprobs, or None)."""
+    with the top n_logprobs, or None). A row that `allowed` masks (a grammar's, for its next token
+    only) does not draft: it takes one token, sampled among those its mask allows."""
     weights, draft = model_weights(weights, spec)
     sl = state.slots
     live, K = sl.active, spec.k
     B = live.shape[0]
     drafting = wants_draft(sl.spec, live, spec.min_accept) & (sl.remaining > 1)
+    if allowed is not None:
+        drafting &= jnp.all(allowed == jnp.uint32(0xFFFFFFFF), axis=-1)
 
     def plain(state):
-        state, tok, live, logits = decode_step(cfg, weights, state, dtype)
+        state, tok, live, logits = decode_step(cfg, weights, state, dtype, allowed)
         if draft is not None:      # the draft cache learns the token the model was fed
             _, dcache = forward(spec.draft_cfg, draft, sl.last[:, None], jnp.where(live, sl.pos, -1)[:, None],
                                 state.draft_cache, dtype)
@@ -315,7 +324,10 @@ def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, dtype
         positions = jnp.where(live[:, None] & (j <= n_draft[:, None]), sl.pos[:, None] + j, -1)
         h, cache = forward(cfg, weights, tokens, positions, state.cache, dtype)
         logits = logits_from_hidden(cfg, weights, h)
-        a, nxt = accept(_penalized(logits, sl, drafts), drafts, n_draft, sl.params, sl.step)
+        scores = _penalized(logits, sl, drafts)
+        if allowed is not None:             # a masked row drafted nothing: its one token comes from position 0
+            scores = scores.at[:, 0].set(mask_tokens(scores[:, 0], allowed))
+        a, nxt = accept(scores, drafts, n_draft, sl.params, sl.step)
         new = jnp.where(j < a[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), 0)
         new = jnp.where(j == a[:, None], nxt[:, None], new)
         n_new = jnp.minimum(a + 1, sl.remaining)
@@ -353,12 +365,14 @@ def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, dtype
     return jax.lax.cond(worth_verifying(sl.spec, n_draft, live, spec), with_draft_model, plain, state)
 
 
-def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, *, max_steps: int,
+def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, allowed=None, *, max_steps: int,
            rows: int | None = None, logprobs: int = 0, spec: Speculation | None = None, dtype=jnp.bfloat16):
     """Up to n_steps decode steps (speculative cycles, with `spec`) of the first `rows` slots (all
     for None; the others must not be live), ending once none is live or a row's next tokens would
     not fit the max_steps of the output. `stop` [rows]: slots to end first (a request cancelled or
-    stopped by the host).
+    stopped by the host). `allowed` [rows, ceil(V / 32)] uint32: the tokens each slot may sample
+    (`sampling.mask_tokens`), at every step of the block; a grammar's mask holds for one token, so
+    the server runs one-step blocks while a slot is constrained.
 
     -> (state, tokens [rows, max_steps], count [rows], LogProbs [rows, max_steps] with the top
     `logprobs` or None): slot b sampled tokens[b, :count[b]]."""
@@ -376,7 +390,7 @@ def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, *, max_s
 
         def body(c):
             i, s, out, count = c
-            s, tok, live, logits = decode_step(cfg, weights, s, dtype)
+            s, tok, live, logits = decode_step(cfg, weights, s, dtype, allowed)
             new = (jnp.where(live, tok, 0), _lp(logits, tok, logprobs) if logprobs else None)
             out = jax.tree_util.tree_map(lambda o, v: jax.lax.dynamic_update_slice_in_dim(o, v[:, None], i, axis=1),
                                          out, new)
@@ -391,7 +405,7 @@ def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, *, max_s
 
         def body(c):
             i, s, out, count = c
-            s, new, n_new, lp = spec_cycle(cfg, weights, s, spec, dtype, logprobs)
+            s, new, n_new, lp = spec_cycle(cfg, weights, s, spec, dtype, logprobs, allowed)
             j = jnp.arange(T, dtype=jnp.int32)[None, :]
             cols = jnp.where(j < n_new[:, None], count[:, None] + j, max_steps)
             out = jax.tree_util.tree_map(lambda o, v: o.at[jnp.arange(B)[:, None], cols].set(v, mode="drop"),
@@ -434,13 +448,15 @@ class EngineCore:
                                 None if targets is None else e.put_rows(targets), **static)
         return res
 
-    def decode(self, n_steps: int, max_steps: int, stop=None, rows: int | None = None, logprobs: int = 0):
+    def decode(self, n_steps: int, max_steps: int, stop=None, rows: int | None = None, logprobs: int = 0,
+               allowed=None):
         """-> (tokens [rows, max_steps], count [rows], LogProbs or None) on the device; see
-        `core.decode`."""
+        `core.decode`. A call with `allowed` is a variant of its own, compiled on first use."""
         e = self.engine
         stop = None if stop is None else e.put_rows(np.asarray(stop, bool))
         static = {"max_steps": max_steps, "rows": rows, **({"logprobs": logprobs} if logprobs else {})}
-        self.state, toks, count, lp = e.run("decode", self.state, np.int32(n_steps), stop, **static)
+        masks = () if allowed is None else (e.put_rows(np.asarray(allowed, np.uint32)),)
+        self.state, toks, count, lp = e.run("decode", self.state, np.int32(n_steps), stop, *masks, **static)
         return toks, count, lp
 
     # -- lockstep batches: every row a prompt, prefilled in chunks ----------------------------------

@@ -217,6 +217,18 @@ def penalize(logits: jax.Array, pen: Penalties, counts: jax.Array, in_prompt: ja
     return x - pen.frequency[:, None] * counts - pen.presence[:, None] * made
 
 
+def mask_tokens(logits: jax.Array, allowed: jax.Array | None) -> jax.Array:
+    """logits [N, V] with every token whose bit is clear in allowed [N, ceil(V / 32)] uint32 (bit j
+    of word w is token 32 w + j) set to -inf: a structured-output request's grammar mask, applied
+    after penalties and before temperature and top-k/top-p, so greedy takes the best allowed token.
+    A row of all ones gets its logits back exactly; None: no mask."""
+    if allowed is None:
+        return logits
+    N, V = logits.shape
+    bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
+    return jnp.where(bits.reshape(N, -1)[:, :V] == 1, logits, -jnp.inf)
+
+
 MAX_LOGPROBS = 20          # top alternatives a token may report (OpenAI's limit)
 
 

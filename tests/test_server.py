@@ -501,8 +501,8 @@ BAD = [  # (id, path, raw body or JSON, headers, status, words the message must 
      "'repetition_penalty' must be > 0"),
     ("logit_bias", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, None, 400, "'logit_bias'"),
     ("response_format", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                                 "response_format": {"type": "json_object"}}, None, 400, "'response_format'"),
-    ("guided_json", "/v1/completions", {"prompt": "x", "guided_json": {"type": "object"}}, None, 400, "'guided_json'"),
+                                                 "response_format": {"type": "xml"}}, None, 400, "'response_format'"),
+    ("guided_json", "/v1/completions", {"prompt": "x", "guided_json": "[1, 2"}, None, 400, "'guided_json'"),
     ("functions", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": []}, None, 400,
      "'functions'"),
     # Gemma 3 has no tool-call format and no thinking: tools, tool messages and enable_thinking are refused

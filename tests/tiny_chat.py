@@ -114,9 +114,10 @@ class ScriptedCore:
                 first[p], self.queue[b] = answer[0], answer[1:]
         return first
 
-    def decode(self, n_steps: int, max_steps: int, stop=None, rows: int | None = None, logprobs: int = 0):
-        if logprobs:
-            raise ValueError("a scripted answer has no log-probabilities")
+    def decode(self, n_steps: int, max_steps: int, stop=None, rows: int | None = None, logprobs: int = 0,
+               allowed=None):
+        if logprobs or allowed is not None:
+            raise ValueError("a scripted answer has no log-probabilities and no grammar")
         rows = rows or self.num_slots
         time.sleep(self.step_s * n_steps)
         toks, count = np.zeros((rows, max_steps), np.int32), np.zeros(rows, np.int32)

@@ -10,6 +10,7 @@ import asyncio
 import hmac
 import json
 import logging
+import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .grammar import Grammars
 from .metrics import CONTENT_TYPE, Metrics
 from .output import Parts, chat_features
 from .protocol import (
@@ -103,7 +105,17 @@ class Server:
                                    opts.decode_steps, opts.max_num_batched_tokens)
         self.metrics = self.scheduler.observer = Metrics(self.scheduler, opts.served_name)
         self.features = chat_features(engine.cfg.family)      # reasoning and tool calls in chat answers
+        self.grammars = Grammars.for_engine(engine)           # structured output (None: no tokenizer)
         self.started = time.time()
+
+    def start(self):
+        """Compile the engine's calls, and meanwhile build the grammar engine's tokenizer."""
+        grammar = threading.Thread(target=self.grammars.prepare, name="jaxllm-grammar") if self.grammars else None
+        if grammar is not None:
+            grammar.start()
+        self.scheduler.start(self.opts.warmup)
+        if grammar is not None:
+            grammar.join()
 
     # -- plumbing --------------------------------------------------------------------------------
     def check_auth(self, request: Request):
@@ -210,8 +222,13 @@ class Server:
         body = await self.read_json(request)
         req = await run_in_threadpool(parse_request, kind, body, self.engine, self.opts.served_name,
                                       self.opts.max_model_len, self.features)
+        matcher = None
+        if req.constraint is not None:           # compiled here, never on the engine thread
+            if self.grammars is None:
+                raise bad("this model has no tokenizer, so its answers cannot be constrained", req.constraint.field)
+            matcher = await run_in_threadpool(self.grammars.matcher, req.constraint)
         inbox = Inbox()
-        job = Job(req, inbox.put)
+        job = Job(req, inbox.put, matcher=matcher)
         try:
             self.scheduler.submit(job)
         except QueueFull as e:
@@ -343,7 +360,7 @@ def build_app(engine, opts: ServeOptions) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app):
-        await run_in_threadpool(server.scheduler.start, opts.warmup)
+        await run_in_threadpool(server.start)
         ready = "" if opts.started is None else f"; ready {time.monotonic() - opts.started:.1f} s after start"
         log.info("serving %s: %d slots x %d positions, %s KV cache%s", opts.served_name, opts.max_num_seqs,
                  opts.max_model_len, engine.kv_layout.name, ready)

@@ -25,6 +25,7 @@ from .fields import (
     neutral,
     num_field,
 )
+from .grammar import GUIDED, Constraint, constraint_field
 from .output import ChatFeatures, OutputPlan, Parts, chat_features
 
 MAX_STOP_STRINGS = 16
@@ -58,6 +59,7 @@ class GenRequest:
     logprobs: int | None = None        # alternatives listed per token (None: no log-probabilities)
     echo: bool = False                 # completions: the answer starts with the prompt
     prompt_text: str = ""              # what `echo` writes back
+    constraint: Constraint | None = None   # structured output: what the answer must match
 
     @property
     def prompt_logprobs(self) -> bool:
@@ -67,10 +69,11 @@ class GenRequest:
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stream",
                  "stream_options", "user", "presence_penalty", "frequency_penalty", "logit_bias",
-                 "logprobs", "ignore_eos", "repetition_penalty"}     # ignore_eos, repetition_penalty: vLLM's
+                 "logprobs", "ignore_eos", "repetition_penalty",     # ignore_eos, repetition_penalty: vLLM's
+                 "response_format", *GUIDED}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format",
-                               "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                               "parallel_tool_calls", "chat_template_kwargs"}
 
 
 def _check_unsupported(body: dict) -> None:
@@ -78,7 +81,6 @@ def _check_unsupported(body: dict) -> None:
     neutral(body, "logit_bias", lambda v: not v)
     neutral(body, "suffix", lambda v: v is None)
     neutral(body, "best_of", lambda v: v is None or (is_int(v) and v == 1))
-    neutral(body, "response_format", lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"))
 
 
 def _stop(body) -> list[str]:
@@ -204,6 +206,7 @@ def parse_request(kind: str, body, engine, served_name: str, max_model_len: int,
     if kind == "chat":
         mct = int_field(body, "max_completion_tokens", lo=1)
         max_tokens = mct if mct is not None else max_tokens
+    constraint = constraint_field(body)
     plan, prompt_text = None, ""
     if kind == "completion":
         ids = completion_prompt_ids(body, engine)
@@ -211,13 +214,19 @@ def parse_request(kind: str, body, engine, served_name: str, max_model_len: int,
             prompt_text = _prompt_text(body, ids, engine)
     else:
         ids, plan = chat_prompt(body, engine, features or chat_features(engine.cfg.family))
+        if constraint is not None and plan is not None:     # a constrained answer is all content
+            if plan.tools is not None:
+                raise bad(f"'{constraint.field}' cannot be combined with 'tools' (unless 'tool_choice' is "
+                          f"'none'): the answer is either constrained or free to call tools", constraint.field)
+            plan = None
     max_tokens = _fit_context(len(ids), max_tokens, max_model_len, default=16 if kind == "completion" else None,
                               prompt_param="prompt" if kind == "completion" else "messages")
     rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
     special = plan is not None and any(p is not None and p.decode_special for p in (plan.tools, plan.reasoning))
     return GenRequest(kind, served_name, ids, max_tokens, stop=stop, ignore_eos=ignore_eos, stream=stream,
                       include_usage=include_usage, id=rid, created=int(time.time()), skip_special=not special,
-                      output=plan, logprobs=logprobs, echo=echo, prompt_text=prompt_text, **sampling)
+                      output=plan, logprobs=logprobs, echo=echo, prompt_text=prompt_text, constraint=constraint,
+                      **sampling)
 
 
 # -- /tokenize and /detokenize (vLLM's) ------------------------------------------------------------

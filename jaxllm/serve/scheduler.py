@@ -12,6 +12,12 @@ tokens of a running request at most one prefill forward runs. While prompts wait
 the blocks are one step long, so that prefills follow one another closely; otherwise `decode_steps`
 long. The output thread detokenizes a block while the device runs the next (on GPUs the host drives
 the decode loop, so the engine thread is inside that call meanwhile); at most two calls wait for it.
+
+Structured output: a constrained request's `grammar.Matcher` takes each of its tokens as the output
+thread reads them. While a constrained request decodes, the blocks are one step long, and before
+each the engine thread waits until the output thread has read every call back, then writes each
+constrained slot's allowed tokens into a bitmask the step applies (unconstrained rows all ones);
+a prefill piece that ends a constrained prompt gets its row too, for the first token.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ from ..core import Pieces
 from ..engine import TokenLogprob, token_logprobs
 from ..sampling import MAX_LOGPROBS, Penalties, SamplingParams
 from .detok import TextStream
+from .grammar import masks
 from .protocol import GenRequest
 
 log = logging.getLogger("jaxllm.serve")
@@ -84,6 +91,7 @@ class Job:
     logprobs: list = field(default_factory=list)     # TokenLogprob of each token taken
     logprobs_sent: int = 0                           # how many of them went out
     prompt_logprobs: list = field(default_factory=list)   # an echo's, as its prefill reads them
+    matcher: object | None = None           # structured output: its `grammar.Matcher`, freed with the slot
 
     def cancel(self):
         self.cancelled.set()
@@ -192,6 +200,8 @@ class Scheduler:
         self.deadline = None           # running requests end with a 503 past this (monotonic)
         self.done = False
         self.results: queue.Queue[Launched | None] = queue.Queue(maxsize=2)
+        self.launched = self.read = 0           # calls launched, and read back by the output thread
+        self.mask_words = -(-engine.cfg.vocab_size // 32)     # a grammar mask's row: one bit a token
         self.thread = threading.Thread(target=self._run, name="jaxllm-engine", daemon=True)
         self.output = threading.Thread(target=self._read_results, name="jaxllm-output", daemon=True)
         self.finished = 0              # requests completed
@@ -351,19 +361,40 @@ class Scheduler:
         prefilled = bool(self.prefilling)
         if prefilled:
             self._launch_prefill()
-        decoding = [j for j in self.slots if j is not None and j not in self.prefilling]
+        decoding = self._decoding()
+        constrained = any(j.matcher is not None for j in decoding)
+        if constrained:                    # their matchers must have taken their last tokens
+            self._await_results()
+            self._free_ended()
+            decoding = self._decoding()
+            constrained = any(j.matcher is not None for j in decoding)
         if not decoding:
-            return prefilled
-        n = 1 if self.prefilling else self.decode_steps
+            return prefilled or constrained
+        n = 1 if self.prefilling or constrained else self.decode_steps
         rows = self.shapes.decode_rows(max(j.slot for j in decoding) + 1)
         stop = self.to_stop[:rows].copy()
         self.to_stop[:rows] = False
         lp = MAX_LOGPROBS if any(j.req.logprobs is not None for j in decoding) else 0
-        toks = self.core.decode(n, self.out_size, stop, rows, logprobs=lp)
+        allowed = masks([j.matcher if j in decoding else None for j in self.slots[:rows]],
+                        self.mask_words) if constrained else None
+        toks = self.core.decode(n, self.out_size, stop, rows, logprobs=lp, allowed=allowed)
         rec = {"kind": "decode", "steps": n, "rows": rows, "tokens": {}}
         self.record.append(rec)
-        self.results.put(Launched("decode", toks, self.slots[:rows], record=rec))
+        self._put(Launched("decode", toks, self.slots[:rows], record=rec))
         return True
+
+    def _decoding(self) -> list[Job]:
+        return [j for j in self.slots if j is not None and j not in self.prefilling]
+
+    def _put(self, call: Launched):
+        self.launched += 1
+        self.results.put(call)
+
+    def _await_results(self):
+        """Wait until the output thread has read back every call launched so far."""
+        with self.cond:
+            while self.read < self.launched and not self.done:
+                self.cond.wait(1.0)
 
     def _launch_prefill(self):
         P, C, lengths = self.shapes.choose([len(j.req.prompt_ids) - j.prefilled for j in self.prefilling])
@@ -389,12 +420,15 @@ class Scheduler:
         wants = [j.req.logprobs is not None and f for j, f in zip(jobs, final)]
         scored = [(int(s), int(n)) if j.req.prompt_logprobs else None for j, s, n in zip(jobs, start, length)]
         targets = self._prompt_targets(jobs, scored, P, C) if any(scored) else None
-        first = self.core.prefill(Pieces.make(tokens, start, length, final, rows, params, max_new, ignore, pen),
+        masked = [j.matcher if f else None for j, f in zip(jobs, final)]
+        allowed = masks(masked + [None] * (P - len(jobs)), self.mask_words) if any(masked) else None
+        first = self.core.prefill(Pieces.make(tokens, start, length, final, rows, params, max_new, ignore, pen,
+                                              allowed),
                                   targets=targets, logprobs=MAX_LOGPROBS if any(wants) or targets else 0)
         self.prefilling = [j for j in self.prefilling if j.prefilled < len(j.req.prompt_ids)]
         self.record.append({"kind": "prefill", "pieces": [(j.id, int(s), int(n)) for j, s, n in
                                                           zip(jobs, start, length)]})
-        self.results.put(Launched("prefill", first, jobs, finals=list(final[:len(jobs)]), scored=scored))
+        self._put(Launched("prefill", first, jobs, finals=list(final[:len(jobs)]), scored=scored))
 
     @staticmethod
     def _prompt_targets(jobs, scored, P: int, C: int):
@@ -423,6 +457,7 @@ class Scheduler:
                 self.slots[job.slot] = None
             self.to_stop[job.slot] = True
             self.spec_unread = self.engine.spec is not None
+        job.matcher = None
         if job in self.prefilling:
             self.prefilling.remove(job)
 
@@ -459,6 +494,10 @@ class Scheduler:
                     if job is not None and self._end(job, Failed(500, "internal error while generating; "
                                                                       "see the server log")):
                         self._ended(job)
+            finally:
+                with self.cond:
+                    self.read += 1
+                    self.cond.notify_all()
 
     def _collect(self, call: Launched):
         """Hand a call's tokens to the requests that held the slots when it was launched."""
@@ -497,6 +536,16 @@ class Scheduler:
         text as one delta, finish it when it is done."""
         r = job.req
         toks = toks[:r.max_tokens - job.n_tokens]
+        complete, m = False, job.matcher
+        if m is not None:
+            try:
+                n, complete = m.follow(toks)
+            except ValueError as e:
+                log.error("request %s: %s", r.id, e)
+                if self._end(job, Failed(500, f"structured output failed: {e}")):
+                    self._ended(job)
+                return
+            toks = toks[:n]
         eos = next((i for i, t in enumerate(toks) if t in self.eos), None) if not r.ignore_eos else None
         text, taken = job.text.push_many(toks if eos is None else toks[:eos])
         if lp is not None and r.logprobs is not None:       # an EOS has none: it is not in the text
@@ -510,7 +559,7 @@ class Scheduler:
             job.last_token_at = now
         job.n_tokens += n
         self.generated += n
-        if stopped or eos is not None:
+        if stopped or eos is not None or complete:
             return self._finish(job, "stop", [text])
         if job.n_tokens >= r.max_tokens:
             return self._finish(job, "length", [text])
