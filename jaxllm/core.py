@@ -25,7 +25,7 @@ from flax import struct
 
 from .config import ModelConfig
 from .model import forward, logits_from_hidden
-from .sampling import LogProbs, Penalties, SamplingParams, penalize, sample
+from .sampling import LogProbs, Penalties, SamplingParams, TokenRules, apply_rules, penalize, sample
 from .sampling import logprobs as _lp
 from .speculative import (SpecSlots, Speculation, accept, ngram_draft, update_rate, wants_draft, worth_verifying,
                           write_history)
@@ -49,6 +49,7 @@ class Slots:
     penalties: Penalties | None = None
     counts: jax.Array | None = None
     in_prompt: jax.Array | None = None
+    rules: TokenRules | None = None       # logit_bias, stop_token_ids, min_tokens
 
     @staticmethod
     def empty(batch: int, length: int, spec: bool = False, vocab: int | None = None) -> "Slots":
@@ -56,7 +57,8 @@ class Slots:
             return jnp.zeros((batch,), dtype)
         params = jax.tree_util.tree_map(jnp.array, SamplingParams.make(batch))
         slots = Slots(zeros(), zeros(), zeros(), zeros(), zeros(bool), zeros(bool), params,
-                      SpecSlots.empty(batch, length) if spec else None)
+                      SpecSlots.empty(batch, length) if spec else None,
+                      rules=jax.tree_util.tree_map(jnp.array, TokenRules.make(batch)))
         if vocab is None:
             return slots
         return slots.replace(penalties=jax.tree_util.tree_map(jnp.array, Penalties.make(batch)),
@@ -85,10 +87,12 @@ class Pieces:
     params: SamplingParams     # [P]
     rows: jax.Array | None = None
     penalties: Penalties | None = None     # [P] (None: none)
+    rules: TokenRules | None = None        # [P] (None: none)
 
     @staticmethod
     def make(tokens, start=None, length=None, final=None, rows=None, params: SamplingParams | None = None,
-             max_new=None, ignore_eos=None, penalties: Penalties | None = None) -> "Pieces":
+             max_new=None, ignore_eos=None, penalties: Penalties | None = None,
+             rules: TokenRules | None = None) -> "Pieces":
         """Host arrays -> Pieces (numpy leaves; the engine puts them on the mesh)."""
         P = len(tokens)
 
@@ -99,7 +103,8 @@ class Pieces:
                       col(final, bool, False), col(max_new, np.int32, 1), col(ignore_eos, bool, False),
                       jax.tree_util.tree_map(np.asarray, params),
                       None if rows is None else np.asarray(rows, np.int32),
-                      jax.tree_util.tree_map(np.asarray, penalties or Penalties.make(P)))
+                      jax.tree_util.tree_map(np.asarray, penalties or Penalties.make(P)),
+                      rules or TokenRules.make(P))
 
     @staticmethod
     def shapes(P: int, C: int, rows: bool = True) -> "Pieces":
@@ -117,7 +122,17 @@ class Pieces:
 def is_eos(tok: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     if not eos_ids:
         return jnp.zeros(tok.shape, bool)
-    return jnp.any(tok[:, None] == jnp.asarray(eos_ids, jnp.int32)[None, :], axis=-1)
+    return jnp.any(tok[..., None] == jnp.asarray(eos_ids, jnp.int32), axis=-1)
+
+
+def ends_answer(tok: jax.Array, eos_ids: tuple[int, ...], ignore_eos: jax.Array, rules: TokenRules | None):
+    """tok [B] or [B, T]: the tokens that end their row's answer: EOS (unless the row ignores it)
+    and the row's stop token ids."""
+    lead = (slice(None),) + (None,) * (tok.ndim - 1)
+    end = ~ignore_eos[lead] & is_eos(tok, eos_ids)
+    if rules is None:
+        return end
+    return end | jnp.any(tok[..., None] == rules.stop_ids[lead], axis=-1)
 
 
 # -- prefill ---------------------------------------------------------------------------------------
@@ -157,17 +172,20 @@ def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=Non
     first_logits = logits_from_hidden(cfg, weights, h_last)
     rows = jnp.arange(P, dtype=jnp.int32) if pieces.rows is None else pieces.rows
     sl = state.slots
+    B = sl.last.shape[0]
+    rules = None if sl.rules is None else _rules(pieces, P)
+    step0 = jnp.zeros((P,), jnp.int32)
+    x = first_logits if rules is None else apply_rules(first_logits, rules, step0, cfg.eos_ids, pieces.ignore_eos)
     if sl.counts is not None:             # new prompts start their counts; prompt tokens are marked
         sl = _count_prompt(sl, pieces, rows, positions)
         in_prompt = jnp.take(sl.in_prompt, rows, axis=0, mode="clip")
         pen = _penalties(pieces, P)
-        first = sample(penalize(first_logits, pen, jnp.zeros(in_prompt.shape, jnp.int32), in_prompt),
-                       pieces.params, jnp.zeros((P,), jnp.int32))
-        sl = sl.replace(counts=sl.counts.at[jnp.where(pieces.final, rows, sl.last.shape[0]), first].add(1, mode="drop"),
+        first = sample(penalize(x, pen, jnp.zeros(in_prompt.shape, jnp.int32), in_prompt), pieces.params, step0)
+        sl = sl.replace(counts=sl.counts.at[jnp.where(pieces.final, rows, B), first].add(1, mode="drop"),
                         penalties=jax.tree_util.tree_map(lambda a, v: a.at[rows].set(v, mode="drop"), sl.penalties, pen))
     else:
-        first = sample(first_logits, pieces.params, jnp.zeros((P,), jnp.int32))
-    live = pieces.final & (pieces.ignore_eos | ~is_eos(first, cfg.eos_ids)) & (pieces.max_new > 1)
+        first = sample(x, pieces.params, step0)
+    live = pieces.final & ~ends_answer(first, cfg.eos_ids, pieces.ignore_eos, rules) & (pieces.max_new > 1)
 
     def put(a, v):
         return a.at[rows].set(v, mode="drop")
@@ -177,6 +195,8 @@ def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=Non
                        remaining=put(sl.remaining, pieces.max_new - 1), active=put(sl.active, live),
                        ignore_eos=put(sl.ignore_eos, pieces.ignore_eos),
                        params=jax.tree_util.tree_map(put, sl.params, pieces.params))
+    if rules is not None:
+        slots = slots.replace(rules=jax.tree_util.tree_map(put, sl.rules, rules))
     if sl.spec is not None:               # the prompt's tokens and the first one, for drafting
         hist = write_history(sl.spec.history, pieces.rows, positions, pieces.tokens)
         hist = write_history(hist, pieces.rows, jnp.where(pieces.final, end, -1)[:, None], first[:, None])
@@ -210,6 +230,10 @@ def _penalties(pieces: Pieces, P: int) -> Penalties:
     return pieces.penalties if pieces.penalties is not None else Penalties.make(P)
 
 
+def _rules(pieces: Pieces, P: int) -> TokenRules:
+    return pieces.rules if pieces.rules is not None else jax.tree_util.tree_map(jnp.asarray, TokenRules.make(P))
+
+
 def _count_prompt(sl: Slots, pieces: Pieces, rows, positions) -> Slots:
     """A piece that starts its prompt zeroes its slot's token counts and prompt marks; every piece
     marks its tokens as its prompt's."""
@@ -221,10 +245,25 @@ def _count_prompt(sl: Slots, pieces: Pieces, rows, positions) -> Slots:
     return sl.replace(counts=counts, in_prompt=in_prompt.at[at, pieces.tokens].set(True, mode="drop"))
 
 
+def _sampling_logits(eos_ids, logits, sl: Slots, drafts=None):
+    """The logits [B, V] that sampling sees: the slots' rules (`apply_rules`: logit_bias,
+    min_tokens), then their penalties; rows without either get theirs back exactly. With drafts
+    [B, K], logits [B, K + 1, V] of a verify forward, position j the slot's sampling step + j."""
+    if sl.rules is not None and drafts is None:
+        logits = apply_rules(logits, sl.rules, sl.step, eos_ids, sl.ignore_eos)
+    elif sl.rules is not None:
+        B, T, V = logits.shape
+        rep = jax.tree_util.tree_map(lambda a: jnp.repeat(a, T, axis=0), sl.rules)
+        steps = (sl.step[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]).reshape(-1)
+        logits = apply_rules(logits.reshape(B * T, V), rep, steps, eos_ids,
+                             jnp.repeat(sl.ignore_eos, T)).reshape(B, T, V)
+    return _penalized(logits, sl, drafts)
+
+
 def _penalized(logits, sl: Slots, drafts=None):
-    """The logits [B, V] that sampling sees (rows without penalties get theirs back exactly); with
-    drafts [B, K], logits [B, K + 1, V] of a verify forward, position j counting drafts[:, :j] as
-    generated (built only when a live slot has a penalty: it is K + 1 times the step's counts)."""
+    """The logits [B, V] with the slots' penalties (rows without penalties get theirs back exactly);
+    with drafts [B, K], logits [B, K + 1, V] of a verify forward, position j counting drafts[:, :j]
+    as generated (built only when a live slot has a penalty: it is K + 1 times the step's counts)."""
     if sl.counts is None:
         return logits
     if drafts is None:
@@ -272,10 +311,10 @@ def decode_step(cfg: ModelConfig, weights, state: State, dtype=jnp.bfloat16):
     pos = jnp.where(live, sl.pos, -1)
     h, cache = forward(cfg, weights, sl.last[:, None], pos[:, None], state.cache, dtype)
     logits = logits_from_hidden(cfg, weights, h[:, 0])
-    tok = sample(_penalized(logits, sl), sl.params, sl.step)
+    tok = sample(_sampling_logits(cfg.eos_ids, logits, sl), sl.params, sl.step)
     inc = live.astype(jnp.int32)
     remaining = sl.remaining - inc
-    active = live & (sl.ignore_eos | ~is_eos(tok, cfg.eos_ids)) & (remaining > 0)
+    active = live & ~ends_answer(tok, cfg.eos_ids, sl.ignore_eos, sl.rules) & (remaining > 0)
     slots = sl.replace(last=jnp.where(live, tok, sl.last), pos=sl.pos + inc, step=sl.step + inc,
                        remaining=remaining, active=active)
     if sl.counts is not None:
@@ -315,11 +354,11 @@ def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, dtype
         positions = jnp.where(live[:, None] & (j <= n_draft[:, None]), sl.pos[:, None] + j, -1)
         h, cache = forward(cfg, weights, tokens, positions, state.cache, dtype)
         logits = logits_from_hidden(cfg, weights, h)
-        a, nxt = accept(_penalized(logits, sl, drafts), drafts, n_draft, sl.params, sl.step)
+        a, nxt = accept(_sampling_logits(cfg.eos_ids, logits, sl, drafts), drafts, n_draft, sl.params, sl.step)
         new = jnp.where(j < a[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), 0)
         new = jnp.where(j == a[:, None], nxt[:, None], new)
         n_new = jnp.minimum(a + 1, sl.remaining)
-        eos = (j < n_new[:, None]) & ~sl.ignore_eos[:, None] & is_eos(new.reshape(-1), cfg.eos_ids).reshape(B, K + 1)
+        eos = (j < n_new[:, None]) & ends_answer(new, cfg.eos_ids, sl.ignore_eos, sl.rules)
         n_new = jnp.where(jnp.any(eos, 1), jnp.argmax(eos, 1) + 1, n_new)
         n_new = jnp.where(live, n_new, 0)
         last = jnp.take_along_axis(new, jnp.maximum(n_new - 1, 0)[:, None], axis=1)[:, 0]
@@ -468,7 +507,7 @@ class EngineCore:
             yield s, tokens[:, s:s + chunk], np.clip(lens - s, 0, chunk).astype(np.int32)
 
     def prefill_prompts(self, ids: list[list[int]], params: SamplingParams, max_new, ignore_eos=None,
-                        logprobs: int = 0, penalties: Penalties | None = None):
+                        logprobs: int = 0, penalties: Penalties | None = None, rules: TokenRules | None = None):
         """Prompt b into slot b, every slot at once, in chunks; -> each row's first token [B] (and
         with `logprobs` their LogProbs [B], host arrays)."""
         from .engine import pad_rows
@@ -480,8 +519,8 @@ class EngineCore:
         for s, tok, length in self._chunks(tokens, lens, C):
             final = (length > 0) & (lens - s <= C)
             rows = np.where(length > 0, np.arange(B), B).astype(np.int32)     # done rows: padding
-            firsts.append(self.prefill(Pieces.make(tok, s, length, final, rows, params, max_new, ignore_eos, penalties),
-                                       logprobs=logprobs))
+            firsts.append(self.prefill(Pieces.make(tok, s, length, final, rows, params, max_new, ignore_eos, penalties,
+                                                   rules), logprobs=logprobs))
             finals.append(final)
         which = np.argmax(np.stack(finals), axis=0), np.arange(B)
         firsts = jax.tree_util.tree_map(lambda *a: np.stack([self.engine.layout.get(x) for x in a])[which], *firsts)
