@@ -13,6 +13,10 @@ drive this.
   position -1, which writes nothing. The cache is read in place: nothing is sliced or copied around
   the loop.
 
+- `fork` copies slots that have just ended their prompts into other slots (the KV-cache rows and
+  the slot-table entries), each copy drawing its own first token with its own seed from the logits
+  its source drew from: a request for n answers prefills its prompt once.
+
 A slot draws its k-th token with `fold_in(seed, k)`, so a request samples the same tokens whatever
 else shares the cache and however its steps are split into calls.
 """
@@ -23,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from .cache import copy_rows
 from .config import ModelConfig
 from .model import forward, logits_from_hidden
 from .sampling import LogProbs, Penalties, SamplingParams, TokenRules, apply_rules, penalize, sample
@@ -50,15 +55,19 @@ class Slots:
     counts: jax.Array | None = None
     in_prompt: jax.Array | None = None
     rules: TokenRules | None = None       # logit_bias, stop_token_ids, min_tokens
+    hidden: jax.Array | None = None       # [B, D]: the hidden state the slot's first token was drawn from
 
     @staticmethod
-    def empty(batch: int, length: int, spec: bool = False, vocab: int | None = None) -> "Slots":
+    def empty(batch: int, length: int, spec: bool = False, vocab: int | None = None,
+              hidden: tuple | None = None) -> "Slots":
+        """`hidden` (width, dtype): keep each slot's last prompt hidden state, for `fork`."""
         def zeros(dtype=jnp.int32):        # distinct buffers: the whole state is donated
             return jnp.zeros((batch,), dtype)
         params = jax.tree_util.tree_map(jnp.array, SamplingParams.make(batch))
         slots = Slots(zeros(), zeros(), zeros(), zeros(), zeros(bool), zeros(bool), params,
                       SpecSlots.empty(batch, length) if spec else None,
-                      rules=jax.tree_util.tree_map(jnp.array, TokenRules.make(batch)))
+                      rules=jax.tree_util.tree_map(jnp.array, TokenRules.make(batch)),
+                      hidden=None if hidden is None else jnp.zeros((batch, hidden[0]), hidden[1]))
         if vocab is None:
             return slots
         return slots.replace(penalties=jax.tree_util.tree_map(jnp.array, Penalties.make(batch)),
@@ -117,6 +126,24 @@ class Pieces:
         C = self.tokens.shape[1]
         t = jnp.arange(C, dtype=jnp.int32)[None, :]
         return jnp.where(t < self.length[:, None], self.start[:, None] + t, -1)
+
+
+@struct.dataclass
+class Forks:
+    """Slots to fork, F at most: slot src[f] is copied into slot dst[f] (a dst past the cache: no
+    fork), which draws its own first token with seed[f]."""
+    src: jax.Array             # [F] int32
+    dst: jax.Array             # [F] int32
+    seed: jax.Array            # [F] uint32
+
+    @staticmethod
+    def make(size: int, src=(), dst=(), seed=()) -> "Forks":
+        """Host arrays of `size` entries, the unused ones aimed past any cache."""
+        def col(v, dtype, pad):
+            out = np.full((size,), pad, dtype)
+            out[:len(v)] = v
+            return out
+        return Forks(col(src, np.int32, 0), col(dst, np.int32, np.iinfo(np.int32).max), col(seed, np.uint32, 0))
 
 
 def is_eos(tok: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
@@ -197,6 +224,9 @@ def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=Non
                        params=jax.tree_util.tree_map(put, sl.params, pieces.params))
     if rules is not None:
         slots = slots.replace(rules=jax.tree_util.tree_map(put, sl.rules, rules))
+    if sl.hidden is not None:             # what `fork` draws the first tokens of a slot's copies from
+        slots = slots.replace(hidden=sl.hidden.at[jnp.where(pieces.final, rows, B)].set(
+            h_last.astype(sl.hidden.dtype), mode="drop"))
     if sl.spec is not None:               # the prompt's tokens and the first one, for drafting
         hist = write_history(sl.spec.history, pieces.rows, positions, pieces.tokens)
         hist = write_history(hist, pieces.rows, jnp.where(pieces.final, end, -1)[:, None], first[:, None])
@@ -445,6 +475,56 @@ def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, *, max_s
     return s.replace(slots=_by_rows(s.slots)), out, count, lp
 
 
+# -- fork ------------------------------------------------------------------------------------------
+def fork(cfg: ModelConfig, weights, state: State, forks: Forks, *, logprobs: int = 0,
+         spec: Speculation | None = None, dtype=jnp.bfloat16):
+    """Each slot forks.src[f], which has just ended its prompt (its first token drawn, nothing
+    decoded since), is copied into slot forks.dst[f]: its rows of the KV cache (and of the draft
+    model's), and its slot-table entry with the seed forks.seed[f]. The copy then draws its own
+    first token from the logits its source drew its first from, with its own seed, so it goes on
+    exactly as the source's request would with that seed.
+
+    -> (state, first tokens [F]), or with `logprobs` n > 0 (state, (first tokens, their LogProbs
+    [F] with the top n)); entries without a fork return what nothing reads."""
+    weights, _ = model_weights(weights, spec)
+    sl = state.slots
+    B = sl.last.shape[0]
+    valid = forks.dst < B
+    order = jnp.argsort(~valid, stable=True)          # the forks first: the copy loops run over those
+    cache = copy_rows(state.cache, forks.src[order], forks.dst[order], jnp.sum(valid))
+    draft = None if state.draft_cache is None else copy_rows(state.draft_cache, forks.src[order], forks.dst[order],
+                                                             jnp.sum(valid))
+    src = jnp.clip(forks.src, 0, B - 1)
+    child = jax.tree_util.tree_map(lambda a: a[src], sl)
+    child = child.replace(params=child.params.replace(seed=forks.seed))
+    logits = logits_from_hidden(cfg, weights, sl.hidden[src])
+    F = src.shape[0]
+    step0 = jnp.zeros((F,), jnp.int32)
+    x = logits if child.rules is None else apply_rules(logits, child.rules, step0, cfg.eos_ids, child.ignore_eos)
+    if child.counts is not None:
+        x = penalize(x, child.penalties, jnp.zeros_like(child.counts), child.in_prompt)
+    first = sample(x, child.params, step0)
+    child = child.replace(last=first, active=(child.remaining > 0) & ~ends_answer(first, cfg.eos_ids, child.ignore_eos,
+                                                                                  child.rules))
+    if child.counts is not None:
+        child = child.replace(counts=jax.nn.one_hot(first, child.counts.shape[1], dtype=child.counts.dtype))
+    if child.spec is not None:           # its own first token in its history; its own counts of speculation
+        hist = write_history(child.spec.history, None, child.pos[:, None], first[:, None])
+        child = child.replace(spec=child.spec.replace(history=hist, stats=sl.spec.stats[jnp.clip(forks.dst, 0, B - 1)]))
+    slots = jax.tree_util.tree_map(lambda a, v: a.at[forks.dst].set(v, mode="drop"), sl, child)
+    state = State(_by_layout(cache), _by_rows(slots), None if draft is None else _by_layout(draft))
+    return state, ((first, _lp(logits, first, logprobs)) if logprobs else first)
+
+
+def _by_layout(cache):
+    """The cache laid out as the engine made it (KV heads over "model"), as `_by_rows` the slots."""
+    from .kernels import current_layout
+    layout = current_layout()
+    if layout is None:
+        return cache
+    return jax.tree_util.tree_map(jax.lax.with_sharding_constraint, cache, layout.cache_shardings(cache))
+
+
 # -- the host side ---------------------------------------------------------------------------------
 def bucket(n: int, lo: int = 16) -> int:
     """Next power of two >= n: lengths come in few shapes, so few compiles."""
@@ -471,6 +551,14 @@ class EngineCore:
         static = {"out": out, **({"logprobs": logprobs} if logprobs else {})}
         self.state, res = e.run("prefill", self.state, e.put_rows(pieces),
                                 None if targets is None else e.put_rows(targets), **static)
+        return res
+
+    def fork(self, forks: Forks, logprobs: int = 0):
+        """-> the forked slots' first tokens [F] (with `logprobs`, and their LogProbs) on the device;
+        see `core.fork`."""
+        e = self.engine
+        static = {"logprobs": logprobs} if logprobs else {}
+        self.state, res = e.run("fork", self.state, e.put_rows(forks), **static)
         return res
 
     def decode(self, n_steps: int, max_steps: int, stop=None, rows: int | None = None, logprobs: int = 0):

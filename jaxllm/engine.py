@@ -120,7 +120,7 @@ def check_rules(logit_bias, stop_token_ids, min_tokens, max_tokens: int, vocab: 
 
 class Engine:
     """A loaded model on its mesh, its KV policy, and the compiled calls of the engine core
-    (`core.prefill`, `core.decode`), which every front end drives through an `EngineCore`."""
+    (`core.prefill`, `core.decode`, `core.fork`), which every front end drives through an `EngineCore`."""
 
     def __init__(self, cfg: ModelConfig, weights, tokenizer, *, dtype="bfloat16", max_ctx=8192,
                  name="model", quant="none", layout=None, kv_quant="auto",
@@ -147,7 +147,9 @@ class Engine:
         self._fns = {"prefill": jax.jit(partial(core.prefill, cfg, spec=speculation, dtype=d),
                                         static_argnames=("out", "logprobs"), donate_argnames=("state",)),
                      "decode": jax.jit(partial(core.decode, cfg, spec=speculation, dtype=d),
-                                       static_argnames=("max_steps", "rows", "logprobs"), donate_argnames=("state",))}
+                                       static_argnames=("max_steps", "rows", "logprobs"), donate_argnames=("state",)),
+                     "fork": jax.jit(partial(core.fork, cfg, spec=speculation, dtype=d),
+                                     static_argnames=("logprobs",), donate_argnames=("state",))}
         self._executables: dict = {}
         self.compile_s = 0.0          # seconds spent compiling the core's calls so far
         self.on_compile = None        # on_compile(n_calls) -> a callable to call when they are done
@@ -160,7 +162,7 @@ class Engine:
         return self.weights if self.draft_weights is None else (self.weights, self.draft_weights)
 
     def run(self, name: str, *args, **static):
-        """Call the core's `name` ("prefill" or "decode") with the weights and `args`, through the
+        """Call the core's `name` ("prefill", "decode" or "fork") with the weights and `args`, through the
         executable compiled for these shapes (compiled now if this is their first call)."""
         return self.executable(name, args, static)(self.call_weights, *args)
 
@@ -250,8 +252,9 @@ class Engine:
         def cache(cfg):
             return make_cache(cfg, self.kv_layout, self.kv_options, batch, length, self.dtype)
         draft = self.spec.draft_cfg if self.spec is not None else None
-        return core.State(cache(self.cfg), core.Slots.empty(batch, length, self.spec is not None, self.cfg.vocab_size),
-                          None if draft is None else cache(draft))
+        slots = core.Slots.empty(batch, length, self.spec is not None, self.cfg.vocab_size,
+                                 hidden=(self.cfg.hidden_size, self.dtype))
+        return core.State(cache(self.cfg), slots, None if draft is None else cache(draft))
 
     def new_state(self, batch: int, length: int) -> core.State:
         """A zeroed cache laid out on the mesh (batch over "data", KV heads over "model") and an
