@@ -6,13 +6,14 @@ accepted only at its neutral value (e.g. `n: 1`, `suffix: null`, `presence_penal
 """
 from __future__ import annotations
 
+import re
 import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from ..errors import JaxllmError
-from ..sampling import MAX_LOGPROBS
+from ..sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from ..tokenizer import Tokenizer
 from .chat import chat_prompt
 from .fields import (
@@ -22,6 +23,7 @@ from .fields import (
     check_fields,
     int_field,
     is_int,
+    is_num,
     neutral,
     num_field,
 )
@@ -58,6 +60,9 @@ class GenRequest:
     logprobs: int | None = None        # alternatives listed per token (None: no log-probabilities)
     echo: bool = False                 # completions: the answer starts with the prompt
     prompt_text: str = ""              # what `echo` writes back
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    stop_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0
 
     @property
     def prompt_logprobs(self) -> bool:
@@ -67,7 +72,8 @@ class GenRequest:
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stream",
                  "stream_options", "user", "presence_penalty", "frequency_penalty", "logit_bias",
-                 "logprobs", "ignore_eos", "repetition_penalty"}     # ignore_eos, repetition_penalty: vLLM's
+                 "logprobs", "ignore_eos", "repetition_penalty",       # ignore_eos and the rest: vLLM's
+                 "min_tokens", "stop_token_ids"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format",
                                "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs"}
@@ -75,7 +81,6 @@ CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprob
 
 def _check_unsupported(body: dict) -> None:
     neutral(body, "n", lambda v: v is None or (is_int(v) and v == 1))
-    neutral(body, "logit_bias", lambda v: not v)
     neutral(body, "suffix", lambda v: v is None)
     neutral(body, "best_of", lambda v: v is None or (is_int(v) and v == 1))
     neutral(body, "response_format", lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"))
@@ -95,6 +100,44 @@ def _stop(body) -> list[str]:
     if any(len(s) > MAX_STOP_CHARS for s in items):
         raise bad(f"'stop' strings may have at most {MAX_STOP_CHARS} characters", "stop")
     return list(dict.fromkeys(items))
+
+
+def _logit_bias(body, vocab_size: int) -> dict[int, float]:
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise bad("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise bad(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} tokens, got {len(v)}", "logit_bias")
+    out = {}
+    for key, bias in v.items():
+        if not re.fullmatch(r"[0-9]+", key):
+            raise bad(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
+        tok = int(key)
+        if tok >= vocab_size:
+            raise bad(f"'logit_bias' token {tok} is outside the vocabulary [0, {vocab_size})", "logit_bias")
+        if tok in out:
+            raise bad(f"'logit_bias' names token {tok} twice", "logit_bias")
+        if not is_num(bias) or not -100 <= bias <= 100:
+            raise bad(f"'logit_bias' values must be numbers in [-100, 100], got {bias!r} for token {tok}",
+                      "logit_bias")
+        out[tok] = float(bias)
+    return out
+
+
+def _stop_token_ids(body, vocab_size: int) -> list[int]:
+    v = body.get("stop_token_ids")
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(is_int(t) for t in v):
+        raise bad("'stop_token_ids' must be a list of token ids", "stop_token_ids")
+    if any(not 0 <= t < vocab_size for t in v):
+        raise bad(f"token ids in 'stop_token_ids' must lie in [0, {vocab_size})", "stop_token_ids")
+    v = list(dict.fromkeys(v))
+    if len(v) > MAX_STOP_TOKEN_IDS:
+        raise bad(f"'stop_token_ids' takes at most {MAX_STOP_TOKEN_IDS} token ids, got {len(v)}", "stop_token_ids")
+    return v
 
 
 def _sampling(body, vocab_size: int) -> dict:
@@ -198,6 +241,9 @@ def parse_request(kind: str, body, engine, served_name: str, max_model_len: int,
     include_usage = _stream_options(body, stream)
     stop = _stop(body)
     sampling = _sampling(body, engine.cfg.vocab_size)
+    logit_bias = _logit_bias(body, engine.cfg.vocab_size)
+    stop_token_ids = _stop_token_ids(body, engine.cfg.vocab_size)
+    min_tokens = int_field(body, "min_tokens", lo=0) or 0
     logprobs = _logprobs(kind, body)
     echo = bool_field(body, "echo")
     max_tokens = int_field(body, "max_tokens", lo=0 if echo else 1)
@@ -213,11 +259,14 @@ def parse_request(kind: str, body, engine, served_name: str, max_model_len: int,
         ids, plan = chat_prompt(body, engine, features or chat_features(engine.cfg.family))
     max_tokens = _fit_context(len(ids), max_tokens, max_model_len, default=16 if kind == "completion" else None,
                               prompt_param="prompt" if kind == "completion" else "messages")
+    if min_tokens > max_tokens:
+        raise bad(f"'min_tokens' ({min_tokens}) must not be more than max_tokens ({max_tokens})", "min_tokens")
     rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
     special = plan is not None and any(p is not None and p.decode_special for p in (plan.tools, plan.reasoning))
     return GenRequest(kind, served_name, ids, max_tokens, stop=stop, ignore_eos=ignore_eos, stream=stream,
                       include_usage=include_usage, id=rid, created=int(time.time()), skip_special=not special,
-                      output=plan, logprobs=logprobs, echo=echo, prompt_text=prompt_text, **sampling)
+                      output=plan, logprobs=logprobs, echo=echo, prompt_text=prompt_text, logit_bias=logit_bias,
+                      stop_token_ids=stop_token_ids, min_tokens=min_tokens, **sampling)
 
 
 # -- /tokenize and /detokenize (vLLM's) ------------------------------------------------------------

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..core import Pieces
 from ..engine import TokenLogprob, token_logprobs
-from ..sampling import MAX_LOGPROBS, Penalties, SamplingParams
+from ..sampling import MAX_LOGPROBS, Penalties, SamplingParams, TokenRules
 from .detok import TextStream
 from .protocol import GenRequest
 
@@ -386,10 +386,12 @@ class Scheduler:
         pen = Penalties(*(np.asarray([getattr(j.req, k) for j in jobs] + [d] * (P - len(jobs)), np.float32)
                           for k, d in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                                        ("repetition_penalty", 1.0))))
+        rules = TokenRules.make(P, [j.req.logit_bias for j in jobs], [j.req.stop_token_ids for j in jobs],
+                                [j.req.min_tokens for j in jobs] + [0] * (P - len(jobs)))
         wants = [j.req.logprobs is not None and f for j, f in zip(jobs, final)]
         scored = [(int(s), int(n)) if j.req.prompt_logprobs else None for j, s, n in zip(jobs, start, length)]
         targets = self._prompt_targets(jobs, scored, P, C) if any(scored) else None
-        first = self.core.prefill(Pieces.make(tokens, start, length, final, rows, params, max_new, ignore, pen),
+        first = self.core.prefill(Pieces.make(tokens, start, length, final, rows, params, max_new, ignore, pen, rules),
                                   targets=targets, logprobs=MAX_LOGPROBS if any(wants) or targets else 0)
         self.prefilling = [j for j in self.prefilling if j.prefilled < len(j.req.prompt_ids)]
         self.record.append({"kind": "prefill", "pieces": [(j.id, int(s), int(n)) for j, s, n in
@@ -497,7 +499,8 @@ class Scheduler:
         text as one delta, finish it when it is done."""
         r = job.req
         toks = toks[:r.max_tokens - job.n_tokens]
-        eos = next((i for i, t in enumerate(toks) if t in self.eos), None) if not r.ignore_eos else None
+        ends = set(r.stop_token_ids) | (set() if r.ignore_eos else self.eos)
+        eos = next((i for i, t in enumerate(toks) if t in ends), None)
         text, taken = job.text.push_many(toks if eos is None else toks[:eos])
         if lp is not None and r.logprobs is not None:       # an EOS has none: it is not in the text
             job.logprobs += token_logprobs(lp, 0, toks[:taken], r.logprobs)
