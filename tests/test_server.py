@@ -304,6 +304,39 @@ def test_penalties_match_engine(engine, client, model_name):
     assert r.choices[0].message.content == ref.text
 
 
+def test_n_answers_are_the_requests_with_their_seeds(client, model_name):
+    """`n` answers of one prompt (prefilled once, its slot forked): answer i is what the request
+    alone samples with seed + i, streamed or not, completions and chat, with its own
+    log-probabilities; the usage counts the prompt once and every answer's tokens."""
+    kw = dict(model=model_name, prompt=PROMPT, max_tokens=10, temperature=0.8, seed=77)
+    r = client.completions.create(n=4, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    alone = [client.completions.create(**{**kw, "seed": 77 + i}) for i in range(4)]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+    assert len({c.text for c in r.choices}) == 4
+    assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+
+    lp = client.completions.create(n=2, echo=True, logprobs=1, **kw).model_dump()["choices"]
+    for i, c in enumerate(lp):
+        one = client.completions.create(echo=True, logprobs=1, **{**kw, "seed": 77 + i}).model_dump()["choices"][0]
+        assert c["text"] == one["text"] == PROMPT + r.choices[i].text
+        assert c["logprobs"]["tokens"] == one["logprobs"]["tokens"]
+        np.testing.assert_allclose(c["logprobs"]["token_logprobs"][1:], one["logprobs"]["token_logprobs"][1:],
+                                   atol=logprob_refs.ATOL)
+
+    chat = dict(model=model_name, messages=CHAT, max_tokens=8, temperature=0.8, seed=5, n=2)
+    whole = client.chat.completions.create(**chat)
+    texts = {}
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **chat):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+        if chunk.usage:
+            assert chunk.usage.completion_tokens == whole.usage.completion_tokens
+    assert [texts[i] for i in range(2)] == [c.message.content for c in whole.choices]
+    assert whole.choices[0].message.content != whole.choices[1].message.content
+
+
 def greedy_reference(engine, ids, n, bias=None, min_tokens=0, stops=()):
     """numpy: greedy tokens from `Engine.logits` of the prompt and the tokens so far, with
     logit_bias added, and EOS and the stop ids at -inf for the first min_tokens; an ending EOS or
@@ -522,7 +555,9 @@ BAD = [  # (id, path, raw body or JSON, headers, status, words the message must 
     ("top_k_type", "/v1/completions", {"prompt": "x", "top_k": "ten"}, None, 400, "'top_k'"),
     ("seed_float", "/v1/completions", {"prompt": "x", "seed": 1.5}, None, 400, "'seed'"),
     ("stop_type", "/v1/completions", {"prompt": "x", "stop": [1, 2]}, None, 400, "'stop'"),
-    ("n_two", "/v1/completions", {"prompt": "x", "n": 2}, None, 400, "'n'"),
+    ("n_over_slots", "/v1/completions", {"prompt": "x", "n": 9}, None, 400, "'n' = 9 answers need 9 slots, but "
+     "this server has 8"),
+    ("n_zero", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, None, 400, "'n'"),
     ("logit_bias_key", "/v1/completions", {"prompt": "x", "logit_bias": {"a5": 1}}, None, 400, "'logit_bias' keys"),
     ("logit_bias_vocab", "/v1/completions", {"prompt": "x", "logit_bias": {"262144": 1}}, None, 400,
      "'logit_bias' token 262144 is outside the vocabulary"),

@@ -60,9 +60,14 @@ class GenRequest:
     logprobs: int | None = None        # alternatives listed per token (None: no log-probabilities)
     echo: bool = False                 # completions: the answer starts with the prompt
     prompt_text: str = ""              # what `echo` writes back
+    n: int = 1                         # answers to the prompt (choice i samples with seed + i)
     logit_bias: dict[int, float] = field(default_factory=dict)
     stop_token_ids: list[int] = field(default_factory=list)
     min_tokens: int = 0
+
+    def choice_seed(self, i: int) -> int:
+        """The seed choice i samples with: the request's seed + i (modulo 2**32)."""
+        return (self.seed + i) % SEED_MOD
 
     @property
     def prompt_logprobs(self) -> bool:
@@ -80,7 +85,6 @@ CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprob
 
 
 def _check_unsupported(body: dict) -> None:
-    neutral(body, "n", lambda v: v is None or (is_int(v) and v == 1))
     neutral(body, "suffix", lambda v: v is None)
     neutral(body, "best_of", lambda v: v is None or (is_int(v) and v == 1))
     neutral(body, "response_format", lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"))
@@ -100,6 +104,13 @@ def _stop(body) -> list[str]:
     if any(len(s) > MAX_STOP_CHARS for s in items):
         raise bad(f"'stop' strings may have at most {MAX_STOP_CHARS} characters", "stop")
     return list(dict.fromkeys(items))
+
+
+def _n(body, max_num_seqs: int | None) -> int:
+    n = int_field(body, "n", lo=1)
+    if n is not None and max_num_seqs is not None and n > max_num_seqs:
+        raise bad(f"'n' = {n} answers need {n} slots, but this server has {max_num_seqs} (--max-num-seqs)", "n")
+    return 1 if n is None else n
 
 
 def _logit_bias(body, vocab_size: int) -> dict[int, float]:
@@ -228,9 +239,10 @@ def _prompt_text(body: dict, ids: list[int], engine) -> str:
 
 # -- the whole request ----------------------------------------------------------------------------
 def parse_request(kind: str, body, engine, served_name: str, max_model_len: int,
-                  features: ChatFeatures | None = None) -> GenRequest:
+                  features: ChatFeatures | None = None, max_num_seqs: int | None = None) -> GenRequest:
     """Validate a decoded JSON body for /v1/completions (kind 'completion') or /v1/chat/completions;
-    `features`: what the model family's chat answers hold (by default from the engine's family)."""
+    `features`: what the model family's chat answers hold (by default from the engine's family);
+    `max_num_seqs`: the slots, which bound `n`."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     check_fields(body, COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS)
@@ -241,6 +253,7 @@ def parse_request(kind: str, body, engine, served_name: str, max_model_len: int,
     include_usage = _stream_options(body, stream)
     stop = _stop(body)
     sampling = _sampling(body, engine.cfg.vocab_size)
+    n = _n(body, max_num_seqs)
     logit_bias = _logit_bias(body, engine.cfg.vocab_size)
     stop_token_ids = _stop_token_ids(body, engine.cfg.vocab_size)
     min_tokens = int_field(body, "min_tokens", lo=0) or 0
@@ -265,7 +278,7 @@ def parse_request(kind: str, body, engine, served_name: str, max_model_len: int,
     special = plan is not None and any(p is not None and p.decode_special for p in (plan.tools, plan.reasoning))
     return GenRequest(kind, served_name, ids, max_tokens, stop=stop, ignore_eos=ignore_eos, stream=stream,
                       include_usage=include_usage, id=rid, created=int(time.time()), skip_special=not special,
-                      output=plan, logprobs=logprobs, echo=echo, prompt_text=prompt_text, logit_bias=logit_bias,
+                      output=plan, logprobs=logprobs, echo=echo, prompt_text=prompt_text, n=n, logit_bias=logit_bias,
                       stop_token_ids=stop_token_ids, min_tokens=min_tokens, **sampling)
 
 
@@ -369,34 +382,38 @@ def chat_message(req: GenRequest, text: str, parts: Parts | None) -> dict:
     return msg
 
 
-def full_response(req: GenRequest, text: str, finish_reason: str, n_completion: int,
-                  parts: Parts | None = None, logprobs: dict | None = None) -> dict:
-    """The whole answer; `parts`: a chat answer read by its `OutputPlan`; `logprobs`: from
+def choice(req: GenRequest, index: int, text: str, finish_reason: str, parts: Parts | None = None,
+           logprobs: dict | None = None) -> dict:
+    """One answer of a response; `parts`: a chat answer read by its `OutputPlan`; `logprobs`: from
     `LogprobWriter`."""
     if req.kind == "completion":
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        obj = "text_completion"
-    else:
-        if parts is not None and parts.calls:
-            finish_reason = "tool_calls"
-        choice = {"index": 0, "message": chat_message(req, text, parts), "logprobs": logprobs,
-                  "finish_reason": finish_reason}
-        obj = "chat.completion"
-    return {"id": req.id, "object": obj, "created": req.created, "model": req.model, "choices": [choice],
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    if parts is not None and parts.calls:
+        finish_reason = "tool_calls"
+    return {"index": index, "message": chat_message(req, text, parts), "logprobs": logprobs,
+            "finish_reason": finish_reason}
+
+
+def full_response(req: GenRequest, choices: list[dict], n_completion: int) -> dict:
+    """The whole response: its `choice`s, in index order, and the usage (the prompt counted once,
+    the tokens of every answer)."""
+    obj = "text_completion" if req.kind == "completion" else "chat.completion"
+    return {"id": req.id, "object": obj, "created": req.created, "model": req.model, "choices": choices,
             "usage": usage(len(req.prompt_ids), n_completion)}
 
 
 def stream_chunk(req: GenRequest, text: str | None, finish_reason: str | None = None,
-                 role: bool = False, delta: dict | None = None, logprobs: dict | None = None) -> dict:
-    """One SSE chunk with a text delta (or a chat `delta`, the role announcement, or the finish
-    reason), and the log-probabilities of the tokens it brings."""
+                 role: bool = False, delta: dict | None = None, logprobs: dict | None = None,
+                 index: int = 0) -> dict:
+    """One SSE chunk of answer `index`, with a text delta (or a chat `delta`, the role announcement,
+    or the finish reason), and the log-probabilities of the tokens it brings."""
     if req.kind == "completion":
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     else:
         if delta is None:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     chunk = {"id": req.id, "object": obj, "created": req.created, "model": req.model, "choices": [choice]}
     if req.include_usage:
@@ -466,6 +483,44 @@ class ChatDeltas:
             out.append({"tool_calls": [{"index": self.calls, "function": {"arguments": c.arguments}}]})
             self.calls += 1
         return out
+
+
+class AnswerStream:
+    """Answer `index` of a streamed response -> its chunks: text, or chat deltas (reasoning and tool
+    calls read as they come, by the request's `OutputPlan`), each with the log-probabilities of the
+    tokens whose text it completes; then its finish chunk."""
+
+    def __init__(self, req: GenRequest, index: int, tokenizer):
+        self.req, self.index = req, index
+        self.reader = None if req.output is None else req.output.reader()
+        self.deltas = ChatDeltas()
+        self.writer = LogprobWriter(req, tokenizer)
+
+    def role(self) -> dict:
+        return stream_chunk(self.req, None, role=True, index=self.index)
+
+    def text(self, text: str, entries=None) -> list[dict]:
+        if self.reader is not None:
+            return self._parts(self.reader.push(text), entries)
+        lp = self.writer(entries) if entries else None
+        if self.req.kind == "chat":
+            return [stream_chunk(self.req, None, delta={"content": text} if text else {}, logprobs=lp,
+                                 index=self.index)]
+        return [stream_chunk(self.req, text, logprobs=lp, index=self.index)]
+
+    def finish(self, reason: str) -> tuple[list[dict], str]:
+        """-> (the last chunks, the finish chunk among them), the finish reason sent."""
+        out = []
+        if self.reader is not None:
+            out = self._parts(self.reader.finish())
+            reason = "tool_calls" if self.deltas.calls else reason
+        return out + [stream_chunk(self.req, None, reason, index=self.index)], reason
+
+    def _parts(self, parts: Parts, entries=None) -> list[dict]:
+        lp = self.writer(entries) if entries else None
+        ds = self.deltas(parts) or ([{}] if lp else [])
+        return [stream_chunk(self.req, None, delta=d, logprobs=lp if i == 0 else None, index=self.index)
+                for i, d in enumerate(ds)]
 
 
 def usage_chunk(req: GenRequest, n_completion: int) -> dict:

@@ -12,10 +12,15 @@ tokens of a running request at most one prefill forward runs. While prompts wait
 the blocks are one step long, so that prefills follow one another closely; otherwise `decode_steps`
 long. The output thread detokenizes a block while the device runs the next (on GPUs the host drives
 the decode loop, so the engine thread is inside that call meanwhile); at most two calls wait for it.
+
+A request for n answers takes n slots at once. Its prompt is prefilled into the first; right after
+the forward that ends it, `EngineCore.fork` copies that slot into the others, each drawing its own
+first token with its own seed, and from there each answer is a job of its own.
 """
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import logging
 import queue
@@ -27,7 +32,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from ..core import Pieces
+from ..core import Forks, Pieces
 from ..engine import TokenLogprob, token_logprobs
 from ..sampling import MAX_LOGPROBS, Penalties, SamplingParams, TokenRules
 from .detok import TextStream
@@ -69,14 +74,21 @@ ARRIVAL_WAIT = 0.010     # the longest a burst holds the first prefill back
 
 @dataclass(eq=False)
 class Job:
+    """One answer of a request: the request's first (index 0), whose prompt is prefilled, holds the
+    others' as `children`, which fork its slot."""
     req: GenRequest
     emit: Callable[[object], None]          # thread-safe: delivers an event to the request's handler
     cancelled: threading.Event = field(default_factory=threading.Event)
     text: TextStream | None = None
     n_tokens: int = 0
     slot: int = -1
-    prefilled: int = 0                      # prompt tokens sent to the device so far
+    prefilled: int = 0                      # prompt tokens sent to the device so far (a fork: all)
+    started: bool = False                   # its first token is being drawn: its slot may decode
     done: bool = False                      # its last event went out
+    index: int = 0                          # which of the request's answers
+    parent: Job | None = None               # a child: the job whose slot it forks
+    children: list = field(default_factory=list)
+    answers_done: int = 0                   # the parent: answers of the request that ended
     id: int = field(default_factory=lambda: next(_ids))
     arrived: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None     # when its first tokens were read back
@@ -87,6 +99,19 @@ class Job:
 
     def cancel(self):
         self.cancelled.set()
+
+    @property
+    def choices(self) -> list[Job]:
+        return [self] + self.children
+
+    @staticmethod
+    def for_request(req: GenRequest, emit: Callable[[int, object], None]) -> Job:
+        """The jobs of a request's `req.n` answers (the first, holding the others); emit(i, event)
+        delivers answer i's events. Cancelling one cancels them all."""
+        job = Job(req, functools.partial(emit, 0))
+        job.children = [Job(req, functools.partial(emit, i), cancelled=job.cancelled, index=i, parent=job)
+                        for i in range(1, req.n)]
+        return job
 
 
 class Observer:
@@ -196,8 +221,9 @@ class Scheduler:
         self.output = threading.Thread(target=self._read_results, name="jaxllm-output", daemon=True)
         self.finished = 0              # requests completed
         self.generated = 0             # tokens sampled for requests (a freed slot stops adding)
-        # What the device ran, in order: {"kind": "prefill", "pieces": [(job, start, length), ...]}
-        # or {"kind": "decode", "steps": n, "rows": r, "tokens": {job: count}} (filled when read back).
+        # What the device ran, in order: {"kind": "prefill", "pieces": [(job, start, length), ...]},
+        # {"kind": "fork", "forks": [(job, its slot, the slot it forks), ...]} or {"kind": "decode",
+        # "steps": n, "rows": r, "tokens": {job: count}} (filled when read back).
         self.record: collections.deque[dict] = collections.deque(maxlen=record)
         # Speculation counts reported so far; the core's are read (one device read) when the engine
         # goes idle after decoding, so that a busy server never waits on the device for them.
@@ -237,6 +263,8 @@ class Scheduler:
                  for P, C in self.shapes.prefills()]
         calls += [("decode", (state, np.int32(1), e.row_shapes(np.zeros(n, bool))),
                    {"max_steps": self.out_size, "rows": n}) for n in self.shapes.decodes()]
+        if self.core.num_slots > 1:
+            calls.append(("fork", (state, e.row_shapes(Forks.make(self.core.num_slots))), {}))
         return e.precompile(calls)
 
     def start(self, warmup: bool = True):
@@ -256,7 +284,8 @@ class Scheduler:
             waiting, self.waiting = list(self.waiting), collections.deque()
             self.cond.notify()
         for job in waiting:
-            self._end(job, Failed(503, "the server is shutting down"))
+            for c in job.choices:
+                self._end(c, Failed(503, "the server is shutting down"))
 
     def shutdown(self, timeout: float = 10.0):
         """End everything now (running requests get a 503) and stop the threads."""
@@ -322,28 +351,33 @@ class Scheduler:
 
     def _admit(self):
         """Give free slots (the lowest first, so live requests stay in the leading slots) to queued
-        requests; their prompts then wait for prefill."""
+        requests, a slot for each of a request's answers; their prompts then wait for prefill. A
+        slot's earlier request, if still live on the device, is stopped there until the new one
+        starts (`to_stop`, cleared when the slot's first token is drawn)."""
         if self.stopping:
             return
-        for b in range(len(self.slots)):
-            if self.slots[b] is not None:
-                continue
-            job = self._next_waiting()
+        while True:
+            free = [b for b, j in enumerate(self.slots) if j is None]
+            job = self._next_waiting(len(free))
             if job is None:
                 return
-            job.text = TextStream(self.engine.tokenizer, job.req.stop, job.req.skip_special)
-            job.slot, job.prefilled = b, 0
-            with self.cond:
-                self.slots[b] = job
-            self.to_stop[b] = False            # its prefill sets the slot anew
+            for c, b in zip(job.choices, free):
+                c.text = TextStream(self.engine.tokenizer, c.req.stop, c.req.skip_special)
+                c.slot, c.prefilled = b, 0
+                with self.cond:
+                    self.slots[b] = c
             self.prefilling.append(job)
 
-    def _next_waiting(self) -> Job | None:
+    def _next_waiting(self, free: int) -> Job | None:
+        """The first queued request, if its answers fit `free` slots (else it waits, and the
+        requests behind it with it)."""
         with self.cond:
             while self.waiting:
-                job = self.waiting.popleft()
-                if not job.cancelled.is_set():
-                    return job
+                job = self.waiting[0]
+                if job.cancelled.is_set():
+                    self.waiting.popleft()
+                    continue
+                return self.waiting.popleft() if len(job.choices) <= free else None
         return None
 
     def _launch(self) -> bool:
@@ -351,7 +385,7 @@ class Scheduler:
         prefilled = bool(self.prefilling)
         if prefilled:
             self._launch_prefill()
-        decoding = [j for j in self.slots if j is not None and j not in self.prefilling]
+        decoding = [j for j in self.slots if j is not None and j.started]
         if not decoding:
             return prefilled
         n = 1 if self.prefilling else self.decode_steps
@@ -362,7 +396,8 @@ class Scheduler:
         toks = self.core.decode(n, self.out_size, stop, rows, logprobs=lp)
         rec = {"kind": "decode", "steps": n, "rows": rows, "tokens": {}}
         self.record.append(rec)
-        self.results.put(Launched("decode", toks, self.slots[:rows], record=rec))
+        jobs = [j if j is not None and j.started else None for j in self.slots[:rows]]
+        self.results.put(Launched("decode", toks, jobs, record=rec))
         return True
 
     def _launch_prefill(self):
@@ -397,6 +432,29 @@ class Scheduler:
         self.record.append({"kind": "prefill", "pieces": [(j.id, int(s), int(n)) for j, s, n in
                                                           zip(jobs, start, length)]})
         self.results.put(Launched("prefill", first, jobs, finals=list(final[:len(jobs)]), scored=scored))
+        started = [j for j, f in zip(jobs, final) if f]
+        for job in started:
+            self._start(job)
+        self._launch_forks([c for j in started for c in j.children])
+
+    def _start(self, job: Job):
+        """`job`'s first token is drawn by a call just launched: its slot decodes from now on."""
+        job.started = True
+        self.to_stop[job.slot] = False
+
+    def _launch_forks(self, children: list[Job]):
+        """Copy each child's parent slot (which has just ended its prompt) into the child's."""
+        if not children:
+            return
+        forks = Forks.make(self.core.num_slots, [c.parent.slot for c in children], [c.slot for c in children],
+                           [c.req.choice_seed(c.index) for c in children])
+        lp = MAX_LOGPROBS if any(c.req.logprobs is not None for c in children) else 0
+        first = self.core.fork(forks, logprobs=lp)
+        for c in children:
+            c.prefilled = len(c.req.prompt_ids)
+            self._start(c)
+        self.record.append({"kind": "fork", "forks": [(c.id, c.slot, c.parent.slot) for c in children]})
+        self.results.put(Launched("fork", first, children))
 
     @staticmethod
     def _prompt_targets(jobs, scored, P: int, C: int):
@@ -465,6 +523,16 @@ class Scheduler:
     def _collect(self, call: Launched):
         """Hand a call's tokens to the requests that held the slots when it was launched."""
         get = self.engine.layout.get
+        if call.kind == "fork":
+            res = call.result if isinstance(call.result, tuple) else (call.result, None)
+            first, lp = jax.tree_util.tree_map(get, res)
+            for f, job in enumerate(call.jobs):
+                if job.done:
+                    continue
+                if job.req.echo:           # the prompt and its scores, as its parent read them
+                    job.emit(Prompt(job.parent.prompt_logprobs if job.req.prompt_logprobs else None))
+                self._take(job, [int(first[f])], _row(lp, f, None))
+            return
         if call.kind == "prefill":
             res = call.result if isinstance(call.result, tuple) else (call.result, None)
             first, lp, scores = jax.tree_util.tree_map(get, res + (None,) * (3 - len(res)))
@@ -534,7 +602,9 @@ class Scheduler:
         if job.text.stopped:
             reason = "stop"
         if self._end(job, Finished(reason, job.n_tokens), "".join(text), self._settled_logprobs(job)):
-            self.finished += 1
+            first = job.parent or job
+            first.answers_done += 1
+            self.finished += first.answers_done == len(first.choices)
             self._ended(job)
 
     def _ended(self, job: Job):
