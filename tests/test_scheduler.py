@@ -33,8 +33,8 @@ def layouts(tmp_path_factory):
                                   "spec-ngram", "spec-ngram-split-int8"])
 def test_server_equals_engine_generate(layouts, case):
     """Greedy answers alone and to 64 concurrent clients equal `Engine.generate`'s; a server that
-    speculates equals the plain engine; n sampled answers of one request (its slot forked) are the
-    requests' alone with their seeds."""
+    speculates equals the plain engine; n answers of one request (its slot forked) are the request's
+    alone, greedy and (without speculation) sampled with each answer's seed."""
     r = layouts[case]
     print(f"{case}: {r['layout']}, cache {r['cache_spec']} on {r['devices']} devices, {r['prefills']} prefills, "
           f"speculation {r['speculation']}")
