@@ -491,9 +491,9 @@ def fork(cfg: ModelConfig, weights, state: State, forks: Forks, *, logprobs: int
     B = sl.last.shape[0]
     valid = forks.dst < B
     order = jnp.argsort(~valid, stable=True)          # the forks first: the copy loops run over those
-    cache = copy_rows(state.cache, forks.src[order], forks.dst[order], jnp.sum(valid))
-    draft = None if state.draft_cache is None else copy_rows(state.draft_cache, forks.src[order], forks.dst[order],
-                                                             jnp.sum(valid))
+    rows = forks.src[order], forks.dst[order], jnp.sum(valid)
+    cache = copy_rows(state.cache, *rows)
+    draft = None if state.draft_cache is None else copy_rows(state.draft_cache, *rows)
     src = jnp.clip(forks.src, 0, B - 1)
     child = jax.tree_util.tree_map(lambda a: a[src], sl)
     child = child.replace(params=child.params.replace(seed=forks.seed))
