@@ -82,3 +82,20 @@ def write_layer(buf: jax.Array, idx, new: jax.Array, positions: jax.Array, rows=
     r = jnp.arange(B, dtype=jnp.int32) if rows is None else rows
     cols = jnp.where((positions >= 0) & (positions < S), positions, S)
     return buf.at[idx, jnp.broadcast_to(r[:, None], (B, T)), cols].set(new.astype(buf.dtype), mode="drop")
+
+
+def copy_rows(cache, src: jax.Array, dst: jax.Array, n: jax.Array):
+    """A cache of any layout (every leaf [layers, B, ...]) with row dst[i] <- row src[i] for i < n,
+    one layer of one row at a time: the buffers are updated in place, and that layer's row is the
+    only temporary (a whole row of a long context would be gigabytes). Under tensor parallelism the
+    rows keep their heads' sharding: nothing is sliced across heads."""
+    def leaf(x):
+        L, rest = x.shape[0], x.shape[2:]
+        zeros = (jnp.int32(0),) * len(rest)
+
+        def one(k, x):
+            i, layer = k // L, k % L
+            row = jax.lax.dynamic_slice(x, (layer, src[i], *zeros), (1, 1, *rest))
+            return jax.lax.dynamic_update_slice(x, row, (layer, dst[i], *zeros))
+        return jax.lax.fori_loop(jnp.int32(0), n.astype(jnp.int32) * L, one, x)
+    return jax.tree_util.tree_map(leaf, cache)

@@ -13,6 +13,10 @@ drive this.
   position -1, which writes nothing. The cache is read in place: nothing is sliced or copied around
   the loop.
 
+- `fork` copies slots that have just ended their prompts into other slots (the KV-cache rows and
+  the slot-table entries), each copy drawing its own first token with its own seed from the logits
+  its source drew from: a request for n answers prefills its prompt once.
+
 A slot draws its k-th token with `fold_in(seed, k)`, so a request samples the same tokens whatever
 else shares the cache and however its steps are split into calls.
 """
@@ -23,9 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from .cache import copy_rows
 from .config import ModelConfig
 from .model import forward, logits_from_hidden
-from .sampling import LogProbs, Penalties, SamplingParams, mask_tokens, penalize, sample
+from .sampling import LogProbs, Penalties, SamplingParams, TokenRules, apply_rules, mask_tokens, penalize, sample
 from .sampling import logprobs as _lp
 from .speculative import (SpecSlots, Speculation, accept, ngram_draft, update_rate, wants_draft, worth_verifying,
                           write_history)
@@ -49,14 +54,20 @@ class Slots:
     penalties: Penalties | None = None
     counts: jax.Array | None = None
     in_prompt: jax.Array | None = None
+    rules: TokenRules | None = None       # logit_bias, stop_token_ids, min_tokens
+    hidden: jax.Array | None = None       # [B, D]: the hidden state the slot's first token was drawn from
 
     @staticmethod
-    def empty(batch: int, length: int, spec: bool = False, vocab: int | None = None) -> "Slots":
+    def empty(batch: int, length: int, spec: bool = False, vocab: int | None = None,
+              hidden: tuple | None = None) -> "Slots":
+        """`hidden` (width, dtype): keep each slot's last prompt hidden state, for `fork`."""
         def zeros(dtype=jnp.int32):        # distinct buffers: the whole state is donated
             return jnp.zeros((batch,), dtype)
         params = jax.tree_util.tree_map(jnp.array, SamplingParams.make(batch))
         slots = Slots(zeros(), zeros(), zeros(), zeros(), zeros(bool), zeros(bool), params,
-                      SpecSlots.empty(batch, length) if spec else None)
+                      SpecSlots.empty(batch, length) if spec else None,
+                      rules=jax.tree_util.tree_map(jnp.array, TokenRules.make(batch)),
+                      hidden=None if hidden is None else jnp.zeros((batch, hidden[0]), hidden[1]))
         if vocab is None:
             return slots
         return slots.replace(penalties=jax.tree_util.tree_map(jnp.array, Penalties.make(batch)),
@@ -87,11 +98,13 @@ class Pieces:
     params: SamplingParams     # [P]
     rows: jax.Array | None = None
     penalties: Penalties | None = None     # [P] (None: none)
+    rules: TokenRules | None = None        # [P] (None: none)
     allowed: jax.Array | None = None       # [P, ceil(V / 32)] uint32 (None: every token)
 
     @staticmethod
     def make(tokens, start=None, length=None, final=None, rows=None, params: SamplingParams | None = None,
-             max_new=None, ignore_eos=None, penalties: Penalties | None = None, allowed=None) -> "Pieces":
+             max_new=None, ignore_eos=None, penalties: Penalties | None = None,
+             rules: TokenRules | None = None, allowed=None) -> "Pieces":
         """Host arrays -> Pieces (numpy leaves; the engine puts them on the mesh)."""
         P = len(tokens)
 
@@ -103,6 +116,7 @@ class Pieces:
                       jax.tree_util.tree_map(np.asarray, params),
                       None if rows is None else np.asarray(rows, np.int32),
                       jax.tree_util.tree_map(np.asarray, penalties or Penalties.make(P)),
+                      rules or TokenRules.make(P),
                       None if allowed is None else np.asarray(allowed, np.uint32))
 
     @staticmethod
@@ -118,10 +132,38 @@ class Pieces:
         return jnp.where(t < self.length[:, None], self.start[:, None] + t, -1)
 
 
+@struct.dataclass
+class Forks:
+    """Slots to fork, F at most: slot src[f] is copied into slot dst[f] (a dst past the cache: no
+    fork), which draws its own first token with seed[f]."""
+    src: jax.Array             # [F] int32
+    dst: jax.Array             # [F] int32
+    seed: jax.Array            # [F] uint32
+
+    @staticmethod
+    def make(size: int, src=(), dst=(), seed=()) -> "Forks":
+        """Host arrays of `size` entries, the unused ones aimed past any cache."""
+        def col(v, dtype, pad):
+            out = np.full((size,), pad, dtype)
+            out[:len(v)] = v
+            return out
+        return Forks(col(src, np.int32, 0), col(dst, np.int32, np.iinfo(np.int32).max), col(seed, np.uint32, 0))
+
+
 def is_eos(tok: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     if not eos_ids:
         return jnp.zeros(tok.shape, bool)
-    return jnp.any(tok[:, None] == jnp.asarray(eos_ids, jnp.int32)[None, :], axis=-1)
+    return jnp.any(tok[..., None] == jnp.asarray(eos_ids, jnp.int32), axis=-1)
+
+
+def ends_answer(tok: jax.Array, eos_ids: tuple[int, ...], ignore_eos: jax.Array, rules: TokenRules | None):
+    """tok [B] or [B, T]: the tokens that end their row's answer: EOS (unless the row ignores it)
+    and the row's stop token ids."""
+    lead = (slice(None),) + (None,) * (tok.ndim - 1)
+    end = ~ignore_eos[lead] & is_eos(tok, eos_ids)
+    if rules is None:
+        return end
+    return end | jnp.any(tok[..., None] == rules.stop_ids[lead], axis=-1)
 
 
 # -- prefill ---------------------------------------------------------------------------------------
@@ -161,17 +203,21 @@ def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=Non
     first_logits = logits_from_hidden(cfg, weights, h_last)
     rows = jnp.arange(P, dtype=jnp.int32) if pieces.rows is None else pieces.rows
     sl = state.slots
+    B = sl.last.shape[0]
+    rules = None if sl.rules is None else _rules(pieces, P)
+    step0 = jnp.zeros((P,), jnp.int32)
+    x = first_logits if rules is None else apply_rules(first_logits, rules, step0, cfg.eos_ids, pieces.ignore_eos)
     if sl.counts is not None:             # new prompts start their counts; prompt tokens are marked
         sl = _count_prompt(sl, pieces, rows, positions)
         in_prompt = jnp.take(sl.in_prompt, rows, axis=0, mode="clip")
         pen = _penalties(pieces, P)
-        first = sample(mask_tokens(penalize(first_logits, pen, jnp.zeros(in_prompt.shape, jnp.int32), in_prompt),
-                                   pieces.allowed), pieces.params, jnp.zeros((P,), jnp.int32))
-        sl = sl.replace(counts=sl.counts.at[jnp.where(pieces.final, rows, sl.last.shape[0]), first].add(1, mode="drop"),
+        first = sample(mask_tokens(penalize(x, pen, jnp.zeros(in_prompt.shape, jnp.int32), in_prompt), pieces.allowed),
+                       pieces.params, step0)
+        sl = sl.replace(counts=sl.counts.at[jnp.where(pieces.final, rows, B), first].add(1, mode="drop"),
                         penalties=jax.tree_util.tree_map(lambda a, v: a.at[rows].set(v, mode="drop"), sl.penalties, pen))
     else:
-        first = sample(mask_tokens(first_logits, pieces.allowed), pieces.params, jnp.zeros((P,), jnp.int32))
-    live = pieces.final & (pieces.ignore_eos | ~is_eos(first, cfg.eos_ids)) & (pieces.max_new > 1)
+        first = sample(mask_tokens(x, pieces.allowed), pieces.params, step0)
+    live = pieces.final & ~ends_answer(first, cfg.eos_ids, pieces.ignore_eos, rules) & (pieces.max_new > 1)
 
     def put(a, v):
         return a.at[rows].set(v, mode="drop")
@@ -181,6 +227,11 @@ def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=Non
                        remaining=put(sl.remaining, pieces.max_new - 1), active=put(sl.active, live),
                        ignore_eos=put(sl.ignore_eos, pieces.ignore_eos),
                        params=jax.tree_util.tree_map(put, sl.params, pieces.params))
+    if rules is not None:
+        slots = slots.replace(rules=jax.tree_util.tree_map(put, sl.rules, rules))
+    if sl.hidden is not None:             # what `fork` draws the first tokens of a slot's copies from
+        slots = slots.replace(hidden=sl.hidden.at[jnp.where(pieces.final, rows, B)].set(
+            h_last.astype(sl.hidden.dtype), mode="drop"))
     if sl.spec is not None:               # the prompt's tokens and the first one, for drafting
         hist = write_history(sl.spec.history, pieces.rows, positions, pieces.tokens)
         hist = write_history(hist, pieces.rows, jnp.where(pieces.final, end, -1)[:, None], first[:, None])
@@ -214,6 +265,10 @@ def _penalties(pieces: Pieces, P: int) -> Penalties:
     return pieces.penalties if pieces.penalties is not None else Penalties.make(P)
 
 
+def _rules(pieces: Pieces, P: int) -> TokenRules:
+    return pieces.rules if pieces.rules is not None else jax.tree_util.tree_map(jnp.asarray, TokenRules.make(P))
+
+
 def _count_prompt(sl: Slots, pieces: Pieces, rows, positions) -> Slots:
     """A piece that starts its prompt zeroes its slot's token counts and prompt marks; every piece
     marks its tokens as its prompt's."""
@@ -225,10 +280,25 @@ def _count_prompt(sl: Slots, pieces: Pieces, rows, positions) -> Slots:
     return sl.replace(counts=counts, in_prompt=in_prompt.at[at, pieces.tokens].set(True, mode="drop"))
 
 
+def _sampling_logits(eos_ids, logits, sl: Slots, drafts=None):
+    """The logits [B, V] that sampling sees: the slots' rules (`apply_rules`: logit_bias,
+    min_tokens), then their penalties; rows without either get theirs back exactly. With drafts
+    [B, K], logits [B, K + 1, V] of a verify forward, position j the slot's sampling step + j."""
+    if sl.rules is not None and drafts is None:
+        logits = apply_rules(logits, sl.rules, sl.step, eos_ids, sl.ignore_eos)
+    elif sl.rules is not None:
+        B, T, V = logits.shape
+        rep = jax.tree_util.tree_map(lambda a: jnp.repeat(a, T, axis=0), sl.rules)
+        steps = (sl.step[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]).reshape(-1)
+        logits = apply_rules(logits.reshape(B * T, V), rep, steps, eos_ids,
+                             jnp.repeat(sl.ignore_eos, T)).reshape(B, T, V)
+    return _penalized(logits, sl, drafts)
+
+
 def _penalized(logits, sl: Slots, drafts=None):
-    """The logits [B, V] that sampling sees (rows without penalties get theirs back exactly); with
-    drafts [B, K], logits [B, K + 1, V] of a verify forward, position j counting drafts[:, :j] as
-    generated (built only when a live slot has a penalty: it is K + 1 times the step's counts)."""
+    """The logits [B, V] with the slots' penalties (rows without penalties get theirs back exactly);
+    with drafts [B, K], logits [B, K + 1, V] of a verify forward, position j counting drafts[:, :j]
+    as generated (built only when a live slot has a penalty: it is K + 1 times the step's counts)."""
     if sl.counts is None:
         return logits
     if drafts is None:
@@ -277,10 +347,10 @@ def decode_step(cfg: ModelConfig, weights, state: State, dtype=jnp.bfloat16, all
     pos = jnp.where(live, sl.pos, -1)
     h, cache = forward(cfg, weights, sl.last[:, None], pos[:, None], state.cache, dtype)
     logits = logits_from_hidden(cfg, weights, h[:, 0])
-    tok = sample(mask_tokens(_penalized(logits, sl), allowed), sl.params, sl.step)
+    tok = sample(mask_tokens(_sampling_logits(cfg.eos_ids, logits, sl), allowed), sl.params, sl.step)
     inc = live.astype(jnp.int32)
     remaining = sl.remaining - inc
-    active = live & (sl.ignore_eos | ~is_eos(tok, cfg.eos_ids)) & (remaining > 0)
+    active = live & ~ends_answer(tok, cfg.eos_ids, sl.ignore_eos, sl.rules) & (remaining > 0)
     slots = sl.replace(last=jnp.where(live, tok, sl.last), pos=sl.pos + inc, step=sl.step + inc,
                        remaining=remaining, active=active)
     if sl.counts is not None:
@@ -324,14 +394,14 @@ def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, dtype
         positions = jnp.where(live[:, None] & (j <= n_draft[:, None]), sl.pos[:, None] + j, -1)
         h, cache = forward(cfg, weights, tokens, positions, state.cache, dtype)
         logits = logits_from_hidden(cfg, weights, h)
-        scores = _penalized(logits, sl, drafts)
+        scores = _sampling_logits(cfg.eos_ids, logits, sl, drafts)
         if allowed is not None:             # a masked row drafted nothing: its one token comes from position 0
             scores = scores.at[:, 0].set(mask_tokens(scores[:, 0], allowed))
         a, nxt = accept(scores, drafts, n_draft, sl.params, sl.step)
         new = jnp.where(j < a[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), 0)
         new = jnp.where(j == a[:, None], nxt[:, None], new)
         n_new = jnp.minimum(a + 1, sl.remaining)
-        eos = (j < n_new[:, None]) & ~sl.ignore_eos[:, None] & is_eos(new.reshape(-1), cfg.eos_ids).reshape(B, K + 1)
+        eos = (j < n_new[:, None]) & ends_answer(new, cfg.eos_ids, sl.ignore_eos, sl.rules)
         n_new = jnp.where(jnp.any(eos, 1), jnp.argmax(eos, 1) + 1, n_new)
         n_new = jnp.where(live, n_new, 0)
         last = jnp.take_along_axis(new, jnp.maximum(n_new - 1, 0)[:, None], axis=1)[:, 0]
@@ -420,6 +490,56 @@ def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, allowed=
     return s.replace(slots=_by_rows(s.slots)), out, count, lp
 
 
+# -- fork ------------------------------------------------------------------------------------------
+def fork(cfg: ModelConfig, weights, state: State, forks: Forks, *, logprobs: int = 0,
+         spec: Speculation | None = None, dtype=jnp.bfloat16):
+    """Each slot forks.src[f], which has just ended its prompt (its first token drawn, nothing
+    decoded since), is copied into slot forks.dst[f]: its rows of the KV cache (and of the draft
+    model's), and its slot-table entry with the seed forks.seed[f]. The copy then draws its own
+    first token from the logits its source drew its first from, with its own seed, so it goes on
+    exactly as the source's request would with that seed.
+
+    -> (state, first tokens [F]), or with `logprobs` n > 0 (state, (first tokens, their LogProbs
+    [F] with the top n)); entries without a fork return what nothing reads."""
+    weights, _ = model_weights(weights, spec)
+    sl = state.slots
+    B = sl.last.shape[0]
+    valid = forks.dst < B
+    order = jnp.argsort(~valid, stable=True)          # the forks first: the copy loops run over those
+    rows = forks.src[order], forks.dst[order], jnp.sum(valid)
+    cache = copy_rows(state.cache, *rows)
+    draft = None if state.draft_cache is None else copy_rows(state.draft_cache, *rows)
+    src = jnp.clip(forks.src, 0, B - 1)
+    child = jax.tree_util.tree_map(lambda a: a[src], sl)
+    child = child.replace(params=child.params.replace(seed=forks.seed))
+    logits = logits_from_hidden(cfg, weights, sl.hidden[src])
+    F = src.shape[0]
+    step0 = jnp.zeros((F,), jnp.int32)
+    x = logits if child.rules is None else apply_rules(logits, child.rules, step0, cfg.eos_ids, child.ignore_eos)
+    if child.counts is not None:
+        x = penalize(x, child.penalties, jnp.zeros_like(child.counts), child.in_prompt)
+    first = sample(x, child.params, step0)
+    child = child.replace(last=first, active=(child.remaining > 0) & ~ends_answer(first, cfg.eos_ids, child.ignore_eos,
+                                                                                  child.rules))
+    if child.counts is not None:
+        child = child.replace(counts=jax.nn.one_hot(first, child.counts.shape[1], dtype=child.counts.dtype))
+    if child.spec is not None:           # its own first token in its history; its own counts of speculation
+        hist = write_history(child.spec.history, None, child.pos[:, None], first[:, None])
+        child = child.replace(spec=child.spec.replace(history=hist, stats=sl.spec.stats[jnp.clip(forks.dst, 0, B - 1)]))
+    slots = jax.tree_util.tree_map(lambda a, v: a.at[forks.dst].set(v, mode="drop"), sl, child)
+    state = State(_by_layout(cache), _by_rows(slots), None if draft is None else _by_layout(draft))
+    return state, ((first, _lp(logits, first, logprobs)) if logprobs else first)
+
+
+def _by_layout(cache):
+    """The cache laid out as the engine made it (KV heads over "model"), as `_by_rows` the slots."""
+    from .kernels import current_layout
+    layout = current_layout()
+    if layout is None:
+        return cache
+    return jax.tree_util.tree_map(jax.lax.with_sharding_constraint, cache, layout.cache_shardings(cache))
+
+
 # -- the host side ---------------------------------------------------------------------------------
 def bucket(n: int, lo: int = 16) -> int:
     """Next power of two >= n: lengths come in few shapes, so few compiles."""
@@ -446,6 +566,14 @@ class EngineCore:
         static = {"out": out, **({"logprobs": logprobs} if logprobs else {})}
         self.state, res = e.run("prefill", self.state, e.put_rows(pieces),
                                 None if targets is None else e.put_rows(targets), **static)
+        return res
+
+    def fork(self, forks: Forks, logprobs: int = 0):
+        """-> the forked slots' first tokens [F] (with `logprobs`, and their LogProbs) on the device;
+        see `core.fork`."""
+        e = self.engine
+        static = {"logprobs": logprobs} if logprobs else {}
+        self.state, res = e.run("fork", self.state, e.put_rows(forks), **static)
         return res
 
     def decode(self, n_steps: int, max_steps: int, stop=None, rows: int | None = None, logprobs: int = 0,
@@ -484,7 +612,7 @@ class EngineCore:
             yield s, tokens[:, s:s + chunk], np.clip(lens - s, 0, chunk).astype(np.int32)
 
     def prefill_prompts(self, ids: list[list[int]], params: SamplingParams, max_new, ignore_eos=None,
-                        logprobs: int = 0, penalties: Penalties | None = None):
+                        logprobs: int = 0, penalties: Penalties | None = None, rules: TokenRules | None = None):
         """Prompt b into slot b, every slot at once, in chunks; -> each row's first token [B] (and
         with `logprobs` their LogProbs [B], host arrays)."""
         from .engine import pad_rows
@@ -496,8 +624,8 @@ class EngineCore:
         for s, tok, length in self._chunks(tokens, lens, C):
             final = (length > 0) & (lens - s <= C)
             rows = np.where(length > 0, np.arange(B), B).astype(np.int32)     # done rows: padding
-            firsts.append(self.prefill(Pieces.make(tok, s, length, final, rows, params, max_new, ignore_eos, penalties),
-                                       logprobs=logprobs))
+            firsts.append(self.prefill(Pieces.make(tok, s, length, final, rows, params, max_new, ignore_eos, penalties,
+                                                   rules), logprobs=logprobs))
             finals.append(final)
         which = np.argmax(np.stack(finals), axis=0), np.arange(B)
         firsts = jax.tree_util.tree_map(lambda *a: np.stack([self.engine.layout.get(x) for x in a])[which], *firsts)

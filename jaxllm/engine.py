@@ -18,7 +18,7 @@ from .config import ModelConfig
 from .core import EngineCore, bucket
 from .errors import ModelError, RequestError
 from .kv_plan import check_fits, plan_cache
-from .sampling import MAX_LOGPROBS, Penalties, SamplingParams
+from .sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, Penalties, SamplingParams, TokenRules
 from .speculative import Speculation
 from .sharding import single_device_layout
 from .split_cache import KVOptions, choose_layout, make_cache
@@ -31,7 +31,7 @@ log = logging.getLogger("jaxllm")
 class Completion:
     text: str
     token_ids: list[int]
-    finish_reason: str                 # "stop" (EOS or a stop string) | "length"
+    finish_reason: str                 # "stop" (EOS, a stop token id or a stop string) | "length"
     prompt_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None     # one per token of token_ids, when asked for
 
@@ -101,9 +101,26 @@ def check_penalties(presence, frequency, repetition) -> tuple[float, float, floa
     return float(presence), float(frequency), float(repetition)
 
 
+def check_rules(logit_bias, stop_token_ids, min_tokens, max_tokens: int, vocab: int):
+    """-> (logit_bias {id: bias}, stop token ids) checked (see `sampling.TokenRules`)."""
+    bias = dict(logit_bias or {})
+    stops = list(dict.fromkeys(stop_token_ids or []))
+    for t in [*bias, *stops]:
+        if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab:
+            raise RequestError(f"token ids in logit_bias and stop_token_ids must lie in [0, {vocab}), got {t!r}")
+    if len(bias) > MAX_LOGIT_BIAS or len(stops) > MAX_STOP_TOKEN_IDS:
+        raise RequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens and stop_token_ids at most "
+                           f"{MAX_STOP_TOKEN_IDS}")
+    if not all(isinstance(v, (int, float)) and np.isfinite(v) for v in bias.values()):
+        raise RequestError("logit_bias values must be finite numbers")
+    if not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_tokens:
+        raise RequestError(f"min_tokens must be an integer from 0 to max_tokens ({max_tokens}), got {min_tokens!r}")
+    return bias, stops
+
+
 class Engine:
     """A loaded model on its mesh, its KV policy, and the compiled calls of the engine core
-    (`core.prefill`, `core.decode`), which every front end drives through an `EngineCore`."""
+    (`core.prefill`, `core.decode`, `core.fork`), which every front end drives through an `EngineCore`."""
 
     def __init__(self, cfg: ModelConfig, weights, tokenizer, *, dtype="bfloat16", max_ctx=8192,
                  name="model", quant="none", layout=None, kv_quant="auto",
@@ -130,7 +147,9 @@ class Engine:
         self._fns = {"prefill": jax.jit(partial(core.prefill, cfg, spec=speculation, dtype=d),
                                         static_argnames=("out", "logprobs"), donate_argnames=("state",)),
                      "decode": jax.jit(partial(core.decode, cfg, spec=speculation, dtype=d),
-                                       static_argnames=("max_steps", "rows", "logprobs"), donate_argnames=("state",))}
+                                       static_argnames=("max_steps", "rows", "logprobs"), donate_argnames=("state",)),
+                     "fork": jax.jit(partial(core.fork, cfg, spec=speculation, dtype=d),
+                                     static_argnames=("logprobs",), donate_argnames=("state",))}
         self._executables: dict = {}
         self.compile_s = 0.0          # seconds spent compiling the core's calls so far
         self.on_compile = None        # on_compile(n_calls) -> a callable to call when they are done
@@ -143,7 +162,7 @@ class Engine:
         return self.weights if self.draft_weights is None else (self.weights, self.draft_weights)
 
     def run(self, name: str, *args, **static):
-        """Call the core's `name` ("prefill" or "decode") with the weights and `args`, through the
+        """Call the core's `name` ("prefill", "decode" or "fork") with the weights and `args`, through the
         executable compiled for these shapes (compiled now if this is their first call)."""
         return self.executable(name, args, static)(self.call_weights, *args)
 
@@ -230,8 +249,9 @@ class Engine:
         def cache(cfg):
             return make_cache(cfg, self.kv_layout, self.kv_options, batch, length, self.dtype)
         draft = self.spec.draft_cfg if self.spec is not None else None
-        return core.State(cache(self.cfg), core.Slots.empty(batch, length, self.spec is not None, self.cfg.vocab_size),
-                          None if draft is None else cache(draft))
+        slots = core.Slots.empty(batch, length, self.spec is not None, self.cfg.vocab_size,
+                                 hidden=(self.cfg.hidden_size, self.dtype))
+        return core.State(cache(self.cfg), slots, None if draft is None else cache(draft))
 
     def new_state(self, batch: int, length: int) -> core.State:
         """A zeroed cache laid out on the mesh (batch over "data", KV heads over "model") and an
@@ -324,14 +344,17 @@ class Engine:
 
     def generate_ids(self, ids: list[list[int]], max_tokens=64, temperature=0.0, top_k=None,
                      top_p=None, seed=0, stop=None, logprobs: int | None = None, presence_penalty=0.0,
-                     frequency_penalty=0.0, repetition_penalty=1.0) -> list[Completion]:
+                     frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None, stop_token_ids=None,
+                     min_tokens=0) -> list[Completion]:
         """The lockstep batch: every row admitted into a cache of its own size, prefilled in chunks,
         then decoded to completion in one on-device loop. What it needs compiled is compiled first,
         so `stats` times the run itself. `logprobs` n (0 to 20): each token's log-probability and
         the n most likely tokens, computed in the loop. The penalties are vLLM's and OpenAI's
-        (`sampling.penalize`)."""
+        (`sampling.penalize`); `logit_bias` ({token id: bias}), `stop_token_ids` and `min_tokens`
+        as the server's (`sampling.apply_rules`)."""
         check_sampling(max_tokens, temperature, top_k, top_p)
         pen = check_penalties(presence_penalty, frequency_penalty, repetition_penalty)
+        bias, stops = check_rules(logit_bias, stop_token_ids, min_tokens, max_tokens, self.cfg.vocab_size)
         n_lp = check_logprobs(logprobs)
         lens = [len(x) for x in ids]
         if min(lens) == 0:
@@ -349,7 +372,8 @@ class Engine:
         compile_s = eng_core.prepare(n, max_tokens - 1, n_lp)
         t0 = time.perf_counter()
         first = eng_core.prefill_prompts(ids, params, np.full(B, max_tokens, np.int32), logprobs=n_lp,
-                                         penalties=Penalties.make(B, *pen))
+                                         penalties=Penalties.make(B, *pen),
+                                         rules=TokenRules.make(B, [bias] * B, [stops] * B, min_tokens))
         t1 = time.perf_counter()
         eng_core.run_to_completion(max_tokens - 1, steps=0, logprobs=n_lp)      # the loop's first run, untimed
         t1, t = time.perf_counter(), t1 - t0
@@ -358,18 +382,19 @@ class Engine:
         self.stats = GenerateStats(B, sum(lens), int(B + count.sum()), t, t2 - t1, int(count.max(initial=0)),
                                    compile_s, eng_core.spec_stats())
         if not n_lp:
-            return [self._finish(ids[b], [int(first[b])] + rest[b, :count[b]].tolist(), stop) for b in range(B)]
+            return [self._finish(ids[b], [int(first[b])] + rest[b, :count[b]].tolist(), stop, stops=stops)
+                    for b in range(B)]
         first, first_lp = first
         lp = jax.tree_util.tree_map(lambda f, r: np.concatenate([f[:, None], r], axis=1), first_lp, rest_lp)
         outs = []
         for b in range(B):
             new = [int(first[b])] + rest[b, :count[b]].tolist()
-            outs.append(self._finish(ids[b], new, stop, token_logprobs(lp, b, new, logprobs)))
+            outs.append(self._finish(ids[b], new, stop, token_logprobs(lp, b, new, logprobs), stops))
         return outs
 
-    def _finish(self, prompt_ids, new_ids, stop, logprobs=None) -> Completion:
+    def _finish(self, prompt_ids, new_ids, stop, logprobs=None, stops=()) -> Completion:
         reason = "length"
-        if new_ids and new_ids[-1] in self.cfg.eos_ids:
+        if new_ids and (new_ids[-1] in self.cfg.eos_ids or new_ids[-1] in stops):
             new_ids, reason = new_ids[:-1], "stop"
         text = self.tokenizer.decode(new_ids) if self.tokenizer is not None else ""
         for s in ([stop] if isinstance(stop, str) else stop or []):

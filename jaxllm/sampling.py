@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from .kernels import platform
@@ -227,6 +228,52 @@ def mask_tokens(logits: jax.Array, allowed: jax.Array | None) -> jax.Array:
     N, V = logits.shape
     bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
     return jnp.where(bits.reshape(N, -1)[:, :V] == 1, logits, -jnp.inf)
+
+
+MAX_LOGIT_BIAS = 300       # logit_bias entries a row may have (OpenAI's limit)
+MAX_STOP_TOKEN_IDS = 16    # stop_token_ids a row may have
+
+
+@struct.dataclass
+class TokenRules:
+    """Per-row rules on which tokens a row samples (neutral: no entries, min_tokens 0): OpenAI's
+    logit_bias, kept sparse as token ids and their biases (id -1: unused), and vLLM's
+    stop_token_ids (-1: unused), which end the answer as EOS does, and min_tokens, the tokens a row
+    samples before EOS or a stop id may come."""
+    bias_ids: jax.Array      # [B, MAX_LOGIT_BIAS] int32
+    bias: jax.Array          # [B, MAX_LOGIT_BIAS] float32
+    stop_ids: jax.Array      # [B, MAX_STOP_TOKEN_IDS] int32
+    min_tokens: jax.Array    # [B] int32
+
+    @staticmethod
+    def make(batch: int, logit_bias=None, stop_ids=None, min_tokens=None) -> "TokenRules":
+        """Host arrays for `batch` rows; each argument None (neutral) or one entry per row: a dict
+        {token id: bias}, a list of token ids, an int."""
+        ids = np.full((batch, MAX_LOGIT_BIAS), -1, np.int32)
+        bias = np.zeros((batch, MAX_LOGIT_BIAS), np.float32)
+        stops = np.full((batch, MAX_STOP_TOKEN_IDS), -1, np.int32)
+        for b, row in enumerate(logit_bias or []):
+            ids[b, :len(row)] = list(row)
+            bias[b, :len(row)] = list(row.values())
+        for b, row in enumerate(stop_ids or []):
+            stops[b, :len(row)] = row
+        mins = np.zeros((batch,), np.int32) if min_tokens is None else np.asarray(min_tokens, np.int32)
+        return TokenRules(ids, bias, stops, np.broadcast_to(mins, (batch,)).copy())
+
+
+def apply_rules(logits: jax.Array, rules: TokenRules, step: jax.Array, eos_ids: tuple[int, ...],
+                ignore_eos: jax.Array) -> jax.Array:
+    """logits [N, V] float32 -> with each row's logit_bias added and, while the row's sampling step
+    [N] is below its min_tokens, its stop ids and (unless it ignores EOS) the EOS ids at -inf.
+    Both are scatters of the rows' own entries, unused ones aimed past the vocabulary and dropped,
+    so a row without rules gets its logits back exactly, with no branch (see `penalize`)."""
+    N, V = logits.shape
+    rows = jnp.arange(N)[:, None]
+    x = logits.at[rows, jnp.where(rules.bias_ids >= 0, rules.bias_ids, V)].add(rules.bias, mode="drop")
+    eos = jnp.broadcast_to(jnp.asarray(eos_ids or (-1,), jnp.int32), (N, max(len(eos_ids), 1)))
+    banned = jnp.concatenate([jnp.where(ignore_eos[:, None], -1, eos), rules.stop_ids], axis=1)
+    early = (step < rules.min_tokens)[:, None]
+    return x.at[rows, jnp.where(early & (banned >= 0), banned, V)].set(-jnp.inf, mode="drop")
 
 
 MAX_LOGPROBS = 20          # top alternatives a token may report (OpenAI's limit)

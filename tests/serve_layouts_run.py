@@ -1,7 +1,9 @@
 """Run in a subprocess with 4 host devices (XLA_FLAGS must be set before jax is imported): the
 server (its HTTP app, scheduler and engine core, in process) against `Engine.generate` on the same
 prompts, for each KV layout and under tensor parallelism; requests alone, then 64 concurrent
-clients. Prints one JSON object: per case, whether every answer matched and the cache's sharding."""
+clients; and requests for n = 3 answers (the prompt prefilled once, its slot forked) against the
+requests alone: greedy, and sampled with each answer's seed. Prints one JSON object: per case, whether every
+answer matched and the cache's sharding."""
 import asyncio
 import json
 import os
@@ -67,12 +69,35 @@ async def ask(http, ids, stream: bool):
     return "".join(text)
 
 
-async def serve(app, ps):
+async def answers(http, ids, n: int, seed: int, temperature: float = 0.8) -> list[str]:
+    body = {"prompt": ids, "max_tokens": NEW, "temperature": temperature, "seed": seed, "n": n}
+    r = await http.post("/v1/completions", json=body)
+    r.raise_for_status()
+    return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+
+async def forks_match(http, ps, want, sampled: bool) -> bool:
+    """3 answers of a short prompt and of one prefilled in pieces: greedy, each is `Engine.generate`'s;
+    sampled, answer i is the request's alone with seed 11 + i (not asked of a server that
+    speculates: there a sampled request's tokens depend on the requests sharing its decode blocks)."""
+    for i in (0, len(ps) - 1):
+        if await answers(http, ps[i], 3, 0, temperature=0) != [want[i]] * 3:
+            return False
+    for ids in (ps[0], ps[-1]) if sampled else ():
+        together = await answers(http, ids, 3, 11)
+        alone = [(await answers(http, ids, 1, 11 + i))[0] for i in range(3)]
+        if together != alone or len(set(together)) < 2:
+            return False
+    return True
+
+
+async def serve(app, ps, want, sampled: bool):
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=600) as http:
         alone = [await ask(http, p, False) for p in ps]
         many = await asyncio.gather(*(ask(http, ps[i % len(ps)], i % 2 == 1) for i in range(CLIENTS)))
-    return alone, many
+        forks = await forks_match(http, ps, want, sampled)
+    return alone, many, forks
 
 
 class Ids:
@@ -101,14 +126,14 @@ def run_case(tmp, name, ckpt, kv_quant, rings, tp):
     sched = app.state.server.scheduler
     sched.start(warmup=True)
     try:
-        alone, many = asyncio.run(serve(app, ps))
+        alone, many, forks = asyncio.run(serve(app, ps, want, sampled=not name.startswith("spec")))
     finally:
         sched.shutdown()
     cache = sched.core.state.cache
     k = cache["global"]["k"] if isinstance(cache["global"], dict) else cache["global"].v
     return {"layout": eng.kv_layout.name, "alone": alone == want,
             "concurrent": all(t == want[i % len(ps)] for i, t in enumerate(many)),
-            "mismatch": [i for i, t in enumerate(many) if t != want[i % len(ps)]],
+            "mismatch": [i for i, t in enumerate(many) if t != want[i % len(ps)]], "forks": forks,
             "cache_spec": [str(s) for s in k.sharding.spec], "devices": len(k.sharding.device_set),
             "prefills": sum(r["kind"] == "prefill" for r in sched.record),
             "speculation": sched.core.spec_stats()}

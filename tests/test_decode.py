@@ -84,6 +84,37 @@ def test_sampling_is_reproducible_and_seed_dependent(eng):
     assert alone[0].token_ids == a[1].token_ids
 
 
+def test_forked_slots_decode_as_their_own_requests(eng):
+    """`fork` right after a prompt ends (prefilled in two pieces, past the sliding window): each
+    copy draws its own first token with its own seed and decodes what the request alone decodes
+    with that seed (penalties and token rules copied with the slot, counts restarted), and the
+    source decodes on as before."""
+    from jaxllm.core import Forks
+    from jaxllm.sampling import Penalties, SamplingParams, TokenRules
+    if eng.cfg.family != "gemma3":
+        pytest.skip("one family is enough: Gemma 3's caches (sliding rings and global layers) cover Qwen3's")
+    prompt = list(range(5, 25))
+    kw = dict(temperature=0.9, top_k=40, presence_penalty=0.5, repetition_penalty=1.2, logit_bias={9: 3.0},
+              stop_token_ids=[11], min_tokens=2)
+    params = SamplingParams.make(1, 0.9, 40, None, 7)
+    pen, rules = Penalties.make(1, 0.5, 0.0, 1.2), TokenRules.make(1, [{9: 3.0}], [[11]], 2)
+    core = eng.core(4, 64)
+    for s in (0, 12):
+        piece = np.zeros((1, 12), np.int32)
+        piece[0, :len(prompt[s:s + 12])] = prompt[s:s + 12]
+        first = core.prefill(Pieces.make(piece, s, min(12, 20 - s), s > 0, [1], params, 10, penalties=pen,
+                                         rules=rules))
+    forked = core.fork(Forks.make(4, [1, 1], [0, 3], [8, 9]))
+    toks, count, _ = (np.asarray(x) for x in core.decode(20, 16))
+    got = {7: [int(np.asarray(first)[0])] + toks[1, :count[1]].tolist(),
+           8: [int(np.asarray(forked)[0])] + toks[0, :count[0]].tolist(),
+           9: [int(np.asarray(forked)[1])] + toks[3, :count[3]].tolist()}
+    assert count[2] == 0 and len({tuple(v) for v in got.values()}) == 3
+    for seed, tokens in got.items():          # (`generate_ids` leaves an ending stop token out)
+        want = eng.generate_ids([prompt], max_tokens=10, seed=seed, **kw)[0]
+        assert tokens[:len(want.token_ids)] == want.token_ids and len(tokens) - len(want.token_ids) <= 1, seed
+
+
 def test_top_k_one_is_greedy(eng):
     prompts = [[3, 4, 5, 6, 7]]
     greedy = eng.generate_ids(prompts, max_tokens=12)

@@ -33,12 +33,14 @@ def layouts(tmp_path_factory):
                                   "spec-ngram", "spec-ngram-split-int8"])
 def test_server_equals_engine_generate(layouts, case):
     """Greedy answers alone and to 64 concurrent clients equal `Engine.generate`'s; a server that
-    speculates equals the plain engine."""
+    speculates equals the plain engine; n answers of one request (its slot forked) are the request's
+    alone, greedy and (without speculation) sampled with each answer's seed."""
     r = layouts[case]
     print(f"{case}: {r['layout']}, cache {r['cache_spec']} on {r['devices']} devices, {r['prefills']} prefills, "
           f"speculation {r['speculation']}")
     assert r["alone"], case
     assert r["concurrent"], (case, r["mismatch"])
+    assert r["forks"], case
     assert ("split" in r["layout"]) == ("split" in case or "rings" in case)
     if case.startswith("spec"):
         assert r["speculation"]["accepted"] > 0

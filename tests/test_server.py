@@ -304,6 +304,100 @@ def test_penalties_match_engine(engine, client, model_name):
     assert r.choices[0].message.content == ref.text
 
 
+def test_n_answers_are_the_requests_with_their_seeds(client, model_name):
+    """`n` answers of one prompt (prefilled once, its slot forked): answer i is what the request
+    alone samples with seed + i, streamed or not, completions and chat, with its own
+    log-probabilities; the usage counts the prompt once and every answer's tokens."""
+    kw = dict(model=model_name, prompt=PROMPT, max_tokens=10, temperature=0.8, seed=77)
+    r = client.completions.create(n=4, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    alone = [client.completions.create(**{**kw, "seed": 77 + i}) for i in range(4)]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+    assert len({c.text for c in r.choices}) == 4
+    assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+
+    lp = client.completions.create(n=2, echo=True, logprobs=1, **kw).model_dump()["choices"]
+    for i, c in enumerate(lp):
+        one = client.completions.create(echo=True, logprobs=1, **{**kw, "seed": 77 + i}).model_dump()["choices"][0]
+        assert c["text"] == one["text"] == PROMPT + r.choices[i].text
+        assert c["logprobs"]["tokens"] == one["logprobs"]["tokens"]
+        np.testing.assert_allclose(c["logprobs"]["token_logprobs"][1:], one["logprobs"]["token_logprobs"][1:],
+                                   atol=logprob_refs.ATOL)
+
+    chat = dict(model=model_name, messages=CHAT, max_tokens=8, temperature=0.8, seed=5, n=2)
+    whole = client.chat.completions.create(**chat)
+    texts = {}
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **chat):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+        if chunk.usage:
+            assert chunk.usage.completion_tokens == whole.usage.completion_tokens
+    assert [texts[i] for i in range(2)] == [c.message.content for c in whole.choices]
+    assert whole.choices[0].message.content != whole.choices[1].message.content
+
+
+def greedy_reference(engine, ids, n, bias=None, min_tokens=0, stops=()):
+    """numpy: greedy tokens from `Engine.logits` of the prompt and the tokens so far, with
+    logit_bias added, and EOS and the stop ids at -inf for the first min_tokens; an ending EOS or
+    stop id is the last token."""
+    out, ends = [], set(engine.cfg.eos_ids) | set(stops)
+    for k in range(n):
+        logits = engine.logits(np.asarray([ids + out], np.int32))[0, -1]
+        for t, b in (bias or {}).items():
+            logits[t] += np.float32(b)
+        if k < min_tokens:
+            logits[sorted(ends)] = -np.inf
+        out.append(int(np.argmax(logits)))
+        if out[-1] in ends:
+            break
+    return out
+
+
+def test_logit_bias_and_min_tokens_match_a_numpy_reference(engine, client, model_name):
+    """Greedy answers with `logit_bias` (a bias that overturns the argmax at one step, a ban, a
+    bias of 100) and with `min_tokens` (EOS made the argmax by a bias, then kept back; a stop id
+    kept back) are the argmax of `Engine.logits` treated so in numpy at every step."""
+    ids = engine.tokenizer.encode(PROMPT)
+    base = engine.generate_ids([ids], max_tokens=8)[0].token_ids
+    logits = engine.logits(np.asarray([ids + base], np.int32))[0, len(ids) + 1]
+    runner_up = int(np.argsort(logits)[-2])
+    cases = [{"logit_bias": {runner_up: float(logits.max() - logits[runner_up]) + 1.0, base[5]: -100}},
+             {"logit_bias": {106: 100}}, {"logit_bias": {106: 100}, "min_tokens": 3},
+             {"stop_token_ids": [base[1]], "min_tokens": 4}]
+    for extra in cases:
+        bias = extra.get("logit_bias", {})
+        r = client.completions.create(model=model_name, prompt=ids, max_tokens=8, temperature=0,
+                                      extra_body={**extra, "logit_bias": {str(t): b for t, b in bias.items()}})
+        want = greedy_reference(engine, ids, 8, bias, extra.get("min_tokens", 0), extra.get("stop_token_ids", ()))
+        ended = want[-1] in set(engine.cfg.eos_ids) | set(extra.get("stop_token_ids", ()))
+        c = r.choices[0]
+        assert (c.text, c.finish_reason) == (engine.tokenizer.decode(want[:-1] if ended else want),
+                                             "stop" if ended else "length"), extra
+        assert r.usage.completion_tokens == len(want) and want != base
+        assert len(want) > extra.get("min_tokens", 0)
+    assert want[:4] != base[:4]                      # the stop id (base[1]) kept back
+    big = {engine.tokenizer.encode(" banana")[0]: 100}
+    r = client.completions.create(model=model_name, prompt=ids, max_tokens=5, temperature=0,
+                                  logit_bias={str(t): b for t, b in big.items()})
+    assert r.choices[0].text == engine.tokenizer.decode(list(big) * 5)
+
+
+def test_stop_token_ids_end_the_answer(engine, client, model_name):
+    """`stop_token_ids` end the answer at the first of them the greedy answer meets, as EOS does:
+    finish reason "stop", the token counted but not in the text, streamed or not."""
+    ids = engine.tokenizer.encode(PROMPT)
+    base = engine.generate_ids([ids], max_tokens=12)[0].token_ids
+    first = min(base.index(base[6]), base.index(base[9]))
+    kw = dict(model=model_name, prompt=ids, max_tokens=12, temperature=0, extra_body={"stop_token_ids": [base[9], base[6]]})
+    r = client.completions.create(**kw)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (engine.tokenizer.decode(base[:first]), "stop")
+    assert r.usage.completion_tokens == first + 1
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
 def test_text_stream_never_splits_a_character(engine):
     from jaxllm.serve.detok import TextStream
     text = "Unicode: café, 東京 🙂🚀 Привет"
@@ -461,7 +555,26 @@ BAD = [  # (id, path, raw body or JSON, headers, status, words the message must 
     ("top_k_type", "/v1/completions", {"prompt": "x", "top_k": "ten"}, None, 400, "'top_k'"),
     ("seed_float", "/v1/completions", {"prompt": "x", "seed": 1.5}, None, 400, "'seed'"),
     ("stop_type", "/v1/completions", {"prompt": "x", "stop": [1, 2]}, None, 400, "'stop'"),
-    ("n_two", "/v1/completions", {"prompt": "x", "n": 2}, None, 400, "'n'"),
+    ("n_over_slots", "/v1/completions", {"prompt": "x", "n": 9}, None, 400, "'n' = 9 answers need 9 slots, but "
+     "this server has 8"),
+    ("n_zero", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, None, 400, "'n'"),
+    ("logit_bias_key", "/v1/completions", {"prompt": "x", "logit_bias": {"a5": 1}}, None, 400, "'logit_bias' keys"),
+    ("logit_bias_vocab", "/v1/completions", {"prompt": "x", "logit_bias": {"262144": 1}}, None, 400,
+     "'logit_bias' token 262144 is outside the vocabulary"),
+    ("logit_bias_value", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, None, 400,
+     "'logit_bias' values must be numbers in [-100, 100]"),
+    ("logit_bias_type", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                 "logit_bias": [5]}, None, 400, "'logit_bias' must be an object"),
+    ("logit_bias_size", "/v1/completions", {"prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}}, None, 400,
+     "'logit_bias' takes at most 300"),
+    ("min_tokens_over_max", "/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, None, 400,
+     "'min_tokens' (5) must not be more than max_tokens (4)"),
+    ("min_tokens_negative", "/v1/completions", {"prompt": "x", "min_tokens": -1}, None, 400, "'min_tokens'"),
+    ("stop_token_ids_type", "/v1/completions", {"prompt": "x", "stop_token_ids": 5}, None, 400, "'stop_token_ids'"),
+    ("stop_token_ids_vocab", "/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, None, 400,
+     "'stop_token_ids' must lie in"),
+    ("stop_token_ids_size", "/v1/completions", {"prompt": "x", "stop_token_ids": list(range(17))}, None, 400,
+     "at most 16"),
     ("unknown_field", "/v1/completions", {"prompt": "x", "max_token": 5}, None, 400, "max_token"),
     ("token_out_of_range", "/v1/completions", {"prompt": [1, 10 ** 6]}, None, 400, "token ids"),
     ("stream_options_alone", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},
@@ -499,7 +612,6 @@ BAD = [  # (id, path, raw body or JSON, headers, status, words the message must 
                                                          "frequency_penalty": "1"}, None, 400, "'frequency_penalty'"),
     ("repetition_penalty_zero", "/v1/completions", {"prompt": "x", "repetition_penalty": 0}, None, 400,
      "'repetition_penalty' must be > 0"),
-    ("logit_bias", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, None, 400, "'logit_bias'"),
     ("response_format", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                  "response_format": {"type": "xml"}}, None, 400, "'response_format'"),
     ("guided_json", "/v1/completions", {"prompt": "x", "guided_json": "[1, 2"}, None, 400, "'guided_json'"),

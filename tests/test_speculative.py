@@ -152,3 +152,24 @@ def test_sampled_distribution_is_unchanged(tmp_path_factory, monkeypatch):
     monkeypatch.setattr(core, "accept", always_accept)
     wrong = Engine(base.cfg, base.weights, None, dtype="float32", max_ctx=32, speculation=Speculation("ngram", 2, min_accept=0.0, max_batch=None))
     assert chi2_same(plain, sampled(wrong)) < 1e-6
+
+
+def test_token_rules_in_verify_cycles(tmp_path_factory):
+    """logit_bias, stop_token_ids and min_tokens (EOS kept back until then) inside speculative
+    cycles, every row drafting every cycle: the greedy answers are plain decoding's with the same
+    rules, token for token, where each rule changes the answers."""
+    import dataclasses
+    model = small_vocab_model(tmp_path_factory.mktemp("v8"))
+    cfg = dataclasses.replace(model.cfg, eos_ids=(7,))
+    plain = Engine(cfg, model.weights, None, dtype="float32", max_ctx=32)
+    spec = Engine(cfg, model.weights, None, dtype="float32", max_ctx=32,
+                  speculation=Speculation("ngram", 2, min_accept=0.0, max_batch=None))
+    prompts = [PROMPT, [4, 5, 4, 5, 4, 5, 4]]
+    free = [c.token_ids for c in plain.generate_ids(prompts, max_tokens=16)]
+    for rules in ({"logit_bias": {3: 2.0, 1: -100}}, {"min_tokens": 12}, {"stop_token_ids": [4], "min_tokens": 3},
+                  {"stop_token_ids": [2], "min_tokens": 5}):
+        want = plain.generate_ids(prompts, max_tokens=16, **rules)
+        got = spec.generate_ids(prompts, max_tokens=16, **rules)
+        print(rules, [c.token_ids for c in want], [c.finish_reason for c in want], spec.stats.spec)
+        assert [(c.token_ids, c.finish_reason) for c in got] == [(c.token_ids, c.finish_reason) for c in want]
+        assert [c.token_ids for c in want] != free and spec.stats.spec["drafted"] > 0

@@ -25,17 +25,17 @@ from starlette.routing import Route
 
 from .grammar import Grammars
 from .metrics import CONTENT_TYPE, Metrics
-from .output import Parts, chat_features
+from .output import chat_features
 from .protocol import (
+    AnswerStream,
     ApiError,
-    ChatDeltas,
     GenRequest,
     LogprobWriter,
     bad,
+    choice,
     detokenize,
     full_response,
     parse_request,
-    stream_chunk,
     tokenize,
     usage_chunk,
 )
@@ -221,14 +221,14 @@ class Server:
         self.check_auth(request)
         body = await self.read_json(request)
         req = await run_in_threadpool(parse_request, kind, body, self.engine, self.opts.served_name,
-                                      self.opts.max_model_len, self.features)
+                                      self.opts.max_model_len, self.features, self.opts.max_num_seqs)
         matcher = None
         if req.constraint is not None:           # compiled here, never on the engine thread
             if self.grammars is None:
                 raise bad("this model has no tokenizer, so its answers cannot be constrained", req.constraint.field)
             matcher = await run_in_threadpool(self.grammars.matcher, req.constraint)
         inbox = Inbox()
-        job = Job(req, inbox.put, matcher=matcher)
+        job = Job.for_request(req, lambda index, event: inbox.put((index, event)), matcher=matcher)
         try:
             self.scheduler.submit(job)
         except QueueFull as e:
@@ -251,59 +251,55 @@ class Server:
             inbox.close()
 
     async def collect(self, request: Request, req: GenRequest, job: Job, inbox: Inbox, deadline: float):
-        texts, logprobs = [], []
-        while True:
+        """The request's answers (events tagged with their index) -> one response."""
+        texts, logprobs = [[] for _ in range(req.n)], [[] for _ in range(req.n)]
+        finished: dict[int, Finished] = {}
+        while len(finished) < req.n:
             try:
-                ev = await self.next_event(inbox, deadline, request)
+                i, ev = await self.next_event(inbox, deadline, request)
             except TimedOut:
                 self.metrics.failed("timeout")
                 raise self.timeout_error() from None
             if isinstance(ev, Prompt):            # echo: the prompt comes first
-                texts.insert(0, req.prompt_text)
-                logprobs[:0] = ev.logprobs or []
+                texts[i].insert(0, req.prompt_text)
+                logprobs[i][:0] = ev.logprobs or []
             elif isinstance(ev, Delta):
-                texts.append(ev.text)
-                logprobs += ev.logprobs or []
+                texts[i].append(ev.text)
+                logprobs[i] += ev.logprobs or []
             elif isinstance(ev, Finished):
-                text, parts = "".join(texts), None
-                if req.output is not None:            # reasoning and tool calls read out of the answer
-                    reader = req.output.reader()
-                    parts = reader.push(text)
-                    parts.add(reader.finish())
-                lp = None if req.logprobs is None else LogprobWriter(req, self.engine.tokenizer)(logprobs)
-                body = full_response(req, text, ev.finish_reason, ev.completion_tokens, parts, lp)
-                self.metrics.finished(job, body["choices"][0]["finish_reason"])
-                return JSONResponse(body)
+                finished[i] = ev
             elif isinstance(ev, Failed):
                 self.metrics.failed("error")
                 raise ApiError(ev.status, ev.message, type=ev.type)
+        choices = []
+        for i in range(req.n):
+            text, parts = "".join(texts[i]), None
+            if req.output is not None:            # reasoning and tool calls read out of the answer
+                reader = req.output.reader()
+                parts = reader.push(text)
+                parts.add(reader.finish())
+            lp = None if req.logprobs is None else LogprobWriter(req, self.engine.tokenizer)(logprobs[i])
+            choices.append(choice(req, i, text, finished[i].finish_reason, parts, lp))
+        body = full_response(req, choices, sum(f.completion_tokens for f in finished.values()))
+        self.metrics.finished(job, choices[0]["finish_reason"])
+        return JSONResponse(body)
 
     async def stream(self, req: GenRequest, job: Job, inbox: Inbox, deadline: float):
+        """The request's answers as SSE chunks, each chunk one answer's with its index (OpenAI's
+        shape for n > 1), the usage after the last answer ends."""
         def sse(obj) -> str:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-        reader = None if req.output is None else req.output.reader()
-        deltas = ChatDeltas()
-        writer = LogprobWriter(req, self.engine.tokenizer)
-
-        def chunks(parts: Parts, entries=None):   # a chat answer read as it streams
-            lp = writer(entries) if entries else None
-            ds = deltas(parts) or ([{}] if lp else [])
-            return [sse(stream_chunk(req, None, delta=d, logprobs=lp if i == 0 else None)) for i, d in enumerate(ds)]
-
-        def text_chunks(text: str, entries=None):
-            if reader is not None:
-                return chunks(reader.push(text), entries)
-            lp = writer(entries) if entries else None
-            if req.kind == "chat":
-                return [sse(stream_chunk(req, None, delta={"content": text} if text else {}, logprobs=lp))]
-            return [sse(stream_chunk(req, text, logprobs=lp))]
+        answers = [AnswerStream(req, i, self.engine.tokenizer) for i in range(req.n)]
+        reasons: dict[int, str] = {}
+        n_completion = 0
         ended = False
         try:
             if req.kind == "chat":
-                yield sse(stream_chunk(req, None, role=True))
+                for a in answers:
+                    yield sse(a.role())
             while True:
                 try:
-                    ev = await self.next_event(inbox, deadline)
+                    i, ev = await self.next_event(inbox, deadline)
                 except TimedOut:
                     ended = True
                     self.metrics.failed("timeout")
@@ -311,20 +307,20 @@ class Server:
                     break
                 if isinstance(ev, (Delta, Prompt)):
                     text = ev.text if isinstance(ev, Delta) else req.prompt_text
-                    for c in text_chunks(text, ev.logprobs):
-                        yield c
+                    for c in answers[i].text(text, ev.logprobs):
+                        yield sse(c)
                 elif isinstance(ev, Finished):
-                    ended = True
-                    reason = ev.finish_reason
-                    if reader is not None:
-                        for c in chunks(reader.finish()):
-                            yield c
-                        reason = "tool_calls" if deltas.calls else reason
-                    self.metrics.finished(job, reason)
-                    yield sse(stream_chunk(req, None, reason))
-                    if req.include_usage:
-                        yield sse(usage_chunk(req, ev.completion_tokens))
-                    break
+                    last, reasons[i] = answers[i].finish(ev.finish_reason)
+                    n_completion += ev.completion_tokens
+                    if len(reasons) == req.n:
+                        ended = True
+                        self.metrics.finished(job, reasons[0])
+                    for c in last:
+                        yield sse(c)
+                    if ended:
+                        if req.include_usage:
+                            yield sse(usage_chunk(req, n_completion))
+                        break
                 elif isinstance(ev, Failed):
                     ended = True
                     self.metrics.failed("error")

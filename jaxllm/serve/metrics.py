@@ -82,8 +82,9 @@ class Metrics(Observer):
     # -- from the scheduler's threads ------------------------------------------------------------
     def tokens(self, job: Job, n: int, now: float):
         if job.first_token_at is None:
-            self.ttft.observe(now - job.arrived)
-            self.prompt_tokens.inc(len(job.req.prompt_ids))
+            if job.parent is None:         # a request's first answer: its prompt was prefilled once
+                self.ttft.observe(now - job.arrived)
+                self.prompt_tokens.inc(len(job.req.prompt_ids))
         else:
             self.itl.observe(now - job.last_token_at)
         self.generation_tokens.inc(n)

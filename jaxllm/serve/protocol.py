@@ -6,13 +6,14 @@ accepted only at its neutral value (e.g. `n: 1`, `suffix: null`, `presence_penal
 """
 from __future__ import annotations
 
+import re
 import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from ..errors import JaxllmError
-from ..sampling import MAX_LOGPROBS
+from ..sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from ..tokenizer import Tokenizer
 from .chat import chat_prompt
 from .fields import (
@@ -22,6 +23,7 @@ from .fields import (
     check_fields,
     int_field,
     is_int,
+    is_num,
     neutral,
     num_field,
 )
@@ -60,6 +62,14 @@ class GenRequest:
     echo: bool = False                 # completions: the answer starts with the prompt
     prompt_text: str = ""              # what `echo` writes back
     constraint: Constraint | None = None   # structured output: what the answer must match
+    n: int = 1                         # answers to the prompt (choice i samples with seed + i)
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    stop_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0
+
+    def choice_seed(self, i: int) -> int:
+        """The seed choice i samples with: the request's seed + i (modulo 2**32)."""
+        return (self.seed + i) % SEED_MOD
 
     @property
     def prompt_logprobs(self) -> bool:
@@ -69,16 +79,14 @@ class GenRequest:
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stream",
                  "stream_options", "user", "presence_penalty", "frequency_penalty", "logit_bias",
-                 "logprobs", "ignore_eos", "repetition_penalty",     # ignore_eos, repetition_penalty: vLLM's
-                 "response_format", *GUIDED}
+                 "logprobs", "ignore_eos", "repetition_penalty",       # ignore_eos and the rest: vLLM's
+                 "min_tokens", "stop_token_ids", "response_format", *GUIDED}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                "parallel_tool_calls", "chat_template_kwargs"}
 
 
 def _check_unsupported(body: dict) -> None:
-    neutral(body, "n", lambda v: v is None or (is_int(v) and v == 1))
-    neutral(body, "logit_bias", lambda v: not v)
     neutral(body, "suffix", lambda v: v is None)
     neutral(body, "best_of", lambda v: v is None or (is_int(v) and v == 1))
 
@@ -97,6 +105,51 @@ def _stop(body) -> list[str]:
     if any(len(s) > MAX_STOP_CHARS for s in items):
         raise bad(f"'stop' strings may have at most {MAX_STOP_CHARS} characters", "stop")
     return list(dict.fromkeys(items))
+
+
+def _n(body, max_num_seqs: int | None) -> int:
+    n = int_field(body, "n", lo=1)
+    if n is not None and max_num_seqs is not None and n > max_num_seqs:
+        raise bad(f"'n' = {n} answers need {n} slots, but this server has {max_num_seqs} (--max-num-seqs)", "n")
+    return 1 if n is None else n
+
+
+def _logit_bias(body, vocab_size: int) -> dict[int, float]:
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise bad("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise bad(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} tokens, got {len(v)}", "logit_bias")
+    out = {}
+    for key, bias in v.items():
+        if not re.fullmatch(r"[0-9]+", key):
+            raise bad(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
+        tok = int(key)
+        if tok >= vocab_size:
+            raise bad(f"'logit_bias' token {tok} is outside the vocabulary [0, {vocab_size})", "logit_bias")
+        if tok in out:
+            raise bad(f"'logit_bias' names token {tok} twice", "logit_bias")
+        if not is_num(bias) or not -100 <= bias <= 100:
+            raise bad(f"'logit_bias' values must be numbers in [-100, 100], got {bias!r} for token {tok}",
+                      "logit_bias")
+        out[tok] = float(bias)
+    return out
+
+
+def _stop_token_ids(body, vocab_size: int) -> list[int]:
+    v = body.get("stop_token_ids")
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(is_int(t) for t in v):
+        raise bad("'stop_token_ids' must be a list of token ids", "stop_token_ids")
+    if any(not 0 <= t < vocab_size for t in v):
+        raise bad(f"token ids in 'stop_token_ids' must lie in [0, {vocab_size})", "stop_token_ids")
+    v = list(dict.fromkeys(v))
+    if len(v) > MAX_STOP_TOKEN_IDS:
+        raise bad(f"'stop_token_ids' takes at most {MAX_STOP_TOKEN_IDS} token ids, got {len(v)}", "stop_token_ids")
+    return v
 
 
 def _sampling(body, vocab_size: int) -> dict:
@@ -187,9 +240,10 @@ def _prompt_text(body: dict, ids: list[int], engine) -> str:
 
 # -- the whole request ----------------------------------------------------------------------------
 def parse_request(kind: str, body, engine, served_name: str, max_model_len: int,
-                  features: ChatFeatures | None = None) -> GenRequest:
+                  features: ChatFeatures | None = None, max_num_seqs: int | None = None) -> GenRequest:
     """Validate a decoded JSON body for /v1/completions (kind 'completion') or /v1/chat/completions;
-    `features`: what the model family's chat answers hold (by default from the engine's family)."""
+    `features`: what the model family's chat answers hold (by default from the engine's family);
+    `max_num_seqs`: the slots, which bound `n`."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     check_fields(body, COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS)
@@ -200,6 +254,10 @@ def parse_request(kind: str, body, engine, served_name: str, max_model_len: int,
     include_usage = _stream_options(body, stream)
     stop = _stop(body)
     sampling = _sampling(body, engine.cfg.vocab_size)
+    n = _n(body, max_num_seqs)
+    logit_bias = _logit_bias(body, engine.cfg.vocab_size)
+    stop_token_ids = _stop_token_ids(body, engine.cfg.vocab_size)
+    min_tokens = int_field(body, "min_tokens", lo=0) or 0
     logprobs = _logprobs(kind, body)
     echo = bool_field(body, "echo")
     max_tokens = int_field(body, "max_tokens", lo=0 if echo else 1)
@@ -207,6 +265,8 @@ def parse_request(kind: str, body, engine, served_name: str, max_model_len: int,
         mct = int_field(body, "max_completion_tokens", lo=1)
         max_tokens = mct if mct is not None else max_tokens
     constraint = constraint_field(body)
+    if constraint is not None and n > 1:
+        raise bad(f"'{constraint.field}' is served with one answer a request, not 'n' = {n}", "n")
     plan, prompt_text = None, ""
     if kind == "completion":
         ids = completion_prompt_ids(body, engine)
@@ -221,12 +281,14 @@ def parse_request(kind: str, body, engine, served_name: str, max_model_len: int,
             plan = None
     max_tokens = _fit_context(len(ids), max_tokens, max_model_len, default=16 if kind == "completion" else None,
                               prompt_param="prompt" if kind == "completion" else "messages")
+    if min_tokens > max_tokens:
+        raise bad(f"'min_tokens' ({min_tokens}) must not be more than max_tokens ({max_tokens})", "min_tokens")
     rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
     special = plan is not None and any(p is not None and p.decode_special for p in (plan.tools, plan.reasoning))
     return GenRequest(kind, served_name, ids, max_tokens, stop=stop, ignore_eos=ignore_eos, stream=stream,
                       include_usage=include_usage, id=rid, created=int(time.time()), skip_special=not special,
-                      output=plan, logprobs=logprobs, echo=echo, prompt_text=prompt_text, constraint=constraint,
-                      **sampling)
+                      output=plan, logprobs=logprobs, echo=echo, prompt_text=prompt_text, n=n, logit_bias=logit_bias,
+                      stop_token_ids=stop_token_ids, min_tokens=min_tokens, constraint=constraint, **sampling)
 
 
 # -- /tokenize and /detokenize (vLLM's) ------------------------------------------------------------
@@ -329,34 +391,38 @@ def chat_message(req: GenRequest, text: str, parts: Parts | None) -> dict:
     return msg
 
 
-def full_response(req: GenRequest, text: str, finish_reason: str, n_completion: int,
-                  parts: Parts | None = None, logprobs: dict | None = None) -> dict:
-    """The whole answer; `parts`: a chat answer read by its `OutputPlan`; `logprobs`: from
+def choice(req: GenRequest, index: int, text: str, finish_reason: str, parts: Parts | None = None,
+           logprobs: dict | None = None) -> dict:
+    """One answer of a response; `parts`: a chat answer read by its `OutputPlan`; `logprobs`: from
     `LogprobWriter`."""
     if req.kind == "completion":
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        obj = "text_completion"
-    else:
-        if parts is not None and parts.calls:
-            finish_reason = "tool_calls"
-        choice = {"index": 0, "message": chat_message(req, text, parts), "logprobs": logprobs,
-                  "finish_reason": finish_reason}
-        obj = "chat.completion"
-    return {"id": req.id, "object": obj, "created": req.created, "model": req.model, "choices": [choice],
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    if parts is not None and parts.calls:
+        finish_reason = "tool_calls"
+    return {"index": index, "message": chat_message(req, text, parts), "logprobs": logprobs,
+            "finish_reason": finish_reason}
+
+
+def full_response(req: GenRequest, choices: list[dict], n_completion: int) -> dict:
+    """The whole response: its `choice`s, in index order, and the usage (the prompt counted once,
+    the tokens of every answer)."""
+    obj = "text_completion" if req.kind == "completion" else "chat.completion"
+    return {"id": req.id, "object": obj, "created": req.created, "model": req.model, "choices": choices,
             "usage": usage(len(req.prompt_ids), n_completion)}
 
 
 def stream_chunk(req: GenRequest, text: str | None, finish_reason: str | None = None,
-                 role: bool = False, delta: dict | None = None, logprobs: dict | None = None) -> dict:
-    """One SSE chunk with a text delta (or a chat `delta`, the role announcement, or the finish
-    reason), and the log-probabilities of the tokens it brings."""
+                 role: bool = False, delta: dict | None = None, logprobs: dict | None = None,
+                 index: int = 0) -> dict:
+    """One SSE chunk of answer `index`, with a text delta (or a chat `delta`, the role announcement,
+    or the finish reason), and the log-probabilities of the tokens it brings."""
     if req.kind == "completion":
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     else:
         if delta is None:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     chunk = {"id": req.id, "object": obj, "created": req.created, "model": req.model, "choices": [choice]}
     if req.include_usage:
@@ -426,6 +492,44 @@ class ChatDeltas:
             out.append({"tool_calls": [{"index": self.calls, "function": {"arguments": c.arguments}}]})
             self.calls += 1
         return out
+
+
+class AnswerStream:
+    """Answer `index` of a streamed response -> its chunks: text, or chat deltas (reasoning and tool
+    calls read as they come, by the request's `OutputPlan`), each with the log-probabilities of the
+    tokens whose text it completes; then its finish chunk."""
+
+    def __init__(self, req: GenRequest, index: int, tokenizer):
+        self.req, self.index = req, index
+        self.reader = None if req.output is None else req.output.reader()
+        self.deltas = ChatDeltas()
+        self.writer = LogprobWriter(req, tokenizer)
+
+    def role(self) -> dict:
+        return stream_chunk(self.req, None, role=True, index=self.index)
+
+    def text(self, text: str, entries=None) -> list[dict]:
+        if self.reader is not None:
+            return self._parts(self.reader.push(text), entries)
+        lp = self.writer(entries) if entries else None
+        if self.req.kind == "chat":
+            return [stream_chunk(self.req, None, delta={"content": text} if text else {}, logprobs=lp,
+                                 index=self.index)]
+        return [stream_chunk(self.req, text, logprobs=lp, index=self.index)]
+
+    def finish(self, reason: str) -> tuple[list[dict], str]:
+        """-> (the last chunks, the finish chunk among them), the finish reason sent."""
+        out = []
+        if self.reader is not None:
+            out = self._parts(self.reader.finish())
+            reason = "tool_calls" if self.deltas.calls else reason
+        return out + [stream_chunk(self.req, None, reason, index=self.index)], reason
+
+    def _parts(self, parts: Parts, entries=None) -> list[dict]:
+        lp = self.writer(entries) if entries else None
+        ds = self.deltas(parts) or ([{}] if lp else [])
+        return [stream_chunk(self.req, None, delta=d, logprobs=lp if i == 0 else None, index=self.index)
+                for i, d in enumerate(ds)]
 
 
 def usage_chunk(req: GenRequest, n_completion: int) -> dict:

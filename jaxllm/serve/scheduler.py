@@ -18,10 +18,15 @@ thread reads them. While a constrained request decodes, the blocks are one step 
 each the engine thread waits until the output thread has read every call back, then writes each
 constrained slot's allowed tokens into a bitmask the step applies (unconstrained rows all ones);
 a prefill piece that ends a constrained prompt gets its row too, for the first token.
+
+A request for n answers takes n slots at once. Its prompt is prefilled into the first; right after
+the forward that ends it, `EngineCore.fork` copies that slot into the others, each drawing its own
+first token with its own seed, and from there each answer is a job of its own.
 """
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import logging
 import queue
@@ -33,9 +38,9 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from ..core import Pieces
+from ..core import Forks, Pieces
 from ..engine import TokenLogprob, token_logprobs
-from ..sampling import MAX_LOGPROBS, Penalties, SamplingParams
+from ..sampling import MAX_LOGPROBS, Penalties, SamplingParams, TokenRules
 from .detok import TextStream
 from .grammar import masks
 from .protocol import GenRequest
@@ -76,14 +81,21 @@ ARRIVAL_WAIT = 0.010     # the longest a burst holds the first prefill back
 
 @dataclass(eq=False)
 class Job:
+    """One answer of a request: the request's first (index 0), whose prompt is prefilled, holds the
+    others' as `children`, which fork its slot."""
     req: GenRequest
     emit: Callable[[object], None]          # thread-safe: delivers an event to the request's handler
     cancelled: threading.Event = field(default_factory=threading.Event)
     text: TextStream | None = None
     n_tokens: int = 0
     slot: int = -1
-    prefilled: int = 0                      # prompt tokens sent to the device so far
+    prefilled: int = 0                      # prompt tokens sent to the device so far (a fork: all)
+    started: bool = False                   # its first token is being drawn: its slot may decode
     done: bool = False                      # its last event went out
+    index: int = 0                          # which of the request's answers
+    parent: Job | None = None               # a child: the job whose slot it forks
+    children: list = field(default_factory=list)
+    answers_done: int = 0                   # the parent: answers of the request that ended
     id: int = field(default_factory=lambda: next(_ids))
     arrived: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None     # when its first tokens were read back
@@ -95,6 +107,20 @@ class Job:
 
     def cancel(self):
         self.cancelled.set()
+
+    @property
+    def choices(self) -> list[Job]:
+        return [self] + self.children
+
+    @staticmethod
+    def for_request(req: GenRequest, emit: Callable[[int, object], None], matcher=None) -> Job:
+        """The jobs of a request's `req.n` answers (the first, holding the others); emit(i, event)
+        delivers answer i's events. Cancelling one cancels them all. `matcher`: a constrained
+        request's (one answer only)."""
+        job = Job(req, functools.partial(emit, 0), matcher=matcher)
+        job.children = [Job(req, functools.partial(emit, i), cancelled=job.cancelled, index=i, parent=job)
+                        for i in range(1, req.n)]
+        return job
 
 
 class Observer:
@@ -206,8 +232,9 @@ class Scheduler:
         self.output = threading.Thread(target=self._read_results, name="jaxllm-output", daemon=True)
         self.finished = 0              # requests completed
         self.generated = 0             # tokens sampled for requests (a freed slot stops adding)
-        # What the device ran, in order: {"kind": "prefill", "pieces": [(job, start, length), ...]}
-        # or {"kind": "decode", "steps": n, "rows": r, "tokens": {job: count}} (filled when read back).
+        # What the device ran, in order: {"kind": "prefill", "pieces": [(job, start, length), ...]},
+        # {"kind": "fork", "forks": [(job, its slot, the slot it forks), ...]} or {"kind": "decode",
+        # "steps": n, "rows": r, "tokens": {job: count}} (filled when read back).
         self.record: collections.deque[dict] = collections.deque(maxlen=record)
         # Speculation counts reported so far; the core's are read (one device read) when the engine
         # goes idle after decoding, so that a busy server never waits on the device for them.
@@ -247,6 +274,8 @@ class Scheduler:
                  for P, C in self.shapes.prefills()]
         calls += [("decode", (state, np.int32(1), e.row_shapes(np.zeros(n, bool))),
                    {"max_steps": self.out_size, "rows": n}) for n in self.shapes.decodes()]
+        if self.core.num_slots > 1:
+            calls.append(("fork", (state, e.row_shapes(Forks.make(self.core.num_slots))), {}))
         return e.precompile(calls)
 
     def start(self, warmup: bool = True):
@@ -266,7 +295,8 @@ class Scheduler:
             waiting, self.waiting = list(self.waiting), collections.deque()
             self.cond.notify()
         for job in waiting:
-            self._end(job, Failed(503, "the server is shutting down"))
+            for c in job.choices:
+                self._end(c, Failed(503, "the server is shutting down"))
 
     def shutdown(self, timeout: float = 10.0):
         """End everything now (running requests get a 503) and stop the threads."""
@@ -332,28 +362,33 @@ class Scheduler:
 
     def _admit(self):
         """Give free slots (the lowest first, so live requests stay in the leading slots) to queued
-        requests; their prompts then wait for prefill."""
+        requests, a slot for each of a request's answers; their prompts then wait for prefill. A
+        slot's earlier request, if still live on the device, is stopped there until the new one
+        starts (`to_stop`, cleared when the slot's first token is drawn)."""
         if self.stopping:
             return
-        for b in range(len(self.slots)):
-            if self.slots[b] is not None:
-                continue
-            job = self._next_waiting()
+        while True:
+            free = [b for b, j in enumerate(self.slots) if j is None]
+            job = self._next_waiting(len(free))
             if job is None:
                 return
-            job.text = TextStream(self.engine.tokenizer, job.req.stop, job.req.skip_special)
-            job.slot, job.prefilled = b, 0
-            with self.cond:
-                self.slots[b] = job
-            self.to_stop[b] = False            # its prefill sets the slot anew
+            for c, b in zip(job.choices, free):
+                c.text = TextStream(self.engine.tokenizer, c.req.stop, c.req.skip_special)
+                c.slot, c.prefilled = b, 0
+                with self.cond:
+                    self.slots[b] = c
             self.prefilling.append(job)
 
-    def _next_waiting(self) -> Job | None:
+    def _next_waiting(self, free: int) -> Job | None:
+        """The first queued request, if its answers fit `free` slots (else it waits, and the
+        requests behind it with it)."""
         with self.cond:
             while self.waiting:
-                job = self.waiting.popleft()
-                if not job.cancelled.is_set():
-                    return job
+                job = self.waiting[0]
+                if job.cancelled.is_set():
+                    self.waiting.popleft()
+                    continue
+                return self.waiting.popleft() if len(job.choices) <= free else None
         return None
 
     def _launch(self) -> bool:
@@ -380,11 +415,13 @@ class Scheduler:
         toks = self.core.decode(n, self.out_size, stop, rows, logprobs=lp, allowed=allowed)
         rec = {"kind": "decode", "steps": n, "rows": rows, "tokens": {}}
         self.record.append(rec)
-        self._put(Launched("decode", toks, self.slots[:rows], record=rec))
+        jobs = [j if j is not None and j.started else None for j in self.slots[:rows]]
+        self._put(Launched("decode", toks, jobs, record=rec))
         return True
 
     def _decoding(self) -> list[Job]:
-        return [j for j in self.slots if j is not None and j not in self.prefilling]
+        """The jobs whose slots decode: their first tokens drawn."""
+        return [j for j in self.slots if j is not None and j.started]
 
     def _put(self, call: Launched):
         self.launched += 1
@@ -417,18 +454,43 @@ class Scheduler:
         pen = Penalties(*(np.asarray([getattr(j.req, k) for j in jobs] + [d] * (P - len(jobs)), np.float32)
                           for k, d in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                                        ("repetition_penalty", 1.0))))
+        rules = TokenRules.make(P, [j.req.logit_bias for j in jobs], [j.req.stop_token_ids for j in jobs],
+                                [j.req.min_tokens for j in jobs] + [0] * (P - len(jobs)))
         wants = [j.req.logprobs is not None and f for j, f in zip(jobs, final)]
         scored = [(int(s), int(n)) if j.req.prompt_logprobs else None for j, s, n in zip(jobs, start, length)]
         targets = self._prompt_targets(jobs, scored, P, C) if any(scored) else None
         masked = [j.matcher if f else None for j, f in zip(jobs, final)]
         allowed = masks(masked + [None] * (P - len(jobs)), self.mask_words) if any(masked) else None
-        first = self.core.prefill(Pieces.make(tokens, start, length, final, rows, params, max_new, ignore, pen,
+        first = self.core.prefill(Pieces.make(tokens, start, length, final, rows, params, max_new, ignore, pen, rules,
                                               allowed),
                                   targets=targets, logprobs=MAX_LOGPROBS if any(wants) or targets else 0)
         self.prefilling = [j for j in self.prefilling if j.prefilled < len(j.req.prompt_ids)]
         self.record.append({"kind": "prefill", "pieces": [(j.id, int(s), int(n)) for j, s, n in
                                                           zip(jobs, start, length)]})
         self._put(Launched("prefill", first, jobs, finals=list(final[:len(jobs)]), scored=scored))
+        started = [j for j, f in zip(jobs, final) if f]
+        for job in started:
+            self._start(job)
+        self._launch_forks([c for j in started for c in j.children])
+
+    def _start(self, job: Job):
+        """`job`'s first token is drawn by a call just launched: its slot decodes from now on."""
+        job.started = True
+        self.to_stop[job.slot] = False
+
+    def _launch_forks(self, children: list[Job]):
+        """Copy each child's parent slot (which has just ended its prompt) into the child's."""
+        if not children:
+            return
+        forks = Forks.make(self.core.num_slots, [c.parent.slot for c in children], [c.slot for c in children],
+                           [c.req.choice_seed(c.index) for c in children])
+        lp = MAX_LOGPROBS if any(c.req.logprobs is not None for c in children) else 0
+        first = self.core.fork(forks, logprobs=lp)
+        for c in children:
+            c.prefilled = len(c.req.prompt_ids)
+            self._start(c)
+        self.record.append({"kind": "fork", "forks": [(c.id, c.slot, c.parent.slot) for c in children]})
+        self._put(Launched("fork", first, children))
 
     @staticmethod
     def _prompt_targets(jobs, scored, P: int, C: int):
@@ -502,6 +564,16 @@ class Scheduler:
     def _collect(self, call: Launched):
         """Hand a call's tokens to the requests that held the slots when it was launched."""
         get = self.engine.layout.get
+        if call.kind == "fork":
+            res = call.result if isinstance(call.result, tuple) else (call.result, None)
+            first, lp = jax.tree_util.tree_map(get, res)
+            for f, job in enumerate(call.jobs):
+                if job.done:
+                    continue
+                if job.req.echo:           # the prompt and its scores, as its parent read them
+                    job.emit(Prompt(job.parent.prompt_logprobs if job.req.prompt_logprobs else None))
+                self._take(job, [int(first[f])], _row(lp, f, None))
+            return
         if call.kind == "prefill":
             res = call.result if isinstance(call.result, tuple) else (call.result, None)
             first, lp, scores = jax.tree_util.tree_map(get, res + (None,) * (3 - len(res)))
@@ -546,7 +618,8 @@ class Scheduler:
                     self._ended(job)
                 return
             toks = toks[:n]
-        eos = next((i for i, t in enumerate(toks) if t in self.eos), None) if not r.ignore_eos else None
+        ends = set(r.stop_token_ids) | (set() if r.ignore_eos else self.eos)
+        eos = next((i for i, t in enumerate(toks) if t in ends), None)
         text, taken = job.text.push_many(toks if eos is None else toks[:eos])
         if lp is not None and r.logprobs is not None:       # an EOS has none: it is not in the text
             job.logprobs += token_logprobs(lp, 0, toks[:taken], r.logprobs)
@@ -580,7 +653,9 @@ class Scheduler:
         if job.text.stopped:
             reason = "stop"
         if self._end(job, Finished(reason, job.n_tokens), "".join(text), self._settled_logprobs(job)):
-            self.finished += 1
+            first = job.parent or job
+            first.answers_done += 1
+            self.finished += first.answers_done == len(first.choices)
             self._ended(job)
 
     def _ended(self, job: Job):
