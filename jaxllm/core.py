@@ -25,8 +25,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
+from . import pytree
 from .cache import copy_rows
 from .config import ModelConfig
 from .model import forward, logits_from_hidden
@@ -38,7 +38,7 @@ from .speculative import (SpecSlots, Speculation, accept, ngram_draft, update_ra
 LOGIT_ELEMENTS = 1 << 26        # float32 logits made at once when scoring, at most (256 MiB)
 
 
-@struct.dataclass
+@pytree.dataclass
 class Slots:
     """The slot table, one entry per cache row [B]."""
     last: jax.Array            # the token to feed next
@@ -74,14 +74,14 @@ class Slots:
                              counts=jnp.zeros((batch, vocab), jnp.int32), in_prompt=jnp.zeros((batch, vocab), bool))
 
 
-@struct.dataclass
+@pytree.dataclass
 class State:
     cache: dict
     slots: Slots
     draft_cache: dict | None = None      # the draft model's KV cache (speculation with one)
 
 
-@struct.dataclass
+@pytree.dataclass
 class Pieces:
     """One prefill forward: P rows of C tokens. Row p holds length[p] tokens of a prompt, at
     positions start[p] onwards, for cache row rows[p] (None: row p is cache row p; a row past the
@@ -132,7 +132,7 @@ class Pieces:
         return jnp.where(t < self.length[:, None], self.start[:, None] + t, -1)
 
 
-@struct.dataclass
+@pytree.dataclass
 class Forks:
     """Slots to fork, F at most: slot src[f] is copied into slot dst[f] (a dst past the cache: no
     fork), which draws its own first token with seed[f]."""

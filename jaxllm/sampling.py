@@ -8,12 +8,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
+from . import pytree
 from .kernels import platform
 
 
-@struct.dataclass
+@pytree.dataclass
 class SamplingParams:
     temperature: jax.Array   # [B] float32; 0 = greedy
     top_k: jax.Array         # [B] int32; 0 = off
@@ -185,7 +185,7 @@ def sample(logits: jax.Array, p: SamplingParams, step: jax.Array) -> jax.Array:
     return jnp.where(sampling, drawn, greedy)
 
 
-@struct.dataclass
+@pytree.dataclass
 class Penalties:
     """Per-row penalties on tokens already seen, as vLLM and OpenAI define them (neutral: 0, 0, 1)."""
     presence: jax.Array      # [B] float32: subtracted once from each generated token's logit
@@ -234,7 +234,7 @@ MAX_LOGIT_BIAS = 300       # logit_bias entries a row may have (OpenAI's limit)
 MAX_STOP_TOKEN_IDS = 16    # stop_token_ids a row may have
 
 
-@struct.dataclass
+@pytree.dataclass
 class TokenRules:
     """Per-row rules on which tokens a row samples (neutral: no entries, min_tokens 0): OpenAI's
     logit_bias, kept sparse as token ids and their biases (id -1: unused), and vLLM's
@@ -279,7 +279,7 @@ def apply_rules(logits: jax.Array, rules: TokenRules, step: jax.Array, eos_ids: 
 MAX_LOGPROBS = 20          # top alternatives a token may report (OpenAI's limit)
 
 
-@struct.dataclass
+@pytree.dataclass
 class LogProbs:
     """Log-probabilities under the model's own distribution (log_softmax of the raw float32 logits,
     before temperature, top-k/top-p or penalties: what vLLM reports by default)."""
