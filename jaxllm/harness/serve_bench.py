@@ -101,13 +101,11 @@ def free_port() -> int:
 
 
 def source_args(a) -> list[str]:
-    if a.shape:
-        return ["--shape", a.shape] + (["--tokenizer", a.tokenizer] if a.tokenizer else [])
-    return ["--model-dir", a.model_dir] if a.model_dir else []
+    return ["--shape", a.shape] if a.shape else ["--model-dir", a.model_dir] if a.model_dir else []
 
 
 def server_args(a) -> list[str]:
-    src = source_args(a)
+    src = source_args(a) + (["--tokenizer", a.tokenizer] if a.shape and a.tokenizer else [])
     opt = {"--max-num-seqs": a.max_num_seqs, "--max-model-len": a.max_model_len, "--tp": a.tp,
            "--max-num-batched-tokens": a.max_num_batched_tokens, "--decode-steps": a.decode_steps,
            "--compilation-cache": a.compilation_cache, "--speculative": a.speculative,
