@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import llguidance
 import numpy as np
+from llguidance.numpy import fill_next_token_bitmask_par
 
 from .fields import bad
 
@@ -198,7 +199,7 @@ class Grammars:
                 self.compiled[key] = template
                 while len(self.compiled) > self.cache_size:
                     self.compiled.popitem(last=False)
-        return Matcher(template.deep_copy(), self.base)
+        return Matcher(template.deep_copy(), self.base, -(-self.hf.get_vocab_size(with_added_tokens=True) // 32))
 
 
 def _what(c: Constraint) -> str:
@@ -209,8 +210,9 @@ def _what(c: Constraint) -> str:
 class Matcher:
     """One request's place in its grammar."""
 
-    def __init__(self, m: llguidance.LLMatcher, base: np.ndarray):
+    def __init__(self, m: llguidance.LLMatcher, base: np.ndarray, words: int):
         self.m, self.base = m, base
+        self.words = words                  # of llguidance's masks: the tokenizer's ids, in 32s
 
     def follow(self, tokens: list[int]) -> tuple[int, bool]:
         """Take a request's new tokens in order -> (how many of them the answer keeps: up to the one
@@ -223,19 +225,25 @@ class Matcher:
                 return i + 1, True
         return len(tokens), False
 
-    def fill(self, row: np.ndarray) -> None:
-        """Write the tokens allowed next into row [ceil(V / 32)] uint32."""
-        bits = np.frombuffer(self.m.compute_bitmask(), np.uint32)
-        n = min(len(bits), len(row))
-        np.bitwise_and(bits[:n], self.base[:n], out=row[:n])
-        row[n:] = 0
+
+_executor: llguidance.LLExecutor | None = None
 
 
 def masks(matchers: list[Matcher | None], words: int) -> np.ndarray:
     """[len(matchers), words] uint32: the tokens each matcher allows next, every token where None
-    (a free row gets its logits back exactly)."""
+    (a free row gets its logits back exactly). The constrained rows are computed together on
+    llguidance's own threads, without the GIL."""
+    global _executor
     out = np.full((len(matchers), words), 0xFFFFFFFF, np.uint32)
-    for row, m in zip(out, matchers):
-        if m is not None:
-            m.fill(row)
+    live = [(i, m) for i, m in enumerate(matchers) if m is not None]
+    if not live:
+        return out
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    bits = np.zeros((len(matchers), live[0][1].words), np.int32)
+    fill_next_token_bitmask_par(_executor, [(m.m, i) for i, m in live], bits)
+    for i, m in live:
+        n = min(bits.shape[1], words)
+        np.bitwise_and(bits[i, :n].view(np.uint32), m.base[:n], out=out[i, :n])
+        out[i, n:] = 0
     return out
