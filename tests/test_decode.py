@@ -84,6 +84,7 @@ def test_sampling_is_reproducible_and_seed_dependent(eng):
     assert alone[0].token_ids == a[1].token_ids
 
 
+@pytest.mark.parametrize("eng", ["gemma3"], indirect=True)     # its rings and global layers cover Qwen3's
 def test_forked_slots_decode_as_their_own_requests(eng):
     """`fork` right after a prompt ends (prefilled in two pieces, past the sliding window): each
     copy draws its own first token with its own seed and decodes what the request alone decodes
@@ -91,8 +92,6 @@ def test_forked_slots_decode_as_their_own_requests(eng):
     source decodes on as before."""
     from jaxllm.core import Forks
     from jaxllm.sampling import Penalties, SamplingParams, TokenRules
-    if eng.cfg.family != "gemma3":
-        pytest.skip("one family is enough: Gemma 3's caches (sliding rings and global layers) cover Qwen3's")
     prompt = list(range(5, 25))
     kw = dict(temperature=0.9, top_k=40, presence_penalty=0.5, repetition_penalty=1.2, logit_bias={9: 3.0},
               stop_token_ids=[11], min_tokens=2)
