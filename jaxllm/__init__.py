@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import numbers
 
-from .engine import Completion, Engine
-from .errors import JaxllmError, ModelError, RequestError
-from .split_cache import KVOptions
+from jaxllm.engine.engine import Completion, Engine
+from jaxllm.errors import JaxllmError, ModelError, RequestError
+from jaxllm.kv.split import KVOptions
 
 __all__ = ["load", "Engine", "Completion", "KVOptions", "JaxllmError", "ModelError", "RequestError"]
 __version__ = "0.1.0"
@@ -26,9 +26,9 @@ def load(model_dir=None, max_ctx=8192, quant="int8", kv_quant="auto", tp=None, d
     model at `draft_model_dir`, which must share the tokenizer); `num_speculative_tokens` a cycle;
     cycles with more than `speculative_max_batch` live rows decode plainly (None: no limit).
     """
-    from .engine import DTYPES
-    from .loading import load_model
-    from .split_cache import KV_QUANT_MODES
+    from jaxllm.engine.engine import DTYPES
+    from jaxllm.weights import load_model
+    from jaxllm.kv.split import KV_QUANT_MODES
     if dtype not in DTYPES:
         raise ModelError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if quant not in ("int8", "none"):
@@ -37,12 +37,12 @@ def load(model_dir=None, max_ctx=8192, quant="int8", kv_quant="auto", tp=None, d
         raise ModelError(f"kv_quant must be one of {', '.join(KV_QUANT_MODES)}, got {kv_quant!r}")
     if max_ctx is not None and (not isinstance(max_ctx, numbers.Integral) or max_ctx < 2):
         raise ModelError(f"max_ctx must be an integer of at least 2, got {max_ctx!r}")
-    from .speculative import Speculation, check_args
+    from jaxllm.engine.speculative import Speculation, check_args
     check_args(speculative, num_speculative_tokens, draft_model_dir)     # before any weight is read
-    from .sharding import layout_for
+    from jaxllm.engine.sharding import layout_for
     layout = layout_for(tp, dp)
     cfg, fam, weights, tok, name = load_model(model_dir, DTYPES[dtype], quant, progress, layout)
-    from .kernels.weights import out_major
+    from jaxllm.ops.gpu.weights import out_major
     weights = out_major(weights, layout, donate=True)      # the loader's arrays: ours to consume
     if max_ctx is None:
         max_ctx = min(cfg.max_position, 8192)

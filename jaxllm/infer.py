@@ -1,5 +1,5 @@
 """`python -m jaxllm.infer`: see jaxllm/harness/infer.py."""
-from .harness.infer import main
+from jaxllm.harness.infer import main
 
 if __name__ == "__main__":
     main()

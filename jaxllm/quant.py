@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import pytree
+from jaxllm import pytree
 
 
 @pytree.dataclass
@@ -93,7 +93,7 @@ class Normed:
     offset: float = 0.0
 
     def value(self) -> jax.Array:
-        from .layers import rms_norm
+        from jaxllm.model.layers import rms_norm
         return rms_norm(self.x, self.w, self.eps, self.offset)
 
 
@@ -118,7 +118,7 @@ def linear(x: jax.Array, w, n_contract: int = 1, partials: bool = False) -> jax.
     """
     out_major = False
     if isinstance(w, Stacked):
-        from .kernels.ops import stacked_linear
+        from jaxllm.ops.gpu.dispatch import stacked_linear
         y = stacked_linear(x, w, n_contract, partials)
         if y is not None:
             return y
@@ -140,7 +140,7 @@ def linears(x: jax.Array, ws: list, n_contract: int = 1, partials: bool = False)
     outputs may come back as `Partials` with `partials`. x may be `Normed` (normalized once, here or
     in the kernel)."""
     if all(isinstance(w, Stacked) for w in ws):
-        from .kernels.ops import stacked_linears
+        from jaxllm.ops.gpu.dispatch import stacked_linears
         ys = stacked_linears(x, ws, n_contract, partials)
         if ys is not None:
             return ys

@@ -9,7 +9,7 @@ import jinja2
 import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .errors import ModelError, RequestError
+from jaxllm.errors import ModelError, RequestError
 
 
 def _token_text(v) -> str | None:

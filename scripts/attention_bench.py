@@ -24,8 +24,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxllm.kernels.attention import Cache, KeysFromValues, decode_attention  # noqa: E402
-from jaxllm.kernels.widen import WAYS  # noqa: E402
+from jaxllm.ops.gpu.attention import Cache, KeysFromValues, decode_attention  # noqa: E402
+from jaxllm.ops.gpu.widen import WAYS  # noqa: E402
 from kernel_bench import timed  # noqa: E402  (this directory is on the path of a script run from it)
 
 L = 3

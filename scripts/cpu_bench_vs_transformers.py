@@ -29,7 +29,7 @@ def model_path(arg: str | None) -> Path:
 def jaxllm_runs(path: Path, prompt_ids: list[int], new: int, runs: int, dtype: str, quant: str):
     """-> (compile seconds, [tok/s per run], generated ids) for jaxllm."""
     import jaxllm
-    from jaxllm.engine import Engine
+    from jaxllm.engine.engine import Engine
     eng = jaxllm.load(str(path), quant=quant, dtype=dtype, max_ctx=len(prompt_ids) + new + 1)
     eng = Engine(eng.cfg.replace(eos_ids=()), eng.weights, eng.tokenizer, dtype=dtype,
                  max_ctx=eng.max_ctx, name=eng.name, quant=quant)

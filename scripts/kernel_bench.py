@@ -28,13 +28,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxllm.harness import ceilings as ceil  # noqa: E402
-from jaxllm.harness.shapes import resolve_shape  # noqa: E402
-from jaxllm.kernels.attention import Cache, decode_attention  # noqa: E402
-from jaxllm.kernels.matmul import choose_tiles, stacked_gated, stacked_matmul  # noqa: E402
-from jaxllm.kernels.widen import WAYS  # noqa: E402
-from jaxllm.layers import attend, attention_mask  # noqa: E402
-from jaxllm.cache import slot_positions  # noqa: E402
+from jaxllm.harness import ceilings as ceil
+from jaxllm.model.presets import load_preset  # noqa: E402
+from jaxllm.ops.gpu.attention import Cache, decode_attention  # noqa: E402
+from jaxllm.ops.gpu.matmul import choose_tiles, stacked_gated, stacked_matmul  # noqa: E402
+from jaxllm.ops.gpu.widen import WAYS  # noqa: E402
+from jaxllm.model.layers import attend, attention_mask  # noqa: E402
+from jaxllm.kv.linear import slot_positions  # noqa: E402
 
 
 def timed(fn, *args, reps=100):
@@ -127,7 +127,7 @@ def main():
     if any(w not in WAYS for w in ways):
         sys.exit(f"--widen: each of {a.widen!r} must be one of {', '.join(WAYS)}")
     os.makedirs(a.out, exist_ok=True)
-    cfg, _ = resolve_shape(a.shape)
+    cfg, _ = load_preset(a.shape)
     L = cfg.num_layers
     a_spec = cfg.attn[cfg.layer_kinds[0]]
     if a.tp < 1 or any(n % a.tp for n in (a_spec.num_heads, a_spec.num_kv_heads, cfg.intermediate_size)):

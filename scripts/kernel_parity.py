@@ -22,7 +22,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxllm  # noqa: E402
-from jaxllm import kernels  # noqa: E402
+from jaxllm.ops import gpu as kernels
 from jaxllm.harness.bench import git_commit  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]

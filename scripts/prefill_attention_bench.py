@@ -23,11 +23,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxllm.cache import slot_positions  # noqa: E402
-from jaxllm.harness import ceilings as ceil  # noqa: E402
+from jaxllm.kv.linear import slot_positions  # noqa: E402
+from jaxllm.harness import ceilings as ceil
 from jaxllm.harness.roofline import causal_pairs  # noqa: E402
-from jaxllm.kernels.prefill import Blocks, choose_blocks, prefill_attention  # noqa: E402
-from jaxllm.layers import attend, attention_mask  # noqa: E402
+from jaxllm.ops.gpu.prefill import Blocks, choose_blocks, prefill_attention  # noqa: E402
+from jaxllm.model.layers import attend, attention_mask  # noqa: E402
 from kernel_bench import timed  # noqa: E402  (this directory is on the path of a script run from it)
 
 # name: (query heads, KV heads, head_dim, window)

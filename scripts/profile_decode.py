@@ -25,12 +25,13 @@ import jax.numpy as jnp  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from jaxllm import core, kernels  # noqa: E402
-from jaxllm.sharding import layout_for  # noqa: E402
+from jaxllm.engine import core
+from jaxllm.ops import gpu as kernels
+from jaxllm.engine.sharding import layout_for  # noqa: E402
 from jaxllm.harness.bench import decode_state, load_subject  # noqa: E402
-from jaxllm.model import scan_unroll  # noqa: E402
-from jaxllm.sampling import SamplingParams  # noqa: E402
-from jaxllm.split_cache import KVOptions  # noqa: E402
+from jaxllm.model.forward import scan_unroll  # noqa: E402
+from jaxllm.engine.sampling import SamplingParams  # noqa: E402
+from jaxllm.kv.split import KVOptions  # noqa: E402
 
 KINDS = [("matmul", r"gemm|cutlass|cublas|dot|matmul|xmma|sm90"), ("collective", r"nccl|all_reduce|all-reduce|allreduce|all_gather"),
          ("copy/dus", r"copy|memcpy|memset|dynamic.update|dynamic_update"), ("reduce/softmax", r"reduce|softmax"),

@@ -27,7 +27,7 @@ def lower_for_cuda(monkeypatch):
     import jax
     from jax._src.pallas.triton import pallas_call_registration as reg
 
-    import jaxllm.kernels as kernels
+    import jaxllm.ops.gpu as kernels
     monkeypatch.setattr(kernels, "interpret", lambda: False)
     info = getattr(reg, "gpu_info_lib", None)       # newer JAX asks the GPU for its compute capability
     if info is not None:

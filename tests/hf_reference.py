@@ -55,7 +55,7 @@ def _convert(d: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from jaxllm.loading.default import default_model_path
+    from jaxllm.weights.default import default_model_path
 
     p = default_model_path()
     src, name = str(p.parent), p.name

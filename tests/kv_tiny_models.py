@@ -5,9 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.config import GLOBAL, SLIDING, AttnSpec, ModelConfig, RopeSpec
-from jaxllm.models import family_named, gemma4
-from jaxllm.params import abstract_weights, init_random
+from jaxllm.config.model import GLOBAL, SLIDING, AttnSpec, ModelConfig, RopeSpec
+from jaxllm.model.families import family_named
+from jaxllm.model.families import gemma4
+from jaxllm.model.params import abstract_weights, init_random
 
 
 def tiny_gemma3(window: int = 16, layers: int = 4, vocab: int = 97) -> ModelConfig:

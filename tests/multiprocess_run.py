@@ -7,7 +7,7 @@ import sys
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 
-from jaxllm import distributed  # noqa: E402
+from jaxllm.harness import distributed
 
 
 def main(model, addr, n, pid):

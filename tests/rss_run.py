@@ -25,7 +25,7 @@ def rss_mb(kind="peak"):
 
 def main(model, quant):
     import jaxllm
-    from jaxllm.loading.place import _setter, _zeros
+    from jaxllm.weights.place import _setter, _zeros
     jax.jit(lambda x: x + 1)(jnp.ones(4)).block_until_ready()      # runtime up before the baseline
     base = rss_mb("now")
     t = time.perf_counter()

@@ -18,9 +18,9 @@ import numpy as np  # noqa: E402
 
 import jaxllm  # noqa: E402
 import gemma4_refs  # noqa: E402
-from jaxllm.engine import Engine  # noqa: E402
+from jaxllm.engine.engine import Engine  # noqa: E402
 from jaxllm.serve.app import ServeOptions, build_app  # noqa: E402
-from jaxllm.speculative import Speculation  # noqa: E402
+from jaxllm.engine.speculative import Speculation  # noqa: E402
 from tp_models import make  # noqa: E402
 
 MAX_LEN = 96

@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import numpy as np  # noqa: E402
 
 import jaxllm  # noqa: E402
-from jaxllm import kernels  # noqa: E402
+from jaxllm.ops import gpu as kernels
 import gemma4_refs  # noqa: E402
 from tp_models import make  # noqa: E402
 

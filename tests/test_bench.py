@@ -10,9 +10,8 @@ import pytest
 
 from jaxllm.errors import ModelError
 from jaxllm.harness import bench
-from jaxllm.harness.roofline import (causal_pairs, flops_per_step, kv_bytes_per_step, nbytes, prefill_flops,
-                                    weight_bytes_per_step)
-from jaxllm.harness.shapes import preset_names, resolve_shape
+from jaxllm.harness.roofline import (causal_pairs, flops_per_step, kv_bytes_per_step, nbytes, prefill_flops, weight_bytes_per_step)
+from jaxllm.model.presets import load_preset, names as preset_names
 from jaxllm.harness.synthetic import random_weights
 from jaxllm.quant import QuantArray
 
@@ -33,7 +32,7 @@ def abstract_weights(cfg, fam, quant):
 
 def test_bytes_and_flops_per_step_by_hand(tmp_path):
     D, F, H, K, hd, V, L = 64, 128, 4, 2, 16, 512, 2
-    cfg, fam = resolve_shape(shape_file(tmp_path))
+    cfg, fam = load_preset(shape_file(tmp_path))
     # int8 matmul weights + f32 scale per output channel; bf16 norms
     int8 = D * H * hd + 2 * D * K * hd + H * hd * D + 3 * D * F
     scales = 4 * (H * hd + 2 * K * hd + D + 2 * F + D)
@@ -45,7 +44,7 @@ def test_bytes_and_flops_per_step_by_hand(tmp_path):
     assert weight_bytes_per_step(cfg, w, batch=1) == L * per_layer + tied_embed + 2 * D == 113408
     assert nbytes(w) == 113408
     # untied: the embedding is only gathered (batch rows, with their scales), the lm_head read whole
-    cfg_u, fam_u = resolve_shape(shape_file(tmp_path, "untied", tie_word_embeddings=False))
+    cfg_u, fam_u = load_preset(shape_file(tmp_path, "untied", tie_word_embeddings=False))
     wu = abstract_weights(cfg_u, fam_u, "int8")
     lm_head = D * V + 4 * V
     assert weight_bytes_per_step(cfg_u, wu, batch=3) == L * per_layer + 3 * (D + 4) + 2 * D + lm_head
@@ -85,7 +84,7 @@ def test_sliding_layers_read_only_their_window(tmp_path):
                              "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2,
                              "num_key_value_heads": 1, "head_dim": 16, "sliding_window": 8,
                              "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}))
-    cfg, _ = resolve_shape(str(p))
+    cfg, _ = load_preset(str(p))
     per_pos = 2 * 1 * 16 * 2                          # K and V, one kv head of 16, bf16
     assert kv_bytes_per_step(cfg, batch=1, ctx=100) == per_pos * (8 + 100 + 8)
     assert kv_bytes_per_step(cfg, batch=1, ctx=4) == per_pos * 12
@@ -182,12 +181,12 @@ def test_every_preset_resolves_or_names_its_architecture():
     assert {"qwen3-0.6b", "qwen3-4b", "qwen3-8b", "qwen3-32b", "gemma3-270m", "gemma4-31b"} <= set(names)
     for name in names:
         try:
-            cfg, fam = resolve_shape(name)
+            cfg, fam = load_preset(name)
         except ModelError as e:                      # a family this build does not include
             assert str(e).startswith(f"shape {name!r}: unsupported model architecture")
             continue
         assert cfg.num_layers == len(cfg.layer_kinds) and fam.abstract(cfg)
-    cfg, _ = resolve_shape("qwen3-32b")
+    cfg, _ = load_preset("qwen3-32b")
     assert (cfg.num_layers, cfg.hidden_size, cfg.tie_embeddings) == (64, 5120, False)
 
 
@@ -213,12 +212,12 @@ def test_bench_rings_hold_the_last_window_of_positions():
     """The bench's filled cache: random K/V, but ring slots hold the positions a prefill of ctx
     tokens leaves there (random positions would fall outside the window, and the decode kernel
     skips reading what no query can see, which would flatter the timing)."""
-    from jaxllm.engine import Engine
+    from jaxllm.engine.engine import Engine
     from jaxllm.harness.bench import decode_state
-    from jaxllm.harness.shapes import resolve_shape
-    from jaxllm.sampling import SamplingParams
-    from jaxllm.split_cache import RingKV
-    cfg, fam = resolve_shape("gemma3-270m")
+    from jaxllm.model.presets import load_preset
+    from jaxllm.engine.sampling import SamplingParams
+    from jaxllm.kv.split import RingKV
+    cfg, fam = load_preset("gemma3-270m")
     ctx = 700
     eng = Engine(cfg, None, None, dtype="float32", max_ctx=ctx + 4, kv_quant="int8")
     state = decode_state(eng, 2, ctx, 4, 0, SamplingParams.make(2))

@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = """
 import json, sys
 import jax
-from jaxllm import compilation_cache as cc
+from jaxllm.engine import compilation_cache as cc
 hits = []
 jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name) if name.endswith("cache_hits") else None)
 path = cc.enable(sys.argv[2])
@@ -57,7 +57,7 @@ def test_second_process_reads_the_compiled_steps(tmp_path):
 
 
 def test_off_and_folder_resolution(tmp_path, monkeypatch):
-    from jaxllm import compilation_cache as cc
+    from jaxllm.engine import compilation_cache as cc
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("JAXLLM_COMPILATION_CACHE", raising=False)
     assert cc.resolve() == tmp_path / "jaxllm" / "xla"

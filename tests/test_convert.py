@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxllm
-from jaxllm.convert import convert
+from jaxllm.harness.convert import convert
 from tp_models import make
 
 HERE = os.path.dirname(__file__)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import jaxllm
-from jaxllm.core import Pieces
+from jaxllm.engine.core import Pieces
 import tiny
 
 
@@ -90,8 +90,8 @@ def test_forked_slots_decode_as_their_own_requests(eng):
     copy draws its own first token with its own seed and decodes what the request alone decodes
     with that seed (penalties and token rules copied with the slot, counts restarted), and the
     source decodes on as before."""
-    from jaxllm.core import Forks
-    from jaxllm.sampling import Penalties, SamplingParams, TokenRules
+    from jaxllm.engine.core import Forks
+    from jaxllm.engine.sampling import Penalties, SamplingParams, TokenRules
     prompt = list(range(5, 25))
     kw = dict(temperature=0.9, top_k=40, presence_penalty=0.5, repetition_penalty=1.2, logit_bias={9: 3.0},
               stop_token_ids=[11], min_tokens=2)
@@ -133,8 +133,8 @@ def test_max_tokens_per_row_and_finish_reason(eng):
 def test_logprobs_are_the_log_softmax_of_the_logits(eng, speculative):
     """Each token's log-probability and top alternatives, computed in the loop (and in speculative
     cycles), equal log_softmax of `Engine.logits` at its position, greedy and sampled."""
-    from jaxllm.engine import Engine
-    from jaxllm.speculative import Speculation
+    from jaxllm.engine.engine import Engine
+    from jaxllm.engine.speculative import Speculation
     gen = eng if not speculative else Engine(eng.cfg, eng.weights, None, dtype="float32", max_ctx=64,
                                              speculation=Speculation("ngram", 3))
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11]]
@@ -176,8 +176,8 @@ def test_penalties_match_a_numpy_reference(eng, speculative):
     """Greedy tokens under presence, frequency and repetition penalties (alone and together, in the
     loop and in speculative cycles) are the argmax of `Engine.logits` penalized in numpy at each
     position; log-probabilities stay those of the raw logits."""
-    from jaxllm.engine import Engine
-    from jaxllm.speculative import Speculation
+    from jaxllm.engine.engine import Engine
+    from jaxllm.engine.speculative import Speculation
     gen = eng if not speculative else Engine(eng.cfg, eng.weights, None, dtype="float32", max_ctx=64,
                                              speculation=Speculation("ngram", 3))
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10]]
@@ -218,7 +218,7 @@ def test_period_scan_equals_conditional_scan(family, layers, tmp_path, monkeypat
     """The layer scan over whole periods of the sliding/global pattern (what GPUs run: no
     conditional per layer) against the scan with a `lax.cond` per layer: full forward and decode
     steps. Gemma 3's 8 layers are one period of 6 and two more; Gemma 4's are one period of 8."""
-    from jaxllm.model import counted_layers, layer_period
+    from jaxllm.model.forward import counted_layers, layer_period
     if family == "gemma3":
         tiny.make(family, tmp_path, seed=4, num_hidden_layers=layers)
     else:
@@ -238,7 +238,7 @@ def test_period_scan_equals_conditional_scan(family, layers, tmp_path, monkeypat
 def test_carried_layer_index_equals_the_schedule_scan(tmp_path, monkeypatch):
     """Qwen3 (one branch, layer i on stack and cache entry i) scans with the layer index in the
     carry; against the scan over the schedule's index arrays: full forward and decode steps."""
-    from jaxllm import model
+    from jaxllm.model import forward as model
     tiny.make("qwen3", tmp_path, seed=5)
     ids = np.random.default_rng(4).integers(0, 160, (2, 10)).astype(np.int32)
     got = {}
@@ -273,7 +273,7 @@ def test_unrolled_layer_scan_equals_rolled(family, scan, tmp_path, monkeypatch):
 def test_scan_unroll_is_checked(monkeypatch):
     from types import SimpleNamespace
     from jaxllm.errors import ModelError
-    from jaxllm.model import scan_unroll
+    from jaxllm.model.forward import scan_unroll
     cfg = SimpleNamespace(num_layers=8)                     # all the count reads of a config
     monkeypatch.delenv("JAXLLM_SCAN_UNROLL", raising=False)
     monkeypatch.setenv("JAXLLM_KERNELS", "auto")           # the kernels on GPUs alone
@@ -294,7 +294,7 @@ def test_scan_unroll_is_checked(monkeypatch):
 
 def test_layer_scan_mode_is_checked(monkeypatch):
     from jaxllm.errors import ModelError
-    from jaxllm.model import layer_scan_mode
+    from jaxllm.model.forward import layer_scan_mode
     monkeypatch.setenv("JAXLLM_LAYER_SCAN", "unrolled")
     with pytest.raises(ModelError, match="JAXLLM_LAYER_SCAN must be one of"):
         layer_scan_mode()

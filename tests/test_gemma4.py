@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 
 import jaxllm
 from jaxllm import ModelError
-from jaxllm.models import gemma4
-from jaxllm.moe import moe_ffn
-from jaxllm.params import is_spec
+from jaxllm.model.families import gemma4
+from jaxllm.model.moe import moe_ffn
+from jaxllm.model.params import is_spec
 from jaxllm.quant import QuantArray, quantize_np
 
 from gemma4_refs import VARIANTS, build, forced_router, hf_logits

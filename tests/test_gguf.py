@@ -1,4 +1,4 @@
-"""GGUF loading (jaxllm.loading.gguf) against transformers' own GGUF loader, on the embedded
+"""GGUF loading (jaxllm.weights.gguf) against transformers' own GGUF loader, on the embedded
 Gemma 3 270M Q4_K_M file. transformers is the reference only; jaxllm must not need it."""
 
 import os
@@ -9,9 +9,9 @@ import pytest
 
 import hf_reference
 from jaxllm.errors import ModelError
-from jaxllm.loading.default import DEFAULT_MODEL_NAME, default_model_path
-from jaxllm.loading.gguf import _reader as _cached_reader  # the same GGUFReader, parsed once
-from jaxllm.loading.gguf import iter_gguf_tensors, load_gguf_tokenizer, read_gguf_config
+from jaxllm.weights.default import DEFAULT_MODEL_NAME, default_model_path
+from jaxllm.weights.gguf import _reader as _cached_reader  # the same GGUFReader, parsed once
+from jaxllm.weights.gguf import iter_gguf_tensors, load_gguf_tokenizer, read_gguf_config
 
 # Fields of Gemma3TextConfig that change what the model computes (or which ids it uses).
 MATH_FIELDS = [
@@ -339,7 +339,7 @@ def test_default_model_path(tmp_path, monkeypatch):
 
     monkeypatch.delenv("JAXLLM_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    from jaxllm.loading.default import cache_dir
+    from jaxllm.weights.default import cache_dir
 
     assert cache_dir() == tmp_path / "xdg" / "jaxllm"
 

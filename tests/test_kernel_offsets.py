@@ -9,7 +9,8 @@ from jax._src.lib.mlir import ir
 from jax._src.pallas.triton import lowering as tl
 
 from jaxllm.errors import ModelError
-from jaxllm.kernels import matmul, offsets
+from jaxllm.ops.gpu import matmul
+from jaxllm.ops.gpu import offsets
 
 
 def _offset_widths(monkeypatch, lower, w_shape):

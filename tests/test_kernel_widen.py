@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.attention_blockwise import quantize_kv
+from jaxllm.kv.blockwise import quantize_kv
 from jaxllm.errors import ModelError
-from jaxllm.kernels import widen as widening
-from jaxllm.kernels.attention import Cache, KeysFromValues, decode_attention
-from jaxllm.kernels.matmul import Tiles, stacked_gated, stacked_matmul
+from jaxllm.ops.gpu import widen as widening
+from jaxllm.ops.gpu.attention import Cache, KeysFromValues, decode_attention
+from jaxllm.ops.gpu.matmul import Tiles, stacked_gated, stacked_matmul
 
 L = 3
 ALL = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8)

@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 
 import jaxllm
-from jaxllm import kernels
-from jaxllm.cache import slot_positions
+from jaxllm.ops import gpu as kernels
+from jaxllm.kv.linear import slot_positions
 from jaxllm.errors import ModelError
-from jaxllm.attention_blockwise import dequantize_kv, quantize_kv
-from jaxllm.kernels.attention import Cache, KeysFromValues, decode_attention
-from jaxllm.kernels.prologue import HeadPrep, SplitQKV, decode_prologue
-from jaxllm.kernels import matmul
-from jaxllm.kernels.matmul import Tiles, choose_tiles, stacked_gated, stacked_matmul, stacked_matmuls
-from jaxllm.split_cache import KVOptions
-from jaxllm.layers import apply_rope, attend, attention_mask, rms_norm
+from jaxllm.kv.blockwise import dequantize_kv, quantize_kv
+from jaxllm.ops.gpu.attention import Cache, KeysFromValues, decode_attention
+from jaxllm.ops.gpu.prologue import HeadPrep, SplitQKV, decode_prologue
+from jaxllm.ops.gpu import matmul
+from jaxllm.ops.gpu.matmul import Tiles, choose_tiles, stacked_gated, stacked_matmul, stacked_matmuls
+from jaxllm.kv.split import KVOptions
+from jaxllm.model.layers import apply_rope, attend, attention_mask, rms_norm
 import tiny
 
 L = 3
@@ -109,7 +109,7 @@ def test_out_major_weights_on_the_xla_path(monkeypatch):
     """Output-major stacks (how the kernels' weights are laid out) contracted by XLA wherever the
     kernels do not run: a prefill's many rows, and the forced XLA path; `out_major` leaves the
     weights as they are where the kernels are off."""
-    from jaxllm.kernels.weights import out_major
+    from jaxllm.ops.gpu.weights import out_major
     from jaxllm.quant import OutMajor, QuantArray, Stacked, linear
     rng = np.random.default_rng(7)
     w, s = _w(rng, 2 * 12, 20, "int8")
@@ -241,9 +241,9 @@ def test_decode_attention_split_caches(ring, int8, from_values):
 def test_head_pieces_cover_the_head_once():
     """Rebuilt keys read the head dimension as the rotated part of each half, then the rest in
     power-of-two pieces: Gemma 4's global layers (512, a quarter rotated) exactly so."""
-    from jaxllm.kernels.attention import head_pieces
-    from jaxllm.config import RopeSpec
-    from jaxllm.layers import inv_frequencies
+    from jaxllm.ops.gpu.attention import head_pieces
+    from jaxllm.config.model import RopeSpec
+    from jaxllm.model.layers import inv_frequencies
     inv = inv_frequencies(RopeSpec(kind="proportional", theta=1e6, partial=0.25), 512)
     assert head_pieces(512, inv) == (64, ((0, 64), (256, 64), (64, 128), (192, 64), (320, 128), (448, 64)))
     assert head_pieces(512, None) == (0, ((0, 512),))
@@ -387,7 +387,7 @@ def test_residual_norm(split, post, dtype, monkeypatch):
     """x + rms_norm(y, post) and its rms_norm with `pre` in one kernel, y as an array or as a
     matmul's unsummed float32 partials with their per-channel scales; norm weights and scales read
     in their layer stacks; D = 80 (not a power of two). Against the XLA path of `add_norm`."""
-    from jaxllm.layers import add_norm
+    from jaxllm.model.layers import add_norm
     from jaxllm.quant import Partials, Stacked
     rng = np.random.default_rng(8)
     M, D, L = 3, 80, 2
@@ -458,7 +458,7 @@ def test_matmul_normalizes_its_input_rows(M, dtype, weight, offset, split, monke
     one = linear(Normed(x, nw, 1e-6, offset), stacks[0])     # a layer reading another's KV: Q alone
     assert _rel(one, got["xla"][0]) < tol
     assert any(s["kernel"] == "matmul" and s["shape"][:3] == [M, K, "48"] for s in kernels.selections())
-    from jaxllm.kernels.matmul import RowNorm, stacked_matmuls
+    from jaxllm.ops.gpu.matmul import RowNorm, stacked_matmuls
     direct = stacked_matmuls(x, [(_om(w, True), s) for w, s in ws], jnp.int32(2), tiles, True,
                              norm=RowNorm(None if nw is None else nw.stack, 1, 1e-6, offset))
     for a, b, c in zip(got["pallas"], got["xla"], direct):
@@ -471,7 +471,7 @@ def test_matmul_normalizes_its_input_rows(M, dtype, weight, offset, split, monke
 def test_output_head(M, tied, dtype, monkeypatch):
     """The logits by the matmul kernel, against every row of a tied embedding table [V, D] with a
     scale per row, or through an untied lm_head [D, V]; float32 out, an odd vocabulary."""
-    from jaxllm.kernels.ops import output_head
+    from jaxllm.ops.gpu.dispatch import output_head
     from jaxllm.quant import QuantArray
     rng = np.random.default_rng(M + 2 * tied)
     D, V = 48, 101

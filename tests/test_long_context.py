@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 import jaxllm
-from jaxllm.core import Pieces
-from jaxllm.engine import Engine, pad_rows
+from jaxllm.engine.core import Pieces
+from jaxllm.engine.engine import Engine, pad_rows
 from jaxllm.errors import ModelError, RequestError
 from jaxllm.harness.perplexity import perplexity_ids
-from jaxllm.kv_plan import check_fits, plan_cache
-from jaxllm.split_cache import BlockKV, KVLayout, KVOptions, RingKV, cache_axes, cache_shapes
-from jaxllm.split_cache import has_kv_readers
+from jaxllm.kv.plan import check_fits, plan_cache
+from jaxllm.kv.split import BlockKV, KVLayout, KVOptions, RingKV, cache_axes, cache_shapes
+from jaxllm.kv.split import has_kv_readers
 from kv_tiny_models import gemma4_31b, gemma4_e2b, random_weights, tiny_gemma3, tiny_gemma4_like
 
 WINDOW = 16

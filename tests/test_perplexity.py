@@ -14,8 +14,7 @@ import torch
 import hf_reference
 import jaxllm
 from jaxllm.errors import RequestError
-from jaxllm.harness.perplexity import (add_perplexity_args, check_perplexity_args, plan_windows,
-                                       read_ppl_text, run_perplexity)
+from jaxllm.harness.perplexity import (add_perplexity_args, check_perplexity_args, plan_windows, read_ppl_text, run_perplexity)
 
 TEXT = ("The quick brown fox jumps over the lazy dog. " * 3 +
         "Pack my box with five dozen liquor jugs! How vexingly quick daft zebras jump; "

@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm import kernels
-from jaxllm.cache import slot_positions
-from jaxllm.kernels.ops import stacked_prefill
-from jaxllm.kernels.prefill import Blocks, choose_blocks, prefill_attention
-from jaxllm.layers import attend, attention_mask
+from jaxllm.ops import gpu as kernels
+from jaxllm.kv.linear import slot_positions
+from jaxllm.ops.gpu.dispatch import stacked_prefill
+from jaxllm.ops.gpu.prefill import Blocks, choose_blocks, prefill_attention
+from jaxllm.model.layers import attend, attention_mask
 
 L = 2
 

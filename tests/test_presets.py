@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from jaxllm import ModelError
-from jaxllm.config import GLOBAL, SLIDING
-from jaxllm.params import is_spec
+from jaxllm.config.model import GLOBAL, SLIDING
+from jaxllm.model.params import is_spec
 from jaxllm.harness.synthetic import random_engine
-from jaxllm.presets import load_preset, names
+from jaxllm.model.presets import load_preset, names
 
 # Published parameter counts of the text models (embeddings included; the E models' published
 # totals also hold their vision/audio towers, hence the looser bound there).

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm import sampling
-from jaxllm.sampling import SamplingParams, _row_keys, filtered, sample
+from jaxllm.engine import sampling
+from jaxllm.engine.sampling import SamplingParams, _row_keys, filtered, sample
 
 
 def reference_keep(logits, temperature, top_k, top_p):

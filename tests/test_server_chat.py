@@ -361,7 +361,7 @@ def test_a_template_without_tools_refuses_them():
     has no place for tools or thinking: both are refused rather than dropped."""
     from types import SimpleNamespace
 
-    from jaxllm.models import gemma4
+    from jaxllm.model.families import gemma4
     from jaxllm.serve.chat import chat_prompt
     from jaxllm.serve.fields import ApiError
     from jaxllm.serve.output import chat_features

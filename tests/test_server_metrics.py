@@ -15,8 +15,8 @@ import tiny_chat
 from prometheus_client.parser import text_string_to_metric_families
 
 import jaxllm
-from jaxllm.engine import Engine
-from jaxllm.speculative import Speculation
+from jaxllm.engine.engine import Engine
+from jaxllm.engine.speculative import Speculation
 
 MAX_LEN = 256
 PROMPTS = [[5, 6, 7, 8, 9] * 6 + [5, 6], [40, 41, 42] * 9 + [40], [100, 120, 140, 100, 120, 140, 100, 120] * 3]

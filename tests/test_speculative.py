@@ -10,8 +10,8 @@ import pytest
 
 import jaxllm
 import tiny
-from jaxllm.engine import Engine
-from jaxllm.speculative import Speculation, ngram_draft
+from jaxllm.engine.engine import Engine
+from jaxllm.engine.speculative import Speculation, ngram_draft
 
 CODE = open(jaxllm.__file__.replace("__init__.py", "sampling.py")).read()[:2300]
 FREE = ("The river valley was quiet in the early morning. A heron stood in the shallows, and far off a "
@@ -79,7 +79,7 @@ def test_greedy_speculation_with_a_draft_model(tmp_path):
     row (past the ring wraps, in a batch) are the plain output all the same."""
     base, _ = engines("none")
     tiny.make("gemma3", tmp_path, seed=2, vocab_size=base.cfg.vocab_size, num_hidden_layers=2)
-    from jaxllm.loading import load_model
+    from jaxllm.weights import load_model
     dcfg, _, dweights, _, _ = load_model(str(tmp_path), base.dtype, "none")
     eng = Engine(base.cfg, base.weights, base.tokenizer, dtype="float32", max_ctx=MAX_CTX,
                  speculation=Speculation("draft", 3, draft_cfg=dcfg), draft_weights=dweights)
@@ -103,7 +103,7 @@ def small_vocab_model(path):
 
 def sampled(eng, seeds=SEEDS) -> np.ndarray:
     """The first three tokens of the prompt sampled under `seeds` seeds, one row each -> [seeds, 3]."""
-    from jaxllm.sampling import SamplingParams
+    from jaxllm.engine.sampling import SamplingParams
     ids = [PROMPT] * seeds
     eng_core = eng.core(seeds, 32)
     params = SamplingParams(np.ones(seeds, np.float32), np.zeros(seeds, np.int32), np.ones(seeds, np.float32),
@@ -143,7 +143,7 @@ def test_sampled_distribution_is_unchanged(tmp_path_factory, monkeypatch):
     assert stats["drafted"] > 1000 and 0 < stats["accepted"] < stats["drafted"]
     assert p > 1e-3
 
-    from jaxllm import core
+    from jaxllm.engine import core
 
     def always_accept(logits, drafts, n_draft, params, step):    # a wrong rule: a test double
         a, nxt = real(logits, drafts, n_draft, params, step)

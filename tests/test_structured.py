@@ -82,7 +82,7 @@ def pack(allowed: np.ndarray) -> np.ndarray:
 def test_mask_tokens_keeps_exactly_the_allowed_tokens():
     import jax.numpy as jnp
 
-    from jaxllm.sampling import SamplingParams, mask_tokens, sample
+    from jaxllm.engine.sampling import SamplingParams, mask_tokens, sample
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(3, 70)).astype(np.float32)
     allowed = rng.random((3, 70)) < 0.2
@@ -101,10 +101,10 @@ def test_masked_rows_sample_only_allowed_tokens_beside_speculation(tmp_path):
     free beside it in the same blocks, takes drafts, and gets the greedy tokens of plain decoding."""
     import tiny
 
-    from jaxllm.core import Pieces
-    from jaxllm.engine import Engine
-    from jaxllm.sampling import SamplingParams
-    from jaxllm.speculative import Speculation
+    from jaxllm.engine.core import Pieces
+    from jaxllm.engine.engine import Engine
+    from jaxllm.engine.sampling import SamplingParams
+    from jaxllm.engine.speculative import Speculation
     tiny.make("qwen3", tmp_path)
     base = jaxllm.load(str(tmp_path), quant="none", dtype="float32", max_ctx=256)
     eng = Engine(base.cfg, base.weights, base.tokenizer, dtype="float32", max_ctx=256,

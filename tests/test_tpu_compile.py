@@ -6,7 +6,7 @@ rest of the suite uses."""
 import pytest
 
 from jaxllm.harness.tpu_compile import GiB, compile_shape, format_report
-from jaxllm.models import FAMILIES
+from jaxllm.model.families import FAMILIES
 
 SHAPES = ["qwen3-32b"]
 if any("gemma4" in t for f in FAMILIES for t in f.MODEL_TYPES):

@@ -1,4 +1,4 @@
-"""The per-user cache of models built from GGUF files (jaxllm.loading.weight_cache)."""
+"""The per-user cache of models built from GGUF files (jaxllm.weights.weight_cache)."""
 import json
 import os
 import shutil
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from test_gguf import _gemma3_metadata, _write
 
-import jaxllm.loading.gguf as gguf_module
+import jaxllm.weights.gguf as gguf_module
 from jaxllm.errors import ModelError
-from jaxllm.loading import load_model, locate
-from jaxllm.loading import weight_cache as wcache
+from jaxllm.weights import load_model, locate
+from jaxllm.weights import weight_cache as wcache
 
 
 def write_tiny_gguf(path, seed=0, n_layers=2):
@@ -190,7 +190,7 @@ def test_unwritable_cache_still_loads(tiny, tmp_path, monkeypatch, builds):
 
 
 def test_interrupted_write_leaves_no_entry(tiny, cache, builds, monkeypatch):
-    from jaxllm.loading import saved
+    from jaxllm.weights import saved
 
     def dies(d, weights, meta, compress=True):
         (d / "weights").mkdir()
@@ -216,7 +216,7 @@ def test_concurrent_writer_keeps_the_first_entry(tiny, cache):
 def test_embedded_model_second_load(tmp_path, monkeypatch, builds):
     """The embedded model's entry is found by the package's published sha256: a warm load neither
     assembles nor hashes the 240 MB file, nor dequantizes it."""
-    from jaxllm.loading import default
+    from jaxllm.weights import default
     monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path))
     monkeypatch.delenv(wcache.ENV, raising=False)
     first, warned = load(None, "int8", jnp.bfloat16)

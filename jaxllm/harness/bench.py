@@ -21,16 +21,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import core, kernels
-from ..speculative import SpecSlots
-from ..sharding import layout_for
-from ..split_cache import KVOptions, RingKV, choose_layout
-from ..engine import DTYPES, check_sampling
-from ..errors import JaxllmError, RequestError
-from ..sampling import SamplingParams
-from . import ceilings as ceil
-from .roofline import nbytes, prefill_flops, step_cost
-from .synthetic import random_engine, random_like
+from jaxllm.engine import core
+from jaxllm.ops import gpu as kernels
+from jaxllm.engine.speculative import SpecSlots
+from jaxllm.engine.sharding import layout_for
+from jaxllm.kv.split import KVOptions, RingKV, choose_layout
+from jaxllm.engine.engine import DTYPES, check_sampling
+from jaxllm.errors import JaxllmError, RequestError
+from jaxllm.engine.sampling import SamplingParams
+from jaxllm.harness import ceilings as ceil
+from jaxllm.harness.roofline import nbytes, prefill_flops, step_cost
+from jaxllm.harness.synthetic import random_engine, random_like
 
 
 @dataclass
@@ -93,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--draft-shape", default=None, help="the draft model's shape (random weights), for --speculative draft")
     p.add_argument("--draft-model-dir", default=None, help="or a real draft model, for --speculative draft")
-    from .cli import add_max_batch_arg
+    from jaxllm.harness.cli import add_max_batch_arg
     add_max_batch_arg(p)
     p.add_argument("--draft-always", action="store_true",
                    help="rows draft every cycle however little they accept (the cost of a cycle); "
@@ -108,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, help="PNG plot path (default: --out with .png)")
     p.add_argument("--probe-mib", type=int, default=None, help="bandwidth probe size (default: by device)")
     p.add_argument("--matmul-n", type=int, default=None, help="matmul probe size n (n x n x n)")
-    from ..compilation_cache import add_flag
+    from jaxllm.engine.compilation_cache import add_flag
     add_flag(p)
     return p
 
@@ -122,7 +123,7 @@ def check_args(a) -> None:
     if a.warmup < 0:
         raise RequestError(f"--warmup must be >= 0, got {a.warmup}")
     check_sampling(1, a.temperature, a.top_k, a.top_p)
-    from ..speculative import check_args as check_speculative
+    from jaxllm.engine.speculative import check_args as check_speculative
     if a.draft_shape and a.draft_model_dir:
         raise RequestError("a draft model is --draft-shape or --draft-model-dir, not both")
     check_speculative(a.speculative, a.num_speculative_tokens, a.draft_shape or a.draft_model_dir)
@@ -140,7 +141,7 @@ def check_args(a) -> None:
 def load_subject(a):
     """-> (engine, family, description) from --shape (random weights, on device) or --model-dir; the
     engine's KV policy is the run's (--kv-quant, --int8-rings, --rebuild-keys) for ctx + steps."""
-    from ..models import family_for
+    from jaxllm.model.families import family_for
     length = a.ctx + a.steps
     if a.shape:
         eng = random_engine(a.shape, dtype=a.dtype, quant=a.quant, max_ctx=length, layout=a.layout,
@@ -425,10 +426,10 @@ def plot(rep: dict, path: str) -> bool:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--serve" in argv:                  # the server under load: its own flags
-        from .serve_bench import main as serve_main
+        from jaxllm.harness.serve_bench import main as serve_main
         return serve_main([x for x in argv if x != "--serve"])
     a = build_parser().parse_args(argv)
-    from ..compilation_cache import enable
+    from jaxllm.engine.compilation_cache import enable
     a.cache = enable(a.compilation_cache)
     try:
         check_args(a)
@@ -450,7 +451,7 @@ def sweep(a) -> int:
     a.layout = layout_for(a.tp)
     eng, fam, subject = load_subject(a)
     cfg, weights = eng.cfg, eng.weights
-    from ..compilation_cache import executables_folder
+    from jaxllm.engine.compilation_cache import executables_folder
     eng.steps_cache = executables_folder(getattr(a, "cache", None))
     device = jax.devices()[0]
     ceilings = ceil.measure(a.probe_mib << 20 if a.probe_mib else None, a.matmul_n, device)

@@ -7,7 +7,7 @@ import sys
 import warnings
 from contextlib import contextmanager
 
-from ..errors import JaxllmError
+from jaxllm.errors import JaxllmError
 
 
 class Parser(argparse.ArgumentParser):
@@ -37,8 +37,8 @@ def add_model_args(p: argparse.ArgumentParser):
                    help="KV-cache format: auto = compute dtype up to 32K, int8 above")
     p.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel degree (default: all local devices)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="activation/compute dtype")
-    from .. import distributed
-    from ..compilation_cache import add_flag
+    from jaxllm.harness import distributed
+    from jaxllm.engine.compilation_cache import add_flag
     distributed.add_args(p)
     add_flag(p)
     add_speculative_args(p)
@@ -68,8 +68,8 @@ def load_engine(args, quiet: bool = False):
     import time
 
     import jaxllm
-    from .. import distributed
-    from ..compilation_cache import enable
+    from jaxllm.harness import distributed
+    from jaxllm.engine.compilation_cache import enable
     t0 = time.perf_counter()
     cache = enable(args.compilation_cache)
     if distributed.init_from_args(args) and not distributed.is_main_process():
@@ -101,11 +101,11 @@ def load_engine(args, quiet: bool = False):
         for w in caught:
             sys.stderr.write(f"warning: {w.message}\n")
     args.load_s = time.perf_counter() - t0
-    from ..compilation_cache import executables_folder
+    from jaxllm.engine.compilation_cache import executables_folder
     eng.steps_cache = executables_folder(cache)
     # on stderr, so --json output stays clean; always shown when the split long-context cache is used
     if eng.kv_layout.split or (not quiet and sys.stderr.isatty()):
-        from ..kv_plan import report
+        from jaxllm.kv.plan import report
         report(eng.kv_plan(1))
     if not quiet and sys.stderr.isatty():
         eng.on_compile = compile_ticker

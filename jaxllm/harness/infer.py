@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 import sys
 
-from ..errors import RequestError
-from .cli import Parser, add_model_args, load_engine, one_line_errors, positive_int
+from jaxllm.errors import RequestError
+from jaxllm.harness.cli import Parser, add_model_args, load_engine, one_line_errors, positive_int
 
 DEFAULT_PROMPT = "Write a haiku about the sea."
 PROG = "jaxllm.infer"
@@ -26,7 +26,7 @@ def build_parser() -> Parser:
     p.add_argument("--raw-prompt", action="store_true", help="no chat template")
     p.add_argument("--json", action="store_true", help="one JSON object per line on stdout")
     try:
-        from .perplexity import add_perplexity_args
+        from jaxllm.harness.perplexity import add_perplexity_args
         add_perplexity_args(p)
     except ImportError:
         pass
@@ -52,7 +52,7 @@ def prompts_from(args) -> list[str]:
 
 
 def check_args(args):
-    from ..engine import check_sampling
+    from jaxllm.engine.engine import check_sampling
     check_sampling(args.max_tokens, args.temperature, args.top_k, args.top_p)
 
 
@@ -86,7 +86,7 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     with one_line_errors(PROG):
         if getattr(args, "perplexity", False):
-            from .perplexity import check_perplexity_args, run_perplexity
+            from jaxllm.harness.perplexity import check_perplexity_args, run_perplexity
             check_perplexity_args(args)
             run_perplexity(args, load_engine(args, quiet=args.json))
             return

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core import Pieces
-from ..errors import RequestError
+from jaxllm.engine.core import Pieces
+from jaxllm.errors import RequestError
 
 TOKENS_PER_FORWARD = 8192       # windows are batched up to this many tokens per forward
 SCORE_BYTES = 2 << 30           # and while one layer's f32 attention scores stay under this

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from ..config import ModelConfig
-from ..params import is_spec
+from jaxllm.config.model import ModelConfig
+from jaxllm.model.params import is_spec
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench import git_commit, int_list
+from jaxllm.harness.bench import git_commit, int_list
 
 
 @dataclass
@@ -331,8 +331,8 @@ def main(argv=None) -> int:
         if a.url:
             a.vocab = 1000
         elif a.shape:
-            from .shapes import resolve_shape
-            a.vocab = resolve_shape(a.shape)[0].vocab_size
+            from jaxllm.model.presets import load_preset
+            a.vocab = load_preset(a.shape)[0].vocab_size
         else:
             a.vocab = 1000            # ids every vocabulary holds
     out = Path(a.out)

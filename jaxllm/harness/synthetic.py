@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import RequestError
-from ..loading.weights import is_quantized
-from ..params import ParamSpec, is_spec
-from ..quant import QuantArray
+from jaxllm.errors import RequestError
+from jaxllm.weights.weights import is_quantized
+from jaxllm.model.params import ParamSpec, is_spec
+from jaxllm.quant import QuantArray
 
 
 def _divisor(n: int, most: int) -> int:
@@ -116,8 +116,8 @@ def shape_tokenizer(path: str, cfg):
     """The tokenizer in directory `path`, for a random-weight model of config `cfg`."""
     from pathlib import Path
 
-    from ..errors import ModelError
-    from ..tokenizer import Tokenizer
+    from jaxllm.errors import ModelError
+    from jaxllm.tokenizer import Tokenizer
     tok = Tokenizer.from_hf_dir(Path(path))
     if tok is None:
         raise ModelError(f"{path}: no tokenizer.json")
@@ -140,23 +140,23 @@ def random_engine(shape: str, *, dtype: str = "bfloat16", quant: str = "int8", m
     `draft_model_dir` (the cost of a cycle is the same; what it accepts of random logits is not
     meaningful either way); `draft_always` keeps every row drafting whatever it accepts, for the cost
     of a cycle."""
-    from ..engine import DTYPES, Engine
-    from ..errors import ModelError
-    from ..kernels.weights import out_major
-    from ..sharding import check_divisible, single_device_layout
-    from .shapes import resolve_shape
+    from jaxllm.engine.engine import DTYPES, Engine
+    from jaxllm.errors import ModelError
+    from jaxllm.ops.gpu.weights import out_major
+    from jaxllm.engine.sharding import check_divisible, single_device_layout
+    from jaxllm.model.presets import load_preset
     if dtype not in DTYPES:
         raise ModelError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if quant not in ("int8", "none"):
         raise ModelError(f"quant must be 'int8' or 'none', got {quant!r}")
-    from ..speculative import Speculation, check_args
+    from jaxllm.engine.speculative import Speculation, check_args
     if draft_shape is not None and draft_model_dir is not None:
         raise ModelError("a draft model is a random shape or a model directory, not both")
     check_args(speculative, num_speculative_tokens, draft_shape or draft_model_dir)
     layout = layout or single_device_layout()
 
     def build(name, seed, **kw):
-        cfg, fam = resolve_shape(name, **kw)
+        cfg, fam = load_preset(name, **kw)
         specs = fam.abstract(cfg)
         check_divisible(layout, specs)
         shardings = layout.weight_shardings(specs, lambda s: is_quantized(s, quant))
@@ -164,7 +164,7 @@ def random_engine(shape: str, *, dtype: str = "bfloat16", quant: str = "int8", m
     cfg, weights = build(shape, seed, **overrides)
     spec, dcfg, draft = None, None, None
     if speculative == "draft" and draft_model_dir is not None:
-        from ..loading import load_model
+        from jaxllm.weights import load_model
         dcfg, _, draft, _, _ = load_model(draft_model_dir, DTYPES[dtype], quant, None, layout)
         draft = out_major(draft, layout, donate=True)
     elif speculative == "draft":

@@ -23,12 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import core
-from ..errors import JaxllmError, ModelError
-from ..params import map_specs
-from ..quant import QuantArray
-from ..sampling import SamplingParams
-from ..sharding import Layout, check_divisible, scale_shape_axes
+from jaxllm.engine import core
+from jaxllm.errors import JaxllmError, ModelError
+from jaxllm.model.params import map_specs
+from jaxllm.quant import QuantArray
+from jaxllm.engine.sampling import SamplingParams
+from jaxllm.engine.sharding import Layout, check_divisible, scale_shape_axes
 
 # HBM bandwidth per chip, bytes/s, and memory per chip, by topology generation.
 CHIPS = {"v6e": (1640e9, 32 * 2**30), "v5e": (819e9, 16 * 2**30), "v5p": (2765e9, 95 * 2**30),
@@ -59,7 +59,7 @@ def topology_mesh(topology: str, tp: int, dp: int = 1) -> Layout:
 
 def abstract_weights(cfg, family, layout: Layout, quant: str, dtype) -> dict:
     """The weights as ShapeDtypeStructs with their shardings (QuantArray for int8 ones)."""
-    from ..loading.weights import is_quantized
+    from jaxllm.weights.weights import is_quantized
 
     def one(spec):
         int8 = is_quantized(spec, quant)
@@ -77,7 +77,7 @@ def abstract_weights(cfg, family, layout: Layout, quant: str, dtype) -> dict:
 def abstract_cache(cfg, layout: Layout, batch: int, length: int, dtype, kv_quant: str = "auto"):
     """The cache the engine would allocate: full-length up to the split threshold, the split
     int8 cache (sliding rings, blockwise global layers) above it."""
-    from ..split_cache import KVOptions, cache_shapes, choose_layout
+    from jaxllm.kv.split import KVOptions, cache_shapes, choose_layout
     opts = KVOptions()
     shapes = cache_shapes(cfg, choose_layout(kv_quant, length, opts), opts, batch, length, dtype)
     shard = layout.cache_shardings(shapes)
@@ -140,7 +140,7 @@ def compile_shape(shape: str, tp: int = 4, dp: int = 1, max_ctx: int = 2048, bat
     programs = tuple(programs)
     if not programs or set(programs) - set(PROGRAMS):
         raise ModelError(f"programs must be among {', '.join(PROGRAMS)}")
-    from ..presets import load_preset
+    from jaxllm.model.presets import load_preset
     cfg, family = load_preset(shape)
     layout = topology_mesh(topology, tp, dp)
     dtype = jnp.bfloat16

@@ -61,8 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-warmup", action="store_true", help="skip compiling before reporting ready")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    from ..compilation_cache import add_flag
-    from ..harness.cli import add_speculative_args
+    from jaxllm.engine.compilation_cache import add_flag
+    from jaxllm.harness.cli import add_speculative_args
     add_flag(p)
     add_speculative_args(p)
     return p.parse_args(argv)
@@ -91,10 +91,10 @@ def main(argv=None) -> int:
     import uvicorn
 
     import jaxllm
-    from jaxllm.compilation_cache import enable
+    from jaxllm.engine.compilation_cache import enable
     from jaxllm.errors import JaxllmError
 
-    from .app import ServeOptions, build_app
+    from jaxllm.serve.app import ServeOptions, build_app
 
     cache = enable(args.compilation_cache)
     log = logging.getLogger("jaxllm.serve")
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     try:
         if args.shape:
             from jaxllm.harness.synthetic import random_engine
-            from jaxllm.sharding import layout_for
+            from jaxllm.engine.sharding import layout_for
             engine = random_engine(args.shape, dtype=args.dtype, quant=args.quant, max_ctx=args.max_model_len or 8192,
                                    layout=layout_for(args.tp), kv_quant=args.kv_quant, speculative=args.speculative,
                                    num_speculative_tokens=args.num_speculative_tokens,
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     log.info("model loaded %.1f s after start", time.monotonic() - STARTED)
-    from jaxllm.compilation_cache import executables_folder
+    from jaxllm.engine.compilation_cache import executables_folder
     engine.steps_cache = executables_folder(cache)
     limit = engine.cfg.max_position
     if args.max_model_len is not None and args.max_model_len > limit:
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 1
     try:
-        from jaxllm.kv_plan import check_fits
+        from jaxllm.kv.plan import check_fits
         check_fits(engine.kv_plan(args.max_num_seqs))
     except JaxllmError as e:
         print(f"error: {e} (with --max-num-seqs {args.max_num_seqs})", file=sys.stderr)

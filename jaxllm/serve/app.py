@@ -23,23 +23,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .grammar import Grammars
-from .metrics import CONTENT_TYPE, Metrics
-from .output import chat_features
-from .protocol import (
-    AnswerStream,
-    ApiError,
-    GenRequest,
-    LogprobWriter,
-    bad,
-    choice,
-    detokenize,
-    full_response,
-    parse_request,
-    tokenize,
-    usage_chunk,
-)
-from .scheduler import Delta, Failed, Finished, Job, Prompt, QueueFull, Scheduler
+from jaxllm.serve.grammar import Grammars
+from jaxllm.serve.metrics import CONTENT_TYPE, Metrics
+from jaxllm.serve.output import chat_features
+from jaxllm.serve.protocol import (AnswerStream, ApiError, GenRequest, LogprobWriter, bad, choice, detokenize, full_response, parse_request, tokenize, usage_chunk)
+from jaxllm.serve.scheduler import Delta, Failed, Finished, Job, Prompt, QueueFull, Scheduler
 
 log = logging.getLogger("jaxllm.serve")
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import re
 
-from ..errors import JaxllmError
-from .fields import bad, bool_field, check_fields
-from .output import ChatFeatures, OutputPlan
+from jaxllm.errors import JaxllmError
+from jaxllm.serve.fields import bad, bool_field, check_fields
+from jaxllm.serve.output import ChatFeatures, OutputPlan
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")

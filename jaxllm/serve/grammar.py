@@ -26,7 +26,7 @@ import llguidance
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask_par
 
-from .fields import bad
+from jaxllm.serve.fields import bad
 
 GUIDED = ("guided_json", "guided_regex", "guided_grammar", "guided_choice")       # vLLM's names
 # JSON as json.dumps writes it: one space after ',' and ':', no other whitespace. The

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .tools import ToolCall, ToolCallStream, ToolFormat, partial_suffix, tool_format
+from jaxllm.serve.tools import ToolCall, ToolCallStream, ToolFormat, partial_suffix, tool_format
 
 
 @dataclass(frozen=True)

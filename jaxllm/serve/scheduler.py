@@ -38,12 +38,12 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from ..core import Forks, Pieces
-from ..engine import TokenLogprob, token_logprobs
-from ..sampling import MAX_LOGPROBS, Penalties, SamplingParams, TokenRules
-from .detok import TextStream
-from .grammar import masks
-from .protocol import GenRequest
+from jaxllm.engine.core import Forks, Pieces
+from jaxllm.engine.engine import TokenLogprob, token_logprobs
+from jaxllm.engine.sampling import MAX_LOGPROBS, Penalties, SamplingParams, TokenRules
+from jaxllm.serve.detok import TextStream
+from jaxllm.serve.grammar import masks
+from jaxllm.serve.protocol import GenRequest
 
 log = logging.getLogger("jaxllm.serve")
 

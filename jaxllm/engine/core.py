@@ -1,0 +1,669 @@
+"""The engine core: one KV cache of `slots` rows and a table of those slots, and the two calls that
+advance them on the device. Offline generation, logits, perplexity, the bench and the server all
+drive this.
+
+- `prefill` runs one forward over pieces of prompts: P rows of at most C tokens, row p a piece of
+  the prompt of slot rows[p] starting at position start[p]. Several requests' pieces go in one
+  forward, and a long prompt goes in several. A row whose piece ends its prompt samples the
+  request's first token and makes its slot live. It can return the pieces' logits or the NLL of
+  given targets instead (`Engine.logits`, perplexity).
+- `decode` runs up to n steps of every live slot in one `lax.while_loop`: each step feeds every
+  slot its last token at its own position, samples with the slot's own parameters, and stops a slot
+  at EOS or at its token limit; the loop ends early once no slot is live. Idle slots run at
+  position -1, which writes nothing. The cache is read in place: nothing is sliced or copied around
+  the loop.
+
+- `fork` copies slots that have just ended their prompts into other slots (the KV-cache rows and
+  the slot-table entries), each copy drawing its own first token with its own seed from the logits
+  its source drew from: a request for n answers prefills its prompt once.
+
+A slot draws its k-th token with `fold_in(seed, k)`, so a request samples the same tokens whatever
+else shares the cache and however its steps are split into calls.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm import pytree
+from jaxllm.kv.linear import copy_rows
+from jaxllm.config.model import ModelConfig
+from jaxllm.model.forward import forward, logits_from_hidden
+from jaxllm.engine.sampling import (LogProbs, Penalties, SamplingParams, TokenRules, apply_rules, mask_tokens, penalize, sample)
+from jaxllm.engine.sampling import logprobs as _lp
+from jaxllm.engine.speculative import (SpecSlots, Speculation, accept, ngram_draft, update_rate, wants_draft, worth_verifying, write_history)
+
+LOGIT_ELEMENTS = 1 << 26        # float32 logits made at once when scoring, at most (256 MiB)
+
+
+@pytree.dataclass
+class Slots:
+    """The slot table, one entry per cache row [B]."""
+    last: jax.Array            # the token to feed next
+    pos: jax.Array             # its position
+    step: jax.Array            # tokens sampled so far (the sampling step of the next one)
+    remaining: jax.Array       # tokens the slot may still sample
+    active: jax.Array          # the slot holds a request that is still generating
+    ignore_eos: jax.Array      # EOS does not end this slot (benchmarks ask for exact lengths)
+    params: SamplingParams
+    spec: SpecSlots | None = None    # with speculative decoding: the slots' tokens, acceptance
+    # With penalties (a slot table made with the vocabulary size): each slot's, the count of each
+    # token it generated [B, V] and its prompt's tokens [B, V].
+    penalties: Penalties | None = None
+    counts: jax.Array | None = None
+    in_prompt: jax.Array | None = None
+    rules: TokenRules | None = None       # logit_bias, stop_token_ids, min_tokens
+    hidden: jax.Array | None = None       # [B, D]: the hidden state the slot's first token was drawn from
+
+    @staticmethod
+    def empty(batch: int, length: int, spec: bool = False, vocab: int | None = None,
+              hidden: tuple | None = None) -> "Slots":
+        """`hidden` (width, dtype): keep each slot's last prompt hidden state, for `fork`."""
+        def zeros(dtype=jnp.int32):        # distinct buffers: the whole state is donated
+            return jnp.zeros((batch,), dtype)
+        params = jax.tree_util.tree_map(jnp.array, SamplingParams.make(batch))
+        slots = Slots(zeros(), zeros(), zeros(), zeros(), zeros(bool), zeros(bool), params,
+                      SpecSlots.empty(batch, length) if spec else None,
+                      rules=jax.tree_util.tree_map(jnp.array, TokenRules.make(batch)),
+                      hidden=None if hidden is None else jnp.zeros((batch, hidden[0]), hidden[1]))
+        if vocab is None:
+            return slots
+        return slots.replace(penalties=jax.tree_util.tree_map(jnp.array, Penalties.make(batch)),
+                             counts=jnp.zeros((batch, vocab), jnp.int32), in_prompt=jnp.zeros((batch, vocab), bool))
+
+
+@pytree.dataclass
+class State:
+    cache: dict
+    slots: Slots
+    draft_cache: dict | None = None      # the draft model's KV cache (speculation with one)
+
+
+@pytree.dataclass
+class Pieces:
+    """One prefill forward: P rows of C tokens. Row p holds length[p] tokens of a prompt, at
+    positions start[p] onwards, for cache row rows[p] (None: row p is cache row p; a row past the
+    cache is padding). `final` rows end their prompt: their slot gets the sampling parameters, the
+    token limit `max_new` and `ignore_eos`, samples its first token and goes live, among the tokens
+    whose bits are set in its row of `allowed` where given (a structured-output request's grammar
+    mask, `sampling.mask_tokens`)."""
+    tokens: jax.Array          # [P, C] int32
+    start: jax.Array           # [P] int32
+    length: jax.Array          # [P] int32
+    final: jax.Array           # [P] bool
+    max_new: jax.Array         # [P] int32
+    ignore_eos: jax.Array      # [P] bool
+    params: SamplingParams     # [P]
+    rows: jax.Array | None = None
+    penalties: Penalties | None = None     # [P] (None: none)
+    rules: TokenRules | None = None        # [P] (None: none)
+    allowed: jax.Array | None = None       # [P, ceil(V / 32)] uint32 (None: every token)
+
+    @staticmethod
+    def make(tokens, start=None, length=None, final=None, rows=None, params: SamplingParams | None = None,
+             max_new=None, ignore_eos=None, penalties: Penalties | None = None,
+             rules: TokenRules | None = None, allowed=None) -> "Pieces":
+        """Host arrays -> Pieces (numpy leaves; the engine puts them on the mesh)."""
+        P = len(tokens)
+
+        def col(v, dtype, default):
+            return np.full((P,), default, dtype) if v is None else np.broadcast_to(np.asarray(v, dtype), (P,)).copy()
+        params = params or SamplingParams.make(P)
+        return Pieces(np.asarray(tokens, np.int32), col(start, np.int32, 0), col(length, np.int32, 0),
+                      col(final, bool, False), col(max_new, np.int32, 1), col(ignore_eos, bool, False),
+                      jax.tree_util.tree_map(np.asarray, params),
+                      None if rows is None else np.asarray(rows, np.int32),
+                      jax.tree_util.tree_map(np.asarray, penalties or Penalties.make(P)),
+                      rules or TokenRules.make(P),
+                      None if allowed is None else np.asarray(allowed, np.uint32))
+
+    @staticmethod
+    def shapes(P: int, C: int, rows: bool = True) -> "Pieces":
+        """Pieces of P rows of C tokens as shape structs (to compile for them ahead)."""
+        host = Pieces.make(np.zeros((P, C), np.int32), rows=np.zeros(P, np.int32) if rows else None)
+        return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), host)
+
+    def positions(self) -> jax.Array:
+        """[P, C]: each token's position, -1 past the row's length (padding, never written)."""
+        C = self.tokens.shape[1]
+        t = jnp.arange(C, dtype=jnp.int32)[None, :]
+        return jnp.where(t < self.length[:, None], self.start[:, None] + t, -1)
+
+
+@pytree.dataclass
+class Forks:
+    """Slots to fork, F at most: slot src[f] is copied into slot dst[f] (a dst past the cache: no
+    fork), which draws its own first token with seed[f]."""
+    src: jax.Array             # [F] int32
+    dst: jax.Array             # [F] int32
+    seed: jax.Array            # [F] uint32
+
+    @staticmethod
+    def make(size: int, src=(), dst=(), seed=()) -> "Forks":
+        """Host arrays of `size` entries, the unused ones aimed past any cache."""
+        def col(v, dtype, pad):
+            out = np.full((size,), pad, dtype)
+            out[:len(v)] = v
+            return out
+        return Forks(col(src, np.int32, 0), col(dst, np.int32, np.iinfo(np.int32).max), col(seed, np.uint32, 0))
+
+
+def is_eos(tok: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    if not eos_ids:
+        return jnp.zeros(tok.shape, bool)
+    return jnp.any(tok[..., None] == jnp.asarray(eos_ids, jnp.int32), axis=-1)
+
+
+def ends_answer(tok: jax.Array, eos_ids: tuple[int, ...], ignore_eos: jax.Array, rules: TokenRules | None):
+    """tok [B] or [B, T]: the tokens that end their row's answer: EOS (unless the row ignores it)
+    and the row's stop token ids."""
+    lead = (slice(None),) + (None,) * (tok.ndim - 1)
+    end = ~ignore_eos[lead] & is_eos(tok, eos_ids)
+    if rules is None:
+        return end
+    return end | jnp.any(tok[..., None] == rules.stop_ids[lead], axis=-1)
+
+
+# -- prefill ---------------------------------------------------------------------------------------
+def model_weights(weights, spec: Speculation | None):
+    """(the model's weights, the draft model's or None) of what the engine passes."""
+    return tuple(weights) if spec is not None and spec.draft_cfg is not None else (weights, None)
+
+
+def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=None, *, out: str = "sample",
+            logprobs: int = 0, spec: Speculation | None = None, dtype=jnp.bfloat16):
+    """One forward over `pieces`, writing their K/V into the cache (and the draft model's).
+
+    out="sample": final rows start their slots -> (state, first tokens [P]), or with `logprobs` n
+    > 0 (state, (first tokens, their LogProbs [P] with the top n)), and with `targets` too (state,
+    (first tokens, their LogProbs, LogProbs [N] of the targets)): the prompts' own tokens scored in
+    the forward that prefills them (a server's `echo` with log-probabilities);
+    out="logits": -> (state, float32 logits [P, C, V]); the slot table is left as it is;
+    out="nll": -> (state, NLL [N]) of targets (flat token index [N] into the P x C tokens, target
+    id [N]; a negative target scores 0), the logits made a few rows at a time;
+    out="logprobs": -> (state, LogProbs [N] of the same targets, with the top `logprobs`).
+    """
+    weights, draft = model_weights(weights, spec)
+    positions = pieces.positions()
+    h, cache = forward(cfg, weights, pieces.tokens, positions, state.cache, dtype, rows=pieces.rows)
+    state = state.replace(cache=cache)
+    if draft is not None and out == "sample":
+        _, dcache = forward(spec.draft_cfg, draft, pieces.tokens, positions, state.draft_cache, dtype,
+                            rows=pieces.rows)
+        state = state.replace(draft_cache=dcache)
+    if out == "logits":
+        return state, logits_from_hidden(cfg, weights, h)
+    if out in ("nll", "logprobs"):
+        return state, _score(cfg, weights, h, *targets, top=logprobs if out == "logprobs" else None)
+    P, C = pieces.tokens.shape
+    last = jnp.clip(pieces.length - 1, 0, C - 1)
+    h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+    first_logits = logits_from_hidden(cfg, weights, h_last)
+    rows = jnp.arange(P, dtype=jnp.int32) if pieces.rows is None else pieces.rows
+    sl = state.slots
+    B = sl.last.shape[0]
+    rules = None if sl.rules is None else _rules(pieces, P)
+    step0 = jnp.zeros((P,), jnp.int32)
+    x = first_logits if rules is None else apply_rules(first_logits, rules, step0, cfg.eos_ids, pieces.ignore_eos)
+    if sl.counts is not None:             # new prompts start their counts; prompt tokens are marked
+        sl = _count_prompt(sl, pieces, rows, positions)
+        in_prompt = jnp.take(sl.in_prompt, rows, axis=0, mode="clip")
+        pen = _penalties(pieces, P)
+        first = sample(mask_tokens(penalize(x, pen, jnp.zeros(in_prompt.shape, jnp.int32), in_prompt), pieces.allowed),
+                       pieces.params, step0)
+        sl = sl.replace(counts=sl.counts.at[jnp.where(pieces.final, rows, B), first].add(1, mode="drop"),
+                        penalties=jax.tree_util.tree_map(lambda a, v: a.at[rows].set(v, mode="drop"), sl.penalties, pen))
+    else:
+        first = sample(mask_tokens(x, pieces.allowed), pieces.params, step0)
+    live = pieces.final & ~ends_answer(first, cfg.eos_ids, pieces.ignore_eos, rules) & (pieces.max_new > 1)
+
+    def put(a, v):
+        return a.at[rows].set(v, mode="drop")
+    one = jnp.ones((P,), jnp.int32)
+    end = pieces.start + pieces.length
+    slots = sl.replace(last=put(sl.last, first), pos=put(sl.pos, end), step=put(sl.step, one),
+                       remaining=put(sl.remaining, pieces.max_new - 1), active=put(sl.active, live),
+                       ignore_eos=put(sl.ignore_eos, pieces.ignore_eos),
+                       params=jax.tree_util.tree_map(put, sl.params, pieces.params))
+    if rules is not None:
+        slots = slots.replace(rules=jax.tree_util.tree_map(put, sl.rules, rules))
+    if sl.hidden is not None:             # what `fork` draws the first tokens of a slot's copies from
+        slots = slots.replace(hidden=sl.hidden.at[jnp.where(pieces.final, rows, B)].set(
+            h_last.astype(sl.hidden.dtype), mode="drop"))
+    if sl.spec is not None:               # the prompt's tokens and the first one, for drafting
+        hist = write_history(sl.spec.history, pieces.rows, positions, pieces.tokens)
+        hist = write_history(hist, pieces.rows, jnp.where(pieces.final, end, -1)[:, None], first[:, None])
+        new_rows = jnp.where(pieces.start == 0, rows, sl.last.shape[0])     # a new request's slot
+
+        def reset(a, v):
+            return a.at[new_rows].set(v, mode="drop")
+        sp = sl.spec
+        slots = slots.replace(spec=sp.replace(history=hist, rate=reset(sp.rate, 1.0), idle=reset(sp.idle, 0)))
+    if logprobs:
+        res = (first, _lp(first_logits, first, logprobs))
+        if targets is not None:
+            res += (_score(cfg, weights, h, *targets, top=logprobs),)
+        return state.replace(slots=_by_rows(slots)), res
+    return state.replace(slots=_by_rows(slots)), first
+
+
+def _by_rows(slots: Slots) -> Slots:
+    """The slot table laid out as the engine made it, rows over "data": left to XLA, a [slots,
+    vocab] table takes the layout of the logits it meets (the vocabulary over "model"), and the next
+    call, compiled for the table's own layout, refuses it."""
+    from jaxllm.ops.gpu import current_layout
+    layout = current_layout()
+    if layout is None:
+        return slots
+    return jax.tree_util.tree_map(lambda a: jax.lax.with_sharding_constraint(a, layout.batch_sharding(a.shape)),
+                                  slots)
+
+
+def _penalties(pieces: Pieces, P: int) -> Penalties:
+    return pieces.penalties if pieces.penalties is not None else Penalties.make(P)
+
+
+def _rules(pieces: Pieces, P: int) -> TokenRules:
+    return pieces.rules if pieces.rules is not None else jax.tree_util.tree_map(jnp.asarray, TokenRules.make(P))
+
+
+def _count_prompt(sl: Slots, pieces: Pieces, rows, positions) -> Slots:
+    """A piece that starts its prompt zeroes its slot's token counts and prompt marks; every piece
+    marks its tokens as its prompt's."""
+    B = sl.last.shape[0]
+    new = jnp.where(pieces.start == 0, rows, B)
+    counts = sl.counts.at[new].set(0, mode="drop")
+    in_prompt = sl.in_prompt.at[new].set(False, mode="drop")
+    at = jnp.where(positions >= 0, rows[:, None], B)
+    return sl.replace(counts=counts, in_prompt=in_prompt.at[at, pieces.tokens].set(True, mode="drop"))
+
+
+def _sampling_logits(eos_ids, logits, sl: Slots, drafts=None):
+    """The logits [B, V] that sampling sees: the slots' rules (`apply_rules`: logit_bias,
+    min_tokens), then their penalties; rows without either get theirs back exactly. With drafts
+    [B, K], logits [B, K + 1, V] of a verify forward, position j the slot's sampling step + j."""
+    if sl.rules is not None and drafts is None:
+        logits = apply_rules(logits, sl.rules, sl.step, eos_ids, sl.ignore_eos)
+    elif sl.rules is not None:
+        B, T, V = logits.shape
+        rep = jax.tree_util.tree_map(lambda a: jnp.repeat(a, T, axis=0), sl.rules)
+        steps = (sl.step[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]).reshape(-1)
+        logits = apply_rules(logits.reshape(B * T, V), rep, steps, eos_ids,
+                             jnp.repeat(sl.ignore_eos, T)).reshape(B, T, V)
+    return _penalized(logits, sl, drafts)
+
+
+def _penalized(logits, sl: Slots, drafts=None):
+    """The logits [B, V] with the slots' penalties (rows without penalties get theirs back exactly);
+    with drafts [B, K], logits [B, K + 1, V] of a verify forward, position j counting drafts[:, :j]
+    as generated (built only when a live slot has a penalty: it is K + 1 times the step's counts)."""
+    if sl.counts is None:
+        return logits
+    if drafts is None:
+        return penalize(logits, sl.penalties, sl.counts, sl.in_prompt)
+    on = sl.penalties.any_on(sl.active)
+    B, T, V = logits.shape
+
+    def each_position():
+        fed = jnp.cumsum(jax.nn.one_hot(drafts, V, dtype=jnp.int32), axis=1)             # [B, K, V]
+        counts = sl.counts[:, None] + jnp.pad(fed, ((0, 0), (1, 0), (0, 0)))
+        rep = jax.tree_util.tree_map(lambda a: jnp.repeat(a, T, axis=0), sl.penalties)
+        return penalize(logits.reshape(B * T, V), rep, counts.reshape(B * T, V),
+                        jnp.repeat(sl.in_prompt, T, axis=0)).reshape(B, T, V)
+    return jax.lax.cond(on, each_position, lambda: logits)
+
+
+def _score(cfg: ModelConfig, weights, h, where, target, top: int | None):
+    """Scores of target [N] given the hidden states at flat positions where [N] of h [P, C, D]: the
+    NLL [N] (a negative target scores 0), or with `top` its LogProbs [N] and the top alternatives.
+    Only scored positions pay for the vocabulary projection, a few rows at a time."""
+    flat = h.reshape(-1, h.shape[-1])
+    n = where.shape[0]
+    rows = _divisor_at_most(n, max(1, LOGIT_ELEMENTS // cfg.vocab_size))
+
+    def chunk(args):
+        w, t = args
+        logits = logits_from_hidden(cfg, weights, flat[w])                  # [rows, V] float32
+        if top is not None:
+            return _lp(logits, t, top)
+        picked = jnp.take_along_axis(logits, jnp.maximum(t, 0)[:, None], axis=-1)[:, 0]
+        return jnp.where(t >= 0, jax.nn.logsumexp(logits, axis=-1) - picked, 0.0)
+    res = jax.lax.map(chunk, (where.reshape(n // rows, rows), target.reshape(n // rows, rows)))
+    return jax.tree_util.tree_map(lambda a: a.reshape(n, *a.shape[2:]), res)
+
+
+def _divisor_at_most(n: int, cap: int) -> int:
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
+# -- decode ----------------------------------------------------------------------------------------
+def decode_step(cfg: ModelConfig, weights, state: State, dtype=jnp.bfloat16, allowed=None):
+    """One token for every live slot (among the tokens `allowed` [B, ceil(V / 32)] lets each take,
+    where given) -> (state, sampled tokens [B], live [B], float32 logits [B, V])."""
+    sl = state.slots
+    live = sl.active
+    pos = jnp.where(live, sl.pos, -1)
+    h, cache = forward(cfg, weights, sl.last[:, None], pos[:, None], state.cache, dtype)
+    logits = logits_from_hidden(cfg, weights, h[:, 0])
+    tok = sample(mask_tokens(_sampling_logits(cfg.eos_ids, logits, sl), allowed), sl.params, sl.step)
+    inc = live.astype(jnp.int32)
+    remaining = sl.remaining - inc
+    active = live & ~ends_answer(tok, cfg.eos_ids, sl.ignore_eos, sl.rules) & (remaining > 0)
+    slots = sl.replace(last=jnp.where(live, tok, sl.last), pos=sl.pos + inc, step=sl.step + inc,
+                       remaining=remaining, active=active)
+    if sl.counts is not None:
+        slots = slots.replace(counts=sl.counts.at[jnp.arange(tok.shape[0]), tok].add(inc))
+    if sl.spec is not None:
+        hist = write_history(sl.spec.history, None, jnp.where(live, sl.pos + 1, -1)[:, None], tok[:, None])
+        slots = slots.replace(spec=sl.spec.replace(history=hist, idle=sl.spec.idle + 1))
+    return state.replace(cache=cache, slots=slots), tok, live, logits
+
+
+def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, dtype=jnp.bfloat16, n_logprobs: int = 0,
+               allowed=None):
+    """One speculative cycle for every live slot (or the plain step where drafting would not pay)
+    -> (state, new tokens [B, K + 1], how many of them each row made [B], their LogProbs [B, K + 1]
+    with the top n_logprobs, or None). A row that `allowed` masks (a grammar's, for its next token
+    only) does not draft: it takes one token, sampled among those its mask allows."""
+    weights, draft = model_weights(weights, spec)
+    sl = state.slots
+    live, K = sl.active, spec.k
+    B = live.shape[0]
+    drafting = wants_draft(sl.spec, live, spec.min_accept) & (sl.remaining > 1)
+    if allowed is not None:
+        drafting &= jnp.all(allowed == jnp.uint32(0xFFFFFFFF), axis=-1)
+
+    def plain(state):
+        state, tok, live, logits = decode_step(cfg, weights, state, dtype, allowed)
+        if draft is not None:      # the draft cache learns the token the model was fed
+            _, dcache = forward(spec.draft_cfg, draft, sl.last[:, None], jnp.where(live, sl.pos, -1)[:, None],
+                                state.draft_cache, dtype)
+            state = state.replace(draft_cache=dcache)
+        new = jnp.zeros((B, K + 1), jnp.int32).at[:, 0].set(tok)
+        lp = None
+        if n_logprobs:
+            lp = jax.tree_util.tree_map(lambda z, v: z.at[:, 0].set(v), LogProbs.zeros((B, K + 1), n_logprobs),
+                                        _lp(logits, tok, n_logprobs))
+        return state, new, live.astype(jnp.int32), lp
+
+    def verify(state, drafts, n_draft):
+        j = jnp.arange(K + 1, dtype=jnp.int32)[None, :]
+        tokens = jnp.concatenate([sl.last[:, None], drafts], axis=1)
+        positions = jnp.where(live[:, None] & (j <= n_draft[:, None]), sl.pos[:, None] + j, -1)
+        h, cache = forward(cfg, weights, tokens, positions, state.cache, dtype)
+        logits = logits_from_hidden(cfg, weights, h)
+        scores = _sampling_logits(cfg.eos_ids, logits, sl, drafts)
+        if allowed is not None:             # a masked row drafted nothing: its one token comes from position 0
+            scores = scores.at[:, 0].set(mask_tokens(scores[:, 0], allowed))
+        a, nxt = accept(scores, drafts, n_draft, sl.params, sl.step)
+        new = jnp.where(j < a[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), 0)
+        new = jnp.where(j == a[:, None], nxt[:, None], new)
+        n_new = jnp.minimum(a + 1, sl.remaining)
+        eos = (j < n_new[:, None]) & ends_answer(new, cfg.eos_ids, sl.ignore_eos, sl.rules)
+        n_new = jnp.where(jnp.any(eos, 1), jnp.argmax(eos, 1) + 1, n_new)
+        n_new = jnp.where(live, n_new, 0)
+        last = jnp.take_along_axis(new, jnp.maximum(n_new - 1, 0)[:, None], axis=1)[:, 0]
+        remaining = sl.remaining - n_new
+        hist = write_history(sl.spec.history, None, jnp.where(j < n_new[:, None], sl.pos[:, None] + 1 + j, -1), new)
+        slots = sl.replace(last=jnp.where(live, last, sl.last), pos=sl.pos + n_new, step=sl.step + n_new,
+                           remaining=remaining, active=live & ~jnp.any(eos, 1) & (remaining > 0),
+                           spec=update_rate(sl.spec.replace(history=hist), drafting, n_draft, a))
+        if sl.counts is not None:
+            slots = slots.replace(counts=sl.counts.at[jnp.arange(B)[:, None], new].add(
+                (j < n_new[:, None]).astype(jnp.int32)))
+        lp = _lp(logits, new, n_logprobs) if n_logprobs else None
+        return state.replace(cache=cache, slots=slots), new, n_new, lp
+
+    if draft is None:               # n-gram lookup is cheap: look first, verify where something matched
+        drafts, n_draft = ngram_draft(sl.spec.history, sl.pos, K, spec.ngram)
+        n_draft = jnp.where(drafting, jnp.minimum(n_draft, sl.remaining - 1), 0)
+        go = worth_verifying(sl.spec, n_draft, live, spec)
+        return jax.lax.cond(go, lambda st: verify(st, drafts, n_draft), plain, state)
+
+    def with_draft_model(state):
+        def step(carry, j):        # K greedy proposals, and the last one fed too (its K/V kept)
+            tok, dcache = carry
+            pos = jnp.where(live, sl.pos + j, -1)
+            h, dcache = forward(spec.draft_cfg, draft, tok[:, None], pos[:, None], dcache, dtype)
+            nxt = jnp.argmax(logits_from_hidden(spec.draft_cfg, draft, h[:, 0]), axis=-1).astype(jnp.int32)
+            return (nxt, dcache), nxt
+        (_, dcache), props = jax.lax.scan(step, (sl.last, state.draft_cache), jnp.arange(K + 1, dtype=jnp.int32))
+        return verify(state.replace(draft_cache=dcache), props[:K].T, n_draft)
+    n_draft = jnp.where(drafting, jnp.minimum(K, sl.remaining - 1), 0)
+    return jax.lax.cond(worth_verifying(sl.spec, n_draft, live, spec), with_draft_model, plain, state)
+
+
+def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, allowed=None, *, max_steps: int,
+           rows: int | None = None, logprobs: int = 0, spec: Speculation | None = None, dtype=jnp.bfloat16):
+    """Up to n_steps decode steps (speculative cycles, with `spec`) of the first `rows` slots (all
+    for None; the others must not be live), ending once none is live or a row's next tokens would
+    not fit the max_steps of the output. `stop` [rows]: slots to end first (a request cancelled or
+    stopped by the host). `allowed` [rows, ceil(V / 32)] uint32: the tokens each slot may sample
+    (`sampling.mask_tokens`), at every step of the block; a grammar's mask holds for one token, so
+    the server runs one-step blocks while a slot is constrained.
+
+    -> (state, tokens [rows, max_steps], count [rows], LogProbs [rows, max_steps] with the top
+    `logprobs` or None): slot b sampled tokens[b, :count[b]]."""
+    full = state.slots
+    B = full.last.shape[0] if rows is None else rows
+    slots = jax.tree_util.tree_map(lambda a: a[:B], full)
+    if stop is not None:
+        slots = slots.replace(active=slots.active & ~stop)
+    out = (jnp.zeros((B, max_steps), jnp.int32), LogProbs.zeros((B, max_steps), logprobs) if logprobs else None)
+
+    if spec is None:
+        def cond(c):
+            i, s, _, _ = c
+            return (i < jnp.minimum(n_steps, max_steps)) & jnp.any(s.slots.active)
+
+        def body(c):
+            i, s, out, count = c
+            s, tok, live, logits = decode_step(cfg, weights, s, dtype, allowed)
+            new = (jnp.where(live, tok, 0), _lp(logits, tok, logprobs) if logprobs else None)
+            out = jax.tree_util.tree_map(lambda o, v: jax.lax.dynamic_update_slice_in_dim(o, v[:, None], i, axis=1),
+                                         out, new)
+            return i + 1, s, out, count + live.astype(jnp.int32)
+    else:
+        T = spec.k + 1
+
+        def cond(c):
+            i, s, _, count = c
+            room = jnp.max(jnp.where(s.slots.active, count, 0)) + T <= max_steps
+            return (i < n_steps) & jnp.any(s.slots.active) & room
+
+        def body(c):
+            i, s, out, count = c
+            s, new, n_new, lp = spec_cycle(cfg, weights, s, spec, dtype, logprobs, allowed)
+            j = jnp.arange(T, dtype=jnp.int32)[None, :]
+            cols = jnp.where(j < n_new[:, None], count[:, None] + j, max_steps)
+            out = jax.tree_util.tree_map(lambda o, v: o.at[jnp.arange(B)[:, None], cols].set(v, mode="drop"),
+                                         out, (new, lp))
+            return i + 1, s, out, count + n_new
+
+    init = (jnp.int32(0), state.replace(slots=slots), out, jnp.zeros((B,), jnp.int32))
+    _, s, (out, lp), count = jax.lax.while_loop(cond, body, init)
+    if B < full.last.shape[0]:
+        slots = jax.tree_util.tree_map(lambda a, v: a.at[:B].set(v), full, s.slots)
+        s = s.replace(slots=slots)
+    return s.replace(slots=_by_rows(s.slots)), out, count, lp
+
+
+# -- fork ------------------------------------------------------------------------------------------
+def fork(cfg: ModelConfig, weights, state: State, forks: Forks, *, logprobs: int = 0,
+         spec: Speculation | None = None, dtype=jnp.bfloat16):
+    """Each slot forks.src[f], which has just ended its prompt (its first token drawn, nothing
+    decoded since), is copied into slot forks.dst[f]: its rows of the KV cache (and of the draft
+    model's), and its slot-table entry with the seed forks.seed[f]. The copy then draws its own
+    first token from the logits its source drew its first from, with its own seed, so it goes on
+    exactly as the source's request would with that seed.
+
+    -> (state, first tokens [F]), or with `logprobs` n > 0 (state, (first tokens, their LogProbs
+    [F] with the top n)); entries without a fork return what nothing reads."""
+    weights, _ = model_weights(weights, spec)
+    sl = state.slots
+    B = sl.last.shape[0]
+    valid = forks.dst < B
+    order = jnp.argsort(~valid, stable=True)          # the forks first: the copy loops run over those
+    rows = forks.src[order], forks.dst[order], jnp.sum(valid)
+    cache = copy_rows(state.cache, *rows)
+    draft = None if state.draft_cache is None else copy_rows(state.draft_cache, *rows)
+    src = jnp.clip(forks.src, 0, B - 1)
+    child = jax.tree_util.tree_map(lambda a: a[src], sl)
+    child = child.replace(params=child.params.replace(seed=forks.seed))
+    logits = logits_from_hidden(cfg, weights, sl.hidden[src])
+    F = src.shape[0]
+    step0 = jnp.zeros((F,), jnp.int32)
+    x = logits if child.rules is None else apply_rules(logits, child.rules, step0, cfg.eos_ids, child.ignore_eos)
+    if child.counts is not None:
+        x = penalize(x, child.penalties, jnp.zeros_like(child.counts), child.in_prompt)
+    first = sample(x, child.params, step0)
+    child = child.replace(last=first, active=(child.remaining > 0) & ~ends_answer(first, cfg.eos_ids, child.ignore_eos,
+                                                                                  child.rules))
+    if child.counts is not None:
+        child = child.replace(counts=jax.nn.one_hot(first, child.counts.shape[1], dtype=child.counts.dtype))
+    if child.spec is not None:           # its own first token in its history; its own counts of speculation
+        hist = write_history(child.spec.history, None, child.pos[:, None], first[:, None])
+        child = child.replace(spec=child.spec.replace(history=hist, stats=sl.spec.stats[jnp.clip(forks.dst, 0, B - 1)]))
+    slots = jax.tree_util.tree_map(lambda a, v: a.at[forks.dst].set(v, mode="drop"), sl, child)
+    state = State(_by_layout(cache), _by_rows(slots), None if draft is None else _by_layout(draft))
+    return state, ((first, _lp(logits, first, logprobs)) if logprobs else first)
+
+
+def _by_layout(cache):
+    """The cache laid out as the engine made it (KV heads over "model"), as `_by_rows` the slots."""
+    from jaxllm.ops.gpu import current_layout
+    layout = current_layout()
+    if layout is None:
+        return cache
+    return jax.tree_util.tree_map(jax.lax.with_sharding_constraint, cache, layout.cache_shardings(cache))
+
+
+# -- the host side ---------------------------------------------------------------------------------
+def bucket(n: int, lo: int = 16) -> int:
+    """Next power of two >= n: lengths come in few shapes, so few compiles."""
+    return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+class EngineCore:
+    """A KV cache of `num_slots` rows of `max_len` positions and its slot table, on an engine's mesh
+    (`Engine.core`), and the calls that advance them. The server keeps one for its lifetime;
+    offline generation, logits and perplexity make one sized to the work."""
+
+    def __init__(self, engine, num_slots: int, max_len: int):
+        self.engine = engine
+        self.num_slots, self.max_len = num_slots, max_len
+        self.state = engine.new_state(num_slots, max_len)
+
+    def reset(self):
+        """A fresh state (also after a failed call left the donated one unusable)."""
+        self.state = self.engine.new_state(self.num_slots, self.max_len)
+
+    # -- device calls (results stay on the device until read) -------------------------------------
+    def prefill(self, pieces: Pieces, out: str = "sample", targets=None, logprobs: int = 0):
+        e = self.engine
+        static = {"out": out, **({"logprobs": logprobs} if logprobs else {})}
+        self.state, res = e.run("prefill", self.state, e.put_rows(pieces),
+                                None if targets is None else e.put_rows(targets), **static)
+        return res
+
+    def fork(self, forks: Forks, logprobs: int = 0):
+        """-> the forked slots' first tokens [F] (with `logprobs`, and their LogProbs) on the device;
+        see `core.fork`."""
+        e = self.engine
+        static = {"logprobs": logprobs} if logprobs else {}
+        self.state, res = e.run("fork", self.state, e.put_rows(forks), **static)
+        return res
+
+    def decode(self, n_steps: int, max_steps: int, stop=None, rows: int | None = None, logprobs: int = 0,
+               allowed=None):
+        """-> (tokens [rows, max_steps], count [rows], LogProbs or None) on the device; see
+        `core.decode`. A call with `allowed` is a variant of its own, compiled on first use."""
+        e = self.engine
+        stop = None if stop is None else e.put_rows(np.asarray(stop, bool))
+        static = {"max_steps": max_steps, "rows": rows, **({"logprobs": logprobs} if logprobs else {})}
+        masks = () if allowed is None else (e.put_rows(np.asarray(allowed, np.uint32)),)
+        self.state, toks, count, lp = e.run("decode", self.state, np.int32(n_steps), stop, *masks, **static)
+        return toks, count, lp
+
+    # -- lockstep batches: every row a prompt, prefilled in chunks ----------------------------------
+    def prepare(self, longest: int, n_steps: int, logprobs: int = 0) -> float:
+        """Compile what `prefill_prompts` of prompts up to `longest` tokens and `run_to_completion(
+        n_steps)` call, if not compiled yet. -> seconds it took."""
+        e, B = self.engine, self.num_slots
+        C, _ = e.chunking(longest)
+        state = e.state_shapes(B, self.max_len)
+        lp = {"logprobs": logprobs} if logprobs else {}
+        calls = [("prefill", (state, e.row_shapes(Pieces.shapes(B, C, rows=True)), None), {"out": "sample", **lp})]
+        if n_steps >= 1:
+            calls.append(("decode", (state, np.int32(1), None),
+                          {"max_steps": self.out_size(n_steps), "rows": None, **lp}))
+        return e.precompile(calls)
+
+    def out_size(self, n_tokens: int) -> int:
+        """A decode call's output buffer for up to n_tokens tokens a row (room for a last
+        speculative cycle's tokens past them), bucketed."""
+        return self.engine.core_out_size(n_tokens)
+
+    def _chunks(self, tokens: np.ndarray, lens: np.ndarray, chunk: int):
+        """(start, tokens [B, chunk], lengths [B]) of each chunk of right-padded rows."""
+        for s in range(0, tokens.shape[1], chunk):
+            yield s, tokens[:, s:s + chunk], np.clip(lens - s, 0, chunk).astype(np.int32)
+
+    def prefill_prompts(self, ids: list[list[int]], params: SamplingParams, max_new, ignore_eos=None,
+                        logprobs: int = 0, penalties: Penalties | None = None, rules: TokenRules | None = None):
+        """Prompt b into slot b, every slot at once, in chunks; -> each row's first token [B] (and
+        with `logprobs` their LogProbs [B], host arrays)."""
+        from jaxllm.engine.engine import pad_rows
+        B = len(ids)
+        lens = np.asarray([len(x) for x in ids], np.int32)
+        C, T = self.engine.chunking(int(lens.max()))
+        tokens = pad_rows(ids, T, self.engine.cfg.pad_id)
+        firsts, finals = [], []
+        for s, tok, length in self._chunks(tokens, lens, C):
+            final = (length > 0) & (lens - s <= C)
+            rows = np.where(length > 0, np.arange(B), B).astype(np.int32)     # done rows: padding
+            firsts.append(self.prefill(Pieces.make(tok, s, length, final, rows, params, max_new, ignore_eos, penalties,
+                                                   rules), logprobs=logprobs))
+            finals.append(final)
+        which = np.argmax(np.stack(finals), axis=0), np.arange(B)
+        firsts = jax.tree_util.tree_map(lambda *a: np.stack([self.engine.layout.get(x) for x in a])[which], *firsts)
+        return firsts
+
+    def run_to_completion(self, n_steps: int, steps: int | None = None, logprobs: int = 0):
+        """Decode every live slot until it is done or has n_steps more tokens, in one loop (of
+        `steps` steps where given: 0 runs the compiled loop once without a step, so that its first
+        run's costs stay out of a timed one). -> host (tokens [B, S], count [B], LogProbs [B, S]
+        with `logprobs`, else None)."""
+        if n_steps < 1:
+            B = self.num_slots
+            return (np.zeros((B, 0), np.int32), np.zeros((B,), np.int32),
+                    jax.tree_util.tree_map(np.asarray, LogProbs.zeros((B, 0), logprobs)) if logprobs else None)
+        toks, count, lp = self.decode(n_steps if steps is None else steps, self.out_size(n_steps), rows=None,
+                                      logprobs=logprobs)
+        return jax.tree_util.tree_map(self.engine.layout.get, (toks, count, lp))
+
+    def logits(self, tokens: np.ndarray, lens: np.ndarray, chunk: int) -> np.ndarray:
+        """Causal logits [B, T, V] of right-padded rows tokens [B, T] (T whole chunks), row b in
+        cache row b, chunk by chunk through the cache."""
+        out = []
+        for s, tok, length in self._chunks(tokens, np.asarray(lens, np.int32), chunk):
+            out.append(self.engine.layout.get(self.prefill(Pieces.make(tok, s, length), out="logits")))
+        return np.concatenate(out, axis=1)
+
+    def spec_stats(self, rows=None) -> dict | None:
+        """Speculation since the core was made, summed over the slots (or `rows`): verify cycles,
+        tokens drafted, drafts accepted; None without speculation."""
+        spec = self.state.slots.spec
+        if spec is None:
+            return None
+        st = self.engine.layout.get(spec.stats)
+        st = st if rows is None else st[np.asarray(rows)]
+        return dict(zip(("cycles", "drafted", "accepted"), (int(x) for x in st.sum(axis=0))))
+
+    def step_logits(self, tokens, positions) -> np.ndarray:
+        """The forward a decode step runs (the decode kernels where they are on), for checks: one
+        token per cache row at its position -> float32 logits [B, V]."""
+        t = np.asarray(tokens, np.int32).reshape(-1, 1)
+        out = self.prefill(Pieces.make(t, np.asarray(positions, np.int32), 1), out="logits")
+        return self.engine.layout.get(out)[:, 0]

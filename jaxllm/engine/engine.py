@@ -1,0 +1,445 @@
+"""The engine: a loaded model plus the compiled prefill / decode-loop / forward functions."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.engine import compilation_cache
+from jaxllm.engine import core
+from jaxllm.ops import gpu as kernels
+from jaxllm.config.model import ModelConfig
+from jaxllm.engine.core import EngineCore, bucket
+from jaxllm.errors import ModelError, RequestError
+from jaxllm.kv.plan import check_fits, plan_cache
+from jaxllm.engine.sampling import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, Penalties, SamplingParams, TokenRules)
+from jaxllm.engine.speculative import Speculation
+from jaxllm.engine.sharding import single_device_layout
+from jaxllm.kv.split import KVOptions, choose_layout, make_cache
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+log = logging.getLogger("jaxllm")
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str                 # "stop" (EOS, a stop token id or a stop string) | "length"
+    prompt_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None     # one per token of token_ids, when asked for
+
+
+@dataclass
+class TokenLogprob:
+    """A token's log-probability under the model (log_softmax of its raw logits, before temperature
+    and top-k/top-p) and the `logprobs` most likely tokens at that position, most likely first."""
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class GenerateStats:
+    batch: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    steps: int = 0             # decode steps after the first token
+    compile_s: float = 0.0     # compiling the calls this run needed (not part of ttft_s or decode_s)
+    spec: dict | None = None   # speculation: verify cycles, tokens drafted and accepted, summed over rows
+
+    def spec_summary(self) -> str:
+        if not self.spec:
+            return ""
+        c, d, a = self.spec["cycles"], self.spec["drafted"], self.spec["accepted"]
+        return (f"; speculation: {a}/{d} drafts accepted ({a / max(d, 1):.0%}), "
+                f"{(a + c) / max(c, 1):.2f} tokens a verify cycle")
+
+
+def check_logprobs(logprobs) -> int:
+    """-> the number of alternatives the core computes (0: none) for `logprobs` None or 0..20."""
+    if logprobs is None:
+        return 0
+    if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_LOGPROBS:
+        raise RequestError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {logprobs!r}")
+    return MAX_LOGPROBS                  # one compiled variant for every count; rows take what they asked
+
+
+def token_logprobs(lp, row: int, ids: list[int], top: int) -> list[TokenLogprob]:
+    """Tokens `ids` of row `row` of host LogProbs [B, S], with `top` alternatives each."""
+    return [TokenLogprob(t, float(lp.token[row, i]),
+                         list(zip(lp.top_ids[row, i, :top].tolist(), lp.top[row, i, :top].tolist())))
+            for i, t in enumerate(ids)]
+
+
+def check_sampling(max_tokens, temperature, top_k, top_p):
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise RequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    if temperature is None or not np.isfinite(temperature) or temperature < 0:
+        raise RequestError(f"temperature must be >= 0, got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 0):
+        raise RequestError(f"top_k must be a non-negative integer, got {top_k!r}")
+    if top_p is not None and not (0 < top_p <= 1):
+        raise RequestError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
+def check_penalties(presence, frequency, repetition) -> tuple[float, float, float]:
+    for name, v in (("presence_penalty", presence), ("frequency_penalty", frequency),
+                    ("repetition_penalty", repetition)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
+            raise RequestError(f"{name} must be a finite number, got {v!r}")
+    if repetition <= 0:
+        raise RequestError(f"repetition_penalty must be > 0, got {repetition!r}")
+    return float(presence), float(frequency), float(repetition)
+
+
+def check_rules(logit_bias, stop_token_ids, min_tokens, max_tokens: int, vocab: int):
+    """-> (logit_bias {id: bias}, stop token ids) checked (see `sampling.TokenRules`)."""
+    bias = dict(logit_bias or {})
+    stops = list(dict.fromkeys(stop_token_ids or []))
+    for t in [*bias, *stops]:
+        if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab:
+            raise RequestError(f"token ids in logit_bias and stop_token_ids must lie in [0, {vocab}), got {t!r}")
+    if len(bias) > MAX_LOGIT_BIAS or len(stops) > MAX_STOP_TOKEN_IDS:
+        raise RequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens and stop_token_ids at most "
+                           f"{MAX_STOP_TOKEN_IDS}")
+    if not all(isinstance(v, (int, float)) and np.isfinite(v) for v in bias.values()):
+        raise RequestError("logit_bias values must be finite numbers")
+    if not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_tokens:
+        raise RequestError(f"min_tokens must be an integer from 0 to max_tokens ({max_tokens}), got {min_tokens!r}")
+    return bias, stops
+
+
+class Engine:
+    """A loaded model on its mesh, its KV policy, and the compiled calls of the engine core
+    (`core.prefill`, `core.decode`, `core.fork`), which every front end drives through an `EngineCore`."""
+
+    def __init__(self, cfg: ModelConfig, weights, tokenizer, *, dtype="bfloat16", max_ctx=8192,
+                 name="model", quant="none", layout=None, kv_quant="auto",
+                 kv_options: KVOptions | None = None, speculation: Speculation | None = None,
+                 draft_weights=None):
+        self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
+        self.layout = layout or single_device_layout()   # weights must already lie on its mesh
+        self._state_makers = {}
+        self.dtype_name, self.dtype = dtype, DTYPES[dtype]
+        self.max_ctx, self.name, self.quant = max_ctx, name, quant
+        self.spec, self.draft_weights = speculation, draft_weights
+        self.kv_options = kv_options or KVOptions()
+        if speculation is not None:
+            check_draft(cfg, speculation, draft_weights)
+            self.kv_options = dataclasses.replace(self.kv_options,
+                                                  spec_tokens=max(self.kv_options.spec_tokens, speculation.k))
+        self.kv_layout = choose_layout(kv_quant, max_ctx, self.kv_options)
+        if max_ctx > cfg.max_position:
+            warnings.warn(f"max_ctx {max_ctx} is beyond the model's trained context of {cfg.max_position} "
+                          f"tokens; output quality past it is not guaranteed", stacklevel=2)
+        check_fits(self.kv_plan(1))
+        self.stats = GenerateStats()
+        d = self.dtype
+        self._fns = {"prefill": jax.jit(partial(core.prefill, cfg, spec=speculation, dtype=d),
+                                        static_argnames=("out", "logprobs"), donate_argnames=("state",)),
+                     "decode": jax.jit(partial(core.decode, cfg, spec=speculation, dtype=d),
+                                       static_argnames=("max_steps", "rows", "logprobs"), donate_argnames=("state",)),
+                     "fork": jax.jit(partial(core.fork, cfg, spec=speculation, dtype=d),
+                                     static_argnames=("logprobs",), donate_argnames=("state",))}
+        self._executables: dict = {}
+        self.compile_s = 0.0          # seconds spent compiling the core's calls so far
+        self.on_compile = None        # on_compile(n_calls) -> a callable to call when they are done
+        self.steps_cache = None       # a folder to keep the compiled calls in (`compilation_cache`)
+
+    # -- the core's compiled calls ----------------------------------------------------------------
+    @property
+    def call_weights(self):
+        """What the core's calls take as weights: the model's, and the draft model's with one."""
+        return self.weights if self.draft_weights is None else (self.weights, self.draft_weights)
+
+    def run(self, name: str, *args, **static):
+        """Call the core's `name` ("prefill", "decode" or "fork") with the weights and `args`, through the
+        executable compiled for these shapes (compiled now if this is their first call)."""
+        return self.executable(name, args, static)(self.call_weights, *args)
+
+    def executable(self, name: str, args, static: dict):
+        key = _signature(name, args, static)
+        exe = self._executables.get(key)
+        if exe is None:
+            exe = self._executables[key] = self._compile(name, args, static)
+        return exe
+
+    def _compile(self, name: str, args, static: dict):
+        """The call read from the compiled-steps cache, or lowered under this engine's layout (the
+        kernels run per device on the mesh's shards), compiled and kept there."""
+        t0 = time.perf_counter()
+        key = self._disk_key(name, args, static)
+        exe = compilation_cache.load_executable(self.steps_cache, key)
+        if exe is None:
+            exe = compilation_cache.compile_and_keep(self.steps_cache, key, self._lower(name, args, static))
+        self.compile_s += time.perf_counter() - t0
+        return exe
+
+    def _lower(self, name: str, args, static: dict):
+        with kernels.use_layout(self.layout):
+            return self._fns[name].lower(self.call_weights, *args, **static)
+
+    def _disk_key(self, name: str, args, static: dict) -> str | None:
+        if self.steps_cache is None:
+            return None
+        mesh = self.layout.mesh
+        devices = [(d.platform, d.device_kind, d.id) for d in mesh.devices.flat]
+        return compilation_cache.executable_key(
+            name, sorted(static.items()), self.cfg, self.dtype_name, self.quant, self.kv_layout, self.kv_options,
+            self.spec, devices, mesh.shape, jax.process_count(), compilation_cache.describe(self.call_weights),
+            compilation_cache.describe(args))
+
+    def precompile(self, calls: list[tuple[str, tuple, dict]], threads: int | None = None) -> float:
+        """Compile every (name, args, static) call not compiled yet: each is traced and lowered in
+        turn (Python) and compiled in a thread of its own meanwhile (XLA compiles without the GIL).
+        args may be shape structs. -> seconds taken."""
+        import concurrent.futures as cf
+        t0 = time.perf_counter()
+        keys = list(dict.fromkeys(_signature(*c) for c in calls if _signature(*c) not in self._executables))
+        todo = {k: c for c in calls for k in [_signature(*c)] if k in keys}
+        if not todo:
+            return 0.0
+        loaded = 0
+        for key in list(todo):                  # read back what an earlier process compiled
+            exe = compilation_cache.load_executable(self.steps_cache, self._disk_key(*todo[key]))
+            if exe is not None:
+                self._executables[key] = exe
+                del todo[key]
+                loaded += 1
+        done = self.on_compile(len(todo)) if self.on_compile and todo else None
+        workers = threads or max(1, min(len(todo), os.cpu_count() or 2))
+        traced = 0.0
+
+        def compile_and_keep(lowered, disk_key):
+            return compilation_cache.compile_and_keep(self.steps_cache, disk_key, lowered)
+        with cf.ThreadPoolExecutor(workers) as pool:
+            futures = {}
+            for key, (name, args, static) in todo.items():
+                t = time.perf_counter()
+                lowered = self._lower(name, args, static)
+                traced += time.perf_counter() - t
+                futures[key] = pool.submit(compile_and_keep, lowered, self._disk_key(name, args, static))
+            for key, fut in futures.items():
+                self._executables[key] = fut.result()
+        dt = time.perf_counter() - t0
+        log.info("%d calls compiled in %.1f s (%.1f s of it tracing and lowering, %d compile threads), %d read "
+                 "from the compiled-steps cache", len(todo), dt, traced, workers, loaded)
+        if done is not None:
+            done()
+        self.compile_s += dt
+        return dt
+
+    # -- the core's state on the mesh -----------------------------------------------------------
+    def core(self, num_slots: int, max_len: int) -> EngineCore:
+        """A KV cache of `num_slots` rows of `max_len` positions and its slot table, on the mesh."""
+        return EngineCore(self, num_slots, max_len)
+
+    def _make_state(self, batch: int, length: int) -> core.State:
+        """The one place a KV cache is made: the engine's KV policy (the draft model's cache too,
+        where there is one), and an empty slot table."""
+        def cache(cfg):
+            return make_cache(cfg, self.kv_layout, self.kv_options, batch, length, self.dtype)
+        draft = self.spec.draft_cfg if self.spec is not None else None
+        slots = core.Slots.empty(batch, length, self.spec is not None, self.cfg.vocab_size,
+                                 hidden=(self.cfg.hidden_size, self.dtype))
+        return core.State(cache(self.cfg), slots, None if draft is None else cache(draft))
+
+    def new_state(self, batch: int, length: int) -> core.State:
+        """A zeroed cache laid out on the mesh (batch over "data", KV heads over "model") and an
+        empty slot table."""
+        key = (batch, length)
+        if key not in self._state_makers:        # one compiled allocator per cache shape
+            make = partial(self._make_state, batch, length)
+            self._state_makers[key] = jax.jit(make, out_shardings=self.state_shardings(jax.eval_shape(make)))
+        return self._state_makers[key]()
+
+    def state_shapes(self, batch: int, length: int) -> core.State:
+        """The state `new_state` makes, as shape structs with their shardings (nothing allocated)."""
+        shapes = jax.eval_shape(partial(self._make_state, batch, length))
+        return jax.tree_util.tree_map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                                      shapes, self.state_shardings(shapes))
+
+    def state_shardings(self, state: core.State) -> core.State:
+        rows = jax.tree_util.tree_map(lambda a: self.layout.batch_sharding(a.shape), state.slots)
+        draft = None if state.draft_cache is None else self.layout.cache_shardings(state.draft_cache)
+        return core.State(self.layout.cache_shardings(state.cache), rows, draft)
+
+    def put_rows(self, tree):
+        """Per-row host data (a pytree of arrays with the row axis first) -> global arrays split over
+        the data axis like the cache rows."""
+        def put(x):
+            x = np.asarray(x)
+            return self.layout.put(x, self.layout.batch_sharding(x.shape))
+        return jax.tree_util.tree_map(put, tree)
+
+    def row_shapes(self, tree):
+        """Shape structs of per-row data (as `put_rows` would lay it out), to compile for ahead."""
+        def shape(a):
+            return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=self.layout.batch_sharding(np.shape(a)))
+        return jax.tree_util.tree_map(shape, tree)
+
+    def core_out_size(self, n_tokens: int) -> int:
+        """A decode call's output buffer for n_tokens tokens a row (see `EngineCore.out_size`)."""
+        return bucket(n_tokens + (0 if self.spec is None else self.spec.k + 1), 1)
+
+    def kv_plan(self, batch: int, length: int | None = None):
+        """What a cache of `batch` rows and `length` (default max_ctx) positions takes."""
+        return plan_cache(self.cfg, self.kv_layout, self.kv_options, batch, length or self.max_ctx,
+                          self.dtype)
+
+    def chunking(self, longest: int) -> tuple[int, int]:
+        """(chunk size, padded length) of a lockstep prefill: short prompts use their power-of-two
+        bucket as the chunk, so they compile one small shape; the padded length is whole chunks.
+        (Rings that other layers read hold window + prefill_chunk - 1 slots, so no chunk is too long
+        for them.)"""
+        C = min(self.kv_options.prefill_chunk, bucket(longest))
+        return C, -(-longest // C) * C
+
+    # -- full forward ----------------------------------------------------------------------------
+    def logits(self, token_ids, lengths=None) -> np.ndarray:
+        """Causal logits [B, T, vocab] (float32) of right-padded rows; past lengths[b] undefined."""
+        ids = np.asarray(token_ids, np.int32)
+        if ids.ndim != 2:
+            raise RequestError(f"token_ids must be 2-D (batch, time), got shape {ids.shape}")
+        B, T = ids.shape
+        if T > self.max_ctx:
+            raise RequestError(f"sequence of {T} tokens is longer than max_ctx {self.max_ctx}")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.cfg.vocab_size):
+            raise RequestError(f"token ids must lie in [0, {self.cfg.vocab_size})")
+        C, Tp = self.chunking(T)
+        lens = np.full((B,), T, np.int32) if lengths is None else np.asarray(lengths, np.int32)
+        eng_core = self.core(B, min(Tp, max(self.max_ctx, T)))
+        return eng_core.logits(pad_rows(list(ids), Tp, self.cfg.pad_id), lens, C)[:, :T]
+
+    # -- generation ------------------------------------------------------------------------------
+    def encode_prompt(self, prompt, chat: bool) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError("this model directory has no tokenizer.json; pass token ids instead")
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+            return self.tokenizer.encode_chat(list(prompt))
+        if not isinstance(prompt, str):
+            raise RequestError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+        if chat and self.tokenizer.chat_template:
+            return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    def generate(self, prompts, max_tokens=64, temperature=0.0, top_k=None, top_p=None, seed=0,
+                 stop=None, chat=True, logprobs: int | None = None, **penalties) -> list[Completion]:
+        check_sampling(max_tokens, temperature, top_k, top_p)
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not prompts:
+            raise RequestError("no prompts given")
+        ids = [self.encode_prompt(p, chat) for p in prompts]
+        return self.generate_ids(ids, max_tokens, temperature, top_k, top_p, seed, stop, logprobs, **penalties)
+
+    def generate_ids(self, ids: list[list[int]], max_tokens=64, temperature=0.0, top_k=None,
+                     top_p=None, seed=0, stop=None, logprobs: int | None = None, presence_penalty=0.0,
+                     frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None, stop_token_ids=None,
+                     min_tokens=0) -> list[Completion]:
+        """The lockstep batch: every row admitted into a cache of its own size, prefilled in chunks,
+        then decoded to completion in one on-device loop. What it needs compiled is compiled first,
+        so `stats` times the run itself. `logprobs` n (0 to 20): each token's log-probability and
+        the n most likely tokens, computed in the loop. The penalties are vLLM's and OpenAI's
+        (`sampling.penalize`); `logit_bias` ({token id: bias}), `stop_token_ids` and `min_tokens`
+        as the server's (`sampling.apply_rules`)."""
+        check_sampling(max_tokens, temperature, top_k, top_p)
+        pen = check_penalties(presence_penalty, frequency_penalty, repetition_penalty)
+        bias, stops = check_rules(logit_bias, stop_token_ids, min_tokens, max_tokens, self.cfg.vocab_size)
+        n_lp = check_logprobs(logprobs)
+        lens = [len(x) for x in ids]
+        if min(lens) == 0:
+            raise RequestError("a prompt encoded to no tokens")
+        n = max(lens)
+        if n + max_tokens > self.max_ctx:
+            raise RequestError(f"a prompt of {n} tokens and max_tokens {max_tokens} need {n + max_tokens} "
+                               f"positions, more than max_ctx {self.max_ctx}: lower max_tokens to at most "
+                               f"{max(self.max_ctx - n, 0)} or raise max_ctx")
+        B = len(ids)
+        S = min(bucket(n + max_tokens), self.max_ctx)
+        check_fits(self.kv_plan(B, S))
+        params = SamplingParams.make(B, temperature, top_k, top_p, seed)
+        eng_core = self.core(B, S)
+        compile_s = eng_core.prepare(n, max_tokens - 1, n_lp)
+        t0 = time.perf_counter()
+        first = eng_core.prefill_prompts(ids, params, np.full(B, max_tokens, np.int32), logprobs=n_lp,
+                                         penalties=Penalties.make(B, *pen),
+                                         rules=TokenRules.make(B, [bias] * B, [stops] * B, min_tokens))
+        t1 = time.perf_counter()
+        eng_core.run_to_completion(max_tokens - 1, steps=0, logprobs=n_lp)      # the loop's first run, untimed
+        t1, t = time.perf_counter(), t1 - t0
+        rest, count, rest_lp = eng_core.run_to_completion(max_tokens - 1, logprobs=n_lp)
+        t2 = time.perf_counter()
+        self.stats = GenerateStats(B, sum(lens), int(B + count.sum()), t, t2 - t1, int(count.max(initial=0)),
+                                   compile_s, eng_core.spec_stats())
+        if not n_lp:
+            return [self._finish(ids[b], [int(first[b])] + rest[b, :count[b]].tolist(), stop, stops=stops)
+                    for b in range(B)]
+        first, first_lp = first
+        lp = jax.tree_util.tree_map(lambda f, r: np.concatenate([f[:, None], r], axis=1), first_lp, rest_lp)
+        outs = []
+        for b in range(B):
+            new = [int(first[b])] + rest[b, :count[b]].tolist()
+            outs.append(self._finish(ids[b], new, stop, token_logprobs(lp, b, new, logprobs), stops))
+        return outs
+
+    def _finish(self, prompt_ids, new_ids, stop, logprobs=None, stops=()) -> Completion:
+        reason = "length"
+        if new_ids and (new_ids[-1] in self.cfg.eos_ids or new_ids[-1] in stops):
+            new_ids, reason = new_ids[:-1], "stop"
+        text = self.tokenizer.decode(new_ids) if self.tokenizer is not None else ""
+        for s in ([stop] if isinstance(stop, str) else stop or []):
+            i = text.find(s) if s else -1
+            if i >= 0:
+                text, reason = text[:i], "stop"
+                new_ids = _ids_covering(self.tokenizer, new_ids, text)
+        return Completion(text, new_ids, reason, list(prompt_ids),
+                          None if logprobs is None else logprobs[:len(new_ids)])
+
+    def perplexity(self, text: str, window: int = 2048, stride: int | None = None):
+        """Sliding-window perplexity of `text` -> PerplexityResult (.ppl .nll .num_scored_tokens)."""
+        from jaxllm.harness.perplexity import perplexity
+        return perplexity(self, text, window, stride)
+
+
+def check_draft(cfg: ModelConfig, spec: Speculation, draft_weights) -> None:
+    if spec.method == "draft":
+        if draft_weights is None:
+            raise ModelError("speculation with a draft model needs the draft model's weights")
+        # Gemma 3 270M and 1B have 262144 ids, the larger Gemma 3 262208 (the same tokenizer, with
+        # image tokens appended): every id a draft proposes is one of the model's.
+        if spec.draft_cfg.vocab_size > cfg.vocab_size:
+            raise ModelError(f"the draft model's vocabulary ({spec.draft_cfg.vocab_size} tokens) is larger than "
+                             f"the model's ({cfg.vocab_size}): a draft model must share the tokenizer")
+
+
+def _signature(name: str, args, static: dict):
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    return (name, tuple(sorted(static.items())), tree,
+            tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))) for x in leaves))
+
+
+def pad_rows(ids, length: int, pad_id: int) -> np.ndarray:
+    out = np.full((len(ids), length), pad_id, np.int32)
+    for b, x in enumerate(ids):
+        out[b, :len(x)] = x
+    return out
+
+
+def _ids_covering(tok, ids, text):
+    """The shortest prefix of ids whose decoding covers `text` (stop strings cut mid-token)."""
+    for n in range(len(ids) + 1):
+        if len(tok.decode(ids[:n])) >= len(text):
+            return ids[:n]
+    return ids

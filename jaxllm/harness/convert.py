@@ -1,0 +1,85 @@
+"""`python -m jaxllm.convert --model-dir SRC --out DST [--quant int8|none] [--dtype ...]`
+
+Converts a checkpoint (HF directory, .gguf file, or the embedded default) once into a saved jaxllm
+directory: the weights already in the engine's layout and format, as an orbax checkpoint, beside
+config.json and the tokenizer. `jaxllm.load(DST)` / `--model-dir DST` then restores them directly
+into device shards. Nothing is written into SRC.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from jaxllm.errors import JaxllmError, ModelError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja", "chat_template.json")
+
+
+def write_source_files(files, dst: Path, tok) -> None:
+    """config.json and tokenizer files: copied from an HF directory, written out for a GGUF file."""
+    if files.kind == "hf":
+        for name in ("config.json",) + TOKENIZER_FILES:
+            if (files.path / name).exists():
+                shutil.copy2(files.path / name, dst / name)
+        return
+    from jaxllm.weights.gguf import read_gguf_config
+    (dst / "config.json").write_text(json.dumps(read_gguf_config(files.path), indent=1, default=str))
+    tok.tok.save(str(dst / "tokenizer.json"))
+    (dst / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": tok.bos_token, "eos_token": tok.eos_token, "add_bos_token": tok.add_bos,
+        "chat_template": tok.chat_template}, indent=1))
+    (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": list(tok.eos_ids)}))
+
+
+def convert(model_dir, out, quant: str = "int8", dtype: str = "bfloat16", progress=None, tp=None) -> Path:
+    """Write the saved directory `out`; the layout used while converting does not bind later loads
+    (a restore reshards to whatever mesh it is given)."""
+    from jaxllm.engine.engine import DTYPES
+    from jaxllm.weights import load_model, locate
+    from jaxllm.weights.saved import save_weights
+    from jaxllm.engine.sharding import layout_for
+    if quant not in ("int8", "none"):
+        raise ModelError(f"quant must be 'int8' or 'none', got {quant!r}")
+    if dtype not in DTYPES:
+        raise ModelError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    dst = Path(out).expanduser()
+    files = locate(model_dir)
+    if dst.exists() and any(dst.iterdir()):
+        raise ModelError(f"{dst} exists and is not empty; choose a new --out directory")
+    if files.path.resolve() == dst.resolve():
+        raise ModelError("--out must differ from --model-dir (nothing is written into the model directory)")
+    cfg, fam, weights, tok, _ = load_model(model_dir, DTYPES[dtype], quant, progress, layout_for(tp))
+    dst.mkdir(parents=True, exist_ok=True)
+    write_source_files(files, dst, tok)
+    save_weights(dst, weights, {"family": cfg.family, "quant": quant, "dtype": dtype,
+                                "source": str(files.name)})
+    return dst
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jaxllm.convert", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-dir", default=None, help="HF directory or .gguf file (default: the embedded model)")
+    p.add_argument("--out", required=True, help="new directory to write")
+    p.add_argument("--quant", choices=("int8", "none"), default="int8")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="storage dtype of the weights that stay unquantized")
+    p.add_argument("--tp", type=int, default=None,
+                   help="devices to spread the weights over while converting (default: all local)")
+    args = p.parse_args(argv)
+    try:
+        t = time.perf_counter()
+        dst = convert(args.model_dir, args.out, args.quant, args.dtype, tp=args.tp)
+        print(f"wrote {dst} ({args.quant}, {args.dtype}) in {time.perf_counter() - t:.1f} s")
+    except JaxllmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Attention over a long linear KV cache, one block of slots at a time, with an online softmax.
+
+The loop runs only over the blocks that hold a position some query can see (up to the highest query
+position of the batch), so a decode step at 10K tokens of a 128K cache reads 10K tokens of KV.
+The cache is read through `load_block(start) -> (k, v, kv_pos)`, which dequantizes an int8 block or
+passes a compute-dtype block through: one loop serves both storage formats, and prefill (T > 1)
+as well as decode (T = 1).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.model.layers import NEG_INF, attention_mask
+
+BlockLoader = Callable[[jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
+
+
+def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., hd] -> (int8 [..., hd], float32 scale [...]): symmetric, one scale per token and head."""
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    q = jnp.clip(jnp.round(xf / scale[..., None]), -127, 127).astype(jnp.int8)
+    return q, scale
+
+
+def dequantize_kv(q: jax.Array, scale: jax.Array | None, dtype) -> jax.Array:
+    if scale is None:
+        return q.astype(dtype)
+    return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
+
+
+def linear_loader(k, v, k_scale=None, v_scale=None, *, block: int, dtype) -> BlockLoader:
+    """Blocks of a linear cache k/v [B, S, K, hd] (slot s holds position s), dequantized to `dtype`."""
+    B = k.shape[0]
+
+    def load(start):
+        def cut(x):
+            return None if x is None else jax.lax.dynamic_slice_in_dim(x, start, block, axis=1)
+        pos = jnp.broadcast_to(start + jnp.arange(block, dtype=jnp.int32), (B, block))
+        return dequantize_kv(cut(k), cut(k_scale), dtype), dequantize_kv(cut(v), cut(v_scale), dtype), pos
+    return load
+
+
+def blocks_needed(q_pos: jax.Array, block: int, n_slots: int) -> jax.Array:
+    """How many leading blocks hold a position that some query of the batch can see."""
+    n = (jnp.max(q_pos) + block) // block
+    return jnp.clip(n, 0, n_slots // block).astype(jnp.int32)
+
+
+def blockwise_attend(q: jax.Array, q_pos: jax.Array, load_block: BlockLoader, *, n_slots: int,
+                     block: int, scale: float, softcap: float | None = None,
+                     window: int | None = None) -> jax.Array:
+    """Grouped-query attention of q [B, T, H, hd] at absolute positions q_pos [B, T] (-1 = padding)
+    over a cache of `n_slots` slots read `block` at a time -> [B, T, H, hd] in q's dtype.
+
+    Equal to a plain softmax over all visible keys; queries that see no key (padding) give zeros.
+    """
+    B, T, H, hd = q.shape
+    k0, _, _ = jax.eval_shape(load_block, jnp.int32(0))
+    K = k0.shape[2]
+    G = H // K
+    qg = q.reshape(B, T, K, G, hd)
+
+    def body(i, carry):
+        m, l, acc = carry
+        k, v, kv_pos = load_block(i * block)
+        s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+        if softcap is not None:
+            s = jnp.tanh(s / softcap) * softcap
+        mask = attention_mask(q_pos, kv_pos, window)[:, None, None]          # [B, 1, 1, T, blk]
+        s = jnp.where(mask, s, NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        corr = jnp.exp(m - m_new)
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        l = l * corr + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return m_new, l, acc * corr[..., None] + pv
+
+    init = (jnp.full((B, K, G, T), NEG_INF, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
+            jnp.zeros((B, K, G, T, hd), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, blocks_needed(q_pos, block, n_slots), body, init)
+    o = acc / jnp.maximum(l, 1e-30)[..., None]                               # [B, K, G, T, hd]
+    return o.transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd).astype(q.dtype)

@@ -1,0 +1,247 @@
+"""Gemma 4 text (31B dense, 26B-A4B MoE, E4B/E2B): what differs from the shared core.
+
+- Plain-w RMSNorms (no 1+w), sandwich norms, learned Q/K norms and a parameter-free V norm,
+  attention scale 1.0, a learned per-layer output scalar, final logit softcap.
+- Global layers have their own head size and KV heads, partial "proportional" RoPE, and with
+  `attention_k_eq_v` no v_proj: V is the raw K projection (before k_norm and RoPE).
+- 26B-A4B: beside the dense MLP, a routed MoE block (see `moe_block`), its output normed and added.
+- E4B/E2B: per-layer input embeddings (PLE) fed to every layer through the scan's per-layer inputs,
+  and KV-shared layers: the last `num_kv_shared_layers` layers attend over the cache of the last
+  earlier layer of their kind, keep no cache and no K/V weights, and (`use_double_wide_mlp`) have a
+  twice-as-wide MLP; they form their own weight stacks ("sliding_shared", "global_shared").
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.config.model import GLOBAL, KIND_NAMES, SLIDING, AttnSpec, ModelConfig, RopeSpec
+from jaxllm.errors import ModelError
+from jaxllm.model.layers import activation, add_norm, gated_mlp, rms_norm
+from jaxllm.model.forward import Branch, attention_block, branches
+from jaxllm.model.moe import moe_ffn
+from jaxllm.model.params import ParamSpec, abstract_weights, stack
+from jaxllm.quant import Normed, linear
+from jaxllm.model.families.common import GEMMA_NORM_NAMES, HF_NAMES, eos_ids, layer_kinds, need, per_kind_rope
+
+# "unified" (Gemma 4 12B) is the same text model without per-layer inputs and MoE
+MODEL_TYPES = ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text")
+ARCHITECTURES = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "Gemma4UnifiedForCausalLM",
+                 "Gemma4UnifiedForConditionalGeneration")
+
+NAMES = {
+    **HF_NAMES, **GEMMA_NORM_NAMES,
+    "ple_embed": "embed_tokens_per_layer.weight", "ple_proj": "per_layer_model_projection.weight",
+    "ple_norm": "per_layer_projection_norm.weight",
+    "layer_scalar": "layers.{i}.layer_scalar",
+    "router": "layers.{i}.router.proj.weight", "router_scale": "layers.{i}.router.scale",
+    "expert_scale": "layers.{i}.router.per_expert_scale",
+    "experts_gate_up": "layers.{i}.experts.gate_up_proj", "experts_down": "layers.{i}.experts.down_proj",
+    "dense_out_norm": "layers.{i}.post_feedforward_layernorm_1.weight",
+    "moe_norm": "layers.{i}.pre_feedforward_layernorm_2.weight",
+    "moe_out_norm": "layers.{i}.post_feedforward_layernorm_2.weight",
+    "ple_gate": "layers.{i}.per_layer_input_gate.weight", "ple_out": "layers.{i}.per_layer_projection.weight",
+    "ple_post_norm": "layers.{i}.post_per_layer_input_norm.weight",
+}
+
+SHARED_SUFFIX = "_shared"
+
+
+def hf_name(param: str, layer: int | None) -> str:
+    return NAMES[param].format(i=layer)
+
+
+# -- config -------------------------------------------------------------------------------------
+def _global_attention_shape(hf: dict, kinds, heads_kv: int) -> tuple[int, int]:
+    """(head_dim, kv heads) of the global layers, from `per_layer_config` (what transformers writes)
+    or from `global_head_dim` / `num_global_key_value_heads` (what the released configs carry)."""
+    plc = hf.get("per_layer_config")
+    if isinstance(plc, dict) and plc:
+        over = {int(i): dict(v or {}) for i, v in plc.items()}
+        glob = {tuple(sorted(over.get(i, {}).items())) for i, k in enumerate(kinds) if k == GLOBAL}
+        slid = [i for i, k in enumerate(kinds) if k == SLIDING and over.get(i)]
+        if len(glob) != 1 or slid:
+            raise ModelError("config.json: per_layer_config must give every global layer the same "
+                             "overrides and no sliding layer any")
+        g = dict(next(iter(glob)))
+        return int(g.get("head_dim", hf.get("head_dim", 256))), int(g.get("num_key_value_heads", heads_kv))
+    gkv = hf.get("num_global_key_value_heads") if hf.get("attention_k_eq_v") else None
+    return int(hf.get("global_head_dim") or 512), int(gkv or heads_kv)
+
+
+def _kv_sources(kinds, n_shared: int) -> tuple[int, ...]:
+    n = len(kinds)
+    first = n - n_shared
+    if not 0 <= n_shared < n:
+        raise ModelError(f"config.json: num_kv_shared_layers={n_shared} must lie in [0, {n})")
+    out = list(range(n))
+    for i in range(first, n):
+        earlier = [j for j in range(first) if kinds[j] == kinds[i]]
+        if not earlier:
+            raise ModelError(f"config.json: KV-shared layer {i} has no earlier {KIND_NAMES[kinds[i]]} "
+                             f"layer to share with")
+        out[i] = earlier[-1]
+    return tuple(out)
+
+
+def config_from_hf(hf: dict, generation: dict | None = None) -> ModelConfig:
+    if "text_config" in hf:                       # multimodal checkpoint: the text tower's config
+        text = hf["text_config"]
+        hf = {**text, "eos_token_id": list(eos_ids(text.get("eos_token_id"), hf.get("eos_token_id")))}
+    if hf.get("use_bidirectional_attention") == "all":
+        raise ModelError("bidirectional Gemma 4 text models (use_bidirectional_attention='all') are not supported")
+    n = int(need(hf, "num_hidden_layers"))
+    heads = int(need(hf, "num_attention_heads"))
+    D = int(need(hf, "hidden_size"))
+    hd = int(hf.get("head_dim") or 256)
+    kv = int(hf.get("num_key_value_heads") or heads)
+    kinds = list(layer_kinds(hf, n, int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))))
+    kinds[-1] = GLOBAL                          # transformers forces the last layer global
+    kinds = tuple(kinds)
+    ghd, gkv = _global_attention_shape(hf, kinds, kv)
+    if hf.get("rope_parameters"):
+        local, glob = per_kind_rope(hf, 1_000_000.0, 10_000.0)
+    else:
+        local, glob = RopeSpec(10_000.0), RopeSpec(1_000_000.0, "proportional", partial=0.25)
+    window = int(hf.get("sliding_window") or 512)
+    k_eq_v = bool(hf.get("attention_k_eq_v", False))
+    n_shared = int(hf.get("num_kv_shared_layers") or 0)
+    sources = _kv_sources(kinds, n_shared)
+    groups = tuple(KIND_NAMES[k] + (SHARED_SUFFIX if sources[i] != i else "") for i, k in enumerate(kinds))
+    extras = [("double_wide_mlp", bool(hf.get("use_double_wide_mlp", False)) and n_shared > 0)]
+    if hf.get("enable_moe_block"):
+        f_moe = hf.get("moe_intermediate_size") or hf.get("expert_intermediate_size")
+        extras.append(("moe", (int(need(hf, "num_experts")), int(need(hf, "top_k_experts")), int(f_moe or 0))))
+        if not f_moe:
+            raise ModelError("config.json lacks required field 'moe_intermediate_size'")
+    if hf.get("hidden_size_per_layer_input"):
+        extras.append(("ple", (int(hf["hidden_size_per_layer_input"]),
+                               int(hf.get("vocab_size_per_layer_input") or need(hf, "vocab_size")))))
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    return ModelConfig(
+        family="gemma4", vocab_size=int(need(hf, "vocab_size")), hidden_size=D,
+        intermediate_size=int(need(hf, "intermediate_size")), num_layers=n, layer_kinds=kinds,
+        attn=(AttnSpec(heads, kv, hd, local, window=window), AttnSpec(heads, gkv, ghd, glob, k_eq_v=k_eq_v)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), norm_offset=0.0, sandwich_norms=True,
+        qk_norm=True, v_norm=True, activation="gelu_tanh" if "gelu" in act else act, embed_scale=D ** 0.5,
+        query_scale=1.0, attn_softcap=None, final_softcap=hf.get("final_logit_softcapping"),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        max_position=int(hf.get("max_position_embeddings", 131072)), bos_id=hf.get("bos_token_id", 2),
+        eos_ids=eos_ids(hf.get("eos_token_id", 1), (generation or {}).get("eos_token_id")),
+        pad_id=int(hf.get("pad_token_id") or 0), extras=tuple(extras),
+        layer_groups=groups if n_shared else (), kv_sources=sources if n_shared else ())
+
+
+# -- weights ------------------------------------------------------------------------------------
+def _norm(n: int, axis: str = "embed") -> ParamSpec:
+    return ParamSpec((n,), (axis,), init="ones")
+
+
+def layer_params(cfg: ModelConfig, b: Branch) -> dict[str, ParamSpec]:
+    a = cfg.attn[b.kind]
+    D, H, K, hd = cfg.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim
+    wide = cfg.extra("double_wide_mlp") and not b.own_kv
+    F = cfg.intermediate_size * (2 if wide else 1)
+    p = {
+        "attn_norm": _norm(D), "post_attn_norm": _norm(D), "mlp_norm": _norm(D), "post_mlp_norm": _norm(D),
+        "q": ParamSpec((D, H, hd), ("embed", "q_heads", "head_dim"), 1), "q_norm": _norm(hd, "head_dim"),
+        "o": ParamSpec((H, hd, D), ("q_heads", "head_dim", "embed"), 2),
+        "gate": ParamSpec((D, F), ("embed", "mlp"), 1), "up": ParamSpec((D, F), ("embed", "mlp"), 1),
+        "down": ParamSpec((F, D), ("mlp", "embed"), 1),
+        "layer_scalar": ParamSpec((1,), (None,), init="ones"),
+    }
+    if b.own_kv:
+        p["k"] = ParamSpec((D, K, hd), ("embed", "kv_heads", "head_dim"), 1)
+        p["k_norm"] = _norm(hd, "head_dim")
+        if not a.k_eq_v:
+            p["v"] = ParamSpec((D, K, hd), ("embed", "kv_heads", "head_dim"), 1)
+    if cfg.extra("moe"):
+        E, _, Fm = cfg.extra("moe")
+        p.update({
+            # The router stays as stored ([E, D], unquantized): routing decisions are sensitive.
+            "router": ParamSpec((E, D), ("expert", "embed")), "router_scale": _norm(D),
+            "expert_scale": ParamSpec((E,), ("expert",), init="ones"),
+            "experts_gate_up": ParamSpec((E, D, 2, Fm), ("expert", "embed", None, "moe_mlp"), 1, n_batch=1),
+            "experts_down": ParamSpec((E, Fm, D), ("expert", "moe_mlp", "embed"), 1, n_batch=1),
+            "dense_out_norm": _norm(D), "moe_norm": _norm(D), "moe_out_norm": _norm(D),
+        })
+    if cfg.extra("ple"):
+        P, _ = cfg.extra("ple")
+        p.update({"ple_gate": ParamSpec((D, P), ("embed", None), 1),
+                  "ple_out": ParamSpec((P, D), (None, "embed"), 1), "ple_post_norm": _norm(D)})
+    return p
+
+
+def abstract(cfg: ModelConfig) -> dict:
+    layers = {}
+    for b in branches(cfg):
+        n = sum(1 for i in range(cfg.num_layers) if cfg.group_of(i) == b.group)
+        layers[b.group] = {name: stack(s, n) for name, s in layer_params(cfg, b).items()}
+    top = {}
+    if cfg.extra("ple"):
+        P, Vp = cfg.extra("ple")
+        L, D = cfg.num_layers, cfg.hidden_size
+        top = {"ple_embed": ParamSpec((Vp, L * P), ("vocab", None)),
+               "ple_proj": ParamSpec((D, L, P), ("embed", None, None), 1),
+               "ple_norm": _norm(P, None)}
+    return abstract_weights(cfg, extra_top=top, layers=layers)
+
+
+# -- the forward hooks the core calls -----------------------------------------------------------
+def layer_inputs(cfg: ModelConfig, weights: dict, tokens: jax.Array, x: jax.Array):
+    """Per-layer inputs [L, B, T, P]: the token's own PLE row plus a projection of its embedding."""
+    if not cfg.extra("ple"):
+        return None
+    P, _ = cfg.extra("ple")
+    B, T = tokens.shape
+    L, D, dt = cfg.num_layers, cfg.hidden_size, x.dtype
+    tok = jnp.take(weights["ple_embed"], tokens, axis=0).astype(dt) * jnp.asarray(P ** 0.5, dt)
+    proj = linear(x, weights["ple_proj"]) * jnp.asarray(D ** -0.5, dt)
+    proj = rms_norm(proj, weights["ple_norm"], cfg.norm_eps)
+    ple = (proj + tok.reshape(B, T, L, P)) * jnp.asarray(2.0 ** -0.5, dt)
+    return jnp.moveaxis(ple, 2, 0)
+
+
+def route(cfg: ModelConfig, w: dict, x: jax.Array):
+    """x [N, D] -> (top-k expert ids [N, k], their weights [N, k] float32)."""
+    _, k, _ = cfg.extra("moe")
+    D = cfg.hidden_size
+    h = rms_norm(x, None, cfg.norm_eps) * w["router_scale"].astype(x.dtype) * jnp.asarray(D ** -0.5, x.dtype)
+    scores = jnp.einsum("nd,ed->ne", h, w["router"].astype(x.dtype), preferred_element_type=jnp.float32)
+    top_w, top_i = jax.lax.top_k(jax.nn.softmax(scores, axis=-1), k)
+    top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    return top_i, top_w * w["expert_scale"].astype(jnp.float32)[top_i]
+
+
+def moe_block(cfg: ModelConfig, w: dict, x: jax.Array) -> jax.Array:
+    """The routed experts' contribution for residual stream x [B, T, D] (routed on x itself)."""
+    flat = x.reshape(-1, x.shape[-1])
+    top_i, top_w = route(cfg, w, flat)
+    h = rms_norm(flat, w["moe_norm"], cfg.norm_eps)
+    y = moe_ffn(h, top_i, top_w, w["experts_gate_up"], w["experts_down"], cfg.activation)
+    return rms_norm(y.reshape(x.shape), w["moe_out_norm"], cfg.norm_eps)
+
+
+def decoder_layer(cfg: ModelConfig, b: Branch, w: dict, x, positions, layer_cache, ple):
+    eps = cfg.norm_eps
+    h = Normed(x, w["attn_norm"], eps)                 # normed in the Q/K/V kernel
+    a, layer_cache = attention_block(cfg, b.kind, w, h, positions, layer_cache, own_kv=b.own_kv,
+                                     partials=True)
+    x, h = add_norm(x, a, w["post_attn_norm"], w["mlp_norm"], eps)
+    m = gated_mlp(cfg, w, h)
+    if cfg.extra("moe"):
+        m = rms_norm(m, w["dense_out_norm"], eps) + moe_block(cfg, w, x)
+    x = x + rms_norm(m, w["post_mlp_norm"], eps)
+    if ple is not None:
+        g = activation(cfg.activation, linear(x, w["ple_gate"])) * ple
+        x = x + rms_norm(linear(g, w["ple_out"]), w["ple_post_norm"], eps)
+    return x * w["layer_scalar"].astype(x.dtype), layer_cache
+
+
+# Used when a checkpoint carries no template of its own: Gemma 4's turn markup.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "<|turn>{{ role }}\n{{ message['content'] | trim }}<turn|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+)

@@ -1,0 +1,118 @@
+"""Abstract-first weights: one description of every tensor (shape, logical axes, how it quantizes),
+from which loading, random init and sharding all follow.
+
+The weights pytree is a plain nested dict:
+    {"embed": [V, D], "final_norm": [D], ("lm_head": [D, V] when untied),
+     "layers": {"sliding": {name: [n_sliding, ...]}, "global": {name: [n_global, ...]}}}
+Layer tensors are stacked on a leading axis per attention kind, so one `lax.scan` covers all layers
+even when sliding and global layers have different shapes (Gemma 4). A family may split a kind into
+further groups (`ModelConfig.layer_groups`, e.g. Gemma 4's KV-sharing layers, which have no K/V
+weights and a wider MLP); each group is then its own stack.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.config.model import KIND_NAMES, AttnSpec, ModelConfig
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]          # logical axis names, for sharding rules
+    n_contract: int = 0                   # >0: a matmul weight, int8-quantizable over these dims
+    init: str = "normal"                  # normal | zeros | ones
+    n_batch: int = 0                      # leading dims of independent matrices (MoE experts), before
+                                          # the contracted ones; each keeps its own int8 scales
+
+
+def attention_params(cfg: ModelConfig, a: AttnSpec) -> dict[str, ParamSpec]:
+    D, H, K, hd = cfg.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim
+    p = {
+        "attn_norm": ParamSpec((D,), ("embed",), init="zeros" if cfg.norm_offset else "ones"),
+        "q": ParamSpec((D, H, hd), ("embed", "q_heads", "head_dim"), 1),
+        "k": ParamSpec((D, K, hd), ("embed", "kv_heads", "head_dim"), 1),
+        "o": ParamSpec((H, hd, D), ("q_heads", "head_dim", "embed"), 2),
+    }
+    if not a.k_eq_v:
+        p["v"] = ParamSpec((D, K, hd), ("embed", "kv_heads", "head_dim"), 1)
+    if cfg.qk_norm:
+        norm_init = "zeros" if cfg.norm_offset else "ones"
+        p["q_norm"] = ParamSpec((hd,), ("head_dim",), init=norm_init)
+        p["k_norm"] = ParamSpec((hd,), ("head_dim",), init=norm_init)
+    return p
+
+
+def mlp_params(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    norm_init = "zeros" if cfg.norm_offset else "ones"
+    p = {
+        "mlp_norm": ParamSpec((D,), ("embed",), init=norm_init),
+        "gate": ParamSpec((D, F), ("embed", "mlp"), 1),
+        "up": ParamSpec((D, F), ("embed", "mlp"), 1),
+        "down": ParamSpec((F, D), ("mlp", "embed"), 1),
+    }
+    if cfg.sandwich_norms:
+        p["post_attn_norm"] = ParamSpec((D,), ("embed",), init=norm_init)
+        p["post_mlp_norm"] = ParamSpec((D,), ("embed",), init=norm_init)
+    return p
+
+
+def layer_params(cfg: ModelConfig, kind: int) -> dict[str, ParamSpec]:
+    return {**attention_params(cfg, cfg.attn[kind]), **mlp_params(cfg)}
+
+
+def stack(spec: ParamSpec, n: int) -> ParamSpec:
+    return ParamSpec((n, *spec.shape), ("layers", *spec.axes), spec.n_contract, spec.init, spec.n_batch)
+
+
+def abstract_weights(cfg: ModelConfig, layer_fn: Callable = layer_params, extra_top=None,
+                     layers: dict | None = None) -> dict:
+    """The full weight description; a family may pass its own `layer_fn` and extra top-level specs,
+    or its own stacked `layers` when it groups layers other than by attention kind."""
+    V, D = cfg.vocab_size, cfg.hidden_size
+    norm_init = "zeros" if cfg.norm_offset else "ones"
+    if layers is None:
+        layers = {KIND_NAMES[k]: {n: stack(s, cfg.layers_of_kind(k)) for n, s in layer_fn(cfg, k).items()}
+                  for k in cfg.kinds_used}
+    tree = {
+        "embed": ParamSpec((V, D), ("vocab", "embed")),
+        "final_norm": ParamSpec((D,), ("embed",), init=norm_init),
+        "layers": layers,
+    }
+    if not cfg.tie_embeddings:
+        tree["lm_head"] = ParamSpec((D, V), ("embed", "vocab"), 1)
+    if extra_top:
+        tree.update(extra_top)
+    return tree
+
+
+def is_spec(x) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def map_specs(fn, tree):
+    return jax.tree_util.tree_map(fn, tree, is_leaf=is_spec)
+
+
+def init_random(tree: dict, seed: int, dtype) -> dict:
+    """Small random weights of the described shapes (tests, benchmarks without a checkpoint)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_spec)
+    rng = np.random.default_rng(seed)
+    out = []
+    for s in leaves:
+        if s.init == "zeros":
+            a = np.zeros(s.shape, np.float32)
+        elif s.init == "ones":
+            a = np.ones(s.shape, np.float32)
+        else:
+            lead = (1 if s.axes[0] == "layers" else 0) + s.n_batch
+            fan_in = int(np.prod(s.shape[lead:][:max(s.n_contract, 1)]))
+            a = rng.standard_normal(s.shape, dtype=np.float32) / np.sqrt(max(fan_in, 1))
+        out.append(jnp.asarray(a, dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)

@@ -1,0 +1,1 @@
+"""The backend operations the model calls."""

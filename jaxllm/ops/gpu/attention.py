@@ -1,0 +1,320 @@
+"""Decode attention over one layer of a stacked KV cache, GQA-grouped and split over the sequence.
+
+One query token per row, at absolute position `pos[b]`, attends over the cache of layer `layer` in
+`[layers, B, S, K, hd]` stacks, read in place. A program takes one (row, KV head, sequence chunk):
+it loads the query heads that share that KV head once, streams the chunk's K/V blocks through an
+online softmax, and writes an unnormalised partial with its running max and sum; a second kernel
+merges the chunks by log-sum-exp.
+
+One kernel serves every cache the engine keeps (`Cache` below says which):
+- linear slots (slot s holds position s): chunks past the row's position, or before its window,
+  load nothing;
+- ring slots (sliding layers of the split cache), whose positions are read from `slot_pos`;
+- int8 K/V with a float32 scale per slot and head, folded into the scores and the probabilities
+  (no dequantized block is formed);
+- keys rebuilt from the stored values (Gemma 4's k_eq_v layers): RMS-normed and rotated per block.
+
+The head dimension is read as pieces (static (start, width) ranges, each loaded at a power-of-two
+width, its dots summed): one piece, or where keys are rebuilt, the dimensions RoPE rotates in each
+half and, apart, those it leaves as they are. Gemma 4's global layers rotate a quarter of them
+(`partial_rotary_factor` 0.25), so only that quarter pays for the rotation and its angle table.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxllm.ops.gpu import note, pallas_call
+from jaxllm.ops.gpu.matmul import SMS, _pow2
+from jaxllm.ops.gpu import widen as widening
+
+NEG = -1e30
+
+
+@dataclass(frozen=True)
+class KeysFromValues:
+    """Keys as `rope(rms_norm(v) * (offset + norm_w))` of the stored values (norm_w None: no norm)."""
+    inv_freq: np.ndarray          # [hd / 2]
+    norm_w: jax.Array | None      # [hd]
+    eps: float = 1e-6
+    offset: float = 0.0
+
+
+@dataclass(frozen=True)
+class Cache:
+    """One kind's stacked cache as the kernel reads it. `k` is None when keys come from values."""
+    k: jax.Array | None                   # [L, B, S, K, hd]
+    v: jax.Array
+    k_scale: jax.Array | None = None      # [L, B, S, K] float32, int8 K/V only
+    v_scale: jax.Array | None = None
+    slot_pos: jax.Array | None = None     # [L, B, S] int32 (ring slots, -1 = empty); None: linear
+    keys: KeysFromValues | None = None
+
+
+def _pieces(width: int, start: int) -> list[tuple[int, int]]:
+    """[start, start + width) as (start, width) pieces loaded at power-of-two widths of 16 or more
+    (a dot's least depth): split where one load would leave a quarter of its lanes idle."""
+    out = []
+    while width > 0:
+        p = _pow2(width)
+        if (p - width) * 4 >= p and p // 2 >= 16:
+            p //= 2
+        out.append((start, min(p, width)))
+        start, width = start + min(p, width), width - min(p, width)
+    return out
+
+
+def head_pieces(hd: int, inv_freq: np.ndarray | None) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """(rot, pieces) of the head dimension: without RoPE in the kernel (inv_freq None) one piece;
+    with it, the first `rot` dimensions of each half (up to the last non-zero frequency) as the
+    first two pieces, then the rest of each half, which a zero frequency leaves unrotated."""
+    if inv_freq is None:
+        return 0, ((0, hd),)
+    w = hd // 2
+    nz = np.flatnonzero(np.asarray(inv_freq))
+    rot = max(1, int(nz[-1]) + 1 if nz.size else 1)
+    return rot, (((0, rot), (w, rot)) + tuple(_pieces(w - rot, rot)) + tuple(_pieces(w - rot, w + rot)))
+
+
+def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision, keys, way, kway, pieces,
+            prefetch):
+    r = dict(zip(names, refs))
+    o_ref, m_ref, l_ref = refs[len(names):]
+    b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    gp = max(16, _pow2(G))
+    layer, pos = r["layer"][0], r["pos"][b]
+    gmask = jnp.arange(gp) < G
+    pw = [max(16, _pow2(w)) for _, w in pieces]                 # each piece's load width
+    pm = [jnp.arange(p) < w for p, (_, w) in zip(pw, pieces)]
+    pds = [pl.ds(jnp.int32(st), p) for p, (st, _) in zip(pw, pieces)]
+    qs = [plgpu.load(r["q"].at[b, h, pl.ds(0, gp), d], mask=gmask[:, None] & m[None, :], other=0.0)
+          for d, m in zip(pds, pm)]
+    dt = qs[0].dtype
+    ring = "slot_pos" in r
+    lo = sp * chunk
+    hi = jnp.minimum(lo + chunk, S)
+    if not ring:                          # linear slots: only those at or before the position count
+        hi = jnp.minimum(hi, pos + 1)
+        if window is not None:
+            lo = jnp.maximum(lo, pos - window + 1)
+    t_lo = lo // bs
+    t_hi = jnp.maximum(pl.cdiv(hi, bs), t_lo)
+
+    # A piece as wide as its load is masked by rows alone, which keeps the loads vectorized along
+    # the head (measured on one H200: int8 rings 8-11% faster).
+    full = [p == w for p, (_, w) in zip(pw, pieces)]
+
+    def load_kv(name, t, valid):
+        return [plgpu.load(r[name].at[layer, b, pl.ds(t * bs, bs), h, d],
+                           mask=valid[:, None] if f else valid[:, None] & m[None, :], other=0)
+                for d, m, f in zip(pds, pm, full)]
+
+    def load_scale(name, t, valid):
+        return plgpu.load(r[name].at[layer, b, pl.ds(t * bs, bs), h], mask=valid, other=0.0)
+
+    def rebuilt_keys(vals, vscale, kv_pos, t):
+        x = [widening.widen(a, jnp.float32, kway) * (1.0 if vscale is None else vscale[:, None]) for a in vals]
+        x = [a.astype(dt).astype(jnp.float32) for a in x]          # the values as the model holds them
+        eps, offset, has_norm = keys
+        if has_norm:
+            ms = sum(jnp.sum(a * a, axis=1) for a in x) / hd
+            inv = jax.lax.rsqrt(ms + eps)[:, None]
+            ws = [plgpu.load(r["norm_w"].at[d], mask=m, other=0.0).astype(jnp.float32) for d, m in zip(pds, pm)]
+            x = [(a * inv * (offset + wv[None, :])).astype(dt).astype(jnp.float32) for a, wv in zip(x, ws)]
+        # pieces 0 and 1 rotate together (their widths are equal); the others pass through
+        rp, rm = pw[0], pm[0]
+        freq = plgpu.load(r["inv_freq"].at[pl.ds(0, rp)], mask=rm, other=0.0)
+        if ring:
+            ang = kv_pos[:, None].astype(jnp.float32) * freq[None, :]
+            c, s = jnp.cos(ang), jnp.sin(ang)
+        else:
+            # Slots t*bs + j: sine and cosine of the block's angle (one per frequency) combined with
+            # those of the in-block angles j*f, a small table read from cache. Sine and cosine of
+            # every slot's angle cost 5x the rest of the kernel.
+            base = (t * bs).astype(jnp.float32) * freq
+            cb, sb = jnp.cos(base)[None, :], jnp.sin(base)[None, :]
+            cj = plgpu.load(r["rope_j"].at[jnp.int32(0), pl.ds(0, bs), pl.ds(0, rp)], mask=rm[None, :], other=1.0)
+            sj = plgpu.load(r["rope_j"].at[jnp.int32(1), pl.ds(0, bs), pl.ds(0, rp)], mask=rm[None, :], other=0.0)
+            c, s = cb * cj - sb * sj, sb * cj + cb * sj
+        return [(x[0] * c - x[1] * s).astype(dt), (x[1] * c + x[0] * s).astype(dt)] + [a.astype(dt) for a in x[2:]]
+
+    def in_range(t):
+        si = t * bs + jnp.arange(bs)
+        return si, (si >= lo) & (si < hi)
+
+    def visible(si, kv_pos, rng):
+        """The slots of a block in this chunk that the query sees."""
+        if not ring:                      # lo and hi already hold the position and the window
+            return rng
+        v = rng & (kv_pos >= 0) & (kv_pos <= pos)
+        return v if window is None else v & (kv_pos > pos - window)
+
+    def fetch(t):
+        """Block t as stored: slot positions (ring), values, keys, scales. Fetched a block ahead,
+        the K/V loads are masked by the slot range alone, so they need not wait for the slot
+        positions; the scores mask the rest (a slot loaded but not seen gets probability 0)."""
+        si, rng = in_range(t)
+        tiles = {}
+        if ring:
+            tiles["kv_pos"] = plgpu.load(r["slot_pos"].at[layer, b, pl.ds(t * bs, bs)], mask=rng, other=-1)
+        mask = rng if prefetch else visible(si, tiles.get("kv_pos", si), rng)
+        tiles["v"] = load_kv("v", t, mask)
+        if "k" in r:
+            tiles["k"] = load_kv("k", t, mask)
+        for name in ("k_scale", "v_scale"):
+            if name in r:
+                tiles[name] = load_scale(name, t, mask)
+        return tiles
+
+    def attend_block(t, tiles, carry):
+        accs, m, l = carry
+        si, rng = in_range(t)
+        kv_pos = tiles.get("kv_pos", si)
+        valid = visible(si, kv_pos, rng)
+        vals, vscale = tiles["v"], tiles.get("v_scale")
+        if keys is not None:
+            ks, kscale = rebuilt_keys(vals, vscale, kv_pos, t), None
+        else:
+            ks, kscale = [widening.widen(a, dt, way) for a in tiles["k"]], tiles.get("k_scale")
+        s = sum(jax.lax.dot_general(qa, ka, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                                    precision=precision) for qa, ka in zip(qs, ks))
+        if kscale is not None:
+            s = s * kscale[None, :]
+        s = s * scale
+        if softcap is not None:
+            s = jnp.tanh(s / softcap) * softcap
+        s = jnp.where(valid[None, :], s, NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        corr = jnp.exp(m - m_new)
+        p = jnp.where(valid[None, :], jnp.exp(s - m_new[:, None]), 0.0)
+        l = l * corr + jnp.sum(p, axis=1)
+        if vscale is not None:                    # fold V's scales into the probabilities
+            p = p * vscale[None, :]
+        accs = [acc * corr[:, None] + jax.lax.dot_general(
+            p.astype(dt), widening.widen(va, dt, way), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+            precision=precision) for acc, va in zip(accs, vals)]
+        return accs, m_new, l
+
+    init = ([jnp.zeros((gp, p), jnp.float32) for p in pw], jnp.full((gp,), NEG, jnp.float32),
+            jnp.zeros((gp,), jnp.float32))
+    if prefetch:                  # block t + 1's loads in flight while block t is computed
+        accs, m, l, _ = jax.lax.fori_loop(
+            t_lo, t_hi, lambda t, c: (*attend_block(t, c[3], c[:3]), fetch(t + 1)), (*init, fetch(t_lo)))
+    else:
+        accs, m, l = jax.lax.fori_loop(t_lo, t_hi, lambda t, c: attend_block(t, fetch(t), c), init)
+    for acc, d, dmask in zip(accs, pds, pm):
+        plgpu.store(o_ref.at[sp, b, h, pl.ds(0, gp), d], acc, mask=gmask[:, None] & dmask[None, :])
+    plgpu.store(m_ref.at[sp, b, h, pl.ds(0, gp)], m, mask=gmask)
+    plgpu.store(l_ref.at[sp, b, h, pl.ds(0, gp)], l, mask=gmask)
+
+
+def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, n, hd, dc):
+    """One (row, query head, slice of the head dimension): every chunk's partial loaded at once and
+    merged by log-sum-exp, as XLA's merge does (a loop over the chunks was latency-bound)."""
+    b, j, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    npd = _pow2(n)
+    nm = jnp.arange(npd) < n
+    dm = c * dc + jnp.arange(dc) < hd
+    m = plgpu.load(m_ref.at[pl.ds(0, npd), b, j], mask=nm, other=NEG)
+    l = plgpu.load(l_ref.at[pl.ds(0, npd), b, j], mask=nm, other=0.0)
+    wts = jnp.where(nm, jnp.exp(m - jnp.max(m)), 0.0)
+    den = jnp.sum(l * wts)
+    o = plgpu.load(o_ref.at[pl.ds(0, npd), b, j, pl.ds(c * dc, dc)], mask=nm[:, None] & dm[None, :], other=0.0)
+    acc = jnp.sum(o * wts[:, None], axis=0)
+    out = jnp.where(den > 0, acc / jnp.where(den > 0, den, 1.0), 0.0)    # 0: a row with no key to read
+    plgpu.store(out_ref.at[b, j, pl.ds(c * dc, dc)], out.astype(out_ref.dtype), mask=dm)
+
+
+def merge_chunks(o, m, l, dtype):
+    """Partials o [n, B, K, G, ...hd] with running max m and sum l [n, B, K, G] -> [B, K * G, hd] in
+    `dtype`, by one kernel (XLA's merge was three or four kernels a layer). One warp a program: the
+    kernel is all latency, and on one H100 (Qwen3-4B, ctx 2048) it took 1.9 µs a layer at batch 1
+    and 1.6 at batch 8 against 2.3 and 1.8 with 4 warps (batch 64: 2.3 either way)."""
+    n, B, K, G = m.shape
+    hd = o.size // m.size
+    dc = min(_pow2(hd), max(16, 4096 // _pow2(n)))          # about 4096 partial values a program
+    kernel = functools.partial(_merge_kernel, n=n, hd=hd, dc=dc)
+    return pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((B, K * G, hd), dtype),
+                       grid=(B, K * G, pl.cdiv(hd, dc)),
+                       compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+                       name="merge_chunks")(
+        o.reshape(n, B, K * G, hd), m.reshape(n, B, K * G), l.reshape(n, B, K * G))
+
+
+def choose_split(B: int, K: int, S: int, bs: int) -> int:
+    """Sequence chunks per (row, KV head): enough programs for about two per multiprocessor."""
+    want = -(-2 * SMS // (B * K))
+    return max(1, min(want, -(-S // bs)))
+
+
+def decode_attention(q, cache: Cache, layer, pos, *, scale: float, softcap=None, window=None,
+                     block: int | None = None, splits: int | None = None, warps: int | None = None,
+                     widen: str | None = None, prefetch: bool | None = None):
+    """q [B, H, hd], a layer `layer` [] of `cache`, positions pos [B] -> [B, H, hd] in q's dtype.
+    `widen`: how int8 K/V reach the dots and, for keys rebuilt from values, float32 (`kernels.widen`;
+    by default `JAXLLM_INT8_WIDEN`, else `convert` for the dots and `magic` for the rebuild).
+    `prefetch`: each block's loads are issued while the block before it is computed, by the
+    kernel's own loop rather than Triton's pipelining; by default for int8 caches, whose loads
+    Triton does not pipeline past the widening (measured on one H200: 7% faster on int8 rings,
+    the bf16 ring 15% slower with it)."""
+    B, H, hd = q.shape
+    _, _, S, K, _ = cache.v.shape
+    G = H // K
+    keys = cache.keys
+    if keys is not None and hd % 2:
+        raise ValueError(f"keys rebuilt from values need an even head_dim, got {hd}")
+    int8 = cache.v.dtype == jnp.int8
+    if prefetch is None:
+        prefetch = int8
+    # Block and warps measured on one H100 at batch 64: keys rebuilt from int8 values take 338 us a
+    # layer at head_dim 512 in blocks of 32 with 8 warps (7.4 ms in blocks of 64 with 4, which spill
+    # registers) and 177 us at head_dim 256 in blocks of 16 with 4. On one H200 at batches 64 and 128
+    # (Gemma 4's layers), int8 caches loaded a block ahead and bf16 rings of head_dim 256 ran 15-30%
+    # faster with 2 warps a program (4 at head_dim 512) than with 8.
+    if keys is not None:
+        bs, warps = block or (16 if hd <= 256 else 32), warps or (4 if hd <= 256 else 8)
+    elif int8 and prefetch:
+        bs, warps = block or 64, warps or (2 if hd <= 256 else 4)
+    elif hd == 256:
+        bs, warps = block or 32, warps or 2
+    else:
+        bs = block or (64 if hd <= 256 else 32)
+        warps = warps or (8 if bs * hd >= 16384 else 4)
+    n = splits or choose_split(B, K, S, bs)
+    chunk = -(-S // n)
+    chunk = -(-chunk // bs) * bs
+    n = -(-S // chunk)
+    kind = ("ring" if cache.slot_pos is not None else "linear") + (" keys-from-values" if keys else "")
+    way, kway = widen or widening.default(), widen or widening.default("magic")
+    note("decode attention", (B, H, K, S, hd, str(cache.v.dtype), kind), f"pallas block={bs} warps={warps} splits={n}"
+         + (f" widen={way}" if int8 and way != "convert" else "")
+         + (f" keys-widen={kway}" if keys is not None and int8 else "")
+         + (" prefetch" if prefetch else ""))
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    rot, pieces = head_pieces(hd, None if keys is None else keys.inv_freq)
+    ins = {"layer": jnp.reshape(layer, (1,)).astype(jnp.int32), "pos": pos.astype(jnp.int32),
+           "q": q.reshape(B, K, G, hd), "k": cache.k, "v": cache.v,
+           "k_scale": cache.k_scale, "v_scale": cache.v_scale, "slot_pos": cache.slot_pos}
+    if keys is not None:
+        inv_freq = np.asarray(keys.inv_freq, np.float32)[:rot]          # the rotated dimensions' only
+        ang = np.arange(bs, dtype=np.float32)[:, None] * inv_freq[None, :]
+        ins.update(k=None, k_scale=None, inv_freq=jnp.asarray(inv_freq), norm_w=keys.norm_w,
+                   rope_j=jnp.asarray(np.stack([np.cos(ang), np.sin(ang)]), jnp.float32))
+    ins = {k: v for k, v in ins.items() if v is not None}
+    kernel = functools.partial(_kernel, names=tuple(ins), G=G, hd=hd, S=S, bs=bs, chunk=chunk, scale=scale,
+                               softcap=softcap, window=window, precision=precision,
+                               keys=None if keys is None else (keys.eps, keys.offset, keys.norm_w is not None),
+                               way=way, kway=kway, pieces=pieces, prefetch=prefetch)
+    out_shape = (jax.ShapeDtypeStruct((n, B, K, G, hd), jnp.float32),
+                 jax.ShapeDtypeStruct((n, B, K, G), jnp.float32),
+                 jax.ShapeDtypeStruct((n, B, K, G), jnp.float32))
+    o, m, l = pallas_call(kernel, out_shape=out_shape, grid=(B, K, n),
+                          compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=2),
+                          name="decode_attention")(*ins.values())
+    return merge_chunks(o, m, l, q.dtype).reshape(B, H, hd)

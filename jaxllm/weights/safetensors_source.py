@@ -1,0 +1,113 @@
+"""Tensor sources: a name -> numpy lookup over a checkpoint, read one tensor at a time."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from jaxllm.errors import ModelError
+
+
+class SafetensorsSource:
+    """All tensors of an HF directory (one file, or many with model.safetensors.index.json),
+    memory-mapped through the safetensors library."""
+
+    def __init__(self, model_dir: Path):
+        from safetensors import safe_open
+        self._open = safe_open
+        self._handles: dict[Path, object] = {}
+        index = model_dir / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as e:
+                raise ModelError(f"{index}: malformed index ({e})") from None
+            files = {name: model_dir / f for name, f in weight_map.items()}
+        else:
+            paths = sorted(model_dir.glob("*.safetensors"))
+            if not paths:
+                raise ModelError(f"{model_dir}: no *.safetensors weights found")
+            files = {}
+            for p in paths:
+                for name in self._handle(p).keys():
+                    files[name] = p
+        self.files = files
+
+    def _handle(self, path: Path):
+        h = self._handles.get(path)
+        if h is None:
+            if not path.exists():
+                raise ModelError(f"weight file {path.name} named in the index is missing")
+            _header(path)  # size check before mapping
+            try:
+                h = self._open(str(path), framework="numpy")
+            except Exception as e:  # safetensors raises its own error types for bad headers
+                raise ModelError(f"{path.name}: not a readable safetensors file ({_one_line(e)})") from None
+            self._handles[path] = h
+        return h
+
+    def names(self):
+        return self.files.keys()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self.files[name]).get_slice(name).get_shape())
+
+    def get(self, name: str) -> np.ndarray:
+        h = self._handle(self.files[name])
+        if h.get_slice(name).get_dtype() == "BF16":
+            return _read_bf16(self.files[name], name)
+        return h.get_tensor(name)
+
+
+_HEADERS: dict[Path, tuple[int, dict]] = {}
+
+
+def _header(path: Path) -> tuple[int, dict]:
+    """The file's JSON header, checked against its size: safe_open maps lazily, so a truncated
+    file would otherwise fail only at first read, deep inside loading."""
+    if path not in _HEADERS:
+        size = path.stat().st_size
+        try:
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                if n <= 0 or 8 + n > size:
+                    raise ValueError("bad header length")
+                header = json.loads(f.read(n))
+        except (ValueError, UnicodeDecodeError):
+            raise ModelError(f"{path.name}: not a readable safetensors file (bad header)") from None
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if 8 + n + end > size:
+            raise ModelError(f"{path.name} is truncated: {size} bytes, its header needs {8 + n + end}")
+        _HEADERS[path] = (n, header)
+    return _HEADERS[path]
+
+
+def _read_bf16(path: Path, name: str) -> np.ndarray:
+    """numpy has no bfloat16, so view the mapped bytes through ml_dtypes (a jax dependency)."""
+    import ml_dtypes
+    n, header = _header(path)
+    info = header[name]
+    begin, end = info["data_offsets"]
+    mm = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n + begin, shape=(end - begin,))
+    return mm.view(ml_dtypes.bfloat16).reshape(info["shape"])
+
+
+class DictSource:
+    """Tensors already in memory (GGUF after dequantization, tests)."""
+
+    def __init__(self, tensors: dict[str, np.ndarray]):
+        self.tensors = tensors
+
+    def names(self):
+        return self.tensors.keys()
+
+    def shape(self, name):
+        return tuple(self.tensors[name].shape)
+
+    def get(self, name):
+        return self.tensors[name]
+
+
+def _one_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
