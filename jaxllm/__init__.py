@@ -3,17 +3,18 @@ from __future__ import annotations
 
 import numbers
 
+from jaxllm.config.runtime import RuntimeConfig
 from jaxllm.engine.engine import Completion, Engine
 from jaxllm.errors import JaxllmError, ModelError, RequestError
 from jaxllm.kv.split import KVOptions
 
-__all__ = ["load", "Engine", "Completion", "KVOptions", "JaxllmError", "ModelError", "RequestError"]
+__all__ = ["load", "Engine", "Completion", "KVOptions", "RuntimeConfig", "JaxllmError", "ModelError", "RequestError"]
 __version__ = "0.1.0"
 
 
 def load(model_dir=None, max_ctx=8192, quant="int8", kv_quant="auto", tp=None, dtype="bfloat16",
          progress=None, dp=1, kv_options=None, speculative=None, num_speculative_tokens=4,
-         draft_model_dir=None, speculative_max_batch=4) -> Engine:
+         draft_model_dir=None, speculative_max_batch=4, runtime=None) -> Engine:
     """Load a model (HF directory, .gguf file, saved jaxllm checkpoint, hub id, or the embedded
     default when None), sharded over `tp` devices ("model" axis; None = every device) times `dp`
     ("data" axis, splitting the batch).
@@ -25,10 +26,13 @@ def load(model_dir=None, max_ctx=8192, quant="int8", kv_quant="auto", tp=None, d
     speculative: None, "ngram" (drafts looked up in the sequence itself) or "draft" (drafts from the
     model at `draft_model_dir`, which must share the tokenizer); `num_speculative_tokens` a cycle;
     cycles with more than `speculative_max_batch` live rows decode plainly (None: no limit).
+
+    runtime: a `RuntimeConfig` (the backend's kernels, the layer scan, ...); None reads it from the
+    environment (`RuntimeConfig.from_env`).
     """
     from jaxllm.engine.engine import DTYPES
-    from jaxllm.weights import load_model
     from jaxllm.kv.split import KV_QUANT_MODES
+    from jaxllm.weights import load_model
     if dtype not in DTYPES:
         raise ModelError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if quant not in ("int8", "none"):
@@ -42,17 +46,19 @@ def load(model_dir=None, max_ctx=8192, quant="int8", kv_quant="auto", tp=None, d
     from jaxllm.engine.sharding import layout_for
     layout = layout_for(tp, dp)
     cfg, fam, weights, tok, name = load_model(model_dir, DTYPES[dtype], quant, progress, layout)
-    from jaxllm.ops.gpu.weights import out_major
-    weights = out_major(weights, layout, donate=True)      # the loader's arrays: ours to consume
+    from jaxllm import ops
+    runtime = RuntimeConfig.from_env() if runtime is None else runtime
+    prepare = ops.select(runtime, layout).prepare_weights
+    weights = prepare(weights, donate=True)      # the loader's arrays: ours to consume
     if max_ctx is None:
         max_ctx = min(cfg.max_position, 8192)
     spec, draft = None, None
     if speculative == "draft":
         dcfg, _, draft, _, _ = load_model(draft_model_dir, DTYPES[dtype], quant, None, layout)
-        draft = out_major(draft, layout, donate=True)
+        draft = prepare(draft, donate=True)
         spec = Speculation("draft", num_speculative_tokens, draft_cfg=dcfg, max_batch=speculative_max_batch)
     elif speculative is not None:
         spec = Speculation(speculative, num_speculative_tokens, max_batch=speculative_max_batch)
     return Engine(cfg, weights, tok, dtype=dtype, max_ctx=int(max_ctx), name=name, quant=quant,
                   layout=layout, kv_quant=kv_quant, kv_options=kv_options, speculation=spec,
-                  draft_weights=draft)
+                  draft_weights=draft, runtime=runtime)

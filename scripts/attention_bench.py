@@ -23,10 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from kernel_bench import timed  # noqa: E402  (this directory is on the path of a script run from it)
 
 from jaxllm.ops.gpu.attention import Cache, KeysFromValues, decode_attention  # noqa: E402
 from jaxllm.ops.gpu.widen import WAYS  # noqa: E402
-from kernel_bench import timed  # noqa: E402  (this directory is on the path of a script run from it)
 
 L = 3
 

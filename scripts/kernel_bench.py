@@ -29,12 +29,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxllm.harness import ceilings as ceil
+from jaxllm.kv.linear import slot_positions  # noqa: E402
 from jaxllm.model.presets import load_preset  # noqa: E402
 from jaxllm.ops.gpu.attention import Cache, decode_attention  # noqa: E402
 from jaxllm.ops.gpu.matmul import choose_tiles, stacked_gated, stacked_matmul  # noqa: E402
 from jaxllm.ops.gpu.widen import WAYS  # noqa: E402
-from jaxllm.model.layers import attend, attention_mask  # noqa: E402
-from jaxllm.kv.linear import slot_positions  # noqa: E402
+from jaxllm.ops.xla import attend, attention_mask  # noqa: E402
 
 
 def timed(fn, *args, reps=100):

@@ -1,6 +1,6 @@
 """The kernels against the XLA path on a real model, on this machine's GPU: greedy continuations,
 the decode-step logits, and the logits of a 600-token prompt in one forward (the prefill kernel),
-once with JAXLLM_KERNELS=xla and once with the kernels, in float32 (matmuls at full float32
+once with the XLA backend and once with the kernels, in float32 (matmuls at full float32
 precision on both paths) and in bf16 with int8 weights (the serving configuration).
 
     python scripts/kernel_parity.py [--model-dir PATH] [--out DIR]    # default: the embedded model
@@ -22,7 +22,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxllm  # noqa: E402
-from jaxllm.ops import gpu as kernels
+from jaxllm import ops  # noqa: E402
 from jaxllm.harness.bench import git_commit  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
@@ -30,8 +30,7 @@ TOL = 1e-4
 
 
 def run(model_dir, mode: str, quant: str, dtype: str, long_ids, n_new: int, steps: int):
-    os.environ["JAXLLM_KERNELS"] = mode
-    eng = jaxllm.load(model_dir, quant=quant, dtype=dtype, max_ctx=2048)
+    eng = jaxllm.load(model_dir, quant=quant, dtype=dtype, max_ctx=2048, runtime=jaxllm.RuntimeConfig(kernels=mode))
     outs = eng.generate(PROMPTS, max_tokens=n_new, chat=False)
     ids = [eng.encode_prompt(p, chat=False) for p in PROMPTS]
     long_out = eng.generate_ids([long_ids], max_tokens=n_new)[0].token_ids
@@ -53,7 +52,7 @@ def main():
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--steps", type=int, default=600, help="decode steps whose logits are compared")
     p.add_argument("--kernel-mode", default=None,
-                   help="JAXLLM_KERNELS for the kernel side (default: auto on a GPU, pallas elsewhere)")
+                   help="the kernels setting for the kernel side (default: auto on a GPU, pallas elsewhere)")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     jax.config.update("jax_default_matmul_precision", "highest")   # float32 XLA dots, not TF32
@@ -76,7 +75,7 @@ def main():
         first_diff = [next((i for i, (x, y) in enumerate(zip(g, r)) if x != y), None)
                       for g, r in zip(got["tokens"], ref["tokens"])]
         row = {"quant": quant, "dtype": dtype, "logit_rel_err": err, "prefill_logit_rel_err": perr,
-               "greedy_equal": same, "first_difference": first_diff, "kernels_used": kernels.selections()[-8:]}
+               "greedy_equal": same, "first_difference": first_diff, "kernels_used": ops.selections()[-8:]}
         report["configs"].append(row)
         print(f"{quant:5s} {dtype:9s} step-logit error {err:.2e}, prefill-logit error {perr:.2e} "
               f"(of the largest logit); greedy "

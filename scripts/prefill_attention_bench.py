@@ -22,13 +22,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from kernel_bench import timed  # noqa: E402  (this directory is on the path of a script run from it)
 
-from jaxllm.kv.linear import slot_positions  # noqa: E402
 from jaxllm.harness import ceilings as ceil
 from jaxllm.harness.roofline import causal_pairs  # noqa: E402
+from jaxllm.kv.linear import slot_positions  # noqa: E402
 from jaxllm.ops.gpu.prefill import Blocks, choose_blocks, prefill_attention  # noqa: E402
-from jaxllm.model.layers import attend, attention_mask  # noqa: E402
-from kernel_bench import timed  # noqa: E402  (this directory is on the path of a script run from it)
+from jaxllm.ops.xla import attend, attention_mask  # noqa: E402
 
 # name: (query heads, KV heads, head_dim, window)
 CASES = {"qwen3-4b": (32, 8, 128, None), "gemma3-270m-sliding": (4, 1, 256, 512),
@@ -81,7 +81,8 @@ def main():
             print(json.dumps(rows[-1]), flush=True)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "prefill_attention_bench.json"), "w") as f:
-        json.dump({"device": dev.device_kind, "jax": jax.__version__, "ceilings": c.to_json(), "rows": rows}, f, indent=1)
+        json.dump({"device": dev.device_kind, "jax": jax.__version__, "ceilings": c.to_json(), "rows": rows}, f,
+                  indent=1)
     print(f"\n{dev.device_kind}, jax {jax.__version__}; bf16 matmul {rate / 1e12:.1f} TFLOP/s measured in this run")
     print(f"{'case':20s} {'T':>6s} {'path':44s} {'ms':>8s} {'TFLOP/s':>8s} {'of matmul':>9s} {'error':>9s}")
     for r in rows:

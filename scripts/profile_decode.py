@@ -22,18 +22,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-
 import numpy as np  # noqa: E402
 
 from jaxllm.engine import core
-from jaxllm.ops import gpu as kernels
+from jaxllm.engine.sampling import SamplingParams  # noqa: E402
 from jaxllm.engine.sharding import layout_for  # noqa: E402
 from jaxllm.harness.bench import decode_state, load_subject  # noqa: E402
-from jaxllm.model.forward import scan_unroll  # noqa: E402
-from jaxllm.engine.sampling import SamplingParams  # noqa: E402
 from jaxllm.kv.split import KVOptions  # noqa: E402
 
-KINDS = [("matmul", r"gemm|cutlass|cublas|dot|matmul|xmma|sm90"), ("collective", r"nccl|all_reduce|all-reduce|allreduce|all_gather"),
+KINDS = [("matmul", r"gemm|cutlass|cublas|dot|matmul|xmma|sm90"),
+         ("collective", r"nccl|all_reduce|all-reduce|allreduce|all_gather"),
          ("copy/dus", r"copy|memcpy|memset|dynamic.update|dynamic_update"), ("reduce/softmax", r"reduce|softmax"),
          ("other fusion", r"fusion|loop|input|kernel")]
 
@@ -89,12 +87,11 @@ def main():
             s = state()
             return lambda: loop(weights, s, np.int32(a.steps), None)[1].block_until_ready()
         what = f"ctx={a.ctx}"
-    with kernels.use_layout(a.layout):
-        run()()
-        unroll = scan_unroll(cfg, a.batch, a.prefill or 1)     # as the step was traced: under the layout
-        if a.hlo and not a.prefill:
-            with open(a.hlo, "w") as f:
-                f.write(loop.as_text())
+    run()()
+    unroll = eng.ops.scan_unroll(cfg.num_layers, a.batch, a.prefill or 1)     # as the step was traced
+    if a.hlo and not a.prefill:
+        with open(a.hlo, "w") as f:
+            f.write(loop.as_text())
     go = run()
     t0 = time.perf_counter()
     go()

@@ -5,7 +5,7 @@
 - The engine's own executables (`executables/` beside it, for the engines the front ends make):
   the core's prefill and decode calls, serialized whole, under a key of everything that shapes them
   (this package's source, JAX's version, the devices and mesh, the model's configuration and weight
-  layout, the call's arguments, the environment that picks code paths). A hit skips tracing and
+  layout, the call's arguments, the runtime configuration). A hit skips tracing and
   lowering too, which for a model with Pallas kernels is most of a warm start. A library user who
   changes code paths inside a process (tests patching functions) must not have it on.
 
@@ -23,22 +23,23 @@ import pickle
 import threading
 from pathlib import Path
 
+from jaxllm.config.runtime import cache_home, env
+
 log = logging.getLogger("jaxllm")
 OFF = ("off", "none", "0", "false", "no")
 MIN_COMPILE_SECONDS = 0.5           # compiles quicker than this are not worth a file
-# Environment that changes what the engine traces or how XLA compiles it.
-KEY_ENV = ("XLA_FLAGS", "JAXLLM_KERNELS", "JAXLLM_LAYER_SCAN", "JAXLLM_SCAN_UNROLL", "JAXLLM_INT8_WIDEN",
-           "JAX_DEFAULT_MATMUL_PRECISION")
+# Environment that changes how XLA compiles (what picks the engine's code paths is its
+# `RuntimeConfig`, part of each key).
+KEY_ENV = ("XLA_FLAGS", "JAX_DEFAULT_MATMUL_PRECISION")
 
 
 def default_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "jaxllm" / "xla"
+    return cache_home() / "jaxllm" / "xla"
 
 
 def resolve(flag: str | None = None) -> Path | None:
     """The cache folder a flag value (None: not given) asks for, or None for off."""
-    value = flag if flag is not None else os.environ.get("JAXLLM_COMPILATION_CACHE")
+    value = flag if flag is not None else env("JAXLLM_COMPILATION_CACHE")
     if value is not None and value.strip().lower() in OFF:
         return None
     return Path(value).expanduser() if value else default_dir()
@@ -95,7 +96,7 @@ def executable_key(*material) -> str:
     import jaxlib
     h = hashlib.sha256()
     for part in (source_digest(), jax.__version__, jaxlib.__version__, str(jax.config.read("jax_enable_x64")),
-                 *(f"{k}={os.environ.get(k, '')}" for k in KEY_ENV), *material):
+                 *(f"{k}={env(k, '')}" for k in KEY_ENV), *material):
         h.update(str(part).encode())
         h.update(b"\0")
     return h.hexdigest()

@@ -27,12 +27,30 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm import pytree
-from jaxllm.kv.linear import copy_rows
 from jaxllm.config.model import ModelConfig
-from jaxllm.model.forward import forward, logits_from_hidden
-from jaxllm.engine.sampling import (LogProbs, Penalties, SamplingParams, TokenRules, apply_rules, mask_tokens, penalize, sample)
+from jaxllm.engine.sampling import (
+    LogProbs,
+    Penalties,
+    SamplingParams,
+    TokenRules,
+    apply_rules,
+    mask_tokens,
+    penalize,
+    sample,
+)
 from jaxllm.engine.sampling import logprobs as _lp
-from jaxllm.engine.speculative import (SpecSlots, Speculation, accept, ngram_draft, update_rate, wants_draft, worth_verifying, write_history)
+from jaxllm.engine.speculative import (
+    SpecSlots,
+    Speculation,
+    accept,
+    ngram_draft,
+    update_rate,
+    wants_draft,
+    worth_verifying,
+    write_history,
+)
+from jaxllm.kv.linear import copy_rows
+from jaxllm.model.forward import forward, logits_from_hidden
 
 LOGIT_ELEMENTS = 1 << 26        # float32 logits made at once when scoring, at most (256 MiB)
 
@@ -171,7 +189,7 @@ def model_weights(weights, spec: Speculation | None):
     return tuple(weights) if spec is not None and spec.draft_cfg is not None else (weights, None)
 
 
-def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=None, *, out: str = "sample",
+def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=None, *, ops, out: str = "sample",
             logprobs: int = 0, spec: Speculation | None = None, dtype=jnp.bfloat16):
     """One forward over `pieces`, writing their K/V into the cache (and the draft model's).
 
@@ -186,20 +204,20 @@ def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=Non
     """
     weights, draft = model_weights(weights, spec)
     positions = pieces.positions()
-    h, cache = forward(cfg, weights, pieces.tokens, positions, state.cache, dtype, rows=pieces.rows)
+    h, cache = forward(cfg, weights, pieces.tokens, positions, state.cache, ops, dtype, rows=pieces.rows)
     state = state.replace(cache=cache)
     if draft is not None and out == "sample":
-        _, dcache = forward(spec.draft_cfg, draft, pieces.tokens, positions, state.draft_cache, dtype,
+        _, dcache = forward(spec.draft_cfg, draft, pieces.tokens, positions, state.draft_cache, ops, dtype,
                             rows=pieces.rows)
         state = state.replace(draft_cache=dcache)
     if out == "logits":
-        return state, logits_from_hidden(cfg, weights, h)
+        return state, logits_from_hidden(cfg, weights, h, ops)
     if out in ("nll", "logprobs"):
-        return state, _score(cfg, weights, h, *targets, top=logprobs if out == "logprobs" else None)
+        return state, _score(cfg, weights, h, *targets, ops=ops, top=logprobs if out == "logprobs" else None)
     P, C = pieces.tokens.shape
     last = jnp.clip(pieces.length - 1, 0, C - 1)
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
-    first_logits = logits_from_hidden(cfg, weights, h_last)
+    first_logits = logits_from_hidden(cfg, weights, h_last, ops)
     rows = jnp.arange(P, dtype=jnp.int32) if pieces.rows is None else pieces.rows
     sl = state.slots
     B = sl.last.shape[0]
@@ -211,11 +229,12 @@ def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=Non
         in_prompt = jnp.take(sl.in_prompt, rows, axis=0, mode="clip")
         pen = _penalties(pieces, P)
         first = sample(mask_tokens(penalize(x, pen, jnp.zeros(in_prompt.shape, jnp.int32), in_prompt), pieces.allowed),
-                       pieces.params, step0)
+                       pieces.params, step0, ops.top_p_by)
         sl = sl.replace(counts=sl.counts.at[jnp.where(pieces.final, rows, B), first].add(1, mode="drop"),
-                        penalties=jax.tree_util.tree_map(lambda a, v: a.at[rows].set(v, mode="drop"), sl.penalties, pen))
+                        penalties=jax.tree_util.tree_map(lambda a, v: a.at[rows].set(v, mode="drop"),
+                                                         sl.penalties, pen))
     else:
-        first = sample(mask_tokens(x, pieces.allowed), pieces.params, step0)
+        first = sample(mask_tokens(x, pieces.allowed), pieces.params, step0, ops.top_p_by)
     live = pieces.final & ~ends_answer(first, cfg.eos_ids, pieces.ignore_eos, rules) & (pieces.max_new > 1)
 
     def put(a, v):
@@ -243,17 +262,15 @@ def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=Non
     if logprobs:
         res = (first, _lp(first_logits, first, logprobs))
         if targets is not None:
-            res += (_score(cfg, weights, h, *targets, top=logprobs),)
-        return state.replace(slots=_by_rows(slots)), res
-    return state.replace(slots=_by_rows(slots)), first
+            res += (_score(cfg, weights, h, *targets, ops=ops, top=logprobs),)
+        return state.replace(slots=_by_rows(slots, ops.layout)), res
+    return state.replace(slots=_by_rows(slots, ops.layout)), first
 
 
-def _by_rows(slots: Slots) -> Slots:
+def _by_rows(slots: Slots, layout) -> Slots:
     """The slot table laid out as the engine made it, rows over "data": left to XLA, a [slots,
     vocab] table takes the layout of the logits it meets (the vocabulary over "model"), and the next
     call, compiled for the table's own layout, refuses it."""
-    from jaxllm.ops.gpu import current_layout
-    layout = current_layout()
     if layout is None:
         return slots
     return jax.tree_util.tree_map(lambda a: jax.lax.with_sharding_constraint(a, layout.batch_sharding(a.shape)),
@@ -314,7 +331,7 @@ def _penalized(logits, sl: Slots, drafts=None):
     return jax.lax.cond(on, each_position, lambda: logits)
 
 
-def _score(cfg: ModelConfig, weights, h, where, target, top: int | None):
+def _score(cfg: ModelConfig, weights, h, where, target, *, ops, top: int | None):
     """Scores of target [N] given the hidden states at flat positions where [N] of h [P, C, D]: the
     NLL [N] (a negative target scores 0), or with `top` its LogProbs [N] and the top alternatives.
     Only scored positions pay for the vocabulary projection, a few rows at a time."""
@@ -324,7 +341,7 @@ def _score(cfg: ModelConfig, weights, h, where, target, top: int | None):
 
     def chunk(args):
         w, t = args
-        logits = logits_from_hidden(cfg, weights, flat[w])                  # [rows, V] float32
+        logits = logits_from_hidden(cfg, weights, flat[w], ops)                # [rows, V] float32
         if top is not None:
             return _lp(logits, t, top)
         picked = jnp.take_along_axis(logits, jnp.maximum(t, 0)[:, None], axis=-1)[:, 0]
@@ -338,15 +355,15 @@ def _divisor_at_most(n: int, cap: int) -> int:
 
 
 # -- decode ----------------------------------------------------------------------------------------
-def decode_step(cfg: ModelConfig, weights, state: State, dtype=jnp.bfloat16, allowed=None):
+def decode_step(cfg: ModelConfig, weights, state: State, ops, dtype=jnp.bfloat16, allowed=None):
     """One token for every live slot (among the tokens `allowed` [B, ceil(V / 32)] lets each take,
     where given) -> (state, sampled tokens [B], live [B], float32 logits [B, V])."""
     sl = state.slots
     live = sl.active
     pos = jnp.where(live, sl.pos, -1)
-    h, cache = forward(cfg, weights, sl.last[:, None], pos[:, None], state.cache, dtype)
-    logits = logits_from_hidden(cfg, weights, h[:, 0])
-    tok = sample(mask_tokens(_sampling_logits(cfg.eos_ids, logits, sl), allowed), sl.params, sl.step)
+    h, cache = forward(cfg, weights, sl.last[:, None], pos[:, None], state.cache, ops, dtype)
+    logits = logits_from_hidden(cfg, weights, h[:, 0], ops)
+    tok = sample(mask_tokens(_sampling_logits(cfg.eos_ids, logits, sl), allowed), sl.params, sl.step, ops.top_p_by)
     inc = live.astype(jnp.int32)
     remaining = sl.remaining - inc
     active = live & ~ends_answer(tok, cfg.eos_ids, sl.ignore_eos, sl.rules) & (remaining > 0)
@@ -360,7 +377,7 @@ def decode_step(cfg: ModelConfig, weights, state: State, dtype=jnp.bfloat16, all
     return state.replace(cache=cache, slots=slots), tok, live, logits
 
 
-def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, dtype=jnp.bfloat16, n_logprobs: int = 0,
+def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, ops, dtype=jnp.bfloat16, n_logprobs: int = 0,
                allowed=None):
     """One speculative cycle for every live slot (or the plain step where drafting would not pay)
     -> (state, new tokens [B, K + 1], how many of them each row made [B], their LogProbs [B, K + 1]
@@ -375,10 +392,10 @@ def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, dtype
         drafting &= jnp.all(allowed == jnp.uint32(0xFFFFFFFF), axis=-1)
 
     def plain(state):
-        state, tok, live, logits = decode_step(cfg, weights, state, dtype, allowed)
+        state, tok, live, logits = decode_step(cfg, weights, state, ops, dtype, allowed)
         if draft is not None:      # the draft cache learns the token the model was fed
             _, dcache = forward(spec.draft_cfg, draft, sl.last[:, None], jnp.where(live, sl.pos, -1)[:, None],
-                                state.draft_cache, dtype)
+                                state.draft_cache, ops, dtype)
             state = state.replace(draft_cache=dcache)
         new = jnp.zeros((B, K + 1), jnp.int32).at[:, 0].set(tok)
         lp = None
@@ -391,12 +408,12 @@ def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, dtype
         j = jnp.arange(K + 1, dtype=jnp.int32)[None, :]
         tokens = jnp.concatenate([sl.last[:, None], drafts], axis=1)
         positions = jnp.where(live[:, None] & (j <= n_draft[:, None]), sl.pos[:, None] + j, -1)
-        h, cache = forward(cfg, weights, tokens, positions, state.cache, dtype)
-        logits = logits_from_hidden(cfg, weights, h)
+        h, cache = forward(cfg, weights, tokens, positions, state.cache, ops, dtype)
+        logits = logits_from_hidden(cfg, weights, h, ops)
         scores = _sampling_logits(cfg.eos_ids, logits, sl, drafts)
         if allowed is not None:             # a masked row drafted nothing: its one token comes from position 0
             scores = scores.at[:, 0].set(mask_tokens(scores[:, 0], allowed))
-        a, nxt = accept(scores, drafts, n_draft, sl.params, sl.step)
+        a, nxt = accept(scores, drafts, n_draft, sl.params, sl.step, ops.top_p_by)
         new = jnp.where(j < a[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), 0)
         new = jnp.where(j == a[:, None], nxt[:, None], new)
         n_new = jnp.minimum(a + 1, sl.remaining)
@@ -425,8 +442,8 @@ def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, dtype
         def step(carry, j):        # K greedy proposals, and the last one fed too (its K/V kept)
             tok, dcache = carry
             pos = jnp.where(live, sl.pos + j, -1)
-            h, dcache = forward(spec.draft_cfg, draft, tok[:, None], pos[:, None], dcache, dtype)
-            nxt = jnp.argmax(logits_from_hidden(spec.draft_cfg, draft, h[:, 0]), axis=-1).astype(jnp.int32)
+            h, dcache = forward(spec.draft_cfg, draft, tok[:, None], pos[:, None], dcache, ops, dtype)
+            nxt = jnp.argmax(logits_from_hidden(spec.draft_cfg, draft, h[:, 0], ops), axis=-1).astype(jnp.int32)
             return (nxt, dcache), nxt
         (_, dcache), props = jax.lax.scan(step, (sl.last, state.draft_cache), jnp.arange(K + 1, dtype=jnp.int32))
         return verify(state.replace(draft_cache=dcache), props[:K].T, n_draft)
@@ -434,7 +451,7 @@ def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, dtype
     return jax.lax.cond(worth_verifying(sl.spec, n_draft, live, spec), with_draft_model, plain, state)
 
 
-def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, allowed=None, *, max_steps: int,
+def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, allowed=None, *, ops, max_steps: int,
            rows: int | None = None, logprobs: int = 0, spec: Speculation | None = None, dtype=jnp.bfloat16):
     """Up to n_steps decode steps (speculative cycles, with `spec`) of the first `rows` slots (all
     for None; the others must not be live), ending once none is live or a row's next tokens would
@@ -459,7 +476,7 @@ def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, allowed=
 
         def body(c):
             i, s, out, count = c
-            s, tok, live, logits = decode_step(cfg, weights, s, dtype, allowed)
+            s, tok, live, logits = decode_step(cfg, weights, s, ops, dtype, allowed)
             new = (jnp.where(live, tok, 0), _lp(logits, tok, logprobs) if logprobs else None)
             out = jax.tree_util.tree_map(lambda o, v: jax.lax.dynamic_update_slice_in_dim(o, v[:, None], i, axis=1),
                                          out, new)
@@ -474,7 +491,7 @@ def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, allowed=
 
         def body(c):
             i, s, out, count = c
-            s, new, n_new, lp = spec_cycle(cfg, weights, s, spec, dtype, logprobs, allowed)
+            s, new, n_new, lp = spec_cycle(cfg, weights, s, spec, ops, dtype, logprobs, allowed)
             j = jnp.arange(T, dtype=jnp.int32)[None, :]
             cols = jnp.where(j < n_new[:, None], count[:, None] + j, max_steps)
             out = jax.tree_util.tree_map(lambda o, v: o.at[jnp.arange(B)[:, None], cols].set(v, mode="drop"),
@@ -486,11 +503,11 @@ def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, allowed=
     if B < full.last.shape[0]:
         slots = jax.tree_util.tree_map(lambda a, v: a.at[:B].set(v), full, s.slots)
         s = s.replace(slots=slots)
-    return s.replace(slots=_by_rows(s.slots)), out, count, lp
+    return s.replace(slots=_by_rows(s.slots, ops.layout)), out, count, lp
 
 
 # -- fork ------------------------------------------------------------------------------------------
-def fork(cfg: ModelConfig, weights, state: State, forks: Forks, *, logprobs: int = 0,
+def fork(cfg: ModelConfig, weights, state: State, forks: Forks, *, ops, logprobs: int = 0,
          spec: Speculation | None = None, dtype=jnp.bfloat16):
     """Each slot forks.src[f], which has just ended its prompt (its first token drawn, nothing
     decoded since), is copied into slot forks.dst[f]: its rows of the KV cache (and of the draft
@@ -511,13 +528,13 @@ def fork(cfg: ModelConfig, weights, state: State, forks: Forks, *, logprobs: int
     src = jnp.clip(forks.src, 0, B - 1)
     child = jax.tree_util.tree_map(lambda a: a[src], sl)
     child = child.replace(params=child.params.replace(seed=forks.seed))
-    logits = logits_from_hidden(cfg, weights, sl.hidden[src])
+    logits = logits_from_hidden(cfg, weights, sl.hidden[src], ops)
     F = src.shape[0]
     step0 = jnp.zeros((F,), jnp.int32)
     x = logits if child.rules is None else apply_rules(logits, child.rules, step0, cfg.eos_ids, child.ignore_eos)
     if child.counts is not None:
         x = penalize(x, child.penalties, jnp.zeros_like(child.counts), child.in_prompt)
-    first = sample(x, child.params, step0)
+    first = sample(x, child.params, step0, ops.top_p_by)
     child = child.replace(last=first, active=(child.remaining > 0) & ~ends_answer(first, cfg.eos_ids, child.ignore_eos,
                                                                                   child.rules))
     if child.counts is not None:
@@ -526,144 +543,13 @@ def fork(cfg: ModelConfig, weights, state: State, forks: Forks, *, logprobs: int
         hist = write_history(child.spec.history, None, child.pos[:, None], first[:, None])
         child = child.replace(spec=child.spec.replace(history=hist, stats=sl.spec.stats[jnp.clip(forks.dst, 0, B - 1)]))
     slots = jax.tree_util.tree_map(lambda a, v: a.at[forks.dst].set(v, mode="drop"), sl, child)
-    state = State(_by_layout(cache), _by_rows(slots), None if draft is None else _by_layout(draft))
+    state = State(_by_layout(cache, ops.layout), _by_rows(slots, ops.layout),
+                  None if draft is None else _by_layout(draft, ops.layout))
     return state, ((first, _lp(logits, first, logprobs)) if logprobs else first)
 
 
-def _by_layout(cache):
+def _by_layout(cache, layout):
     """The cache laid out as the engine made it (KV heads over "model"), as `_by_rows` the slots."""
-    from jaxllm.ops.gpu import current_layout
-    layout = current_layout()
     if layout is None:
         return cache
     return jax.tree_util.tree_map(jax.lax.with_sharding_constraint, cache, layout.cache_shardings(cache))
-
-
-# -- the host side ---------------------------------------------------------------------------------
-def bucket(n: int, lo: int = 16) -> int:
-    """Next power of two >= n: lengths come in few shapes, so few compiles."""
-    return max(lo, 1 << (max(n, 1) - 1).bit_length())
-
-
-class EngineCore:
-    """A KV cache of `num_slots` rows of `max_len` positions and its slot table, on an engine's mesh
-    (`Engine.core`), and the calls that advance them. The server keeps one for its lifetime;
-    offline generation, logits and perplexity make one sized to the work."""
-
-    def __init__(self, engine, num_slots: int, max_len: int):
-        self.engine = engine
-        self.num_slots, self.max_len = num_slots, max_len
-        self.state = engine.new_state(num_slots, max_len)
-
-    def reset(self):
-        """A fresh state (also after a failed call left the donated one unusable)."""
-        self.state = self.engine.new_state(self.num_slots, self.max_len)
-
-    # -- device calls (results stay on the device until read) -------------------------------------
-    def prefill(self, pieces: Pieces, out: str = "sample", targets=None, logprobs: int = 0):
-        e = self.engine
-        static = {"out": out, **({"logprobs": logprobs} if logprobs else {})}
-        self.state, res = e.run("prefill", self.state, e.put_rows(pieces),
-                                None if targets is None else e.put_rows(targets), **static)
-        return res
-
-    def fork(self, forks: Forks, logprobs: int = 0):
-        """-> the forked slots' first tokens [F] (with `logprobs`, and their LogProbs) on the device;
-        see `core.fork`."""
-        e = self.engine
-        static = {"logprobs": logprobs} if logprobs else {}
-        self.state, res = e.run("fork", self.state, e.put_rows(forks), **static)
-        return res
-
-    def decode(self, n_steps: int, max_steps: int, stop=None, rows: int | None = None, logprobs: int = 0,
-               allowed=None):
-        """-> (tokens [rows, max_steps], count [rows], LogProbs or None) on the device; see
-        `core.decode`. A call with `allowed` is a variant of its own, compiled on first use."""
-        e = self.engine
-        stop = None if stop is None else e.put_rows(np.asarray(stop, bool))
-        static = {"max_steps": max_steps, "rows": rows, **({"logprobs": logprobs} if logprobs else {})}
-        masks = () if allowed is None else (e.put_rows(np.asarray(allowed, np.uint32)),)
-        self.state, toks, count, lp = e.run("decode", self.state, np.int32(n_steps), stop, *masks, **static)
-        return toks, count, lp
-
-    # -- lockstep batches: every row a prompt, prefilled in chunks ----------------------------------
-    def prepare(self, longest: int, n_steps: int, logprobs: int = 0) -> float:
-        """Compile what `prefill_prompts` of prompts up to `longest` tokens and `run_to_completion(
-        n_steps)` call, if not compiled yet. -> seconds it took."""
-        e, B = self.engine, self.num_slots
-        C, _ = e.chunking(longest)
-        state = e.state_shapes(B, self.max_len)
-        lp = {"logprobs": logprobs} if logprobs else {}
-        calls = [("prefill", (state, e.row_shapes(Pieces.shapes(B, C, rows=True)), None), {"out": "sample", **lp})]
-        if n_steps >= 1:
-            calls.append(("decode", (state, np.int32(1), None),
-                          {"max_steps": self.out_size(n_steps), "rows": None, **lp}))
-        return e.precompile(calls)
-
-    def out_size(self, n_tokens: int) -> int:
-        """A decode call's output buffer for up to n_tokens tokens a row (room for a last
-        speculative cycle's tokens past them), bucketed."""
-        return self.engine.core_out_size(n_tokens)
-
-    def _chunks(self, tokens: np.ndarray, lens: np.ndarray, chunk: int):
-        """(start, tokens [B, chunk], lengths [B]) of each chunk of right-padded rows."""
-        for s in range(0, tokens.shape[1], chunk):
-            yield s, tokens[:, s:s + chunk], np.clip(lens - s, 0, chunk).astype(np.int32)
-
-    def prefill_prompts(self, ids: list[list[int]], params: SamplingParams, max_new, ignore_eos=None,
-                        logprobs: int = 0, penalties: Penalties | None = None, rules: TokenRules | None = None):
-        """Prompt b into slot b, every slot at once, in chunks; -> each row's first token [B] (and
-        with `logprobs` their LogProbs [B], host arrays)."""
-        from jaxllm.engine.engine import pad_rows
-        B = len(ids)
-        lens = np.asarray([len(x) for x in ids], np.int32)
-        C, T = self.engine.chunking(int(lens.max()))
-        tokens = pad_rows(ids, T, self.engine.cfg.pad_id)
-        firsts, finals = [], []
-        for s, tok, length in self._chunks(tokens, lens, C):
-            final = (length > 0) & (lens - s <= C)
-            rows = np.where(length > 0, np.arange(B), B).astype(np.int32)     # done rows: padding
-            firsts.append(self.prefill(Pieces.make(tok, s, length, final, rows, params, max_new, ignore_eos, penalties,
-                                                   rules), logprobs=logprobs))
-            finals.append(final)
-        which = np.argmax(np.stack(finals), axis=0), np.arange(B)
-        firsts = jax.tree_util.tree_map(lambda *a: np.stack([self.engine.layout.get(x) for x in a])[which], *firsts)
-        return firsts
-
-    def run_to_completion(self, n_steps: int, steps: int | None = None, logprobs: int = 0):
-        """Decode every live slot until it is done or has n_steps more tokens, in one loop (of
-        `steps` steps where given: 0 runs the compiled loop once without a step, so that its first
-        run's costs stay out of a timed one). -> host (tokens [B, S], count [B], LogProbs [B, S]
-        with `logprobs`, else None)."""
-        if n_steps < 1:
-            B = self.num_slots
-            return (np.zeros((B, 0), np.int32), np.zeros((B,), np.int32),
-                    jax.tree_util.tree_map(np.asarray, LogProbs.zeros((B, 0), logprobs)) if logprobs else None)
-        toks, count, lp = self.decode(n_steps if steps is None else steps, self.out_size(n_steps), rows=None,
-                                      logprobs=logprobs)
-        return jax.tree_util.tree_map(self.engine.layout.get, (toks, count, lp))
-
-    def logits(self, tokens: np.ndarray, lens: np.ndarray, chunk: int) -> np.ndarray:
-        """Causal logits [B, T, V] of right-padded rows tokens [B, T] (T whole chunks), row b in
-        cache row b, chunk by chunk through the cache."""
-        out = []
-        for s, tok, length in self._chunks(tokens, np.asarray(lens, np.int32), chunk):
-            out.append(self.engine.layout.get(self.prefill(Pieces.make(tok, s, length), out="logits")))
-        return np.concatenate(out, axis=1)
-
-    def spec_stats(self, rows=None) -> dict | None:
-        """Speculation since the core was made, summed over the slots (or `rows`): verify cycles,
-        tokens drafted, drafts accepted; None without speculation."""
-        spec = self.state.slots.spec
-        if spec is None:
-            return None
-        st = self.engine.layout.get(spec.stats)
-        st = st if rows is None else st[np.asarray(rows)]
-        return dict(zip(("cycles", "drafted", "accepted"), (int(x) for x in st.sum(axis=0))))
-
-    def step_logits(self, tokens, positions) -> np.ndarray:
-        """The forward a decode step runs (the decode kernels where they are on), for checks: one
-        token per cache row at its position -> float32 logits [B, V]."""
-        t = np.asarray(tokens, np.int32).reshape(-1, 1)
-        out = self.prefill(Pieces.make(t, np.asarray(positions, np.int32), 1), out="logits")
-        return self.engine.layout.get(out)[:, 0]

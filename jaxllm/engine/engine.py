@@ -13,16 +13,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.engine import compilation_cache
-from jaxllm.engine import core
-from jaxllm.ops import gpu as kernels
+from jaxllm import ops as backends
 from jaxllm.config.model import ModelConfig
-from jaxllm.engine.core import EngineCore, bucket
+from jaxllm.config.runtime import RuntimeConfig
+from jaxllm.engine import compilation_cache, core
+from jaxllm.engine.host import EngineCore, bucket
+from jaxllm.engine.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_TOKEN_IDS,
+    Penalties,
+    SamplingParams,
+    TokenRules,
+)
+from jaxllm.engine.sharding import single_device_layout
+from jaxllm.engine.speculative import Speculation
 from jaxllm.errors import ModelError, RequestError
 from jaxllm.kv.plan import check_fits, plan_cache
-from jaxllm.engine.sampling import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, Penalties, SamplingParams, TokenRules)
-from jaxllm.engine.speculative import Speculation
-from jaxllm.engine.sharding import single_device_layout
 from jaxllm.kv.split import KVOptions, choose_layout, make_cache
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -127,9 +134,12 @@ class Engine:
     def __init__(self, cfg: ModelConfig, weights, tokenizer, *, dtype="bfloat16", max_ctx=8192,
                  name="model", quant="none", layout=None, kv_quant="auto",
                  kv_options: KVOptions | None = None, speculation: Speculation | None = None,
-                 draft_weights=None):
+                 draft_weights=None, runtime: RuntimeConfig | None = None):
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
         self.layout = layout or single_device_layout()   # weights must already lie on its mesh
+        # The backend, chosen once: weights must be laid out for it (`ops.prepare_weights`).
+        self.runtime = RuntimeConfig.from_env() if runtime is None else runtime
+        self.ops = backends.select(self.runtime, self.layout)
         self._state_makers = {}
         self.dtype_name, self.dtype = dtype, DTYPES[dtype]
         self.max_ctx, self.name, self.quant = max_ctx, name, quant
@@ -146,11 +156,12 @@ class Engine:
         check_fits(self.kv_plan(1))
         self.stats = GenerateStats()
         d = self.dtype
-        self._fns = {"prefill": jax.jit(partial(core.prefill, cfg, spec=speculation, dtype=d),
+        o = self.ops
+        self._fns = {"prefill": jax.jit(partial(core.prefill, cfg, ops=o, spec=speculation, dtype=d),
                                         static_argnames=("out", "logprobs"), donate_argnames=("state",)),
-                     "decode": jax.jit(partial(core.decode, cfg, spec=speculation, dtype=d),
+                     "decode": jax.jit(partial(core.decode, cfg, ops=o, spec=speculation, dtype=d),
                                        static_argnames=("max_steps", "rows", "logprobs"), donate_argnames=("state",)),
-                     "fork": jax.jit(partial(core.fork, cfg, spec=speculation, dtype=d),
+                     "fork": jax.jit(partial(core.fork, cfg, ops=o, spec=speculation, dtype=d),
                                      static_argnames=("logprobs",), donate_argnames=("state",))}
         self._executables: dict = {}
         self.compile_s = 0.0          # seconds spent compiling the core's calls so far
@@ -176,8 +187,7 @@ class Engine:
         return exe
 
     def _compile(self, name: str, args, static: dict):
-        """The call read from the compiled-steps cache, or lowered under this engine's layout (the
-        kernels run per device on the mesh's shards), compiled and kept there."""
+        """The call read from the compiled-steps cache, or lowered, compiled and kept there."""
         t0 = time.perf_counter()
         key = self._disk_key(name, args, static)
         exe = compilation_cache.load_executable(self.steps_cache, key)
@@ -187,8 +197,7 @@ class Engine:
         return exe
 
     def _lower(self, name: str, args, static: dict):
-        with kernels.use_layout(self.layout):
-            return self._fns[name].lower(self.call_weights, *args, **static)
+        return self._fns[name].lower(self.call_weights, *args, **static)
 
     def _disk_key(self, name: str, args, static: dict) -> str | None:
         if self.steps_cache is None:
@@ -196,8 +205,9 @@ class Engine:
         mesh = self.layout.mesh
         devices = [(d.platform, d.device_kind, d.id) for d in mesh.devices.flat]
         return compilation_cache.executable_key(
-            name, sorted(static.items()), self.cfg, self.dtype_name, self.quant, self.kv_layout, self.kv_options,
-            self.spec, devices, mesh.shape, jax.process_count(), compilation_cache.describe(self.call_weights),
+            name, sorted(static.items()), self.cfg, self.runtime, self.dtype_name, self.quant, self.kv_layout,
+            self.kv_options, self.spec, devices, mesh.shape, jax.process_count(),
+            compilation_cache.describe(self.call_weights),
             compilation_cache.describe(args))
 
     def precompile(self, calls: list[tuple[str, tuple, dict]], threads: int | None = None) -> float:
@@ -409,7 +419,7 @@ class Engine:
 
     def perplexity(self, text: str, window: int = 2048, stride: int | None = None):
         """Sliding-window perplexity of `text` -> PerplexityResult (.ppl .nll .num_scored_tokens)."""
-        from jaxllm.harness.perplexity import perplexity
+        from jaxllm.engine.perplexity import perplexity
         return perplexity(self, text, window, stride)
 
 

@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm import pytree
-from jaxllm.ops.gpu import platform
 
 
 @pytree.dataclass
@@ -81,19 +80,17 @@ def _keep_by_sorting(scaled, k, top_p):
     return scaled >= jnp.where(jnp.any(reached, -1, keepdims=True), first, kth)
 
 
-def filtered(logits: jax.Array, p: SamplingParams, by: str | None = None) -> jax.Array:
+def filtered(logits: jax.Array, p: SamplingParams, by: str = "bisection") -> jax.Array:
     """logits / temperature, with every token outside the top-k set to -inf, then every token
     outside the top-p of what is left (renormalized). The cut-off is the largest value whose tokens
     and those above it hold at least top_p of the mass; tokens tied with a cut-off stay.
 
-    On a GPU the values are sorted (an H100 sorts [8, 262144] floats in 0.6 ms, under half the
-    time of the bisection); elsewhere the cut-off is found by bisection, which on a CPU takes about
-    a tenth of the sort's time. `by` ("sort" or "bisection") overrides the choice."""
+    `by`: "sort" sorts the values, "bisection" finds the cut-off by bisection; the backend says
+    which suits its device (`XlaOps.top_p_by`)."""
     V = logits.shape[-1]
     t = jnp.where(p.temperature > 0, p.temperature, 1.0)[:, None]
     scaled = logits / t
     k = jnp.where(p.top_k > 0, jnp.minimum(p.top_k, V), V)
-    by = by or ("sort" if platform() == "gpu" else "bisection")
     keep = {"sort": _keep_by_sorting, "bisection": _keep_by_bisection}[by](scaled, k, p.top_p)
     return jnp.where(keep, scaled, -jnp.inf)
 
@@ -114,12 +111,12 @@ def _kth_from_blocks(scaled: jax.Array, k: jax.Array, cap: int = BLOCK_TOP_K, wi
     return jnp.take_along_axis(best, (jnp.clip(k, 1, best.shape[-1]) - 1)[:, None], -1)
 
 
-def _keep_top_k(scaled: jax.Array, k: jax.Array) -> jax.Array:
-    """Tokens at or above each row's k-th largest value (all where k = V): on GPUs from the
-    blocks with the largest maxima where every k is at most BLOCK_TOP_K (else a sort), elsewhere by
-    bisection."""
+def _keep_top_k(scaled: jax.Array, k: jax.Array, by: str) -> jax.Array:
+    """Tokens at or above each row's k-th largest value (all where k = V): by bisection, or where
+    sorting suits the device (`by="sort"`) from the blocks with the largest maxima where every k is
+    at most BLOCK_TOP_K (else a sort)."""
     V = scaled.shape[-1]
-    if platform() != "gpu":
+    if by != "sort":
         keys = _order_keys(scaled)
         return keys >= _kth_key(keys, k)[:, None]
     kth = jax.lax.cond(jnp.any((k > BLOCK_TOP_K) & (k < V)),
@@ -161,8 +158,8 @@ def _draw_top_p(scaled: jax.Array, top_p: jax.Array, keys: jax.Array) -> jax.Arr
     return jax.lax.while_loop(lambda s: ~jnp.all(s[2]), round_, first)[1]
 
 
-def sample(logits: jax.Array, p: SamplingParams, step: jax.Array) -> jax.Array:
-    """logits [B, V] float32 -> tokens [B]; step is a scalar or per row [B].
+def sample(logits: jax.Array, p: SamplingParams, step: jax.Array, by: str = "bisection") -> jax.Array:
+    """logits [B, V] float32 -> tokens [B]; step is a scalar or per row [B]; `by` as in `filtered`.
 
     A row with a temperature draws what `jax.random.categorical` draws from `filtered`'s logits
     with the row's key, whichever other rows share its batch, without a sort of the vocabulary
@@ -175,7 +172,7 @@ def sample(logits: jax.Array, p: SamplingParams, step: jax.Array) -> jax.Array:
         scaled = logits / jnp.where(sampling, p.temperature, 1.0)[:, None]
         if top_k:
             V = logits.shape[-1]
-            scaled = jnp.where(_keep_top_k(scaled, jnp.where(p.top_k > 0, jnp.minimum(p.top_k, V), V)),
+            scaled = jnp.where(_keep_top_k(scaled, jnp.where(p.top_k > 0, jnp.minimum(p.top_k, V), V), by),
                                scaled, -jnp.inf)
         return _draw_top_p(scaled, jnp.where(sampling, p.top_p, 1.0), _row_keys(p, step))
 

@@ -1,6 +1,6 @@
 """How arrays lie on devices: a mesh ("data", "model") and one table of logical-axis rules.
 
-Every weight and cache axis carries a logical name (params.ParamSpec.axes, CACHE_AXES); RULES maps
+Every weight and cache axis carries a logical name (params.ParamSpec.axes, config.axes.CACHE_AXES); RULES maps
 names to mesh axes, so the whole tensor-parallel strategy is the table below. Rules are applied per
 array from its actual shape: an axis the mesh does not divide is replicated (KV heads fewer than the
 TP degree, an odd vocabulary), except the axes in MUST_SPLIT, whose replication would silently
@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from jaxllm.config.axes import cache_leaf_axes
 from jaxllm.errors import ModelError
 from jaxllm.model.params import ParamSpec, is_spec, map_specs
 from jaxllm.quant import QuantArray
@@ -33,7 +35,6 @@ RULES: dict[str, str | None] = {
     "cache_seq": None,
 }
 MUST_SPLIT = {"q_heads": "query heads", "mlp": "MLP width", "expert": "experts"}
-CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
 
 
 def make_mesh(tp: int | None = None, dp: int = 1, devices=None) -> Mesh:
@@ -108,8 +109,8 @@ class Layout:
 
     # -- caches and activations -----------------------------------------------------------------
     def cache_shardings(self, cache_shapes) -> dict:
-        """Shardings for a cache pytree (arrays or ShapeDtypeStructs) laid out as CACHE_AXES."""
-        return jax.tree_util.tree_map(lambda a: self.sharding(a.shape, CACHE_AXES[:len(a.shape)]),
+        """Shardings for a cache pytree (arrays or ShapeDtypeStructs), its leaves named by `CACHE_AXES`."""
+        return jax.tree_util.tree_map(lambda a: self.sharding(a.shape, cache_leaf_axes(len(a.shape))),
                                       cache_shapes)
 
     def batch_sharding(self, shape) -> NamedSharding:

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 
 from jaxllm import pytree
 from jaxllm.config.model import ModelConfig
-from jaxllm.errors import ModelError
 from jaxllm.engine.sampling import SamplingParams, _row_keys, filtered
+from jaxllm.errors import ModelError
 
 METHODS = ("ngram", "draft")
 PROBE_EVERY = 16         # a row that stopped drafting tries again this many cycles later
@@ -118,7 +118,8 @@ def ngram_draft(history: jax.Array, pos: jax.Array, k: int, ngram: tuple[int, in
 
 
 # -- acceptance -----------------------------------------------------------------------------------
-def accept(logits: jax.Array, drafts: jax.Array, n_draft: jax.Array, p: SamplingParams, step: jax.Array):
+def accept(logits: jax.Array, drafts: jax.Array, n_draft: jax.Array, p: SamplingParams, step: jax.Array,
+           by: str = "bisection"):
     """logits [B, K + 1, V] of the model at the row's last token and after each draft, drafts [B, K]
     (the first n_draft[b] real). -> (accepted count a [B], the token after them [B]): greedy rows
     keep drafts equal to the argmax; sampled rows keep draft d with probability p(d), and the token
@@ -132,7 +133,7 @@ def accept(logits: jax.Array, drafts: jax.Array, n_draft: jax.Array, p: Sampling
 
     def sampled():
         rep = jax.tree_util.tree_map(lambda x: jnp.repeat(x, T, axis=0), p)
-        f = filtered(logits.reshape(B * T, V), rep).reshape(B, T, V)                     # -inf outside top-k/p
+        f = filtered(logits.reshape(B * T, V), rep, by).reshape(B, T, V)                     # -inf outside top-k/p
         logp = jax.nn.log_softmax(f, axis=-1)
         keys = jax.vmap(lambda key: jax.random.split(key, 2))(_row_keys(p, step))       # [B, 2]
         u = jax.vmap(lambda key: jax.random.uniform(key, (K,)))(keys[:, 0])

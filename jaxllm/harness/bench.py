@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import subprocess
 import sys
 import time
@@ -21,17 +20,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm import ops
+from jaxllm.config.runtime import env
 from jaxllm.engine import core
-from jaxllm.ops import gpu as kernels
-from jaxllm.engine.speculative import SpecSlots
-from jaxllm.engine.sharding import layout_for
-from jaxllm.kv.split import KVOptions, RingKV, choose_layout
 from jaxllm.engine.engine import DTYPES, check_sampling
-from jaxllm.errors import JaxllmError, RequestError
 from jaxllm.engine.sampling import SamplingParams
+from jaxllm.engine.sharding import layout_for
+from jaxllm.engine.speculative import SpecSlots
+from jaxllm.errors import JaxllmError, RequestError
 from jaxllm.harness import ceilings as ceil
 from jaxllm.harness.roofline import nbytes, prefill_flops, step_cost
-from jaxllm.harness.synthetic import random_engine, random_like
+from jaxllm.harness.synthetic import random_engine
+from jaxllm.kv.split import KVOptions, RingKV, choose_layout
+from jaxllm.weights.random import random_like
 
 
 @dataclass
@@ -92,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative", choices=("ngram", "draft"), default=None,
                    help="speculative decoding in the loop (random tokens: what free text finds to draft)")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--draft-shape", default=None, help="the draft model's shape (random weights), for --speculative draft")
+    p.add_argument("--draft-shape", default=None,
+                   help="the draft model's shape (random weights), for --speculative draft")
     p.add_argument("--draft-model-dir", default=None, help="or a real draft model, for --speculative draft")
     from jaxllm.harness.cli import add_max_batch_arg
     add_max_batch_arg(p)
@@ -110,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-mib", type=int, default=None, help="bandwidth probe size (default: by device)")
     p.add_argument("--matmul-n", type=int, default=None, help="matmul probe size n (n x n x n)")
     from jaxllm.engine.compilation_cache import add_flag
+    from jaxllm.harness.cli import add_runtime_args
     add_flag(p)
+    add_runtime_args(p)
     return p
 
 
@@ -141,6 +145,7 @@ def check_args(a) -> None:
 def load_subject(a):
     """-> (engine, family, description) from --shape (random weights, on device) or --model-dir; the
     engine's KV policy is the run's (--kv-quant, --int8-rings, --rebuild-keys) for ctx + steps."""
+    from jaxllm.harness.cli import runtime_from
     from jaxllm.model.families import family_for
     length = a.ctx + a.steps
     if a.shape:
@@ -148,14 +153,14 @@ def load_subject(a):
                             kv_quant=a.kv_quant, kv_options=a.kv_options, seed=a.seed, speculative=a.speculative,
                             num_speculative_tokens=a.num_speculative_tokens, draft_shape=a.draft_shape,
                             draft_model_dir=a.draft_model_dir, draft_always=a.draft_always,
-                            speculative_max_batch=a.speculative_max_batch)
+                            speculative_max_batch=a.speculative_max_batch, runtime=runtime_from(a))
         subject = {"shape": a.shape}
     else:
         import jaxllm
         eng = jaxllm.load(a.model_dir, quant=a.quant, dtype=a.dtype, max_ctx=length, tp=a.tp, kv_quant=a.kv_quant,
                           kv_options=a.kv_options, speculative=a.speculative,
                           num_speculative_tokens=a.num_speculative_tokens, draft_model_dir=a.draft_model_dir,
-                          speculative_max_batch=a.speculative_max_batch)
+                          speculative_max_batch=a.speculative_max_batch, runtime=runtime_from(a))
         subject = {"model_dir": str(a.model_dir)}
     return eng, family_for({"model_type": eng.cfg.family}), subject
 
@@ -299,8 +304,8 @@ def run_point(eng, fam, batch, a, ceilings, mem_limit) -> Point:
 
 # -- reporting ------------------------------------------------------------------------------------
 def git_commit() -> str:
-    if os.environ.get("JAXLLM_COMMIT"):           # a copy of the tree without its .git
-        return os.environ["JAXLLM_COMMIT"]
+    if env("JAXLLM_COMMIT"):           # a copy of the tree without its .git
+        return env("JAXLLM_COMMIT")
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
                              capture_output=True, text=True, timeout=10)
@@ -309,7 +314,8 @@ def git_commit() -> str:
         return "unknown"
 
 
-def report(a, cfg, weights, subject, ceilings, points) -> dict:
+def report(a, eng, subject, ceilings, points) -> dict:
+    cfg, weights = eng.cfg, eng.weights
     d = jax.devices()[0]
     return {
         "device": {"kind": d.device_kind, "platform": d.platform, "count": jax.device_count(),
@@ -323,14 +329,14 @@ def report(a, cfg, weights, subject, ceilings, points) -> dict:
         "settings": {"ctx": a.ctx, "steps": a.steps, "warmup": a.warmup, "repeats": a.repeats, "tp": a.tp,
                      "batches": a.batches, "prompt_lens": a.prompt_lens, "kv_quant": a.kv_quant,
                      "int8_rings": a.int8_rings, "rebuild_keys": a.rebuild_keys,
-                     "scan_unroll": os.environ.get("JAXLLM_SCAN_UNROLL") or "auto",
+                     "scan_unroll": eng.runtime.scan_unroll or "auto",
                      "speculative": a.speculative, "num_speculative_tokens": a.num_speculative_tokens,
                      "draft_shape": a.draft_shape, "draft_model_dir": a.draft_model_dir,
                      "draft_always": a.draft_always, "speculative_max_batch": a.speculative_max_batch,
-                     "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                     "xla_flags": env("XLA_FLAGS", ""),
                      "sampling": {"temperature": a.temperature, "top_k": a.top_k, "top_p": a.top_p}},
         "ceilings": ceilings.to_json(),
-        "kernels": {"mode": kernels.mode(), "enabled": kernels.enabled(), "selections": kernels.selections()},
+        "kernels": {"mode": eng.runtime.kernels, "backend": eng.ops.name, "selections": ops.selections()},
         "points": [asdict(p) for p in points],
     }
 
@@ -367,7 +373,8 @@ def table(rep: dict) -> str:
         if p["skipped"]:
             rows.append([str(p["batch"]), "skipped: " + p["skipped"]])
             continue
-        rows.append([str(p["batch"]), f"{p['ms_per_step']:.3f}", f"{p['tok_s']:.1f}", f"{p['bytes_per_step'] / 1e6:.1f}",
+        rows.append([str(p["batch"]), f"{p['ms_per_step']:.3f}", f"{p['tok_s']:.1f}",
+                     f"{p['bytes_per_step'] / 1e6:.1f}",
                      f"{p['roofline_ms']:.3f}", f"{p['roofline_fraction']:.1%}", f"{p['compute_ms']:.3f}",
                      f"{p['ceiling_tok_s']:.0f}", f"{p['compile_s']:.1f}"]
                     + [f"{p['ttft_ms'][str(n)]:.1f}" if str(n) in p['ttft_ms'] else "" for n in lens]
@@ -450,17 +457,15 @@ def progress(items):
 def sweep(a) -> int:
     a.layout = layout_for(a.tp)
     eng, fam, subject = load_subject(a)
-    cfg, weights = eng.cfg, eng.weights
     from jaxllm.engine.compilation_cache import executables_folder
     eng.steps_cache = executables_folder(getattr(a, "cache", None))
     device = jax.devices()[0]
     ceilings = ceil.measure(a.probe_mib << 20 if a.probe_mib else None, a.matmul_n, device)
     mem = device_memory(device)
     points = []
-    with kernels.use_layout(a.layout):
-        for batch in progress(a.batches):
-            points.append(run_point(eng, fam, batch, a, ceilings, mem))
-        rep = report(a, cfg, weights, subject, ceilings, points)
+    for batch in progress(a.batches):
+        points.append(run_point(eng, fam, batch, a, ceilings, mem))
+    rep = report(a, eng, subject, ceilings, points)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(rep, indent=2))
     plot_path = a.plot or str(Path(a.out).with_suffix(".png"))

@@ -7,6 +7,7 @@ import sys
 import warnings
 from contextlib import contextmanager
 
+from jaxllm.config.runtime import env
 from jaxllm.errors import JaxllmError
 
 
@@ -37,11 +38,29 @@ def add_model_args(p: argparse.ArgumentParser):
                    help="KV-cache format: auto = compute dtype up to 32K, int8 above")
     p.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel degree (default: all local devices)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="activation/compute dtype")
-    from jaxllm.harness import distributed
     from jaxllm.engine.compilation_cache import add_flag
+    from jaxllm.harness import distributed
     distributed.add_args(p)
     add_flag(p)
+    add_runtime_args(p)
     add_speculative_args(p)
+
+
+def add_runtime_args(p: argparse.ArgumentParser):
+    """The runtime's choices (`RuntimeConfig`); unset, each falls back to its environment variable."""
+    g = p.add_argument_group("runtime")
+    g.add_argument("--kernels", choices=("auto", "xla", "pallas"), default=None,
+                   help="the Pallas kernels on GPUs (auto), nowhere (xla), or everywhere (pallas; "
+                        "interpreted on a CPU) (default: $JAXLLM_KERNELS, else auto)")
+    g.add_argument("--layer-scan", choices=("auto", "cond", "period"), default=None,
+                   help="how the layer scan reaches sliding and global layers (default: $JAXLLM_LAYER_SCAN, else auto)")
+
+
+def runtime_from(args):
+    """The `RuntimeConfig` the flags and the environment name (the flags win)."""
+    from jaxllm.config.runtime import RuntimeConfig
+    given = {"kernels": getattr(args, "kernels", None), "layer_scan": getattr(args, "layer_scan", None)}
+    return RuntimeConfig.from_env(**{k: v for k, v in given.items() if v is not None})
 
 
 def add_speculative_args(p: argparse.ArgumentParser):
@@ -68,15 +87,15 @@ def load_engine(args, quiet: bool = False):
     import time
 
     import jaxllm
-    from jaxllm.harness import distributed
     from jaxllm.engine.compilation_cache import enable
+    from jaxllm.harness import distributed
     t0 = time.perf_counter()
     cache = enable(args.compilation_cache)
     if distributed.init_from_args(args) and not distributed.is_main_process():
         sys.stdout = open(os.devnull, "w")     # every process computes; process 0 prints
         quiet = True
     bar = None
-    if not quiet and sys.stderr.isatty() or os.environ.get("JAXLLM_PROGRESS") == "1":
+    if not quiet and sys.stderr.isatty() or env("JAXLLM_PROGRESS") == "1":
         from tqdm import tqdm
         bar = tqdm(total=0, desc="loading", unit="tensor", file=sys.stderr, leave=False)
 
@@ -94,7 +113,8 @@ def load_engine(args, quiet: bool = False):
                               speculative=getattr(args, "speculative", None),
                               num_speculative_tokens=getattr(args, "num_speculative_tokens", 4),
                               draft_model_dir=getattr(args, "draft_model_dir", None),
-                              speculative_max_batch=getattr(args, "speculative_max_batch", 4))
+                              speculative_max_batch=getattr(args, "speculative_max_batch", 4),
+                              runtime=runtime_from(args))
     finally:
         if bar is not None:
             bar.close()
@@ -146,7 +166,7 @@ def one_line_errors(prog: str):
     except KeyboardInterrupt:
         raise SystemExit(130)
     except Exception as e:
-        if os.environ.get("JAXLLM_DEBUG"):
+        if env("JAXLLM_DEBUG"):
             raise
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         sys.stderr.write(f"{prog}: internal error: {type(e).__name__}: {msg} (JAXLLM_DEBUG=1 shows the traceback)\n")

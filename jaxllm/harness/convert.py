@@ -8,41 +8,20 @@ into device shards. Nothing is written into SRC.
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
 import time
 from pathlib import Path
 
 from jaxllm.errors import JaxllmError, ModelError
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "chat_template.jinja", "chat_template.json")
-
-
-def write_source_files(files, dst: Path, tok) -> None:
-    """config.json and tokenizer files: copied from an HF directory, written out for a GGUF file."""
-    if files.kind == "hf":
-        for name in ("config.json",) + TOKENIZER_FILES:
-            if (files.path / name).exists():
-                shutil.copy2(files.path / name, dst / name)
-        return
-    from jaxllm.weights.gguf import read_gguf_config
-    (dst / "config.json").write_text(json.dumps(read_gguf_config(files.path), indent=1, default=str))
-    tok.tok.save(str(dst / "tokenizer.json"))
-    (dst / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": tok.bos_token, "eos_token": tok.eos_token, "add_bos_token": tok.add_bos,
-        "chat_template": tok.chat_template}, indent=1))
-    (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": list(tok.eos_ids)}))
-
 
 def convert(model_dir, out, quant: str = "int8", dtype: str = "bfloat16", progress=None, tp=None) -> Path:
     """Write the saved directory `out`; the layout used while converting does not bind later loads
     (a restore reshards to whatever mesh it is given)."""
     from jaxllm.engine.engine import DTYPES
-    from jaxllm.weights import load_model, locate
-    from jaxllm.weights.saved import save_weights
     from jaxllm.engine.sharding import layout_for
+    from jaxllm.weights import load_model, locate
+    from jaxllm.weights.saved import save_weights, write_source_files
     if quant not in ("int8", "none"):
         raise ModelError(f"quant must be 'int8' or 'none', got {quant!r}")
     if dtype not in DTYPES:

@@ -9,8 +9,8 @@ JAXLLM_DISTRIBUTED=1 is set).
 from __future__ import annotations
 
 import argparse
-import os
 
+from jaxllm.config.runtime import env
 from jaxllm.errors import ModelError
 
 ENV_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
@@ -37,7 +37,7 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None) ->
     given = [v is not None for v in (coordinator_address, num_processes, process_id)]
     if any(given) and not all(given):
         raise ModelError("--coordinator-address, --num-processes and --process-id go together")
-    from_env = any(os.environ.get(v) for v in ENV_VARS) or os.environ.get("JAXLLM_DISTRIBUTED") == "1"
+    from_env = any(env(v) for v in ENV_VARS) or env("JAXLLM_DISTRIBUTED") == "1"
     if not any(given) and not from_env:
         return False
     if num_processes is not None and not 0 <= process_id < num_processes:

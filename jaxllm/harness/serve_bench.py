@@ -359,7 +359,8 @@ def main(argv=None) -> int:
     finally:
         if server is not None:
             server.stop()
-    rep = {"subject": a.shape or a.model_dir or a.url or "the embedded model", "date": datetime.datetime.now(datetime.timezone.utc)
+    rep = {"subject": a.shape or a.model_dir or a.url or "the embedded model",
+           "date": datetime.datetime.now(datetime.timezone.utc)
            .isoformat(timespec="seconds"), "git_commit": git_commit(), "ready_s": ready,
            "settings": {k: getattr(a, k) for k in ("prompt_len", "output_len", "rounds", "max_num_seqs",
                                                    "max_model_len", "max_num_batched_tokens", "decode_steps",

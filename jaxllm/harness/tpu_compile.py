@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from functools import partial
@@ -23,12 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.config.runtime import set_default
 from jaxllm.engine import core
+from jaxllm.engine.sampling import SamplingParams
+from jaxllm.engine.sharding import Layout, check_divisible, scale_shape_axes
 from jaxllm.errors import JaxllmError, ModelError
 from jaxllm.model.params import map_specs
 from jaxllm.quant import QuantArray
-from jaxllm.engine.sampling import SamplingParams
-from jaxllm.engine.sharding import Layout, check_divisible, scale_shape_axes
 
 # HBM bandwidth per chip, bytes/s, and memory per chip, by topology generation.
 CHIPS = {"v6e": (1640e9, 32 * 2**30), "v5e": (819e9, 16 * 2**30), "v5p": (2765e9, 95 * 2**30),
@@ -39,7 +39,7 @@ PROGRAMS = ("prefill", "decode_loop")
 # libtpu takes a machine-wide lock file when it loads, which a process that only compiles for a
 # described topology does not need: without this, any other JAX process on the machine that
 # initialised a TPU client (or failed to find a TPU) blocks this one.
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+set_default("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 def topology_mesh(topology: str, tp: int, dp: int = 1) -> Layout:

@@ -13,7 +13,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxllm.model.layers import NEG_INF, attention_mask
+from jaxllm.ops.xla import NEG_INF, attention_mask
 
 BlockLoader = Callable[[jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
 

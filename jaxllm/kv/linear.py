@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config.model import KIND_NAMES, ModelConfig
+from jaxllm.ops.xla import attend, attention_mask
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype, n_layers=None) -> dict:
@@ -52,13 +53,23 @@ class LayerKV:
         return self.with_stacks({"k": write_layer(self.stack["k"], self.idx, k, positions, self.rows),
                                  "v": write_layer(self.stack["v"], self.idx, v, positions, self.rows)})
 
+    def attend(self, q: jax.Array, positions: jax.Array, ops, *, scale: float, softcap, window) -> jax.Array:
+        """Attention of q [B, T, H, hd] over this layer's rows: the backend's kernel where it has
+        one, else masked attention over the layer read out."""
+        o = ops.cache_attention(q, self, positions, scale=scale, softcap=softcap, window=window)
+        if o is not None:
+            return o
+        lc = self.layer()
+        B, S = lc["k"].shape[0], lc["k"].shape[1]
+        return attend(q, lc["k"], lc["v"], attention_mask(positions, slot_positions(B, S), window), scale, softcap)
+
     def layer(self) -> dict:
         """This layer's K/V [P, S, K, hd] of the rows worked on."""
         return {name: gather_rows(a[self.idx], self.rows, self.batch) for name, a in self.stack.items()}
 
     def kernel_stacks(self) -> tuple[dict, str]:
         """The stacks a kernel writes this layer's new token into, and how it picks the slot
-        (`kernels.prologue.SLOTS`); `with_stacks` takes them back."""
+        (`ops.gpu.prologue.SLOTS`); `with_stacks` takes them back."""
         return dict(self.stack), "drop"
 
     def with_stacks(self, stacks: dict) -> "LayerKV":

@@ -4,7 +4,8 @@ blockwise with an online softmax.
 
 Both cache types are pytrees whose leaves carry the layer axis first, like the core's cache dicts, so
 the layer scan indexes them the same way; `model.attention_block` hands a layer's view of one to its
-`update_and_attend` (or, for a layer reading another layer's cache, its `attend`). Tokens at a negative position are padding: they are never written, so a
+`update_and_attend` (or, for a layer reading another layer's cache, its `attend`). Tokens at a
+negative position are padding: they are never written, so a
 right-padded batch cannot push real keys out of a row's ring.
 """
 from __future__ import annotations
@@ -15,12 +16,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm import pytree
-from jaxllm.kv.blockwise import blockwise_attend, dequantize_kv, linear_loader, quantize_kv
-from jaxllm.kv.linear import gather_rows, init_cache
 from jaxllm.config.model import KIND_NAMES, AttnSpec, ModelConfig
 from jaxllm.errors import ModelError
-from jaxllm.quant import layer_of
-from jaxllm.model.layers import apply_rope, attend, attention_mask, inv_frequencies, rms_norm
+from jaxllm.kv.blockwise import blockwise_attend, dequantize_kv, linear_loader, quantize_kv
+from jaxllm.kv.linear import gather_rows, init_cache
+from jaxllm.ops.xla import KeysFromValues, apply_rope, attend, attention_mask, inv_frequencies, rms_norm
 
 KV_QUANT_MODES = ("auto", "int8", "none")
 
@@ -118,7 +118,9 @@ class RingKV:
         """The ring's keys and values in the compute dtype."""
         return dequantize_kv(self.k, self.k_scale, dtype), dequantize_kv(self.v, self.v_scale, dtype)
 
-    def update_and_attend(self, cfg: ModelConfig, a: AttnSpec, w, q, k, v, positions):
+    def update_and_attend(self, cfg: ModelConfig, a: AttnSpec, k_norm, q, k, v, positions, ops):
+        if k is None:                     # a layer reading a ring an earlier layer wrote
+            return self.attend(cfg, a, k_norm, q, positions), self
         # The chunk attends to the ring as it was before the chunk plus its own keys, so a chunk
         # longer than the window still sees its own earlier tokens; ring slots at or past the
         # chunk's start are stale rewrites and are hidden.
@@ -134,7 +136,7 @@ class RingKV:
         o = attend(q, keys, vals, mask, cfg.query_scale, cfg.attn_softcap)
         return o, self.write(k, v, positions, held)
 
-    def attend(self, cfg: ModelConfig, a: AttnSpec, w, q, positions):
+    def attend(self, cfg: ModelConfig, a: AttnSpec, k_norm, q, positions, ops=None):
         """For a layer reading a ring an earlier layer of this forward already wrote: correct while
         the ring holds window + T - 1 slots, which `make_cache` gives kinds that have such readers
         (with exactly `window` slots a chunk's early queries would lose keys the chunk overwrote)."""
@@ -197,7 +199,7 @@ class BlockKV:
         nk, nks = _store(put, self.k, self.k_scale, k)
         return self.replace(k=nk, v=nv, k_scale=nks, v_scale=nvs)
 
-    def loader(self, cfg: ModelConfig, a: AttnSpec, w, dtype):
+    def loader(self, cfg: ModelConfig, a: AttnSpec, k_norm, dtype):
         if not self.shared:
             return linear_loader(self.k, self.v, self.k_scale, self.v_scale, block=self.block, dtype=dtype)
         base = linear_loader(self.v, self.v, self.v_scale, self.v_scale, block=self.block, dtype=dtype)
@@ -207,16 +209,16 @@ class BlockKV:
             _, v, pos = base(start)
             # k_norm(v_norm(x)) == k_norm(x) up to eps: RMS-normalizing an RMS-normalized vector
             # only rescales by (1 + eps)^-1/2, so the stored values give back the keys.
-            k = rms_norm(v, w["k_norm"], cfg.norm_eps, cfg.norm_offset) if cfg.qk_norm else v
+            k = rms_norm(v, k_norm, cfg.norm_eps, cfg.norm_offset) if k_norm is not None else v
             return apply_rope(k, pos, inv_freq), v, pos
         return load
 
-    def update_and_attend(self, cfg: ModelConfig, a: AttnSpec, w, q, k, v, positions):
-        new = self.write(k, v, positions)
-        return new.attend(cfg, a, w, q, positions), new
+    def update_and_attend(self, cfg: ModelConfig, a: AttnSpec, k_norm, q, k, v, positions, ops):
+        new = self if k is None else self.write(k, v, positions)
+        return new.attend(cfg, a, k_norm, q, positions, ops), new
 
-    def attend(self, cfg: ModelConfig, a: AttnSpec, w, q, positions):
-        return blockwise_attend(q, positions, self.loader(cfg, a, w, q.dtype), n_slots=self.v.shape[1],
+    def attend(self, cfg: ModelConfig, a: AttnSpec, k_norm, q, positions, ops=None):
+        return blockwise_attend(q, positions, self.loader(cfg, a, k_norm, q.dtype), n_slots=self.v.shape[1],
                                 block=self.block, scale=cfg.query_scale, softcap=cfg.attn_softcap,
                                 window=a.window)
 
@@ -229,11 +231,12 @@ class StackedLayer:
     stack: RingKV | BlockKV
     idx: jax.Array
 
-    def update_and_attend(self, cfg: ModelConfig, a: AttnSpec, w, q, k, v, positions):
+    def update_and_attend(self, cfg: ModelConfig, a: AttnSpec, k_norm, q, k, v, positions, ops):
         # The ring is written before it is read: the slot the token takes held position p - W,
-        # which a sliding window of W positions no longer sees.
-        new = self.write(k, v, positions)
-        return new.attend(cfg, a, w, q, positions), new
+        # which a sliding window of W positions no longer sees. k None: written already (by the
+        # backend's decode prologue), or a layer reading another layer's cache.
+        new = self if k is None else self.write(k, v, positions)
+        return new.attend(cfg, a, k_norm, q, positions, ops), new
 
     def write(self, k, v, positions) -> "StackedLayer":
         c, p = self.stack, positions[:, 0]
@@ -270,9 +273,7 @@ class StackedLayer:
             stacks["pos"] = stacks.pop("slot_pos")
         return StackedLayer(self.stack.replace(**stacks), self.idx)
 
-    def attend(self, cfg: ModelConfig, a: AttnSpec, w, q, positions):
-        from jaxllm.ops.gpu.attention import KeysFromValues
-        from jaxllm.ops.gpu.dispatch import stacked_attention
+    def attend(self, cfg: ModelConfig, a: AttnSpec, k_norm, q, positions, ops=None):
         c = self.stack
         keys = None
         if isinstance(c, RingKV):
@@ -280,23 +281,21 @@ class StackedLayer:
         else:
             arrays = {"k": c.k, "v": c.v, "k_scale": c.k_scale, "v_scale": c.v_scale}
             if c.shared:
-                keys = KeysFromValues(inv_frequencies(a.rope, a.head_dim),
-                                      layer_of(w["k_norm"]) if cfg.qk_norm else None, cfg.norm_eps, cfg.norm_offset)
-        o = stacked_attention(q, arrays, self.idx, positions, scale=cfg.query_scale, softcap=cfg.attn_softcap,
+                keys = KeysFromValues(inv_frequencies(a.rope, a.head_dim), k_norm, cfg.norm_eps, cfg.norm_offset)
+        o = ops.stacked_attention(q, arrays, self.idx, positions, scale=cfg.query_scale, softcap=cfg.attn_softcap,
                               window=a.window, keys=keys)
         if o is None:
             o = jax.tree_util.tree_map(lambda x: gather_rows(x[self.idx], None, q.shape[0]), c).attend(
-                cfg, a, w, q, positions)
+                cfg, a, k_norm, q, positions)
         return o
 
 
-def layer_view(cache: RingKV | BlockKV, idx: jax.Array, tokens_per_row: int, rows: jax.Array | None = None,
+def layer_view(cache: RingKV | BlockKV, idx: jax.Array, tokens_per_row: int, ops, rows: jax.Array | None = None,
                batch: int | None = None):
-    """What a layer's attention works on: the stacks themselves where the decode kernel reads them
-    in place (one token per row of the leading cache rows, kernels on), else the layer sliced out,
-    of the cache rows `rows` (or the first `batch`) where given (put back by the caller)."""
-    from jaxllm.ops import gpu as kernels
-    if tokens_per_row == 1 and rows is None and kernels.enabled():
+    """What a layer's attention works on: the stacks themselves where the backend's decode attention
+    reads them in place (`ops.reads_in_place`), else the layer sliced out, of the cache rows `rows`
+    (or the first `batch`) where given (put back by the caller)."""
+    if ops.reads_in_place(tokens_per_row, rows):
         return StackedLayer(cache, idx)
     return jax.tree_util.tree_map(lambda x: gather_rows(x[idx], rows, batch), cache)
 
@@ -356,27 +355,3 @@ def cache_shapes(cfg: ModelConfig, layout: KVLayout, opts: KVOptions, batch: int
     """The cache as a pytree of jax.ShapeDtypeStruct (nothing allocated), e.g. to lower a compiled
     step ahead of time or to derive shardings."""
     return jax.eval_shape(lambda: make_cache(cfg, layout, opts, batch, length, dtype, n_layers))
-
-
-# Logical axis names of every cache leaf, for sharding rules (heads shard under tensor parallelism).
-CACHE_AXES = {
-    "kv": ("layers", "batch", "cache_seq", "kv_heads", "head_dim"),
-    "scale": ("layers", "batch", "cache_seq", "kv_heads"),
-    "pos": ("layers", "batch", "cache_seq"),
-}
-
-
-def cache_axes(cache) -> dict:
-    """A pytree like `cache` (arrays or shape structs) holding each leaf's logical axis names, as
-    tuples: `jax.tree_util.tree_map(fn, cache, cache_axes(cache))` pairs every leaf with its axes."""
-    def kind_axes(c):
-        def opt(x, name):
-            return None if x is None else CACHE_AXES[name]
-        if isinstance(c, RingKV):
-            return RingKV(CACHE_AXES["kv"], CACHE_AXES["kv"], CACHE_AXES["pos"], opt(c.k_scale, "scale"),
-                          opt(c.v_scale, "scale"))
-        if isinstance(c, BlockKV):
-            return c.replace(k=opt(c.k, "kv"), v=CACHE_AXES["kv"], k_scale=opt(c.k_scale, "scale"),
-                             v_scale=opt(c.v_scale, "scale"))
-        return {name: CACHE_AXES["kv"] for name in c}
-    return {name: kind_axes(c) for name, c in cache.items()}

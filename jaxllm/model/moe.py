@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxllm.model.layers import activation
+from jaxllm.ops.xla import activation
 from jaxllm.quant import QuantArray
 
 

@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from jaxllm.config.model import KIND_NAMES, AttnSpec, ModelConfig
 
@@ -98,21 +96,3 @@ def is_spec(x) -> bool:
 
 def map_specs(fn, tree):
     return jax.tree_util.tree_map(fn, tree, is_leaf=is_spec)
-
-
-def init_random(tree: dict, seed: int, dtype) -> dict:
-    """Small random weights of the described shapes (tests, benchmarks without a checkpoint)."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_spec)
-    rng = np.random.default_rng(seed)
-    out = []
-    for s in leaves:
-        if s.init == "zeros":
-            a = np.zeros(s.shape, np.float32)
-        elif s.init == "ones":
-            a = np.ones(s.shape, np.float32)
-        else:
-            lead = (1 if s.axes[0] == "layers" else 0) + s.n_batch
-            fan_in = int(np.prod(s.shape[lead:][:max(s.n_contract, 1)]))
-            a = rng.standard_normal(s.shape, dtype=np.float32) / np.sqrt(max(fan_in, 1))
-        out.append(jnp.asarray(a, dtype))
-    return jax.tree_util.tree_unflatten(treedef, out)

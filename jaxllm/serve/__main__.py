@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import socket
 import sys
 import time
+
+from jaxllm.config.runtime import env
 
 STARTED = time.monotonic()
 
@@ -45,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="KV-cache format: auto = compute dtype up to 32K positions, split int8 above")
     p.add_argument("--tp", type=positive(), default=None,
                    help="tensor-parallel degree over local devices (default: all of them)")
-    p.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"),
+    p.add_argument("--api-key", default=env("JAXLLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (or set JAXLLM_API_KEY)")
     p.add_argument("--max-queue", type=positive(), default=64,
                    help="requests waiting for a slot before new ones get 429")
@@ -62,8 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     from jaxllm.engine.compilation_cache import add_flag
-    from jaxllm.harness.cli import add_speculative_args
+    from jaxllm.harness.cli import add_runtime_args, add_speculative_args
     add_flag(p)
+    add_runtime_args(p)
     add_speculative_args(p)
     return p.parse_args(argv)
 
@@ -93,7 +95,7 @@ def main(argv=None) -> int:
     import jaxllm
     from jaxllm.engine.compilation_cache import enable
     from jaxllm.errors import JaxllmError
-
+    from jaxllm.harness.cli import runtime_from
     from jaxllm.serve.app import ServeOptions, build_app
 
     cache = enable(args.compilation_cache)
@@ -101,18 +103,20 @@ def main(argv=None) -> int:
     log.info("compilation cache: %s", cache or "off")
     try:
         if args.shape:
-            from jaxllm.harness.synthetic import random_engine
             from jaxllm.engine.sharding import layout_for
+            from jaxllm.harness.synthetic import random_engine
             engine = random_engine(args.shape, dtype=args.dtype, quant=args.quant, max_ctx=args.max_model_len or 8192,
                                    layout=layout_for(args.tp), kv_quant=args.kv_quant, speculative=args.speculative,
                                    num_speculative_tokens=args.num_speculative_tokens,
-                                   draft_model_dir=args.draft_model_dir, speculative_max_batch=args.speculative_max_batch,
-                                   tokenizer=args.tokenizer)
+                                   draft_model_dir=args.draft_model_dir,
+                                   speculative_max_batch=args.speculative_max_batch,
+                                   tokenizer=args.tokenizer, runtime=runtime_from(args))
         else:
             engine = jaxllm.load(args.model_dir, max_ctx=args.max_model_len, quant=args.quant, dtype=args.dtype,
                                  kv_quant=args.kv_quant, tp=args.tp, speculative=args.speculative,
                                  num_speculative_tokens=args.num_speculative_tokens,
-                                 draft_model_dir=args.draft_model_dir, speculative_max_batch=args.speculative_max_batch)
+                                 draft_model_dir=args.draft_model_dir, speculative_max_batch=args.speculative_max_batch,
+                                 runtime=runtime_from(args))
     except JaxllmError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

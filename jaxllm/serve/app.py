@@ -24,10 +24,23 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from jaxllm.serve.grammar import Grammars
+from jaxllm.serve.jobs import Delta, Failed, Finished, Job, Prompt, QueueFull
 from jaxllm.serve.metrics import CONTENT_TYPE, Metrics
 from jaxllm.serve.output import chat_features
-from jaxllm.serve.protocol import (AnswerStream, ApiError, GenRequest, LogprobWriter, bad, choice, detokenize, full_response, parse_request, tokenize, usage_chunk)
-from jaxllm.serve.scheduler import Delta, Failed, Finished, Job, Prompt, QueueFull, Scheduler
+from jaxllm.serve.protocol import (
+    AnswerStream,
+    ApiError,
+    GenRequest,
+    LogprobWriter,
+    bad,
+    choice,
+    detokenize,
+    full_response,
+    parse_request,
+    tokenize,
+    usage_chunk,
+)
+from jaxllm.serve.scheduler import Scheduler
 
 log = logging.getLogger("jaxllm.serve")
 

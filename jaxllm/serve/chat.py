@@ -41,7 +41,8 @@ def _tool_calls(calls, where: str) -> list[dict]:
     for j, c in enumerate(calls):
         w = f"{where}.tool_calls[{j}]"
         f = c.get("function") if isinstance(c, dict) else None
-        if (not isinstance(c, dict) or set(c) - {"id", "type", "function", "index"} or c.get("type", "function") != "function"
+        if (not isinstance(c, dict) or set(c) - {"id", "type", "function", "index"}
+                or c.get("type", "function") != "function"
                 or not isinstance(f, dict) or set(f) != {"name", "arguments"} or not isinstance(c.get("id"), str)):
             raise bad(f"{w} must be {{'id': str, 'type': 'function', 'function': {{'name': str, 'arguments': str}}}}",
                       "messages")
@@ -114,7 +115,8 @@ def tools_field(body: dict, features: ChatFeatures) -> list[dict] | None:
     out, names = [], set()
     for i, t in enumerate(tools):
         f = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(t, dict) or set(t) != {"type", "function"} or t["type"] != "function" or not isinstance(f, dict):
+        if (not isinstance(t, dict) or set(t) != {"type", "function"} or t["type"] != "function"
+                or not isinstance(f, dict)):
             raise bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., ...}}}}", "tools")
         check_fields(f, {"name", "description", "parameters", "strict"}, f"tools[{i}].function.")
         name = f.get("name")

@@ -18,7 +18,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from jaxllm.serve.scheduler import Job, Observer
+from jaxllm.serve.jobs import Job, Observer
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 SUCCESS = ("stop", "length", "tool_calls")

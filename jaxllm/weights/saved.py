@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import inspect
 import json
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -129,6 +130,7 @@ def restore_weights(d: Path, cfg, family, quant: str, dtype, layout):
     """The saved weights, restored directly into the shardings `layout` gives them."""
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
+
     from jaxllm.engine.sharding import check_divisible, scale_shape_axes
     from jaxllm.weights.weights import is_quantized
     meta = read_meta(d)
@@ -171,3 +173,23 @@ def restore_weights(d: Path, cfg, family, quant: str, dtype, layout):
     specs, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda s: hasattr(s, "n_contract"))
     return jax.tree_util.tree_unflatten(treedef, [rebuild(s, x) for s, x in
                                                   zip(specs, treedef.flatten_up_to(restored))])
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja", "chat_template.json")
+
+
+def write_source_files(files, dst: Path, tok) -> None:
+    """config.json and tokenizer files: copied from an HF directory, written out for a GGUF file."""
+    if files.kind == "hf":
+        for name in ("config.json",) + TOKENIZER_FILES:
+            if (files.path / name).exists():
+                shutil.copy2(files.path / name, dst / name)
+        return
+    from jaxllm.weights.gguf import read_gguf_config
+    (dst / "config.json").write_text(json.dumps(read_gguf_config(files.path), indent=1, default=str))
+    tok.tok.save(str(dst / "tokenizer.json"))
+    (dst / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": tok.bos_token, "eos_token": tok.eos_token, "add_bos_token": tok.add_bos,
+        "chat_template": tok.chat_template}, indent=1))
+    (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": list(tok.eos_ids)}))

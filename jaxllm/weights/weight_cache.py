@@ -39,13 +39,14 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from jaxllm.config.runtime import env
 from jaxllm.errors import ModelError
 
 ENV = "JAXLLM_WEIGHT_CACHE"
 FORMAT = 1
 # What decides the bytes of an entry: dequantization, conversion, quantization, the saved format
 # and the config/tokenizer files; plus every family module (jaxllm/models/*.py).
-CODE_MODULES = ("jaxllm.harness.convert", "jaxllm.weights.gguf", "jaxllm.weights.gguf_file", "jaxllm.weights.place",
+CODE_MODULES = ("jaxllm.weights.gguf", "jaxllm.weights.gguf_file", "jaxllm.weights.place",
                 "jaxllm.weights.saved", "jaxllm.weights.weights", "jaxllm.model.params", "jaxllm.quant")
 STALE_TMP_S = 24 * 3600     # a temporary directory this old belongs to a writer that died
 HEADROOM = 1 << 30          # free space an entry must leave on its disk
@@ -63,9 +64,10 @@ class Entry:
 def enabled(flag: bool | None = None) -> bool:
     """`flag` if given, else $JAXLLM_WEIGHT_CACHE (on unless "off"); never in a multi-process run."""
     if flag is None:
-        value = os.environ.get(ENV, "").strip().lower()
+        raw = env(ENV, "")
+        value = raw.strip().lower()
         if value not in ("", "on", "off", "1", "0", "true", "false"):
-            raise ModelError(f"{ENV} must be 'on' or 'off', got {os.environ[ENV]!r}")
+            raise ModelError(f"{ENV} must be 'on' or 'off', got {raw!r}")
         flag = value not in ("off", "0", "false")
     if not flag:
         return False
@@ -224,8 +226,7 @@ def _meta(entry: Entry) -> dict:
 def write(entry: Entry, files, cfg, weights, tok) -> None:
     """Save the model just built from `files` as the entry. Never fails the load: a cache that
     cannot be written is one warning."""
-    from jaxllm.harness.convert import write_source_files
-    from jaxllm.weights.saved import save_weights
+    from jaxllm.weights.saved import save_weights, write_source_files
     root = entry.path.parent
     tmp = root / f".{entry.path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     try:

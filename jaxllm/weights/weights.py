@@ -10,14 +10,14 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import ml_dtypes
+import numpy as np
 
 from jaxllm.config.model import ModelConfig
+from jaxllm.engine.sharding import scale_shape_axes
 from jaxllm.errors import ModelError
 from jaxllm.model.params import ParamSpec, is_spec
 from jaxllm.quant import QuantArray, quantize_np, quantize_rows_np
-from jaxllm.engine.sharding import scale_shape_axes
 from jaxllm.weights.place import convert_layer, from_host, place_stacked, rows_to_host
 
 PREFIXES = ("model.", "model.language_model.", "language_model.model.", "")

@@ -3,9 +3,7 @@ few functions whose math differs. Detection reads config.json's model_type / arc
 from __future__ import annotations
 
 from jaxllm.errors import ModelError
-from jaxllm.model.families import gemma3
-from jaxllm.model.families import gemma4
-from jaxllm.model.families import qwen3
+from jaxllm.model.families import gemma3, gemma4, qwen3
 
 FAMILIES = (qwen3, gemma3, gemma4)
 

@@ -3,8 +3,8 @@ query_pre_attn_scalar, GELU-tanh, interleaved sliding/global layers with their o
 from __future__ import annotations
 
 from jaxllm.config.model import AttnSpec, ModelConfig
-from jaxllm.model.params import abstract_weights
 from jaxllm.model.families.common import GEMMA_NORM_NAMES, HF_NAMES, eos_ids, layer_kinds, need, per_kind_rope
+from jaxllm.model.params import abstract_weights
 
 MODEL_TYPES = ("gemma3", "gemma3_text")
 ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")

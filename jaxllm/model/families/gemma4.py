@@ -17,12 +17,12 @@ import jax.numpy as jnp
 
 from jaxllm.config.model import GLOBAL, KIND_NAMES, SLIDING, AttnSpec, ModelConfig, RopeSpec
 from jaxllm.errors import ModelError
-from jaxllm.model.layers import activation, add_norm, gated_mlp, rms_norm
-from jaxllm.model.forward import Branch, attention_block, branches
+from jaxllm.model.families.common import GEMMA_NORM_NAMES, HF_NAMES, eos_ids, layer_kinds, need, per_kind_rope
+from jaxllm.model.layers import attention_block
 from jaxllm.model.moe import moe_ffn
 from jaxllm.model.params import ParamSpec, abstract_weights, stack
-from jaxllm.quant import Normed, linear
-from jaxllm.model.families.common import GEMMA_NORM_NAMES, HF_NAMES, eos_ids, layer_kinds, need, per_kind_rope
+from jaxllm.model.schedule import Branch, branches
+from jaxllm.ops.xla import activation, rms_norm
 
 # "unified" (Gemma 4 12B) is the same text model without per-layer inputs and MoE
 MODEL_TYPES = ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text")
@@ -188,7 +188,7 @@ def abstract(cfg: ModelConfig) -> dict:
 
 
 # -- the forward hooks the core calls -----------------------------------------------------------
-def layer_inputs(cfg: ModelConfig, weights: dict, tokens: jax.Array, x: jax.Array):
+def layer_inputs(cfg: ModelConfig, weights: dict, tokens: jax.Array, x: jax.Array, ops):
     """Per-layer inputs [L, B, T, P]: the token's own PLE row plus a projection of its embedding."""
     if not cfg.extra("ple"):
         return None
@@ -196,7 +196,7 @@ def layer_inputs(cfg: ModelConfig, weights: dict, tokens: jax.Array, x: jax.Arra
     B, T = tokens.shape
     L, D, dt = cfg.num_layers, cfg.hidden_size, x.dtype
     tok = jnp.take(weights["ple_embed"], tokens, axis=0).astype(dt) * jnp.asarray(P ** 0.5, dt)
-    proj = linear(x, weights["ple_proj"]) * jnp.asarray(D ** -0.5, dt)
+    proj = ops.linear(x, weights["ple_proj"]) * jnp.asarray(D ** -0.5, dt)
     proj = rms_norm(proj, weights["ple_norm"], cfg.norm_eps)
     ple = (proj + tok.reshape(B, T, L, P)) * jnp.asarray(2.0 ** -0.5, dt)
     return jnp.moveaxis(ple, 2, 0)
@@ -222,20 +222,23 @@ def moe_block(cfg: ModelConfig, w: dict, x: jax.Array) -> jax.Array:
     return rms_norm(y.reshape(x.shape), w["moe_out_norm"], cfg.norm_eps)
 
 
-def decoder_layer(cfg: ModelConfig, b: Branch, w: dict, x, positions, layer_cache, ple):
+def decoder_layer(cfg: ModelConfig, b: Branch, w: dict, x, h, positions, layer_cache, ple, ops):
+    """The shared layer plus Gemma 4's own: the MoE block beside the dense MLP, the per-layer input
+    (PLE) and the layer's output scalar; -> (x', x' normed for the next layer), the cache."""
     eps = cfg.norm_eps
-    h = Normed(x, w["attn_norm"], eps)                 # normed in the Q/K/V kernel
-    a, layer_cache = attention_block(cfg, b.kind, w, h, positions, layer_cache, own_kv=b.own_kv,
+    h = ops.layer_input(x, h, w["attn_norm"], eps)
+    a, layer_cache = attention_block(cfg, b.kind, w, h, positions, layer_cache, ops, own_kv=b.own_kv,
                                      partials=True)
-    x, h = add_norm(x, a, w["post_attn_norm"], w["mlp_norm"], eps)
-    m = gated_mlp(cfg, w, h)
+    x, h = ops.add_norm(x, a, w["post_attn_norm"], w["mlp_norm"], eps)
+    m = ops.gated_mlp(h, w["gate"], w["up"], w["down"], cfg.activation)
     if cfg.extra("moe"):
         m = rms_norm(m, w["dense_out_norm"], eps) + moe_block(cfg, w, x)
-    x = x + rms_norm(m, w["post_mlp_norm"], eps)
+    x = x + ops.rms_norm(m, w["post_mlp_norm"], eps)
     if ple is not None:
-        g = activation(cfg.activation, linear(x, w["ple_gate"])) * ple
-        x = x + rms_norm(linear(g, w["ple_out"]), w["ple_post_norm"], eps)
-    return x * w["layer_scalar"].astype(x.dtype), layer_cache
+        g = activation(cfg.activation, ops.linear(x, w["ple_gate"])) * ple
+        x = x + rms_norm(ops.linear(g, w["ple_out"]), w["ple_post_norm"], eps)
+    x = x * w["layer_scalar"].astype(x.dtype)
+    return ops.next_input(x, w["next_norm"], eps), layer_cache
 
 
 # Used when a checkpoint carries no template of its own: Gemma 4's turn markup.

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from jaxllm.config.model import GLOBAL, SLIDING, AttnSpec, ModelConfig
-from jaxllm.model.params import abstract_weights
 from jaxllm.model.families.common import HF_NAMES, eos_ids, layer_kinds, need, per_kind_rope
+from jaxllm.model.params import abstract_weights
 
 MODEL_TYPES = ("qwen3",)
 ARCHITECTURES = ("Qwen3ForCausalLM",)

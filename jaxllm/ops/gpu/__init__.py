@@ -1,84 +1,71 @@
-"""Which code runs the decode-time hot spots: Pallas kernels on GPUs, XLA everywhere else.
+"""The GPU backend: Pallas kernels (Triton) for the decode-time hot spots, behind `PallasOps`
+(backend.py), which `ops.select` chooses on GPUs. Importing this package loads Pallas; nothing
+outside it does.
 
-`JAXLLM_KERNELS` picks: `auto` (the default) uses the Pallas kernels on GPUs (one, or a
-tensor-parallel mesh, where they run per device on its shards) and XLA otherwise (TPU, CPU); `xla`
-forces the pure-XLA path everywhere (the reference, and a fallback a user can choose); `pallas`
-forces the kernels, in Pallas interpret mode on a CPU (how the tests check them).
-Every choice is logged once per shape on the `jaxllm.kernels` logger and kept in `selections()`,
-so a run can say what it ran; a shape a kernel does not take goes to XLA, logged the same way.
+While `PallasOps` traces an operation it declares its layout and settings here (`scope`): on a
+tensor-parallel mesh the kernels run per device inside `shard_map` on each device's shards, and
+tiles are chosen for the device kind. Every choice is logged once per shape on the `jaxllm.kernels`
+logger and kept in `selections()`, so a run can say what it ran; a shape a kernel does not take
+goes to XLA, logged the same way.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import logging
-import os
+from dataclasses import dataclass
 
 import jax
 from jax.experimental import pallas as pl
 
-from jaxllm.errors import ModelError
 from jaxllm.ops.gpu import offsets
 
-offsets.install()
-
-MODES = ("auto", "xla", "pallas")
 log = logging.getLogger("jaxllm.kernels")
-_layout: contextvars.ContextVar = contextvars.ContextVar("kernel_layout", default=None)
+
+
+@dataclass(frozen=True)
+class Scope:
+    layout: object = None            # the `engine.sharding.Layout` traced for (None: one device)
+    widen: str | None = None         # `RuntimeConfig.int8_widen`
+
+
+_scope: contextvars.ContextVar = contextvars.ContextVar("gpu_scope", default=Scope())
 _seen: dict[tuple, str] = {}
 
 
-def mode() -> str:
-    m = os.environ.get("JAXLLM_KERNELS", "auto").strip().lower() or "auto"
-    if m not in MODES:
-        raise ModelError(f"JAXLLM_KERNELS must be one of {', '.join(MODES)}, got {m!r}")
-    return m
-
-
 @contextlib.contextmanager
-def use_layout(layout):
-    """Declare the `sharding.Layout` whose mesh the computations traced inside run on: with a
-    tensor-parallel mesh the kernels run per device inside `shard_map`, on each device's shards."""
-    tok = _layout.set(layout)
+def scope(layout=None, widen: str | None = None):
+    """Declare the layout (and settings) the kernels traced inside run under."""
+    tok = _scope.set(Scope(layout, widen))
     try:
         yield
     finally:
-        _layout.reset(tok)
+        _scope.reset(tok)
 
 
 def current_layout():
     """The declared layout, or None (then the computation is taken to be on one device)."""
-    return _layout.get()
+    return _scope.get().layout
 
 
-def platform() -> str:
-    """The platform what is traced now runs on: the declared layout's devices', else the default
-    backend's."""
-    lay = _layout.get()
-    return jax.default_backend() if lay is None else lay.mesh.devices.flat[0].platform
-
-
-def enabled() -> bool:
-    """Whether the Pallas kernels are used for what is traced now: one GPU, or a tensor-parallel
-    mesh of GPUs (no data-parallel axis) declared with `use_layout`."""
-    m = mode()
-    if m != "auto":
-        return m == "pallas"
-    lay = _layout.get()
-    if platform() != "gpu":
-        return False
-    return jax.device_count() == 1 if lay is None else lay.dp == 1
+def widen_setting() -> str | None:
+    return _scope.get().widen
 
 
 def device_kind() -> str:
     """The kind of device what is traced now runs on (e.g. "NVIDIA H200"), for tiles tuned per GPU."""
-    lay = _layout.get()
+    lay = current_layout()
     return (jax.devices()[0] if lay is None else lay.mesh.devices.flat[0]).device_kind
 
 
 def interpret() -> bool:
     """Pallas runs compiled (Triton) on a GPU and interpreted anywhere else."""
     return jax.default_backend() != "gpu"
+
+
+def install() -> None:
+    """What the kernels need of JAX's Triton lowering (`offsets`), once a process."""
+    offsets.install()
 
 
 def pallas_call(kernel, **kw):

@@ -31,19 +31,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxllm.ops.gpu import note, pallas_call
-from jaxllm.ops.gpu.matmul import SMS, _pow2
 from jaxllm.ops.gpu import widen as widening
+from jaxllm.ops.gpu.matmul import SMS, _pow2
+from jaxllm.ops.xla import KeysFromValues
 
 NEG = -1e30
-
-
-@dataclass(frozen=True)
-class KeysFromValues:
-    """Keys as `rope(rms_norm(v) * (offset + norm_w))` of the stored values (norm_w None: no norm)."""
-    inv_freq: np.ndarray          # [hd / 2]
-    norm_w: jax.Array | None      # [hd]
-    eps: float = 1e-6
-    offset: float = 0.0
 
 
 @dataclass(frozen=True)

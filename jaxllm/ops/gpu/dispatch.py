@@ -15,13 +15,16 @@ import math
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.ops.gpu import current_layout, enabled, note
+from jaxllm.config.axes import cache_leaf_axes
+from jaxllm.ops.gpu import current_layout, note
 from jaxllm.ops.gpu.attention import Cache, decode_attention
-from jaxllm.ops.gpu.prefill import prefill_attention
-from jaxllm.ops.gpu.prologue import HeadPrep, SplitQKV, decode_prologue
 from jaxllm.ops.gpu.matmul import RowNorm, stack_dims, stacked_gated, stacked_matmuls
 from jaxllm.ops.gpu.norm import residual_norm
-from jaxllm.quant import Normed, Partials, QuantArray, Stacked
+from jaxllm.ops.gpu.prefill import prefill_attention
+from jaxllm.ops.gpu.prologue import SplitQKV, decode_prologue
+from jaxllm.ops.gpu.types import Normed, Partials, Stacked
+from jaxllm.ops.xla import HeadPrep
+from jaxllm.quant import QuantArray
 
 MAX_ROWS = 256         # above this many rows (a prefill) a step is compute-bound: XLA's GEMMs
 HEAD_ROWS = 64         # the output head is wide enough to be compute-bound above this
@@ -205,9 +208,6 @@ def gated(x, gate, up, act):
     return _local(body, layout, in_specs, outs[0])(*args)
 
 
-KV_AXES = {"k": ("layers", "batch", "cache_seq", "kv_heads", "head_dim"),
-           "k_scale": ("layers", "batch", "cache_seq", "kv_heads"), "slot_pos": ("layers", "batch", "cache_seq")}
-KV_AXES.update(v=KV_AXES["k"], v_scale=KV_AXES["k_scale"])
 
 
 def cached_attention(q, layer_kv, positions, *, scale, softcap, window):
@@ -227,8 +227,6 @@ def stacked_prefill(q, stacks: dict, idx, positions, rows, *, scale, softcap, wi
     """Prefill attention of q [B, T, H, hd] at positions [B, T] over layer idx of a linear cache's
     stacks {"k", "v"}, cache row rows[b] for batch row b (b where rows is None), read in place
     (`prefill.prefill_attention`). None where XLA should run it."""
-    if not enabled():
-        return None
     B, T, H, hd = q.shape
     k, v = stacks["k"], stacks["v"]
     rows = jax.numpy.arange(B, dtype=jax.numpy.int32) if rows is None else rows
@@ -240,7 +238,7 @@ def stacked_prefill(q, stacks: dict, idx, positions, rows, *, scale, softcap, wi
     if layout is None or layout.mesh.size == 1:
         return run(q, idx, positions, rows, k, v)
     qspec = layout.spec(q.shape, ("batch", "seq", "q_heads", "head_dim"))
-    kvspec = layout.spec(v.shape, KV_AXES["v"])
+    kvspec = layout.spec(v.shape, cache_leaf_axes(v.ndim))
     K = v.shape[3]
     if not _kv_split_ok(qspec[2], kvspec[3], K, "prefill attention", (B, T, H, K, str(v.dtype))):
         return None
@@ -256,7 +254,7 @@ def stacked_attention(q, arrays: dict, idx, positions, *, scale, softcap, window
     arrays (k, v, and where the cache has them k_scale, v_scale, slot_pos; see `attention.Cache`),
     in place. None where XLA should run it (no kernels, or more than one query per row)."""
     B, T, H, hd = q.shape
-    if not enabled() or T != 1:
+    if T != 1:
         return None
     arrays = {k: v for k, v in arrays.items() if v is not None}
     norm_w = None if keys is None else keys.norm_w
@@ -270,7 +268,7 @@ def stacked_attention(q, arrays: dict, idx, positions, *, scale, softcap, window
     if layout is None or layout.mesh.size == 1:
         return run(q[:, 0], idx, positions[:, 0], norm_w, **arrays)[:, None]
     qspec = layout.spec(q[:, 0].shape, ("batch", "q_heads", "head_dim"))
-    specs = {k: layout.spec(a.shape, KV_AXES[k]) for k, a in arrays.items()}
+    specs = {k: layout.spec(a.shape, cache_leaf_axes(a.ndim)) for k, a in arrays.items()}
     if not _kv_split_ok(qspec[1], specs["v"][3], K, "decode attention", (B, H, K, str(arrays["v"].dtype))):
         return None
     names = tuple(arrays)
@@ -295,8 +293,6 @@ def prologue(q, k, v, prep: HeadPrep, positions, layer_cache):
     """Rotated queries [B, 1, H, hd] and `layer_cache` with this step's K/V written, from raw
     projections of one token per row (k, v None: queries alone, for a layer reading another's
     cache), by `prologue.decode_prologue`. None where XLA should do it."""
-    if not enabled():
-        return None
     layout = current_layout()
     parts = [y for y in (q, k, v) if isinstance(y, Partials)]
     if parts and (len(parts) != len([y for y in (q, k, v) if y is not None])
@@ -337,7 +333,7 @@ def prologue(q, k, v, prep: HeadPrep, positions, layer_cache):
         got = run(*args)
     else:
         qspec = layout.spec(q.shape, ("batch", "q_heads", "head_dim"))
-        specs = [layout.spec(a.shape, KV_AXES[n]) for n, a in stacks.items()]
+        specs = [layout.spec(a.shape, cache_leaf_axes(a.ndim)) for a in stacks.values()]
         if k is not None:
             K = stacks["v"].shape[3]
             kvspec = layout.spec(k.shape, ("batch", "kv_heads", "head_dim"))
@@ -358,7 +354,7 @@ def add_norm(x, y, post, pre, eps: float, offset: float, h_into=None):
     Under tensor parallelism every device computes it on the whole (replicated) rows. None where
     XLA should do it."""
     M = math.prod(x.shape[:-1])
-    if not enabled() or M > MAX_ROWS or pre is None:
+    if M > MAX_ROWS or pre is None:
         return None
     layout = current_layout()
     if isinstance(y, Partials) and layout is not None and layout.mesh.size > 1:
@@ -386,8 +382,6 @@ def output_head(h, table, tied: bool):
     with a scale per vocabulary entry, or float. On a tensor-parallel mesh each device computes the
     logits of its own vocabulary rows, so the result comes out vocabulary-sharded. None where XLA
     should do it."""
-    if not enabled():
-        return None
     q, scale = (table.q, table.scale) if isinstance(table, QuantArray) else (table, None)
     V, D = q.shape if tied else q.shape[::-1]
     desc = (D, V, str(q.dtype))
@@ -411,33 +405,3 @@ def output_head(h, table, tied: bool):
         return None
     in_specs = (P(), tspec) + (() if scale is None else (P(vocab),))
     return _local(run, layout, in_specs, P(*([None] * len(lead)), vocab))(*args)
-
-
-def embed_rows(table, ids, dtype):
-    """Token embeddings from a vocabulary-sharded table without gathering the table: on a
-    tensor-parallel mesh each device looks up the ids in its own rows (zeros elsewhere) and the
-    rows are summed over the model axis. None where the table is whole on each device."""
-    layout = current_layout()
-    if layout is None or layout.tp == 1:
-        return None
-    q, scale = (table.q, table.scale) if isinstance(table, QuantArray) else (table, None)
-    tspec = layout.spec(q.shape, ("vocab", "embed"))
-    if tspec[0] is None:
-        return None
-    rows_local = q.shape[0] // layout.tp
-    ispec = layout.spec(ids.shape, ("batch",) + (None,) * (ids.ndim - 1))
-
-    def body(q, ids, *scale):
-        local = ids - jax.lax.axis_index("model") * rows_local
-        hit = (local >= 0) & (local < rows_local)
-        local = jax.numpy.clip(local, 0, rows_local - 1)
-        rows = jax.numpy.take(q, local, axis=0).astype("float32")
-        if scale:
-            rows = rows * jax.numpy.take(scale[0], local, axis=0)
-        rows = jax.numpy.where(hit[..., None], rows, 0.0)
-        return jax.lax.psum(rows, "model").astype(dtype)
-
-    in_specs = (tspec, ispec) + ((tspec,) if scale is not None else ())
-    out_spec = P(*ispec, None)
-    args = (q, ids) + ((scale,) if scale is not None else ())
-    return _local(body, layout, in_specs, out_spec)(*args)

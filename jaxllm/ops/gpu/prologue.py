@@ -26,6 +26,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxllm.ops.gpu import note, pallas_call
 from jaxllm.ops.gpu.matmul import _pow2
+from jaxllm.ops.xla import HeadPrep
 
 SLOTS = ("drop", "ring")
 
@@ -35,20 +36,6 @@ def _round_even(y):
     r = jnp.floor(y + 0.5)
     odd = r - 2.0 * jnp.floor(r * 0.5) != 0
     return jnp.where((r - y == 0.5) & odd, r - 1.0, r)
-
-
-@dataclass(frozen=True)
-class HeadPrep:
-    """How projections become attention inputs: RMS norms (weights [hd] or None), RoPE's inverse
-    frequencies over the two halves of the head, and whether values get a weightless norm. The norm
-    weights may be layer stacks [L, hd], read at `norm_layer` in place."""
-    inv_freq: np.ndarray                  # [hd / 2]
-    q_norm: jax.Array | None = None
-    k_norm: jax.Array | None = None
-    v_norm: bool = False
-    eps: float = 1e-6
-    offset: float = 0.0
-    norm_layer: jax.Array | int = 0
 
 
 def _kernel(*refs, names, outs, H, hd, S, slots, eps, offset, v_norm, split):
@@ -77,7 +64,8 @@ def _kernel(*refs, names, outs, H, hd, S, slots, eps, offset, v_norm, split):
 
     def norm(x, wname):               # the weight's load is issued before the reduction
         ws = [] if wname is None else [
-            plgpu.load(r[wname].at[r["norm_layer"][0], jnp.int32(s), pl.ds(0, wp)], mask=dm, other=0.0).astype(jnp.float32)
+            plgpu.load(r[wname].at[r["norm_layer"][0], jnp.int32(s), pl.ds(0, wp)], mask=dm,
+                       other=0.0).astype(jnp.float32)
             for s in (0, 1)]
         inv = jax.lax.rsqrt(sum(jnp.sum(a * a) for a in x) / hd + eps)
         if wname is None:

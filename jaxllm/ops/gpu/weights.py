@@ -4,18 +4,20 @@ The model holds a layer weight input-major, `[L, *in, *out]`. The kernels read i
 output channel's inputs contiguous, `[L, *out, *in]`: inside the decode step on an H100 the batch-1
 Q/K/V, O and down kernels ran 1.2-1.3x faster, and batch-8 decode 12% faster (`kernels.matmul`;
 docs/benchmarks.md has the measurements). `out_major` transposes
-those stacks once, after loading, where the kernels run; wherever XLA multiplies them instead (a
-prefill, `JAXLLM_KERNELS=xla`) `linear` contracts them the other way round, so nothing else changes.
+those stacks once, after loading (`PallasOps.prepare_weights`); wherever XLA multiplies them instead (a
+prefill) the backend contracts them the other way round, so nothing else changes.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxllm.ops.gpu import enabled, log, use_layout
+from jaxllm.ops.gpu import log
 from jaxllm.ops.gpu.dispatch import AXES
-from jaxllm.quant import OutMajor, QuantArray
+from jaxllm.ops.gpu.types import OutMajor
+from jaxllm.quant import QuantArray
 
 CONTRACTED = {"o": 2}       # contracted dims of each layer weight the kernels take (the rest: 1)
 NAMES = tuple(AXES)         # the layer weights laid out output-major
@@ -45,14 +47,10 @@ def _one(name: str, w, donate: bool):
     return OutMajor(_transposed(w, n, donate), n)
 
 
-def out_major(weights: dict, layout=None, donate: bool = False) -> dict:
-    """`weights` with each layer stack the kernels take (Q, K, V, O, gate, up, down) output-major,
-    where the kernels run on `layout` (a GPU, or a tensor-parallel mesh of GPUs); elsewhere
-    `weights` itself. One stack is transposed at a time; with `donate` each input stack is freed as
-    its copy is made, so loading needs one stack of headroom rather than a second model."""
-    with use_layout(layout):
-        if not enabled():
-            return weights
+def out_major(weights: dict, donate: bool = False) -> dict:
+    """`weights` with each layer stack the kernels take (Q, K, V, O, gate, up, down) output-major.
+    One stack is transposed at a time; with `donate` each input stack is freed as its copy is made,
+    so loading needs one stack of headroom rather than a second model."""
     layers = {g: {k: _one(k, v, donate) for k, v in group.items()}
               for g, group in weights["layers"].items()}
     log.info("layer matmul weights laid out output-major for the kernels")

@@ -14,7 +14,8 @@ memory the conversion can set its pace. The three ways give the same values bit 
 
 The batch-1 matmul always uses `magic` (measured: Qwen3-4B batch 1 on one H100 gained from it over
 `convert`), and so does the decode attention where it widens int8 values to float32 to rebuild
-keys from them (measured on one H200). Elsewhere `JAXLLM_INT8_WIDEN` picks, `convert` by default
+keys from them (measured on one H200). Elsewhere `RuntimeConfig.int8_widen` (JAXLLM_INT8_WIDEN)
+picks, `convert` by default
 (as bf16 dot operands `magic` and `bits` measured slower); setting it applies everywhere but the
 batch-1 matmul, so that each way can be timed inside the whole decode step.
 `scripts/attention_bench.py --widen` and `scripts/kernel_bench.py --widen` time them kernel by
@@ -22,12 +23,8 @@ kernel.
 """
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
-
-from jaxllm.errors import ModelError
 
 WAYS = ("convert", "magic", "bits")
 MAGIC = 0x4B400000     # the bits of 1.5 * 2**23: adding an int8 to them gives that float plus it
@@ -35,11 +32,9 @@ BF16_128 = 0x4300      # the bits of bf16 128.0, whose spacing is 1
 
 
 def default(fallback: str = "convert") -> str:
-    """The way `JAXLLM_INT8_WIDEN` names, or `fallback` where it is unset."""
-    w = os.environ.get("JAXLLM_INT8_WIDEN", fallback).strip().lower() or fallback
-    if w not in WAYS:
-        raise ModelError(f"JAXLLM_INT8_WIDEN must be one of {', '.join(WAYS)}, got {w!r}")
-    return w
+    """The way the runtime configuration names (`RuntimeConfig.int8_widen`), or `fallback`."""
+    from jaxllm.ops.gpu import widen_setting
+    return widen_setting() or fallback
 
 
 def widen(x, dtype, way: str):

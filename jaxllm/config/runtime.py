@@ -1,0 +1,121 @@
+"""The runtime's choices, and the one place the environment is read.
+
+`RuntimeConfig` holds what picks code paths (the backend's kernels, the layer scan, its unrolling,
+how kernels widen int8): a frozen object built once at the edge (command-line flags, `jaxllm.load`
+arguments, or `RuntimeConfig.from_env()`) and handed to `ops.select`, whose backend object the
+model, the KV caches and the engine are given. Nothing below the edge reads the environment.
+
+`env(name)` reads one of the documented variables in `VARIABLES`; every module that honours an
+environment variable (cache folders, the compilation cache, the distributed runtime, the server's
+API key) asks here, so the list below is the whole list.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from jaxllm.errors import ModelError
+
+VARIABLES = {
+    "JAXLLM_KERNELS": "auto | xla | pallas: the Pallas kernels on GPUs (auto), nowhere, or everywhere "
+                      "(interpreted on a CPU)",
+    "JAXLLM_LAYER_SCAN": "auto | cond | period: how the layer scan reaches sliding and global layers",
+    "JAXLLM_SCAN_UNROLL": "layers per iteration of the layer scan: a count, or full (unset: chosen per step)",
+    "JAXLLM_INT8_WIDEN": "convert | magic | bits: how GPU kernels widen int8 (unset: each kernel's own)",
+    "JAXLLM_CACHE": "the folder of jaxllm's per-user caches (default $XDG_CACHE_HOME/jaxllm)",
+    "JAXLLM_WEIGHT_CACHE": "on | off: keep models built from GGUF files in the weight cache",
+    "JAXLLM_COMPILATION_CACHE": "the compilation cache's folder, or off",
+    "JAXLLM_DISTRIBUTED": "1: start JAX's distributed runtime from its environment variables",
+    "JAXLLM_PROGRESS": "1: show loading progress bars even when stderr is not a terminal",
+    "JAXLLM_DEBUG": "1: print tracebacks instead of one-line errors",
+    "JAXLLM_COMMIT": "the commit a benchmark records, for a copy of the tree without .git",
+    "JAXLLM_API_KEY": "the key the server requires (the --api-key default)",
+    "XDG_CACHE_HOME": "the base of per-user cache folders",
+    "XLA_FLAGS": "XLA's own flags (recorded by benchmarks, part of the compiled-steps key)",
+    "JAX_DEFAULT_MATMUL_PRECISION": "JAX's matmul precision (part of the compiled-steps key)",
+    "JAX_COORDINATOR_ADDRESS": "JAX's distributed runtime: the coordinator",
+    "JAX_NUM_PROCESSES": "JAX's distributed runtime: the number of processes",
+    "JAX_PROCESS_ID": "JAX's distributed runtime: this process's index",
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "libtpu: let a process load it beside another (compiling for TPUs without one)",
+}
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    """The value of a documented environment variable (`VARIABLES`), or `default` where unset or empty."""
+    if name not in VARIABLES:
+        raise KeyError(f"{name} is not a documented jaxllm environment variable")
+    value = os.environ.get(name, "")
+    return value if value.strip() else default
+
+
+def set_default(name: str, value: str) -> None:
+    """Set a documented variable for this process and its children, unless it is set already."""
+    env(name)
+    os.environ.setdefault(name, value)
+
+
+def cache_home() -> Path:
+    """`$XDG_CACHE_HOME`, else `~/.cache`."""
+    base = env("XDG_CACHE_HOME")
+    return Path(base).expanduser() if base else Path.home() / ".cache"
+
+
+KERNELS = ("auto", "xla", "pallas")
+LAYER_SCANS = ("auto", "cond", "period")
+WIDENINGS = ("convert", "magic", "bits")
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """What picks the code a model runs, as opposed to what the model is (`ModelConfig`).
+
+    kernels: `auto` uses the Pallas kernels on GPUs (one, or a tensor-parallel mesh) and XLA
+      elsewhere; `xla` the pure-XLA reference everywhere; `pallas` the kernels everywhere,
+      interpreted on a CPU (how the tests check them).
+    layer_scan: how the layer scan reaches a layer's sliding or global branch: `cond` (a
+      `lax.cond` per layer) or `period` (a scan over whole periods of the pattern); `auto` takes
+      periods on GPUs, where XLA decides a conditional on the host, and `cond` elsewhere.
+    scan_unroll: layers per scan iteration, a count or "full"; None lets the backend choose per step.
+    int8_widen: how GPU kernels widen int8 values (see `ops.gpu.widen`); None: each kernel's default.
+    """
+    kernels: str = "auto"
+    layer_scan: str = "auto"
+    scan_unroll: int | str | None = None
+    int8_widen: str | None = None
+
+    def __post_init__(self):
+        if self.kernels not in KERNELS:
+            raise ModelError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
+        if self.layer_scan not in LAYER_SCANS:
+            raise ModelError(f"layer_scan must be one of {', '.join(LAYER_SCANS)}, got {self.layer_scan!r}")
+        u = self.scan_unroll
+        if u is not None and u != "full" and not (isinstance(u, int) and u >= 1):
+            raise ModelError(f"scan_unroll must be a positive number of layers or 'full', got {u!r}")
+        if self.int8_widen is not None and self.int8_widen not in WIDENINGS:
+            raise ModelError(f"int8_widen must be one of {', '.join(WIDENINGS)}, got {self.int8_widen!r}")
+
+    @classmethod
+    def from_env(cls, **overrides) -> "RuntimeConfig":
+        """The configuration the environment variables name (JAXLLM_KERNELS, JAXLLM_LAYER_SCAN,
+        JAXLLM_SCAN_UNROLL, JAXLLM_INT8_WIDEN), with `overrides` on top; a bad value is a one-line
+        error naming the variable."""
+        def word(name, default=None):
+            v = env(name)
+            return default if v is None else v.strip().lower()
+        raw = {"kernels": ("JAXLLM_KERNELS", word("JAXLLM_KERNELS", "auto")),
+               "layer_scan": ("JAXLLM_LAYER_SCAN", word("JAXLLM_LAYER_SCAN", "auto")),
+               "int8_widen": ("JAXLLM_INT8_WIDEN", word("JAXLLM_INT8_WIDEN")),
+               "scan_unroll": ("JAXLLM_SCAN_UNROLL", word("JAXLLM_SCAN_UNROLL"))}
+        values = {k: v for k, (_, v) in raw.items()}
+        u = values["scan_unroll"]
+        if u is not None and u.isdigit():
+            values["scan_unroll"] = int(u)
+        for field, (var, _) in raw.items():
+            if field in overrides:
+                continue
+            try:
+                cls(**{field: values[field]})
+            except ModelError as e:
+                raise ModelError(f"{var}: {e}") from None
+        return cls(**{**values, **overrides})

@@ -1,0 +1,139 @@
+"""The engine core's host side: `EngineCore` holds a KV cache of slots and its slot table on an
+engine's mesh and advances them through the core's compiled calls (`core.prefill`, `core.decode`,
+`core.fork`); `Engine.generate`, `Engine.logits`, perplexity and the server each drive one."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxllm.engine.core import Forks, Pieces
+from jaxllm.engine.sampling import LogProbs, Penalties, SamplingParams, TokenRules
+
+
+def bucket(n: int, lo: int = 16) -> int:
+    """Next power of two >= n: lengths come in few shapes, so few compiles."""
+    return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+class EngineCore:
+    """A KV cache of `num_slots` rows of `max_len` positions and its slot table, on an engine's mesh
+    (`Engine.core`), and the calls that advance them. The server keeps one for its lifetime;
+    offline generation, logits and perplexity make one sized to the work."""
+
+    def __init__(self, engine, num_slots: int, max_len: int):
+        self.engine = engine
+        self.num_slots, self.max_len = num_slots, max_len
+        self.state = engine.new_state(num_slots, max_len)
+
+    def reset(self):
+        """A fresh state (also after a failed call left the donated one unusable)."""
+        self.state = self.engine.new_state(self.num_slots, self.max_len)
+
+    # -- device calls (results stay on the device until read) -------------------------------------
+    def prefill(self, pieces: Pieces, out: str = "sample", targets=None, logprobs: int = 0):
+        e = self.engine
+        static = {"out": out, **({"logprobs": logprobs} if logprobs else {})}
+        self.state, res = e.run("prefill", self.state, e.put_rows(pieces),
+                                None if targets is None else e.put_rows(targets), **static)
+        return res
+
+    def fork(self, forks: Forks, logprobs: int = 0):
+        """-> the forked slots' first tokens [F] (with `logprobs`, and their LogProbs) on the device;
+        see `core.fork`."""
+        e = self.engine
+        static = {"logprobs": logprobs} if logprobs else {}
+        self.state, res = e.run("fork", self.state, e.put_rows(forks), **static)
+        return res
+
+    def decode(self, n_steps: int, max_steps: int, stop=None, rows: int | None = None, logprobs: int = 0,
+               allowed=None):
+        """-> (tokens [rows, max_steps], count [rows], LogProbs or None) on the device; see
+        `core.decode`. A call with `allowed` is a variant of its own, compiled on first use."""
+        e = self.engine
+        stop = None if stop is None else e.put_rows(np.asarray(stop, bool))
+        static = {"max_steps": max_steps, "rows": rows, **({"logprobs": logprobs} if logprobs else {})}
+        masks = () if allowed is None else (e.put_rows(np.asarray(allowed, np.uint32)),)
+        self.state, toks, count, lp = e.run("decode", self.state, np.int32(n_steps), stop, *masks, **static)
+        return toks, count, lp
+
+    # -- lockstep batches: every row a prompt, prefilled in chunks ----------------------------------
+    def prepare(self, longest: int, n_steps: int, logprobs: int = 0) -> float:
+        """Compile what `prefill_prompts` of prompts up to `longest` tokens and `run_to_completion(
+        n_steps)` call, if not compiled yet. -> seconds it took."""
+        e, B = self.engine, self.num_slots
+        C, _ = e.chunking(longest)
+        state = e.state_shapes(B, self.max_len)
+        lp = {"logprobs": logprobs} if logprobs else {}
+        calls = [("prefill", (state, e.row_shapes(Pieces.shapes(B, C, rows=True)), None), {"out": "sample", **lp})]
+        if n_steps >= 1:
+            calls.append(("decode", (state, np.int32(1), None),
+                          {"max_steps": self.out_size(n_steps), "rows": None, **lp}))
+        return e.precompile(calls)
+
+    def out_size(self, n_tokens: int) -> int:
+        """A decode call's output buffer for up to n_tokens tokens a row (room for a last
+        speculative cycle's tokens past them), bucketed."""
+        return self.engine.core_out_size(n_tokens)
+
+    def _chunks(self, tokens: np.ndarray, lens: np.ndarray, chunk: int):
+        """(start, tokens [B, chunk], lengths [B]) of each chunk of right-padded rows."""
+        for s in range(0, tokens.shape[1], chunk):
+            yield s, tokens[:, s:s + chunk], np.clip(lens - s, 0, chunk).astype(np.int32)
+
+    def prefill_prompts(self, ids: list[list[int]], params: SamplingParams, max_new, ignore_eos=None,
+                        logprobs: int = 0, penalties: Penalties | None = None, rules: TokenRules | None = None):
+        """Prompt b into slot b, every slot at once, in chunks; -> each row's first token [B] (and
+        with `logprobs` their LogProbs [B], host arrays)."""
+        from jaxllm.engine.engine import pad_rows
+        B = len(ids)
+        lens = np.asarray([len(x) for x in ids], np.int32)
+        C, T = self.engine.chunking(int(lens.max()))
+        tokens = pad_rows(ids, T, self.engine.cfg.pad_id)
+        firsts, finals = [], []
+        for s, tok, length in self._chunks(tokens, lens, C):
+            final = (length > 0) & (lens - s <= C)
+            rows = np.where(length > 0, np.arange(B), B).astype(np.int32)     # done rows: padding
+            firsts.append(self.prefill(Pieces.make(tok, s, length, final, rows, params, max_new, ignore_eos, penalties,
+                                                   rules), logprobs=logprobs))
+            finals.append(final)
+        which = np.argmax(np.stack(finals), axis=0), np.arange(B)
+        firsts = jax.tree_util.tree_map(lambda *a: np.stack([self.engine.layout.get(x) for x in a])[which], *firsts)
+        return firsts
+
+    def run_to_completion(self, n_steps: int, steps: int | None = None, logprobs: int = 0):
+        """Decode every live slot until it is done or has n_steps more tokens, in one loop (of
+        `steps` steps where given: 0 runs the compiled loop once without a step, so that its first
+        run's costs stay out of a timed one). -> host (tokens [B, S], count [B], LogProbs [B, S]
+        with `logprobs`, else None)."""
+        if n_steps < 1:
+            B = self.num_slots
+            return (np.zeros((B, 0), np.int32), np.zeros((B,), np.int32),
+                    jax.tree_util.tree_map(np.asarray, LogProbs.zeros((B, 0), logprobs)) if logprobs else None)
+        toks, count, lp = self.decode(n_steps if steps is None else steps, self.out_size(n_steps), rows=None,
+                                      logprobs=logprobs)
+        return jax.tree_util.tree_map(self.engine.layout.get, (toks, count, lp))
+
+    def logits(self, tokens: np.ndarray, lens: np.ndarray, chunk: int) -> np.ndarray:
+        """Causal logits [B, T, V] of right-padded rows tokens [B, T] (T whole chunks), row b in
+        cache row b, chunk by chunk through the cache."""
+        out = []
+        for s, tok, length in self._chunks(tokens, np.asarray(lens, np.int32), chunk):
+            out.append(self.engine.layout.get(self.prefill(Pieces.make(tok, s, length), out="logits")))
+        return np.concatenate(out, axis=1)
+
+    def spec_stats(self, rows=None) -> dict | None:
+        """Speculation since the core was made, summed over the slots (or `rows`): verify cycles,
+        tokens drafted, drafts accepted; None without speculation."""
+        spec = self.state.slots.spec
+        if spec is None:
+            return None
+        st = self.engine.layout.get(spec.stats)
+        st = st if rows is None else st[np.asarray(rows)]
+        return dict(zip(("cycles", "drafted", "accepted"), (int(x) for x in st.sum(axis=0))))
+
+    def step_logits(self, tokens, positions) -> np.ndarray:
+        """The forward a decode step runs (the decode kernels where they are on), for checks: one
+        token per cache row at its position -> float32 logits [B, V]."""
+        t = np.asarray(tokens, np.int32).reshape(-1, 1)
+        out = self.prefill(Pieces.make(t, np.asarray(positions, np.int32), 1), out="logits")
+        return self.engine.layout.get(out)[:, 0]

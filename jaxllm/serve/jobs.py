@@ -1,0 +1,101 @@
+"""A request as the scheduler holds it (`Job`), and the events it sends back to the handler."""
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from jaxllm.serve.detok import TextStream
+from jaxllm.serve.protocol import GenRequest
+
+
+@dataclass
+class Delta:
+    text: str
+    logprobs: list | None = None     # TokenLogprob of each token the text accounts for (when asked)
+
+
+@dataclass
+class Prompt:
+    """An `echo` request's prompt was read: the answer starts with it (and its tokens' TokenLogprob,
+    the first without a value, when asked)."""
+    logprobs: list | None = None
+
+
+@dataclass
+class Finished:
+    finish_reason: str           # "stop" | "length"
+    completion_tokens: int
+
+
+@dataclass
+class Failed:
+    status: int
+    message: str
+    type: str = "server_error"
+
+
+_ids = itertools.count(1)
+ARRIVAL_GAP = 0.002      # seconds between arrivals that still count as one burst
+ARRIVAL_WAIT = 0.010     # the longest a burst holds the first prefill back
+
+
+@dataclass(eq=False)
+class Job:
+    """One answer of a request: the request's first (index 0), whose prompt is prefilled, holds the
+    others' as `children`, which fork its slot."""
+    req: GenRequest
+    emit: Callable[[object], None]          # thread-safe: delivers an event to the request's handler
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    text: TextStream | None = None
+    n_tokens: int = 0
+    slot: int = -1
+    prefilled: int = 0                      # prompt tokens sent to the device so far (a fork: all)
+    started: bool = False                   # its first token is being drawn: its slot may decode
+    done: bool = False                      # its last event went out
+    index: int = 0                          # which of the request's answers
+    parent: Job | None = None               # a child: the job whose slot it forks
+    children: list = field(default_factory=list)
+    answers_done: int = 0                   # the parent: answers of the request that ended
+    id: int = field(default_factory=lambda: next(_ids))
+    arrived: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None     # when its first tokens were read back
+    last_token_at: float | None = None
+    logprobs: list = field(default_factory=list)     # TokenLogprob of each token taken
+    logprobs_sent: int = 0                           # how many of them went out
+    prompt_logprobs: list = field(default_factory=list)   # an echo's, as its prefill reads them
+    matcher: object | None = None           # structured output: its `grammar.Matcher`, freed with the slot
+
+    def cancel(self):
+        self.cancelled.set()
+
+    @property
+    def choices(self) -> list[Job]:
+        return [self] + self.children
+
+    @staticmethod
+    def for_request(req: GenRequest, emit: Callable[[int, object], None], matcher=None) -> Job:
+        """The jobs of a request's `req.n` answers (the first, holding the others); emit(i, event)
+        delivers answer i's events. Cancelling one cancels them all. `matcher`: a constrained
+        request's (one answer only)."""
+        job = Job(req, functools.partial(emit, 0), matcher=matcher)
+        job.children = [Job(req, functools.partial(emit, i), cancelled=job.cancelled, index=i, parent=job)
+                        for i in range(1, req.n)]
+        return job
+
+
+class Observer:
+    """What the scheduler reports as it runs (the server's metrics); by default nothing is kept."""
+
+    def tokens(self, job: Job, n: int, now: float):
+        """`n` more tokens of `job` were read back at `now` (before its timestamps are updated)."""
+
+    def spec(self, stats: dict):
+        """Speculation of requests that ended: {"cycles", "drafted", "accepted"} added up."""
+
+
+class QueueFull(Exception):
+    pass
