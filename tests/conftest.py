@@ -28,6 +28,7 @@ def lower_for_cuda(monkeypatch):
     from jax._src.pallas.triton import pallas_call_registration as reg
 
     import jaxllm.ops.gpu as kernels
+    kernels.install()             # what the GPU backend (`PallasOps`) puts in JAX's Triton lowering
     monkeypatch.setattr(kernels, "interpret", lambda: False)
     info = getattr(reg, "gpu_info_lib", None)       # newer JAX asks the GPU for its compute capability
     if info is not None:

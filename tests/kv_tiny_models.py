@@ -6,9 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config.model import GLOBAL, SLIDING, AttnSpec, ModelConfig, RopeSpec
-from jaxllm.model.families import family_named
-from jaxllm.model.families import gemma4
-from jaxllm.model.params import abstract_weights, init_random
+from jaxllm.model.families import family_named, gemma4
+from jaxllm.model.params import abstract_weights, is_spec
 
 
 def tiny_gemma3(window: int = 16, layers: int = 4, vocab: int = 97) -> ModelConfig:
@@ -46,6 +45,25 @@ def gemma4_31b(window: int = 16) -> ModelConfig:
 
 def gemma4_e2b(window: int = 16) -> ModelConfig:
     return gemma4_variant("e2b", window)
+
+
+def init_random(tree: dict, seed: int, dtype) -> dict:
+    """Small random weights of the described shapes, drawn with numpy (the reference weights these
+    tests were tuned on)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_spec)
+    rng = np.random.default_rng(seed)
+    out = []
+    for s in leaves:
+        if s.init == "zeros":
+            a = np.zeros(s.shape, np.float32)
+        elif s.init == "ones":
+            a = np.ones(s.shape, np.float32)
+        else:
+            lead = (1 if s.axes[0] == "layers" else 0) + s.n_batch
+            fan_in = int(np.prod(s.shape[lead:][:max(s.n_contract, 1)]))
+            a = rng.standard_normal(s.shape, dtype=np.float32) / np.sqrt(max(fan_in, 1))
+        out.append(jnp.asarray(a, dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def random_weights(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32) -> dict:

@@ -13,6 +13,7 @@ from jaxllm.harness import distributed
 def main(model, addr, n, pid):
     assert distributed.initialize(addr, int(n), int(pid))
     import jax
+
     import jaxllm
     eng = jaxllm.load(model, dtype="float32", tp=2, max_ctx=32)
     assert jax.process_count() == 2 and len(eng.layout.mesh.devices.flat) == 2

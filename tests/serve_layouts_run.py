@@ -13,15 +13,15 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(__file__))
 
+import gemma4_refs  # noqa: E402
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
+from tp_models import make  # noqa: E402
 
 import jaxllm  # noqa: E402
-import gemma4_refs  # noqa: E402
 from jaxllm.engine.engine import Engine  # noqa: E402
-from jaxllm.serve.app import ServeOptions, build_app  # noqa: E402
 from jaxllm.engine.speculative import Speculation  # noqa: E402
-from tp_models import make  # noqa: E402
+from jaxllm.serve.app import ServeOptions, build_app  # noqa: E402
 
 MAX_LEN = 96
 NEW = 12

@@ -10,12 +10,12 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(__file__))
 
+import gemma4_refs  # noqa: E402
 import numpy as np  # noqa: E402
+from tp_models import make  # noqa: E402
 
 import jaxllm  # noqa: E402
 from jaxllm.ops import gpu as kernels
-import gemma4_refs  # noqa: E402
-from tp_models import make  # noqa: E402
 
 CASES = [      # name, checkpoint writer, (weight format, KV format, k_eq_v layers store keys)
     ("qwen3-kv4", lambda p: make("qwen3", p, num_key_value_heads=4), (("none", "none", True),)),  # int8: Gemma 4
@@ -28,9 +28,10 @@ CASES = [      # name, checkpoint writer, (weight format, KV format, k_eq_v laye
 
 
 def run(path, tp, mode, quant, kv, store_keys):
-    os.environ["JAXLLM_KERNELS"] = mode
     eng = jaxllm.load(path, dtype="float32", quant=quant, tp=tp, max_ctx=32, kv_quant=kv,
-                      kv_options=jaxllm.KVOptions(store_keys=store_keys))
+                      kv_options=jaxllm.KVOptions(store_keys=store_keys),
+                      runtime=jaxllm.RuntimeConfig(kernels=mode))
+    assert eng.ops.name == mode, (eng.ops, mode)
     ids = np.random.default_rng(0).integers(0, 160, (2, 9)).astype(np.int32)
     full = eng.logits(ids)
     stepper, steps = eng.core(2, 16), []

@@ -9,11 +9,11 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(__file__))
 
+import gemma4_refs  # noqa: E402
 import numpy as np  # noqa: E402
+from tp_models import make  # noqa: E402
 
 import jaxllm  # noqa: E402
-import gemma4_refs  # noqa: E402
-from tp_models import make  # noqa: E402
 
 # One line per case: (name, function writing the checkpoint to a path). Every case has fewer KV
 # heads than TP=4 in at least one layer kind, or exactly as many.

@@ -10,10 +10,18 @@ import pytest
 
 from jaxllm.errors import ModelError
 from jaxllm.harness import bench
-from jaxllm.harness.roofline import (causal_pairs, flops_per_step, kv_bytes_per_step, nbytes, prefill_flops, weight_bytes_per_step)
-from jaxllm.model.presets import load_preset, names as preset_names
-from jaxllm.harness.synthetic import random_weights
+from jaxllm.harness.roofline import (
+    causal_pairs,
+    flops_per_step,
+    kv_bytes_per_step,
+    nbytes,
+    prefill_flops,
+    weight_bytes_per_step,
+)
+from jaxllm.model.presets import load_preset
+from jaxllm.model.presets import names as preset_names
 from jaxllm.quant import QuantArray
+from jaxllm.weights.random import random_weights
 
 TINY = {"model_type": "qwen3", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -213,10 +221,10 @@ def test_bench_rings_hold_the_last_window_of_positions():
     tokens leaves there (random positions would fall outside the window, and the decode kernel
     skips reading what no query can see, which would flatter the timing)."""
     from jaxllm.engine.engine import Engine
-    from jaxllm.harness.bench import decode_state
-    from jaxllm.model.presets import load_preset
     from jaxllm.engine.sampling import SamplingParams
+    from jaxllm.harness.bench import decode_state
     from jaxllm.kv.split import RingKV
+    from jaxllm.model.presets import load_preset
     cfg, fam = load_preset("gemma3-270m")
     ctx = 700
     eng = Engine(cfg, None, None, dtype="float32", max_ctx=ctx + 4, kv_quant="int8")

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.kv.blockwise import (blocks_needed, blockwise_attend, dequantize_kv, linear_loader, quantize_kv)
+from jaxllm.kv.blockwise import blocks_needed, blockwise_attend, dequantize_kv, linear_loader, quantize_kv
 
 B, H, K, HD, BLOCK, NBLK = 2, 4, 2, 32, 16, 4
 S = BLOCK * NBLK

@@ -17,7 +17,9 @@ hits = []
 jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name) if name.endswith("cache_hits") else None)
 path = cc.enable(sys.argv[2])
 import jaxllm
-eng = jaxllm.load(sys.argv[1], quant="none", dtype="float32", max_ctx=64)
+runtime = jaxllm.RuntimeConfig(**json.loads(sys.argv[4]))
+eng = jaxllm.load(sys.argv[1], quant="none", dtype="float32", max_ctx=64, runtime=runtime)
+assert eng.runtime == runtime
 if sys.argv[3] == "steps":
     eng.steps_cache = cc.executables_folder(path)
 out = eng.generate_ids([[1, 2, 3]], max_tokens=6)[0].token_ids
@@ -25,10 +27,11 @@ print(json.dumps({"hits": len(hits), "compile_s": eng.stats.compile_s, "tokens":
 """
 
 
-def run(model, cache, mode):
+def run(model, cache, mode, **runtime):
+    """One process generating with the model; `runtime`: its `RuntimeConfig` (default: the defaults)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(model), str(cache), mode], capture_output=True, text=True,
-                       timeout=600, env=env, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-c", SCRIPT, str(model), str(cache), mode, json.dumps(runtime)],
+                       capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
 
@@ -46,6 +49,13 @@ def test_second_process_reads_the_compiled_steps(tmp_path):
     print(first, second, cold, warm)
     assert warm["hits"] == 0 and warm["compile_s"] < cold["compile_s"] / 4     # not even traced
     assert first["tokens"] == second["tokens"] == cold["tokens"] == warm["tokens"]
+    # another runtime configuration (another layer scan) is another key: compiled and kept anew,
+    # nothing read from the first configuration's executables
+    other, _ = run(tmp_path / "m", steps, "steps", layer_scan="period")
+    assert len(set((steps / "executables").glob("*.bin")) - set(files)) == 2 and all(f.exists() for f in files)
+    assert other["compile_s"] > warm["compile_s"]
+    for f in set((steps / "executables").glob("*.bin")) - set(files):
+        f.unlink()                                          # the rest below counts the first two alone
     files[0].write_bytes(files[0].read_bytes()[:100])      # damaged: compiled again, with a warning
     again, err = run(tmp_path / "m", steps, "steps")
     assert again["tokens"] == cold["tokens"] and "unreadable" in err and "Traceback" not in err

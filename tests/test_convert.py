@@ -7,10 +7,10 @@ import time
 
 import numpy as np
 import pytest
+from tp_models import make
 
 import jaxllm
 from jaxllm.harness.convert import convert
-from tp_models import make
 
 HERE = os.path.dirname(__file__)
 IDS = np.random.default_rng(1).integers(0, 160, (2, 9)).astype(np.int32)

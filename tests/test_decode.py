@@ -2,10 +2,11 @@
 import jax
 import numpy as np
 import pytest
+import tiny
 
 import jaxllm
+from jaxllm import RuntimeConfig
 from jaxllm.engine.core import Pieces
-import tiny
 
 
 @pytest.fixture(scope="module", params=["qwen3", "gemma3"])
@@ -214,11 +215,11 @@ def forward_and_steps(eng, ids):
 
 
 @pytest.mark.parametrize("family,layers", [("gemma3", 8), ("gemma4", 8)])
-def test_period_scan_equals_conditional_scan(family, layers, tmp_path, monkeypatch):
+def test_period_scan_equals_conditional_scan(family, layers, tmp_path):
     """The layer scan over whole periods of the sliding/global pattern (what GPUs run: no
     conditional per layer) against the scan with a `lax.cond` per layer: full forward and decode
     steps. Gemma 3's 8 layers are one period of 6 and two more; Gemma 4's are one period of 8."""
-    from jaxllm.model.forward import counted_layers, layer_period
+    from jaxllm.model.schedule import counted_layers, layer_period
     if family == "gemma3":
         tiny.make(family, tmp_path, seed=4, num_hidden_layers=layers)
     else:
@@ -227,8 +228,9 @@ def test_period_scan_equals_conditional_scan(family, layers, tmp_path, monkeypat
     ids = np.random.default_rng(3).integers(0, 160, (2, 12)).astype(np.int32)
     got = {}
     for mode in ("cond", "period"):
-        monkeypatch.setenv("JAXLLM_LAYER_SCAN", mode)
-        eng = jaxllm.load(str(tmp_path), quant="none", dtype="float32", max_ctx=32)
+        eng = jaxllm.load(str(tmp_path), quant="none", dtype="float32", max_ctx=32,
+                          runtime=RuntimeConfig(layer_scan=mode))
+        assert eng.ops.layer_scan() == mode
         got[mode] = forward_and_steps(eng, ids)
     assert layer_period(eng.cfg) == {"gemma3": 6, "gemma4": 8}[family] and not counted_layers(eng.cfg)
     assert tiny.rel_err(got["period"][0], got["cond"][0]) < 1e-5
@@ -239,65 +241,89 @@ def test_carried_layer_index_equals_the_schedule_scan(tmp_path, monkeypatch):
     """Qwen3 (one branch, layer i on stack and cache entry i) scans with the layer index in the
     carry; against the scan over the schedule's index arrays: full forward and decode steps."""
     from jaxllm.model import forward as model
+    from jaxllm.model import schedule
     tiny.make("qwen3", tmp_path, seed=5)
     ids = np.random.default_rng(4).integers(0, 160, (2, 10)).astype(np.int32)
     got = {}
     for counted in (True, False):
+        # where it is defined, and the name the layer scan calls it by
+        monkeypatch.setattr(schedule, "counted_layers", lambda cfg, c=counted: c)
         monkeypatch.setattr(model, "counted_layers", lambda cfg, c=counted: c)
         eng = jaxllm.load(str(tmp_path), quant="none", dtype="float32", max_ctx=32)
         got[counted] = forward_and_steps(eng, ids)
     monkeypatch.undo()
-    assert model.counted_layers(eng.cfg)
+    assert schedule.counted_layers(eng.cfg)
     assert tiny.rel_err(got[True][0], got[False][0]) < 1e-6
     assert tiny.rel_err(got[True][1], got[False][1]) < 1e-6
 
 
 @pytest.mark.parametrize("family,scan", [("qwen3", "auto"), ("gemma3", "period"), ("gemma3", "cond")])
-def test_unrolled_layer_scan_equals_rolled(family, scan, tmp_path, monkeypatch):
+def test_unrolled_layer_scan_equals_rolled(family, scan, tmp_path):
     """The layer scan unrolled whole (what GPUs run) and two layers an iteration, against one layer
     an iteration: full forward and decode steps. Qwen3 carries the layer index; Gemma 3's 14 layers
     are two periods of 6 and two more, or a conditional per layer."""
     tiny.make(family, tmp_path, seed=6, num_hidden_layers=8 if family == "qwen3" else 14)
-    monkeypatch.setenv("JAXLLM_LAYER_SCAN", scan)
     ids = np.random.default_rng(5).integers(0, 160, (2, 11)).astype(np.int32)
     got = {}
-    for unroll in ("1", "2", "full"):
-        monkeypatch.setenv("JAXLLM_SCAN_UNROLL", unroll)
-        eng = jaxllm.load(str(tmp_path), quant="none", dtype="float32", max_ctx=32)
+    for unroll in (1, 2, "full"):
+        eng = jaxllm.load(str(tmp_path), quant="none", dtype="float32", max_ctx=32,
+                          runtime=RuntimeConfig(layer_scan=scan, scan_unroll=unroll))
+        assert eng.runtime.scan_unroll == unroll and eng.runtime.layer_scan == scan
         got[unroll] = forward_and_steps(eng, ids)
-    for unroll in ("2", "full"):
-        assert tiny.rel_err(got[unroll][0], got["1"][0]) < 1e-6
-        assert tiny.rel_err(got[unroll][1], got["1"][1]) < 1e-6
+    for unroll in (2, "full"):
+        assert tiny.rel_err(got[unroll][0], got[1][0]) < 1e-6
+        assert tiny.rel_err(got[unroll][1], got[1][1]) < 1e-6
 
 
 def test_scan_unroll_is_checked(monkeypatch):
-    from types import SimpleNamespace
+    from functools import partial
+
+    from jaxllm import ops
     from jaxllm.errors import ModelError
-    from jaxllm.model.forward import scan_unroll
-    cfg = SimpleNamespace(num_layers=8)                     # all the count reads of a config
+    n = 8                                                   # the model's layer count
+
+    def scan_unroll(rows, tokens_per_row, **runtime):
+        return ops.select(RuntimeConfig(**runtime)).scan_unroll(n, rows, tokens_per_row)
+    # the kernels on GPUs alone
+    assert scan_unroll(1, 1, kernels="auto") == (8 if jax.default_backend() == "gpu" else 1)
+    assert scan_unroll(1, 1, kernels="xla") == 1                      # the XLA path: rolled
+    pallas = partial(scan_unroll, kernels="pallas")
+    assert pallas(1, 1) == pallas(256, 1) == 8                        # a decode step on the kernels
+    assert pallas(1, 2048) == pallas(257, 1) == 1                     # a prefill; rows for XLA
+    for value, want in (("full", 8), (3, 3), (40, 8)):
+        for kernels in ("pallas", "xla"):
+            assert scan_unroll(1, 1, kernels=kernels, scan_unroll=value) == want
+            assert scan_unroll(4, 100, kernels=kernels, scan_unroll=value) == want
+    for value in (0, -2, "two", 1.5):
+        with pytest.raises(ModelError, match="scan_unroll must be a positive number of layers or 'full'"):
+            RuntimeConfig(scan_unroll=value)
+    # JAXLLM_SCAN_UNROLL, as `RuntimeConfig.from_env` reads it
     monkeypatch.delenv("JAXLLM_SCAN_UNROLL", raising=False)
-    monkeypatch.setenv("JAXLLM_KERNELS", "auto")           # the kernels on GPUs alone
-    assert scan_unroll(cfg, 1, 1) == (8 if jax.default_backend() == "gpu" else 1)
-    monkeypatch.setenv("JAXLLM_KERNELS", "xla")
-    assert scan_unroll(cfg, 1, 1) == 1                      # the XLA path: rolled
-    monkeypatch.setenv("JAXLLM_KERNELS", "pallas")
-    assert scan_unroll(cfg, 1, 1) == scan_unroll(cfg, 256, 1) == 8     # a decode step on the kernels
-    assert scan_unroll(cfg, 1, 2048) == scan_unroll(cfg, 257, 1) == 1  # a prefill; rows for XLA
+    assert RuntimeConfig.from_env().scan_unroll is None
     for raw, want in (("full", 8), (" 3 ", 3), ("40", 8)):
         monkeypatch.setenv("JAXLLM_SCAN_UNROLL", raw)
-        assert scan_unroll(cfg, 1, 1) == scan_unroll(cfg, 4, 100) == want
+        rt = RuntimeConfig.from_env(kernels="pallas")
+        assert ops.select(rt).scan_unroll(n, 1, 1) == ops.select(rt).scan_unroll(n, 4, 100) == want
     for raw in ("0", "-2", "two", "1.5"):
         monkeypatch.setenv("JAXLLM_SCAN_UNROLL", raw)
-        with pytest.raises(ModelError, match="JAXLLM_SCAN_UNROLL must be a positive number of layers or 'full'"):
-            scan_unroll(cfg, 1, 1)
+        with pytest.raises(ModelError,
+                           match="JAXLLM_SCAN_UNROLL: scan_unroll must be a positive number of layers or 'full'"):
+            RuntimeConfig.from_env()
 
 
 def test_layer_scan_mode_is_checked(monkeypatch):
+    from jaxllm import ops
     from jaxllm.errors import ModelError
-    from jaxllm.model.forward import layer_scan_mode
+    with pytest.raises(ModelError, match="layer_scan must be one of"):
+        RuntimeConfig(layer_scan="unrolled")
     monkeypatch.setenv("JAXLLM_LAYER_SCAN", "unrolled")
-    with pytest.raises(ModelError, match="JAXLLM_LAYER_SCAN must be one of"):
-        layer_scan_mode()
+    with pytest.raises(ModelError, match="JAXLLM_LAYER_SCAN: layer_scan must be one of"):
+        RuntimeConfig.from_env()
     monkeypatch.setenv("JAXLLM_LAYER_SCAN", "auto")
+    assert RuntimeConfig.from_env().layer_scan == "auto"
     # A CPU decides a conditional on the device; a GPU on the host, so there the scan takes periods.
-    assert layer_scan_mode() == ("period" if jax.default_backend() == "gpu" else "cond")
+    for kernels in ("auto", "xla", "pallas"):
+        rt = RuntimeConfig(kernels=kernels, layer_scan="auto")
+        assert ops.select(rt).layer_scan() == ("period" if jax.default_backend() == "gpu" else "cond")
+        for mode in ("cond", "period"):
+            assert ops.select(RuntimeConfig(kernels=kernels, layer_scan=mode)).layer_scan() == mode

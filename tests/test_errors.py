@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

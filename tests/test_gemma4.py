@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from gemma4_refs import VARIANTS, build, forced_router, hf_logits
 from safetensors.torch import load_file, save_file
 
 import jaxllm
@@ -18,8 +19,6 @@ from jaxllm.model.families import gemma4
 from jaxllm.model.moe import moe_ffn
 from jaxllm.model.params import is_spec
 from jaxllm.quant import QuantArray, quantize_np
-
-from gemma4_refs import VARIANTS, build, forced_router, hf_logits
 
 TOL = 1e-4
 # Full-forward logits against transformers run in float64, the answer both float32 computations
@@ -272,8 +271,8 @@ def same_engine_model(a, b) -> bool:
 
 def test_unified_text_model_loads_as_the_same_model(tmp_path, tmp_path_factory):
     """Gemma4UnifiedForCausalLM (the 12B's class) is Gemma 4 text without PLE and MoE."""
-    from transformers import Gemma4UnifiedForCausalLM, Gemma4UnifiedTextConfig
     from gemma4_refs import BASE
+    from transformers import Gemma4UnifiedForCausalLM, Gemma4UnifiedTextConfig
     case = get_case("31b", tmp_path_factory)
     kw = {k: v for k, v in {**BASE, **VARIANTS["31b"]}.items() if k != "hidden_size_per_layer_input"}
     model = Gemma4UnifiedForCausalLM(Gemma4UnifiedTextConfig(**kw, architectures=["Gemma4UnifiedForCausalLM"]))

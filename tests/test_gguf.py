@@ -4,10 +4,10 @@ Gemma 3 270M Q4_K_M file. transformers is the reference only; jaxllm must not ne
 import os
 import sys
 
+import hf_reference
 import numpy as np
 import pytest
 
-import hf_reference
 from jaxllm.errors import ModelError
 from jaxllm.weights.default import DEFAULT_MODEL_NAME, default_model_path
 from jaxllm.weights.gguf import _reader as _cached_reader  # the same GGUFReader, parsed once

@@ -3,7 +3,7 @@ and greedy continuations that mostly agree."""
 import pytest
 
 import jaxllm
-from jaxllm.harness.perplexity import perplexity_ids
+from jaxllm.engine.perplexity import perplexity_ids
 
 TEXT = "/usr/share/common-licenses/GPL-3"
 # Two windows that do not overlap (the scoring protocol has its own tests): each of the ~2000

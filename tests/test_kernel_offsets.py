@@ -9,8 +9,7 @@ from jax._src.lib.mlir import ir
 from jax._src.pallas.triton import lowering as tl
 
 from jaxllm.errors import ModelError
-from jaxllm.ops.gpu import matmul
-from jaxllm.ops.gpu import offsets
+from jaxllm.ops.gpu import matmul, offsets
 
 
 def _offset_widths(monkeypatch, lower, w_shape):

@@ -9,11 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.kv.blockwise import quantize_kv
+from jaxllm import RuntimeConfig, ops
 from jaxllm.errors import ModelError
+from jaxllm.kv.blockwise import quantize_kv
+from jaxllm.ops import gpu as kernels
 from jaxllm.ops.gpu import widen as widening
-from jaxllm.ops.gpu.attention import Cache, KeysFromValues, decode_attention
-from jaxllm.ops.gpu.matmul import Tiles, stacked_gated, stacked_matmul
+from jaxllm.ops.gpu.attention import Cache, decode_attention
+from jaxllm.ops.gpu.matmul import Tiles, choose_tiles, stacked_gated, stacked_matmul
+from jaxllm.ops.xla import KeysFromValues
 
 L = 3
 ALL = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8)
@@ -28,14 +31,39 @@ def test_every_int8_exactly(way, dtype):
     assert widening.widen(got, jnp.float32, way).dtype == jnp.float32      # not int8: a plain cast
 
 
-def test_default_from_the_environment(monkeypatch):
+def test_default_from_the_runtime_config(monkeypatch):
+    """The way `RuntimeConfig.int8_widen` names, declared by the kernel backend while it traces
+    (`kernels.scope`); each kernel's own default where it names none."""
+    assert widening.default() == "convert" and widening.default("magic") == "magic"
+    with kernels.scope(widen="bits"):
+        assert widening.default() == "bits" and widening.default("magic") == "bits"
+        assert choose_tiles(17, 70, 45, out_major=True).widen == "bits"
+    assert widening.default() == "convert" and choose_tiles(17, 70, 45, out_major=True).widen == "convert"
+    # through the backend: its kernels widen as its configuration says
+    from jaxllm.ops.gpu.types import Stacked
+    from jaxllm.quant import QuantArray
+    x, w, s = _matmul_inputs()
+    stacked = Stacked(QuantArray(w, s, 1), jnp.int32(2), "down", out_major=True)
+    got = {}
+    for way in ("bits", "convert"):
+        backend = ops.select(RuntimeConfig(kernels="pallas", int8_widen=way))
+        got[way] = np.asarray(backend.linear(x, stacked).astype(jnp.float32))
+        chosen = [c["choice"] for c in kernels.selections()
+                  if c["kernel"] == "matmul" and c["shape"] == [17, 70, "45", "int8"]]
+        assert len(chosen) == 1 and ("widen=bits" in chosen[0]) == (way == "bits"), chosen
+    np.testing.assert_array_equal(got["bits"], got["convert"])
+    assert RuntimeConfig().int8_widen is None
+    with pytest.raises(ModelError, match="int8_widen must be one of convert, magic, bits, got 'fast'"):
+        RuntimeConfig(int8_widen="fast")
+    # JAXLLM_INT8_WIDEN, as `RuntimeConfig.from_env` reads it
     monkeypatch.delenv("JAXLLM_INT8_WIDEN", raising=False)
-    assert widening.default() == "convert"
+    assert RuntimeConfig.from_env().int8_widen is None
     monkeypatch.setenv("JAXLLM_INT8_WIDEN", "Bits")
-    assert widening.default() == "bits"
+    assert RuntimeConfig.from_env().int8_widen == "bits"
     monkeypatch.setenv("JAXLLM_INT8_WIDEN", "fast")
-    with pytest.raises(ModelError, match="JAXLLM_INT8_WIDEN must be one of convert, magic, bits, got 'fast'"):
-        widening.default()
+    with pytest.raises(ModelError,
+                       match="JAXLLM_INT8_WIDEN: int8_widen must be one of convert, magic, bits, got 'fast'"):
+        RuntimeConfig.from_env()
 
 
 def _matmul_inputs(M=17, K=70, N=45):

@@ -9,21 +9,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jaxllm
-from jaxllm.ops import gpu as kernels
-from jaxllm.kv.linear import slot_positions
-from jaxllm.errors import ModelError
-from jaxllm.kv.blockwise import dequantize_kv, quantize_kv
-from jaxllm.ops.gpu.attention import Cache, KeysFromValues, decode_attention
-from jaxllm.ops.gpu.prologue import HeadPrep, SplitQKV, decode_prologue
-from jaxllm.ops.gpu import matmul
-from jaxllm.ops.gpu.matmul import Tiles, choose_tiles, stacked_gated, stacked_matmul, stacked_matmuls
-from jaxllm.kv.split import KVOptions
-from jaxllm.model.layers import apply_rope, attend, attention_mask, rms_norm
 import tiny
 
+import jaxllm
+from jaxllm import RuntimeConfig, ops
+from jaxllm.errors import ModelError
+from jaxllm.kv.blockwise import dequantize_kv, quantize_kv
+from jaxllm.kv.linear import slot_positions
+from jaxllm.kv.split import KVOptions
+from jaxllm.ops import gpu as kernels
+from jaxllm.ops.gpu import matmul
+from jaxllm.ops.gpu.attention import Cache, decode_attention
+from jaxllm.ops.gpu.backend import PallasOps
+from jaxllm.ops.gpu.matmul import Tiles, choose_tiles, stacked_gated, stacked_matmul, stacked_matmuls
+from jaxllm.ops.gpu.prologue import SplitQKV, decode_prologue
+from jaxllm.ops.gpu.types import layer_of, total, value
+from jaxllm.ops.xla import HeadPrep, KeysFromValues, XlaOps, apply_rope, attend, attention_mask, rms_norm
+
 L = 3
+XLA = ops.select(RuntimeConfig(kernels="xla"))          # the reference
+PALLAS = ops.select(RuntimeConfig(kernels="pallas"))    # the kernels, interpreted on a CPU
+
+
+def _xla_linear(x, w, n_contract=1):
+    """What XLA computes for a (possibly `Normed`) x against a layer of a `Stacked` weight: the
+    layer sliced and contracted as it is laid out (output-major or not)."""
+    return ops.xla.matmul(value(x), layer_of(w), n_contract, out_major=w.out_major)
 
 
 def _w(rng, K, N, dtype):
@@ -105,29 +116,31 @@ def test_stacked_gated(M, split, out_major):
         assert (default.bm, default.bn, default.split) == (32, 64, 1)
 
 
-def test_out_major_weights_on_the_xla_path(monkeypatch):
+def test_out_major_weights_on_the_xla_path():
     """Output-major stacks (how the kernels' weights are laid out) contracted by XLA wherever the
-    kernels do not run: a prefill's many rows, and the forced XLA path; `out_major` leaves the
-    weights as they are where the kernels are off."""
+    kernels do not run: a prefill's many rows, and XLA's own contraction of them; the XLA backend
+    leaves the weights as they are (`prepare_weights`), the kernels' lays them out output-major."""
+    from jaxllm.ops.gpu.types import OutMajor, Stacked
     from jaxllm.ops.gpu.weights import out_major
-    from jaxllm.quant import OutMajor, QuantArray, Stacked, linear
+    from jaxllm.quant import QuantArray
     rng = np.random.default_rng(7)
     w, s = _w(rng, 2 * 12, 20, "int8")
     o = QuantArray(w.reshape(L, 2, 12, 20), s, 2)                # an O projection: heads, head_dim
-    monkeypatch.setenv("JAXLLM_KERNELS", "xla")
     weights = {"layers": {"g": {"o": o, "attn_norm": jnp.ones((L, 20))}}}
-    assert out_major(weights) is weights
-    monkeypatch.setenv("JAXLLM_KERNELS", "pallas")
-    om = out_major(weights)["layers"]["g"]["o"]
-    assert isinstance(om, OutMajor) and om.w.q.shape == (L, 20, 2, 12) and om.n_contract == 2
+    assert XLA.prepare_weights(weights) is weights
+    for om in (PALLAS.prepare_weights(weights)["layers"]["g"]["o"], out_major(weights)["layers"]["g"]["o"]):
+        assert isinstance(om, OutMajor) and om.w.q.shape == (L, 20, 2, 12) and om.n_contract == 2
     assert weights["layers"]["g"]["o"] is o                      # not donated: the input stays
     for rows in (3, 300):                                        # kernel, then XLA (> 256 rows)
         x = jnp.asarray(rng.standard_normal((rows, 2, 12)), jnp.float32)
         ref = _ref(x.reshape(rows, 24), w, s, 1)
         for mode in ("pallas", "xla"):
-            monkeypatch.setenv("JAXLLM_KERNELS", mode)
-            y = linear(x, Stacked(om.w, jnp.int32(1), "o", out_major=True), 2)
+            stacked = Stacked(om.w, jnp.int32(1), "o", out_major=True)
+            y = PALLAS.linear(x, stacked, 2) if mode == "pallas" else _xla_linear(x, stacked, 2)
             assert _rel(y, ref) < 1e-5, (rows, mode)
+        # the layer as the XLA backend holds it (input-major), through its own `linear`
+        y = XLA.linear(x, XLA.layer_weights(weights["layers"]["g"], jnp.int32(1))["o"], 2)
+        assert _rel(y, ref) < 1e-5, (rows, "xla backend")
 
 
 def test_tile_choice_fits_and_fills():
@@ -241,9 +254,9 @@ def test_decode_attention_split_caches(ring, int8, from_values):
 def test_head_pieces_cover_the_head_once():
     """Rebuilt keys read the head dimension as the rotated part of each half, then the rest in
     power-of-two pieces: Gemma 4's global layers (512, a quarter rotated) exactly so."""
-    from jaxllm.ops.gpu.attention import head_pieces
     from jaxllm.config.model import RopeSpec
-    from jaxllm.model.layers import inv_frequencies
+    from jaxllm.ops.gpu.attention import head_pieces
+    from jaxllm.ops.xla import inv_frequencies
     inv = inv_frequencies(RopeSpec(kind="proportional", theta=1e6, partial=0.25), 512)
     assert head_pieces(512, inv) == (64, ((0, 64), (256, 64), (64, 128), (192, 64), (320, 128), (448, 64)))
     assert head_pieces(512, None) == (0, ((0, 512),))
@@ -383,12 +396,11 @@ def test_decode_prologue_queries_only():
 
 @pytest.mark.parametrize("split,post,dtype", [(0, False, "float32"), (2, True, "float32"),
                                               (3, False, "float32"), (0, True, "bfloat16")])
-def test_residual_norm(split, post, dtype, monkeypatch):
+def test_residual_norm(split, post, dtype):
     """x + rms_norm(y, post) and its rms_norm with `pre` in one kernel, y as an array or as a
     matmul's unsummed float32 partials with their per-channel scales; norm weights and scales read
     in their layer stacks; D = 80 (not a power of two). Against the XLA path of `add_norm`."""
-    from jaxllm.model.layers import add_norm
-    from jaxllm.quant import Partials, Stacked
+    from jaxllm.ops.gpu.types import Partials, Stacked
     rng = np.random.default_rng(8)
     M, D, L = 3, 80, 2
     dt = jnp.dtype(dtype)
@@ -399,31 +411,29 @@ def test_residual_norm(split, post, dtype, monkeypatch):
     else:
         y = jnp.asarray(rng.standard_normal((M, D)), dt)
     pw, qw = (Stacked(jnp.asarray(rng.standard_normal((L, D)) * 0.3, dt), jnp.int32(1)) for _ in range(2))
-    got = {}
-    for mode in ("xla", "pallas"):
-        monkeypatch.setenv("JAXLLM_KERNELS", mode)
-        got[mode] = add_norm(x, y, pw if post else None, qw, 1e-6, 1.0)
+    got = {"xla": XLA.add_norm(x, total(y), layer_of(pw) if post else None, layer_of(qw), 1e-6, 1.0),
+           "pallas": PALLAS.add_norm(x, y, pw if post else None, qw, 1e-6, 1.0)}
     tol = 1e-6 if dtype == "float32" else 1e-2
     for a, b in zip(got["pallas"], got["xla"]):
         assert a.dtype == dt and _rel(a, b) < tol
     # In a jitted step the outputs may take over x's buffer and a spent one's (`h_into`): the same
     # values, and the caller's arrays are left as they were.
     x0, spent = np.asarray(x), jnp.zeros_like(x)
-    step = jax.jit(lambda x, h: add_norm(x, y, pw if post else None, qw, 1e-6, 1.0, h_into=h))
+    step = jax.jit(lambda x, h: PALLAS.close_layer(x, y, pw if post else None, qw, 1e-6, 1.0, h_into=h))
     for a, b in zip(step(x, spent), got["pallas"]):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_array_equal(np.asarray(x), x0)
 
 
-def test_matmul_partials_sum_to_the_product(monkeypatch):
+def test_matmul_partials_sum_to_the_product():
     """`linear(..., partials=True)` hands over a K-split product unsummed; summed it is the product."""
-    from jaxllm.quant import Partials, QuantArray, Stacked, linear
+    from jaxllm.ops.gpu.types import Partials, Stacked
+    from jaxllm.quant import QuantArray
     rng = np.random.default_rng(9)
     w, s = _w(rng, 1024, 40, "int8")
     x = jnp.asarray(rng.standard_normal((1, 1024)), jnp.float32)
-    monkeypatch.setenv("JAXLLM_KERNELS", "pallas")
     wq = Stacked(QuantArray(w, s), jnp.int32(1), "down")
-    p, y = linear(x, wq, 1, partials=True), linear(x, wq, 1)
+    p, y = PALLAS.linear(x, wq, 1, partials=True), PALLAS.linear(x, wq, 1)
     assert isinstance(p, Partials) and p.parts.shape[0] > 1
     assert _rel(p.total(), y) < 1e-6 and _rel(y, _ref(x, w, s, 1)) < 1e-5
 
@@ -431,11 +441,12 @@ def test_matmul_partials_sum_to_the_product(monkeypatch):
 @pytest.mark.parametrize("M,dtype,weight,offset,split", [
     (1, "float32", True, 0.0, 1), (1, "bfloat16", True, 1.0, 2), (3, "float32", False, 0.0, 1),
     (17, "bfloat16", True, 1.0, 2)])
-def test_matmul_normalizes_its_input_rows(M, dtype, weight, offset, split, monkeypatch):
+def test_matmul_normalizes_its_input_rows(M, dtype, weight, offset, split):
     """A `Normed` input: the Q/K/V kernel applies the RMSNorm to x's rows as it loads them (K=100:
     the last tile partly filled; the weight read in its layer stack, or no weight), against
     rms_norm and then the products on the XLA path."""
-    from jaxllm.quant import Normed, QuantArray, Stacked, linear, linears
+    from jaxllm.ops.gpu.types import Normed, Stacked
+    from jaxllm.quant import QuantArray
     rng = np.random.default_rng(M + split)
     K, dt = 100, jnp.dtype(dtype)
     x = jnp.asarray(rng.standard_normal((M, K)) * 3, dt)
@@ -446,16 +457,13 @@ def test_matmul_normalizes_its_input_rows(M, dtype, weight, offset, split, monke
     stacks = [Stacked(QuantArray(_om(w, True), s, 1), jnp.int32(2), name, out_major=True)
               for (w, s), name in zip(ws, ("q", "k"))]
     tol = 1e-5 if dtype == "float32" else 2e-2
-    got = {}
-    for mode in ("pallas", "xla"):
-        monkeypatch.setenv("JAXLLM_KERNELS", mode)
-        got[mode] = linears(Normed(x, nw, 1e-6, offset), stacks)
+    got = {"pallas": PALLAS.linears(Normed(x, nw, 1e-6, offset), stacks),
+           "xla": [_xla_linear(Normed(x, nw, 1e-6, offset), w) for w in stacks]}
     chosen = {(s["shape"][2], s["choice"]) for s in kernels.selections()
               if s["kernel"] == "matmul" and s["shape"][:2] == [M, K]}
     fused = [c for n, c in chosen if n == "48+16"]     # one launch, normalizing one row itself
     assert len(fused) == 1 and fused[0].endswith("rms-norm") == (M == 1)
-    monkeypatch.setenv("JAXLLM_KERNELS", "pallas")
-    one = linear(Normed(x, nw, 1e-6, offset), stacks[0])     # a layer reading another's KV: Q alone
+    one = PALLAS.linear(Normed(x, nw, 1e-6, offset), stacks[0])     # a layer reading another's KV: Q alone
     assert _rel(one, got["xla"][0]) < tol
     assert any(s["kernel"] == "matmul" and s["shape"][:3] == [M, K, "48"] for s in kernels.selections())
     from jaxllm.ops.gpu.matmul import RowNorm, stacked_matmuls
@@ -468,9 +476,10 @@ def test_matmul_normalizes_its_input_rows(M, dtype, weight, offset, split, monke
 
 @pytest.mark.parametrize("M", [1, 5])
 @pytest.mark.parametrize("tied,dtype", [(True, "int8"), (False, "int8"), (True, "float32")])
-def test_output_head(M, tied, dtype, monkeypatch):
+def test_output_head(M, tied, dtype):
     """The logits by the matmul kernel, against every row of a tied embedding table [V, D] with a
-    scale per row, or through an untied lm_head [D, V]; float32 out, an odd vocabulary."""
+    scale per row, or through an untied lm_head [D, V]; float32 out, an odd vocabulary. The kernel
+    backend's head runs it; the XLA backend's gives the same logits by XLA."""
     from jaxllm.ops.gpu.dispatch import output_head
     from jaxllm.quant import QuantArray
     rng = np.random.default_rng(M + 2 * tied)
@@ -480,24 +489,38 @@ def test_output_head(M, tied, dtype, monkeypatch):
     ref = _ref(h[:, 0], w, s, 0)
     q = w[0].T if tied else w[0]
     table = q if s is None else QuantArray(q, s[0][:, None] if tied else s[0], 1)
-    monkeypatch.setenv("JAXLLM_KERNELS", "pallas")
-    got = output_head(h, table, tied)
+    with kernels.scope():
+        got = output_head(h, table, tied)
     assert got.shape == (M, 1, V) and got.dtype == jnp.float32
     assert _rel(got[:, 0], ref) < 1e-5
-    monkeypatch.setenv("JAXLLM_KERNELS", "xla")
-    assert output_head(h, table, tied) is None
+    np.testing.assert_array_equal(np.asarray(PALLAS.output_head(h, table, tied)), np.asarray(got))
+    assert not isinstance(XLA, PallasOps)
+    want = ops.xla.matmul_rows(h, table) if tied else ops.xla.matmul(h, table).astype(jnp.float32)
+    y = XLA.output_head(h, table, tied)
+    assert y.shape == (M, 1, V) and y.dtype == jnp.float32 and _rel(y[:, 0], ref) < 1e-5
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
 
 
 def test_kernel_mode_switch(monkeypatch):
-    monkeypatch.setenv("JAXLLM_KERNELS", "xla")
-    assert not kernels.enabled()
-    monkeypatch.setenv("JAXLLM_KERNELS", "pallas")
-    assert kernels.enabled()
-    monkeypatch.setenv("JAXLLM_KERNELS", "auto")
-    assert kernels.enabled() == (jax.default_backend() == "gpu")     # the kernels on GPUs, XLA elsewhere
+    assert not ops.uses_kernels(RuntimeConfig(kernels="xla"))
+    assert type(ops.select(RuntimeConfig(kernels="xla"))) is XlaOps
+    assert ops.select(RuntimeConfig(kernels="xla")).name == "xla"
+    assert ops.uses_kernels(RuntimeConfig(kernels="pallas"))
+    assert isinstance(ops.select(RuntimeConfig(kernels="pallas")), PallasOps)
+    assert ops.select(RuntimeConfig(kernels="pallas")).name == "pallas"
+    on_gpu = jax.default_backend() == "gpu"
+    assert ops.uses_kernels(RuntimeConfig(kernels="auto")) == on_gpu     # the kernels on GPUs, XLA elsewhere
+    assert ops.uses_kernels(RuntimeConfig()) == on_gpu
+    assert isinstance(ops.select(RuntimeConfig()), PallasOps) == on_gpu
+    with pytest.raises(ModelError, match="kernels must be one of auto, xla, pallas, got 'triton'"):
+        RuntimeConfig(kernels="triton")
+    # the environment, read at the edge (`RuntimeConfig.from_env`)
+    for raw, want in (("xla", "xla"), (" Pallas ", "pallas"), ("", "auto")):
+        monkeypatch.setenv("JAXLLM_KERNELS", raw)
+        assert RuntimeConfig.from_env().kernels == want
     monkeypatch.setenv("JAXLLM_KERNELS", "triton")
-    with pytest.raises(ModelError, match="JAXLLM_KERNELS must be one of"):
-        kernels.mode()
+    with pytest.raises(ModelError, match="JAXLLM_KERNELS.*kernels must be one of"):
+        RuntimeConfig.from_env()
 
 
 def _run(eng, prompts, ids):
@@ -530,9 +553,9 @@ def test_model_kernels_match_xla(family, quant, kv, tmp_path, monkeypatch):
     ids = rng.integers(0, 160, (2, 20)).astype(np.int32)
     results = {}
     for mode in ("xla", "pallas"):
-        monkeypatch.setenv("JAXLLM_KERNELS", mode)
         eng = jaxllm.load(str(tmp_path), quant=quant, dtype="float32", max_ctx=64, kv_quant=kv[:4],
-                          kv_options=KVOptions(int8_rings=kv.endswith("rings")))
+                          kv_options=KVOptions(int8_rings=kv.endswith("rings")), runtime=RuntimeConfig(kernels=mode))
+        assert eng.runtime.kernels == mode and eng.ops.name == mode
         results[mode] = _run(eng, prompts, ids)
     assert results["xla"][0] == results["pallas"][0]
     assert tiny.rel_err(results["pallas"][1], results["xla"][1]) < 1e-5
@@ -555,7 +578,7 @@ def test_sharded_kernels_match_single_device_xla(tmp_path):
     import subprocess
     import sys
     here = os.path.dirname(__file__)
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAXLLM_KERNELS")}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")])
     r = subprocess.run([sys.executable, os.path.join(here, "sharded_kernels_run.py"), str(tmp_path)],
                        env=env, capture_output=True, text=True, timeout=1500)

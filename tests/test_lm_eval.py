@@ -24,6 +24,7 @@ import jaxllm
 pytestmark = pytest.mark.slow          # the real embedded model
 
 NAME = "gemma-3-270m"
+RUNTIME = jaxllm.RuntimeConfig()   # the server's and the reference engine's code paths: the same, given to both
 API_KEY = "lm-eval-key"
 MAX_LEN = 32                   # the items' longest prompt + answer is 31 tokens
 MAX_GEN = 8
@@ -138,14 +139,15 @@ def started(tmp_path_factory):
     slots keep them few: 2 CPU cores gain nothing from more requests at once."""
     log = tmp_path_factory.mktemp("lm_eval_server") / "server.log"
     proc = ServerProcess(None, log, "--served-model-name", NAME, "--max-num-seqs", "4",
-                         "--max-model-len", str(MAX_LEN), "--api-key", API_KEY, "--no-warmup")
+                         "--max-model-len", str(MAX_LEN), "--api-key", API_KEY, "--no-warmup",
+                         "--kernels", RUNTIME.kernels, "--layer-scan", RUNTIME.layer_scan)
     yield proc
     proc.terminate()
 
 
 @pytest.fixture(scope="module")
 def engine(started):
-    return jaxllm.load(None, max_ctx=MAX_LEN, quant="none", dtype="float32")
+    return jaxllm.load(None, max_ctx=MAX_LEN, quant="none", dtype="float32", runtime=RUNTIME)
 
 
 @pytest.fixture(scope="module")

@@ -9,16 +9,15 @@ from functools import lru_cache, partial
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kv_tiny_models import gemma4_31b, gemma4_e2b, random_weights, tiny_gemma3, tiny_gemma4_like
 
 import jaxllm
 from jaxllm.engine.core import Pieces
 from jaxllm.engine.engine import Engine, pad_rows
+from jaxllm.engine.perplexity import perplexity_ids
 from jaxllm.errors import ModelError, RequestError
-from jaxllm.harness.perplexity import perplexity_ids
 from jaxllm.kv.plan import check_fits, plan_cache
-from jaxllm.kv.split import BlockKV, KVLayout, KVOptions, RingKV, cache_axes, cache_shapes
-from jaxllm.kv.split import has_kv_readers
-from kv_tiny_models import gemma4_31b, gemma4_e2b, random_weights, tiny_gemma3, tiny_gemma4_like
+from jaxllm.kv.split import BlockKV, KVLayout, KVOptions, RingKV, cache_shapes, has_kv_readers
 
 WINDOW = 16
 # Lowered so that max_ctx 256 is "long"; blocks of 16 and chunks of 24 (> the window) make every
@@ -203,7 +202,10 @@ def test_cache_layout_sizes_and_axes():
     assert ring.k.shape == (3, 3, WINDOW, 2, 16) and ring.pos.dtype == jnp.int32
     assert glob.k.shape == glob.v.shape == (1, 3, 1024, 1, 32) and glob.v.dtype == jnp.int8
     assert glob.k_scale.shape == glob.v_scale.shape == (1, 3, 1024, 1)
-    axes = cache_axes(shapes)
+    import jax
+
+    from jaxllm.config.axes import cache_leaf_axes
+    axes = jax.tree_util.tree_map(lambda a: cache_leaf_axes(len(a.shape)), shapes)    # as the sharding names them
     assert axes["global"].v == ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
     plan = plan_cache(cfg, layout, KVOptions(block=64), 3, 1000, jnp.bfloat16)
     assert plan.per_token == 2 * (32 + 4)                    # one global layer: int8 K, V + float32 scales

@@ -1,9 +1,9 @@
 """Logits of tiny transformers checkpoints, loaded through the normal HF-directory path."""
 import numpy as np
 import pytest
+import tiny
 
 import jaxllm
-import tiny
 
 CASES = {
     "qwen3-untied": ("qwen3", dict(tie_word_embeddings=False)),

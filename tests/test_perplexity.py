@@ -8,13 +8,14 @@ import json
 import math
 from pathlib import Path
 
+import hf_reference
 import pytest
 import torch
 
-import hf_reference
 import jaxllm
+from jaxllm.engine.perplexity import plan_windows
 from jaxllm.errors import RequestError
-from jaxllm.harness.perplexity import (add_perplexity_args, check_perplexity_args, plan_windows, read_ppl_text, run_perplexity)
+from jaxllm.harness.perplexity import add_perplexity_args, check_perplexity_args, read_ppl_text, run_perplexity
 
 TEXT = ("The quick brown fox jumps over the lazy dog. " * 3 +
         "Pack my box with five dozen liquor jugs! How vexingly quick daft zebras jump; "
@@ -53,7 +54,7 @@ def _reference_ppl(model, ids, bos, window, stride):
 @pytest.fixture(scope="module")
 def tiny_gemma(tmp_path_factory):
     """A randomized tiny Gemma 3 with a small BPE tokenizer, saved as an HF directory."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     d = tmp_path_factory.mktemp("tiny_gemma3")

@@ -6,11 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxllm import RuntimeConfig, ops
+from jaxllm.kv.linear import LayerKV, slot_positions
 from jaxllm.ops import gpu as kernels
-from jaxllm.kv.linear import slot_positions
 from jaxllm.ops.gpu.dispatch import stacked_prefill
 from jaxllm.ops.gpu.prefill import Blocks, choose_blocks, prefill_attention
-from jaxllm.model.layers import attend, attention_mask
+from jaxllm.ops.xla import attend, attention_mask
 
 L = 2
 
@@ -76,16 +77,26 @@ def test_prefill_blocks_by_head_width():
         assert b.bq <= max(16, 1 << (T - 1).bit_length()), (hd, T, b)
 
 
-def test_prefill_kernel_selection(monkeypatch):
+def test_prefill_kernel_selection():
     """With the kernels forced on, attention of several queries a row over a linear cache runs the
     prefill kernel and logs it; with the XLA path forced, nothing is chosen and XLA runs it."""
     q, ks, vs, pos = _case(1, 9, 4, 2, 16, 16, [0], jnp.float32, seed=2)
+    ref = attend(q, ks[0], vs[0], attention_mask(pos, slot_positions(1, 16), None), 0.25, None)
     for mode in ("pallas", "xla"):
-        monkeypatch.setenv("JAXLLM_KERNELS", mode)
+        backend = ops.select(RuntimeConfig(kernels=mode))
         kernels._seen.clear()
-        out = stacked_prefill(q, {"k": ks, "v": vs}, jnp.int32(0), pos, None, scale=0.25, softcap=None, window=None)
+        layer = LayerKV({"k": ks, "v": vs}, jnp.int32(0))
+        out = backend.cache_attention(q, layer, pos, scale=0.25, softcap=None, window=None)
         chosen = [s["choice"] for s in kernels.selections() if s["kernel"] == "prefill attention"]
         if mode == "xla":
             assert out is None and not chosen
         else:
             assert out is not None and chosen and chosen[0].startswith("pallas bq=")
+            assert float(jnp.max(jnp.abs(out - ref))) < 5e-6
+            with kernels.scope():           # the dispatch function itself, as the backend calls it
+                direct = stacked_prefill(q, {"k": ks, "v": vs}, jnp.int32(0), pos, None, scale=0.25,
+                                         softcap=None, window=None)
+            np.testing.assert_array_equal(np.asarray(direct), np.asarray(out))
+        # the cache's attention, whichever runs it
+        got = layer.attend(q, pos, backend, scale=0.25, softcap=None, window=None)
+        assert float(jnp.max(jnp.abs(got - ref))) < 5e-6, mode

@@ -8,8 +8,8 @@ import pytest
 
 from jaxllm import ModelError
 from jaxllm.config.model import GLOBAL, SLIDING
-from jaxllm.model.params import is_spec
 from jaxllm.harness.synthetic import random_engine
+from jaxllm.model.params import is_spec
 from jaxllm.model.presets import load_preset, names
 
 # Published parameter counts of the text models (embeddings included; the E models' published

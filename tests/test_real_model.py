@@ -4,10 +4,10 @@ import os
 import subprocess
 import sys
 
+import hf_reference
 import numpy as np
 import pytest
 
-import hf_reference
 import jaxllm
 
 pytestmark = pytest.mark.slow

@@ -84,15 +84,16 @@ def test_draws_stay_inside_the_kept_tokens():
     assert min(len(set(seen[:, r])) for r in range(3)) > 1          # it does sample, not argmax
 
 
-@pytest.mark.parametrize("platform", ["cpu", "gpu"])
-def test_a_draw_is_the_categorical_draw_from_the_filtered_logits(platform, monkeypatch):
+@pytest.mark.parametrize("by", ["bisection", "sort"])     # what CPUs and TPUs use, what GPUs use
+def test_a_draw_is_the_categorical_draw_from_the_filtered_logits(by):
     """`sample` never builds the top-p mask, and finds top-k cut-offs up to 128 without a sort (on
-    GPUs), yet draws token for token what `jax.random.categorical` draws from `filtered`'s logits
-    with the same key: with top-p alone, and with top-k (some rows above 128) in the batch."""
-    monkeypatch.setattr(sampling, "platform", lambda: platform)
+    GPUs, `by="sort"`), yet draws token for token what `jax.random.categorical` draws from
+    `filtered`'s logits with the same key: with top-p alone, and with top-k (some rows above 128)
+    in the batch."""
     rng = np.random.default_rng(2)
-    draw, same = jax.jit(sample), 0
-    cut_then_draw = jax.jit(lambda x, p, s: jax.vmap(jax.random.categorical)(_row_keys(p, s), filtered(x, p)))
+    draw, same = jax.jit(partial(sample, by=by)), 0
+    cut_then_draw = jax.jit(lambda x, p, s: jax.vmap(jax.random.categorical)(_row_keys(p, s),
+                                                                           filtered(x, p, by=by)))
     for trial in range(40):
         logits, (temp, top_k, top_p) = random_rows(rng, trial)
         if trial % 2:
@@ -111,6 +112,14 @@ def test_a_draw_is_the_categorical_draw_from_the_filtered_logits(platform, monke
                     assert got[r] == want[r], (trial, step, r)
                     same += 1
     assert same > 250
+
+
+def test_the_backend_picks_the_cut_off_search():
+    """GPUs sort (`by="sort"`), every other device bisects; the backend says which."""
+    from jaxllm import RuntimeConfig, ops
+    for kernels in ("auto", "xla", "pallas"):
+        assert ops.select(RuntimeConfig(kernels=kernels)).top_p_by == (
+            "sort" if jax.default_backend() == "gpu" else "bisection")
 
 
 def test_kth_from_the_blocks_with_the_largest_maxima():

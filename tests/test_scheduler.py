@@ -10,11 +10,13 @@ import time
 
 import numpy as np
 import pytest
+import tiny
 
 import jaxllm
+from jaxllm.serve.jobs import Delta, Failed, Finished, Job
 from jaxllm.serve.protocol import GenRequest
-from jaxllm.serve.scheduler import Delta, Failed, Finished, Job, Scheduler, Shapes
-import tiny
+from jaxllm.serve.scheduler import Scheduler
+from jaxllm.serve.shapes import Shapes
 
 HERE = os.path.dirname(__file__)
 

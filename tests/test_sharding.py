@@ -54,6 +54,7 @@ def test_tp_not_dividing_query_heads_is_one_line(sharded):
 
 def test_rules_replicate_or_refuse():
     from jax.sharding import AbstractMesh
+
     from jaxllm.engine.sharding import Layout
     lay = Layout(AbstractMesh((2, 4), ("data", "model")))
     assert tuple(lay.spec((8, 64, 2, 16), ("layers", "embed", "kv_heads", "head_dim"))) == (None,) * 4
@@ -73,8 +74,9 @@ def free_port() -> int:
 
 def test_two_processes_match_one(tmp_path):
     """jax.distributed over gloo: two CPU processes, the model split across them, same greedy tokens."""
-    import jaxllm
     from tp_models import make
+
+    import jaxllm
     make("qwen3", tmp_path / "m")
     want = [c.token_ids for c in jaxllm.load(tmp_path / "m", dtype="float32", tp=1, max_ctx=32)
             .generate_ids([[1, 2, 3, 4], [5, 6]], max_tokens=6)]

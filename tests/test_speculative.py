@@ -3,17 +3,20 @@ model, full-length and split caches, rows that accept different counts in one ba
 output distributed exactly as plain sampling's."""
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 import numpy as np
 import pytest
+import tiny
 
 import jaxllm
-import tiny
 from jaxllm.engine.engine import Engine
 from jaxllm.engine.speculative import Speculation, ngram_draft
 
-CODE = open(jaxllm.__file__.replace("__init__.py", "sampling.py")).read()[:2300]
+# Python source as a prompt that repeats itself (the first 2300 characters of jaxllm's sampling
+# module as it was when these lengths were chosen), kept here so that edits to the module leave it be
+CODE = open(os.path.join(os.path.dirname(__file__), "data", "speculative_code.txt")).read()
 FREE = ("The river valley was quiet in the early morning. A heron stood in the shallows, and far off a "
         "dog barked twice. Write a short story about what happens next in the valley, in your own words.")
 
@@ -145,8 +148,8 @@ def test_sampled_distribution_is_unchanged(tmp_path_factory, monkeypatch):
 
     from jaxllm.engine import core
 
-    def always_accept(logits, drafts, n_draft, params, step):    # a wrong rule: a test double
-        a, nxt = real(logits, drafts, n_draft, params, step)
+    def always_accept(logits, drafts, n_draft, params, step, by="bisection"):    # a wrong rule: a test double
+        a, nxt = real(logits, drafts, n_draft, params, step, by)
         return n_draft, nxt
     real = core.accept
     monkeypatch.setattr(core, "accept", always_accept)

@@ -1,0 +1,62 @@
+"""The package's layout as a process meets it: the GPU backend (Pallas, Triton, `jaxllm.ops.gpu`) is
+loaded only where `ops.select` picks it, so importing jaxllm, or running a model on the XLA
+backend, loads none of it."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+# jax imports jaxlib's own Triton bindings (jaxlib.gpu_triton) itself, with or without Pallas
+ALLOWED = {"jaxlib.gpu_triton"}
+
+
+def gpu_modules(modules) -> list[str]:
+    """Modules of the GPU backend: anything Pallas, the top-level triton package, jaxllm.ops.gpu."""
+    return sorted(m for m in modules if m not in ALLOWED
+                  and ("pallas" in m or m.split(".")[0] == "triton"
+                       or m == "jaxllm.ops.gpu" or m.startswith("jaxllm.ops.gpu.")))
+
+
+def loaded(code: str, *args) -> list[str]:
+    """sys.modules after `code` ran in a fresh CPU process."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([ROOT, HERE])}
+    r = subprocess.run([sys.executable, "-c", code + "\nprint(json.dumps(sorted(sys.modules)))", *args],
+                       capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_the_filter_sees_the_gpu_backend():
+    assert gpu_modules(["jax._src.pallas.core", "triton", "triton.language", "jaxllm.ops.gpu",
+                        "jaxllm.ops.gpu.backend", "jaxlib.gpu_triton", "jaxllm.ops.xla", "jaxllm.ops",
+                        "jaxllm.ops.gpux"]) == ["jax._src.pallas.core", "jaxllm.ops.gpu", "jaxllm.ops.gpu.backend",
+                                                "triton", "triton.language"]
+
+
+def test_importing_jaxllm_loads_no_kernels():
+    mods = loaded("import json, jaxllm, sys")
+    assert "jaxllm" in mods and "jax" in mods
+    assert gpu_modules(mods) == []
+
+
+@pytest.mark.parametrize("kernels", ["xla", "auto"])
+def test_a_model_on_the_xla_backend_loads_no_kernels(kernels, tmp_path):
+    """A model loaded and run on XLA (kernels="xla", or "auto" on a CPU); "pallas" for contrast
+    loads the backend."""
+    import tiny
+    tiny.make("gemma3", tmp_path / "m", seed=1)          # torch, here: not in the process looked at
+    code = ("import json, sys\nimport jaxllm\n"
+            "eng = jaxllm.load(sys.argv[1], quant='int8', dtype='float32', max_ctx=32,"
+            " runtime=jaxllm.RuntimeConfig(kernels=sys.argv[2]))\n"
+            "assert eng.ops.name == sys.argv[3], eng.ops\n"
+            "assert 1 <= len(eng.generate_ids([[1, 2, 3]], max_tokens=3)[0].token_ids) <= 3")
+    mods = loaded(code, str(tmp_path / "m"), kernels, "xla")
+    assert "jaxllm.ops.xla" in mods and "jaxllm.engine.engine" in mods
+    assert gpu_modules(mods) == []
+    if kernels == "xla":
+        mods = loaded(code, str(tmp_path / "m"), "pallas", "pallas")
+        assert {"jaxllm.ops.gpu", "jaxllm.ops.gpu.backend"} <= set(gpu_modules(mods))
