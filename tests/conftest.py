@@ -12,7 +12,7 @@ os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # the servers and CLIs they start) share one folder of their own, so each step compiles once a run.
 os.environ.setdefault("JAXLLM_COMPILATION_CACHE", os.path.join(__import__("tempfile").gettempdir(),
                                                                f"jaxllm-test-xla-{os.getuid()}"))
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))       # the shared test helpers
 
 
 import pytest  # noqa: E402

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers")
 # jax imports jaxlib's own Triton bindings (jaxlib.gpu_triton) itself, with or without Pallas
 ALLOWED = {"jaxlib.gpu_triton"}
 
@@ -60,3 +60,19 @@ def test_a_model_on_the_xla_backend_loads_no_kernels(kernels, tmp_path):
     if kernels == "xla":
         mods = loaded(code, str(tmp_path / "m"), "pallas", "pallas")
         assert {"jaxllm.ops.gpu", "jaxllm.ops.gpu.backend"} <= set(gpu_modules(mods))
+
+
+def test_import_layers_hold():
+    """The import-linter contracts in pyproject.toml: serve over harness over weights over engine
+    over model over kv over ops over the base, and the GPU kernels reached only through ops.select."""
+    r = subprocess.run([sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
+                        "sys.exit(lint_imports_command())"], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "0 broken" in r.stdout
+
+
+def test_ruff_is_clean():
+    r = subprocess.run([sys.executable, "-m", "ruff", "check", "jaxllm", "tests", "scripts"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 QWEN3_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 QWEN3_TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 GEMMA4_SPECIAL = ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>",

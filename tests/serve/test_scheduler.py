@@ -18,13 +18,13 @@ from jaxllm.serve.protocol import GenRequest
 from jaxllm.serve.scheduler import Scheduler
 from jaxllm.serve.shapes import Shapes
 
-HERE = os.path.dirname(__file__)
+HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
 
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve_layouts")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(HERE)), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, os.path.join(HERE, "serve_layouts_run.py"), str(tmp)], env=env,
                        capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stderr[-3000:]

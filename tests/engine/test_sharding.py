@@ -9,7 +9,7 @@ import pytest
 
 from jaxllm.errors import ModelError
 
-HERE = os.path.dirname(__file__)
+HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
 # Measured like the parity tests: max |difference| over the largest |logit| of the reference.
 # The tiny 31B-like Gemma 4 (k_eq_v, one global KV head) sits at float32's noise floor: on one device
 # it already differs from transformers by 8e-6 of its logit scale, and a different reduction order
@@ -20,7 +20,7 @@ TOL = {"gemma4-31b": 2e-5}
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sharded")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(HERE)), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, os.path.join(HERE, "sharded_run.py"), str(tmp)], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -81,7 +81,7 @@ def test_two_processes_match_one(tmp_path):
     want = [c.token_ids for c in jaxllm.load(tmp_path / "m", dtype="float32", tp=1, max_ctx=32)
             .generate_ids([[1, 2, 3, 4], [5, 6]], max_tokens=6)]
     addr = f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(HERE)), os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multiprocess_run.py"), str(tmp_path / "m"),
                                addr, "2", str(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for i in range(2)]

@@ -8,7 +8,7 @@ import pytest
 
 from jaxllm.tokenizer import Tokenizer
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather — in \"a\" city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "where"},

@@ -11,7 +11,7 @@ import pytest
 import jaxllm
 
 pytestmark = pytest.mark.slow
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPL = "/usr/share/common-licenses/GPL-3"
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
            open(GPL).read()[:2600]]          # about 600 tokens: past the 512-token sliding window

@@ -16,7 +16,7 @@ from jaxllm.engine.speculative import Speculation, ngram_draft
 
 # Python source as a prompt that repeats itself (the first 2300 characters of jaxllm's sampling
 # module as it was when these lengths were chosen), kept here so that edits to the module leave it be
-CODE = open(os.path.join(os.path.dirname(__file__), "data", "speculative_code.txt")).read()
+CODE = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "speculative_code.txt")).read()
 FREE = ("The river valley was quiet in the early morning. A heron stood in the shallows, and far off a "
         "dog barked twice. Write a short story about what happens next in the valley, in your own words.")
 

@@ -240,7 +240,7 @@ def test_kv_options_and_context_checks():
 def test_cli_refuses_a_cache_that_cannot_fit(tmp_path):
     import tiny
     tiny.make("gemma3", tmp_path)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run([sys.executable, "-m", "jaxllm.infer", "--model-dir", str(tmp_path), "--max-ctx",
                         str(10 ** 12), "--kv-quant", "none", "--quant", "none"], capture_output=True, text=True,
                        timeout=300, cwd=root, env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root})

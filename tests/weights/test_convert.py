@@ -12,7 +12,7 @@ from tp_models import make
 import jaxllm
 from jaxllm.harness.convert import convert
 
-HERE = os.path.dirname(__file__)
+HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
 IDS = np.random.default_rng(1).integers(0, 160, (2, 9)).astype(np.int32)
 
 
@@ -74,7 +74,7 @@ def test_corrupted_saved_checkpoint_is_one_line(saved, tmp_path):
     # about a third of runs: none of their tracebacks may reach the user
     for _ in range(3):
         r = subprocess.run([sys.executable, "-m", "jaxllm.infer", "--model-dir", str(bad), "--prompt", "hi"],
-                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.path.dirname(HERE)})
+                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(HERE))})
         assert r.returncode == 1 and r.stderr.strip().count("\n") == 0, r.stderr
         assert "unreadable or incomplete saved checkpoint" in r.stderr
     shutil.rmtree(bad / "weights")
@@ -85,7 +85,7 @@ def test_corrupted_saved_checkpoint_is_one_line(saved, tmp_path):
 def test_convert_cli_one_line_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "jaxllm.convert", "--model-dir", str(tmp_path / "nope"),
                         "--out", str(tmp_path / "out")], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": os.path.dirname(HERE)})
+                       env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(HERE))})
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "does not exist" in r.stderr
 
 
@@ -121,7 +121,7 @@ def test_load_streams_without_holding_the_model(tmp_path):
     backend keeps in host memory), stays well below the size of the bf16 checkpoint."""
     write_qwen3(tmp_path / "m")
     r = subprocess.run([sys.executable, os.path.join(HERE, "rss_run.py"), str(tmp_path / "m"), "int8"],
-                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.path.dirname(HERE)})
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(HERE))})
     assert r.returncode == 0, r.stderr[-2000:]
     m = json.loads(r.stdout.strip().splitlines()[-1])
     print(f"checkpoint {m['checkpoint_mb']:.0f} MB bf16 -> int8 weights {m['weights_mb']:.0f} MB; "

@@ -8,7 +8,7 @@ import sys
 
 import tiny
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = """
 import json, sys
 import jax

@@ -8,7 +8,7 @@ import sys
 import pytest
 import tiny
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def infer(*args, timeout=300, **extra_env):

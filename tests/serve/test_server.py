@@ -23,7 +23,7 @@ import pytest
 
 import jaxllm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "test-key-123"
 MAX_LEN = 512                  # positions per slot on the main server
 CORPUS = [

@@ -577,9 +577,9 @@ def test_sharded_kernels_match_single_device_xla(tmp_path):
     import json
     import subprocess
     import sys
-    here = os.path.dirname(__file__)
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(here)), os.environ.get("PYTHONPATH", "")])
     r = subprocess.run([sys.executable, os.path.join(here, "sharded_kernels_run.py"), str(tmp_path)],
                        env=env, capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0, r.stderr[-3000:]
