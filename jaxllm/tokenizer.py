@@ -22,6 +22,7 @@ class Tokenizer:
     def __init__(self, tok, *, bos_id=None, eos_ids=(), add_bos=False, chat_template=None,
                  bos_token=None, eos_token=None):
         self.tok = tok
+        self._pieces: dict[int, str] = {}
         self.bos_id = bos_id
         self.eos_ids = tuple(eos_ids)
         self.add_bos = add_bos
@@ -69,6 +70,14 @@ class Tokenizer:
 
     def decode(self, ids, skip_special: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special)
+
+    def piece(self, token_id: int) -> str:
+        """One token's own text, special tokens included (log-probabilities list every alternative
+        this way), remembered: a served token's alternatives are mostly the same few thousand ids."""
+        s = self._pieces.get(token_id)
+        if s is None:
+            s = self._pieces[token_id] = self.tok.decode([token_id], skip_special_tokens=False)
+        return s
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
                     **template_kwargs) -> str:

@@ -362,7 +362,7 @@ def table(rep: dict) -> str:
             f"{rep['model']['dtype']}) on {rep['device']['kind']}, ctx {rep['settings']['ctx']}; "
             f"bandwidth {c['bandwidth_GBps']:.1f} GB/s ({c['bandwidth_method']}), "
             f"bf16 matmul {c['matmul_bf16_TFLOPs']:.2f} TFLOP/s; "
-            f"decode kernels: {'Pallas' if rep.get('kernels', {}).get('enabled') else 'XLA'}"
+            f"decode kernels: {'Pallas' if rep.get('kernels', {}).get('backend') == 'pallas' else 'XLA'}"
             + sampling_note(rep["settings"].get("sampling")) + speculation_note(rep["settings"]))
     lens = rep["settings"]["prompt_lens"]
     spec = any(p.get("speculation") for p in rep["points"])

@@ -433,7 +433,7 @@ class LogprobWriter:
 
     def text(self, token_id: int) -> str:
         if isinstance(self.tokenizer, Tokenizer):
-            return self.tokenizer.decode([token_id], skip_special=False)
+            return self.tokenizer.piece(token_id)
         return self.tokenizer.decode([token_id])     # stand-in tokenizers take only the ids
 
     def __call__(self, entries: list) -> dict:
