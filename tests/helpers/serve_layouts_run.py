@@ -109,15 +109,28 @@ class Ids:
         return "".join(f" {i}" for i in ids)
 
 
+REFERENCES = {}   # (checkpoint, kv_quant, int8 rings, tp) -> (engine, its answers)
+
+
+def reference(tmp, ckpt, kv_quant, rings, tp):
+    """The engine of a case's checkpoint and KV settings, and its `Engine.generate` answers to the
+    prompts: made once for the cases that share them (a server that speculates is checked against
+    the plain engine of its layout)."""
+    key = (ckpt, kv_quant, rings, tp)
+    if key not in REFERENCES:
+        path = os.path.join(tmp, ckpt)
+        if not os.path.exists(path):
+            WRITERS[ckpt](path)
+        eng = jaxllm.load(path, dtype="float32", quant="none", tp=tp, max_ctx=MAX_LEN, kv_quant=kv_quant,
+                          kv_options=jaxllm.KVOptions(int8_rings=rings, prefill_chunk=32))
+        eng.tokenizer = Ids()
+        REFERENCES[key] = eng, [c.text for c in eng.generate_ids(prompts(), max_tokens=NEW)]
+    return REFERENCES[key]
+
+
 def run_case(tmp, name, ckpt, kv_quant, rings, tp):
-    path = os.path.join(tmp, ckpt)
-    if not os.path.exists(path):
-        WRITERS[ckpt](path)
-    eng = jaxllm.load(path, dtype="float32", quant="none", tp=tp, max_ctx=MAX_LEN, kv_quant=kv_quant,
-                      kv_options=jaxllm.KVOptions(int8_rings=rings, prefill_chunk=32))
-    eng.tokenizer = Ids()
+    eng, want = reference(tmp, ckpt, kv_quant, rings, tp)
     ps = prompts()
-    want = [c.text for c in eng.generate_ids(ps, max_tokens=NEW)]
     if name.startswith("spec"):
         eng = Engine(eng.cfg, eng.weights, eng.tokenizer, dtype="float32", max_ctx=MAX_LEN, kv_quant=kv_quant,
                      kv_options=eng.kv_options, layout=eng.layout, speculation=Speculation("ngram", 3))
