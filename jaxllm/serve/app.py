@@ -114,10 +114,7 @@ class Server:
         grammar = threading.Thread(target=self.grammars.prepare, name="jaxllm-grammar") if self.grammars else None
         if grammar is not None:
             grammar.start()
-        # On accelerators the feature variants compile in the background while serving; on a CPU
-        # that compile would take the cores serving needs, so they compile when first asked for.
-        features = self.opts.warmup and self.engine.layout.mesh.devices.flat[0].platform != "cpu"
-        self.scheduler.start(self.opts.warmup, features=features, masks=self.grammars is not None)
+        self.scheduler.start(self.opts.warmup)
         if grammar is not None:
             grammar.join()
 

@@ -124,48 +124,23 @@ class Scheduler:
     def warmup(self) -> float:
         """Compile every call a request can wait on: each prefill shape and each decode block.
         -> seconds taken."""
-        return self.engine.precompile(self._calls())
-
-    def _calls(self, logprobs: int = 0, masked: bool = False) -> list:
-        """The calls of every prefill shape and decode block, with `logprobs` alternatives a token,
-        or (`masked`) the decode blocks that take a grammar's masks."""
         e = self.engine
         state = e.state_shapes(self.core.num_slots, self.core.max_len)
-        lp = {"logprobs": logprobs} if logprobs else {}
-        if masked:
-            return [("decode", (state, np.int32(1), e.row_shapes(np.zeros(n, bool)),
-                                e.row_shapes(np.zeros((n, self.mask_words), np.uint32))),
-                     {"max_steps": self.out_size, "rows": n}) for n in self.shapes.decodes()]
-        calls = [("prefill", (state, e.row_shapes(Pieces.shapes(P, C, rows=True)), None), {"out": "sample", **lp})
+        calls = [("prefill", (state, e.row_shapes(Pieces.shapes(P, C, rows=True)), None), {"out": "sample"})
                  for P, C in self.shapes.prefills()]
         calls += [("decode", (state, np.int32(1), e.row_shapes(np.zeros(n, bool))),
-                   {"max_steps": self.out_size, "rows": n, **lp}) for n in self.shapes.decodes()]
+                   {"max_steps": self.out_size, "rows": n}) for n in self.shapes.decodes()]
         if self.core.num_slots > 1:
-            calls.append(("fork", (state, e.row_shapes(Forks.make(self.core.num_slots))), lp))
-        return calls
+            calls.append(("fork", (state, e.row_shapes(Forks.make(self.core.num_slots))), {}))
+        return e.precompile(calls)
 
-    def _warm_features(self, masks: bool):
-        """In the background, once serving: the variants that log-probabilities and structured
-        output take (each compiled on first use otherwise, which stalls every running request for
-        the seconds a compile takes)."""
-        try:
-            calls = self._calls(MAX_LOGPROBS) + (self._calls(masked=True) if masks else [])
-            t = self.engine.precompile(calls, threads=1)
-            log.info("compiled the log-probability%s variants in %.1f s", " and grammar-mask" if masks else "", t)
-        except Exception:                      # a variant that fails to compile is compiled on use
-            log.exception("compiling the feature variants failed")
-
-    def start(self, warmup: bool = True, features: bool = False, masks: bool = False):
-        """Compile the calls (with `warmup`), start the threads; with `features`, compile the
-        log-probability (and with `masks` the grammar-mask) variants in the background."""
+    def start(self, warmup: bool = True):
         if warmup:
             t = self.warmup()
             log.info("compiled %d prefill and %d decode shapes in %.1f s", len(self.shapes.prefills()),
                      len(self.shapes.decodes()), t)
         self.thread.start()
         self.output.start()
-        if features:
-            threading.Thread(target=self._warm_features, args=(masks,), daemon=True, name="warm-features").start()
 
     def drain(self, timeout: float):
         """Stop taking requests: queued ones end with a 503 now, running ones may finish for `timeout`

@@ -133,25 +133,3 @@ def test_long_prompt_runs_one_chunk_between_tokens(engine):
     text = "".join(e.text for e in long.events if isinstance(e, Delta))
     want = engine.generate_ids([long.job.req.prompt_ids], max_tokens=8)[0]
     assert text == want.text
-
-
-def test_feature_variants_compile_in_the_background(engine):
-    """Started with `features`, the scheduler compiles the log-probability and grammar-mask variants
-    of its calls while it serves; a request for log-probabilities then compiles nothing."""
-    engine.tokenizer = type("Ids", (), {"decode": lambda self, ids: "".join(f" {i}" for i in ids)})()
-    sched = Scheduler(engine, max_num_seqs=4, max_model_len=64, max_queue=4, decode_steps=4,
-                      max_num_batched_tokens=16)
-    sched.start(warmup=True, features=True, masks=True)
-    try:
-        warm = next(t for t in threading.enumerate() if t.name == "warm-features")
-        warm.join(300)
-        assert not warm.is_alive()
-        compiled = dict(engine._executables)
-        assert any(dict(k[1]).get("logprobs") for k in compiled if k[0] == "decode")
-        c = Client([5, 6, 7, 8], 6, logprobs=2, ignore_eos=True)
-        sched.submit(c.job)
-        assert c.done.wait(120)
-        assert isinstance(c.events[-1], Finished)
-        assert set(engine._executables) == set(compiled)          # nothing compiled on the way
-    finally:
-        sched.shutdown()
