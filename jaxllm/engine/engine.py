@@ -17,7 +17,8 @@ from jaxllm import ops as backends
 from jaxllm.config.model import ModelConfig
 from jaxllm.config.runtime import RuntimeConfig
 from jaxllm.engine import compilation_cache, core
-from jaxllm.engine.host import EngineCore, bucket
+from jaxllm.engine.host import EngineCore, bucket, pad_rows
+from jaxllm.engine.perplexity import perplexity
 from jaxllm.engine.sampling import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -419,7 +420,6 @@ class Engine:
 
     def perplexity(self, text: str, window: int = 2048, stride: int | None = None):
         """Sliding-window perplexity of `text` -> PerplexityResult (.ppl .nll .num_scored_tokens)."""
-        from jaxllm.engine.perplexity import perplexity
         return perplexity(self, text, window, stride)
 
 
@@ -438,13 +438,6 @@ def _signature(name: str, args, static: dict):
     leaves, tree = jax.tree_util.tree_flatten(args)
     return (name, tuple(sorted(static.items())), tree,
             tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))) for x in leaves))
-
-
-def pad_rows(ids, length: int, pad_id: int) -> np.ndarray:
-    out = np.full((len(ids), length), pad_id, np.int32)
-    for b, x in enumerate(ids):
-        out[b, :len(x)] = x
-    return out
 
 
 def _ids_covering(tok, ids, text):

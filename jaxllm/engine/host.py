@@ -84,7 +84,6 @@ class EngineCore:
                         logprobs: int = 0, penalties: Penalties | None = None, rules: TokenRules | None = None):
         """Prompt b into slot b, every slot at once, in chunks; -> each row's first token [B] (and
         with `logprobs` their LogProbs [B], host arrays)."""
-        from jaxllm.engine.engine import pad_rows
         B = len(ids)
         lens = np.asarray([len(x) for x in ids], np.int32)
         C, T = self.engine.chunking(int(lens.max()))
@@ -137,3 +136,10 @@ class EngineCore:
         t = np.asarray(tokens, np.int32).reshape(-1, 1)
         out = self.prefill(Pieces.make(t, np.asarray(positions, np.int32), 1), out="logits")
         return self.engine.layout.get(out)[:, 0]
+
+
+def pad_rows(ids, length: int, pad_id: int) -> np.ndarray:
+    out = np.full((len(ids), length), pad_id, np.int32)
+    for b, x in enumerate(ids):
+        out[b, :len(x)] = x
+    return out

@@ -15,13 +15,13 @@ import jax.numpy as jnp
 from jaxllm.config.model import KIND_NAMES, ModelConfig
 from jaxllm.kv import linear as kv
 from jaxllm.kv import split
+from jaxllm.model.families import family_named
 from jaxllm.model.layers import decoder_layer
 from jaxllm.model.schedule import Branch, branches, counted_layers, layer_period, schedule
 
 
 def family_hooks(cfg: ModelConfig):
     """The family module, for its optional `decoder_layer` and `layer_inputs` overrides."""
-    from jaxllm.model.families import family_named
     return family_named(cfg.family)
 
 

@@ -13,7 +13,8 @@ from kv_tiny_models import gemma4_31b, gemma4_e2b, random_weights, tiny_gemma3, 
 
 import jaxllm
 from jaxllm.engine.core import Pieces
-from jaxllm.engine.engine import Engine, pad_rows
+from jaxllm.engine.engine import Engine
+from jaxllm.engine.host import pad_rows
 from jaxllm.engine.perplexity import perplexity_ids
 from jaxllm.errors import ModelError, RequestError
 from jaxllm.kv.plan import check_fits, plan_cache

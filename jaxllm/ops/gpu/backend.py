@@ -17,6 +17,7 @@ from jaxllm.ops import xla
 from jaxllm.ops.gpu import dispatch as k
 from jaxllm.ops.gpu import install, scope
 from jaxllm.ops.gpu.types import Normed, OutMajor, Stacked, layer_of, total, value
+from jaxllm.ops.gpu.weights import out_major
 from jaxllm.ops.xla import XlaOps, activation, matmul
 
 # Weights only ever contracted by the matmuls, and the norms the decode kernels read (the input
@@ -52,7 +53,6 @@ class PallasOps(XlaOps):
 
     # --- weights
     def prepare_weights(self, weights: dict, donate: bool = False) -> dict:
-        from jaxllm.ops.gpu.weights import out_major
         with self._scope():
             return out_major(weights, donate)
 

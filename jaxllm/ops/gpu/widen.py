@@ -26,6 +26,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxllm.ops.gpu import widen_setting
+
 WAYS = ("convert", "magic", "bits")
 MAGIC = 0x4B400000     # the bits of 1.5 * 2**23: adding an int8 to them gives that float plus it
 BF16_128 = 0x4300      # the bits of bf16 128.0, whose spacing is 1
@@ -33,7 +35,6 @@ BF16_128 = 0x4300      # the bits of bf16 128.0, whose spacing is 1
 
 def default(fallback: str = "convert") -> str:
     """The way the runtime configuration names (`RuntimeConfig.int8_widen`), or `fallback`."""
-    from jaxllm.ops.gpu import widen_setting
     return widen_setting() or fallback
 
 
