@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.config.runtime import set_default
+from jaxllm import ops
+from jaxllm.config.runtime import RuntimeConfig, set_default
 from jaxllm.engine import core
 from jaxllm.engine.sampling import SamplingParams
 from jaxllm.engine.sharding import Layout, check_divisible, scale_shape_axes
@@ -153,12 +154,13 @@ def compile_shape(shape: str, tp: int = 4, dp: int = 1, max_ctx: int = 2048, bat
     report = {"shape": shape, "topology": topology, "tp": tp, "dp": dp, "batch": batch, "max_ctx": max_ctx,
               "kv_cache": "split" if any(not isinstance(c, dict) for c in cache.values()) else "full-length",
               "prompt_len": prompt_len, "quant": quant, "devices": tp * dp}
+    backend = ops.select(RuntimeConfig(kernels="xla"), layout)        # a TPU runs the XLA backend
     lowering = {
-        "prefill": lambda: jax.jit(partial(core.prefill, cfg, dtype=dtype), static_argnames=("out",),
+        "prefill": lambda: jax.jit(partial(core.prefill, cfg, ops=backend, dtype=dtype), static_argnames=("out",),
                                    donate_argnames=("state",)).lower(
             weights, state, abstract_pieces(layout, batch, prompt_len), out="sample"),
-        "decode_loop": lambda: jax.jit(partial(core.decode, cfg, dtype=dtype), static_argnames=("max_steps", "rows"),
-                                       donate_argnames=("state",)).lower(
+        "decode_loop": lambda: jax.jit(partial(core.decode, cfg, ops=backend, dtype=dtype),
+                                       static_argnames=("max_steps", "rows"), donate_argnames=("state",)).lower(
             weights, state, jax.ShapeDtypeStruct((), jnp.int32), max_steps=n_out),
     }
     for name in programs:
