@@ -43,6 +43,7 @@ class Level:
     fused_tok_s: float | None = None
     ratio: float | None = None
     speculation: dict | None = None    # verify cycles, drafted, accepted over the level (from /metrics)
+    long_prompt: dict | None = None    # --long-prompt: its TTFT, and the others' chunk gaps during its prefill
 
 
 def length_range(s: str) -> tuple[int, int]:
@@ -87,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this fraction of the requests asks for a JSON object (response_format json_object)")
     p.add_argument("--tokenizer", help="with --shape: a tokenizer directory for the server (structured "
                    "output needs one)")
+    p.add_argument("--long-prompt", type=int, default=None, metavar="N",
+                   help="once every client is streaming, one more request with an N-token prompt (and "
+                        "--long-output new tokens): its TTFT and the other streams' gaps while it prefills")
+    p.add_argument("--long-output", type=int, default=16)
     p.add_argument("--no-reference", action="store_true", help="skip the fused-loop figures")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results/serve.json", help="JSON results path")
@@ -193,7 +198,9 @@ class Connection:
 
 
 async def one_request(conn: Connection, ids: list[int], max_tokens: int, logprobs: int | None = None,
-                      json_object: bool = False) -> dict:
+                      json_object: bool = False, on_first=None) -> dict:
+    """One streamed completion -> its chunks' arrival times from `start` (the clock at sending),
+    TTFT, tokens; or {"error": ...}. `on_first()` is called when its first text arrives."""
     body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": not json_object, "stream": True,
             "stream_options": {"include_usage": True}, **({"logprobs": logprobs} if logprobs is not None else {}),
             **({"response_format": {"type": "json_object"}} if json_object else {})}
@@ -207,13 +214,15 @@ async def one_request(conn: Connection, ids: list[int], max_tokens: int, logprob
                 n = d["usage"]["completion_tokens"]
             if any(c.get("text") for c in d.get("choices", [])):
                 chunks.append(time.perf_counter() - t0)
+                if len(chunks) == 1 and on_first is not None:
+                    on_first()
     except (RuntimeError, OSError, ValueError) as e:
         conn.close()
         conn.writer = None
         return {"error": str(e)}
     if err or not chunks:
         return {"error": err or "no tokens streamed"}
-    return {"ttft": chunks[0], "end": chunks[-1], "chunks": chunks, "tokens": n}
+    return {"start": t0, "ttft": chunks[0], "end": chunks[-1], "chunks": chunks, "tokens": n}
 
 
 SPEC_METRICS = {"jaxllm:spec_decode_num_drafts": "cycles", "jaxllm:spec_decode_num_draft_tokens": "drafted",
@@ -257,12 +266,31 @@ async def run_level(url: str, c: int, a, rng) -> Level:
     await one_request(conns[0], prompts[0][:8], 4, a.logprobs, a.json_fraction > 0)   # awake, its calls compiled
     before = spec_counts(url)
 
+    streaming = asyncio.Event()
+    firsts = [0]
+
+    def first():
+        firsts[0] += 1
+        if firsts[0] == c:
+            streaming.set()
+
     async def client(i):
-        return [await one_request(conns[i], prompts[j], outs[j], a.logprobs, constrained[j])
+        return [await one_request(conns[i], prompts[j], outs[j], a.logprobs, constrained[j],
+                                  first if j == i * a.rounds else None)
                 for j in range(i * a.rounds, (i + 1) * a.rounds)]
+
+    async def long_one():
+        await streaming.wait()
+        conn = Connection(u.hostname, u.port or 80)
+        try:
+            return await one_request(conn, rng.integers(0, a.vocab, a.long_prompt).tolist(), a.long_output)
+        finally:
+            conn.close()
     t0 = time.perf_counter()
+    long_task = asyncio.ensure_future(long_one()) if a.long_prompt else None
     results = [r for rs in await asyncio.gather(*(client(i) for i in range(c))) for r in rs]
     duration = time.perf_counter() - t0
+    long_result = await long_task if long_task is not None else None
     for conn in conns:
         conn.close()
     ok = [r for r in results if "error" not in r]
@@ -271,10 +299,27 @@ async def run_level(url: str, c: int, a, rng) -> Level:
     lv.ttft_ms = pct([r["ttft"] for r in ok])
     lv.tpot_ms = pct([(r["end"] - r["ttft"]) / max(r["tokens"] - 1, 1) for r in ok])
     lv.itl_ms = pct([b - x for r in ok for x, b in zip(r["chunks"], r["chunks"][1:])])
+    if long_result is not None:
+        lv.long_prompt = long_prompt_summary(a.long_prompt, long_result, ok)
     if before is not None:
         await asyncio.sleep(0.2)         # the server reads its speculation counts once it is idle
         lv.speculation = {k: v - before[k] for k, v in spec_counts(url).items()}
     return lv
+
+
+def long_prompt_summary(n: int, long: dict, others: list[dict]) -> dict:
+    """The long request's TTFT, and the gaps between the other streams' chunks that overlap its
+    prefill (from its sending to its first token) against those that do not."""
+    if "error" in long:
+        return {"prompt_tokens": n, "error": long["error"]}
+    w0, w1 = long["start"], long["start"] + long["ttft"]
+    during, outside = [], []
+    for r in others:
+        at = [r["start"] + x for x in r["chunks"]]
+        for x, b in zip(at, at[1:]):
+            (during if x < w1 and b > w0 else outside).append(b - x)
+    return {"prompt_tokens": n, "ttft_ms": long["ttft"] * 1e3, "tokens": long["tokens"],
+            "itl_during_ms": pct(during), "itl_outside_ms": pct(outside), "gaps_during": len(during)}
 
 
 # -- the fused-loop reference ------------------------------------------------------------------------
@@ -316,7 +361,18 @@ def table(rep: dict) -> str:
                     + ([spec_summary(lv.get("speculation"))] if spec else []))
     width = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     fmt = lambda r: "  ".join(x.rjust(w) for x, w in zip(r, width))      # noqa: E731
-    return "\n".join([head, fmt(cols) + "   (ms)", *map(fmt, rows)])
+    lines = [head, fmt(cols) + "   (ms)", *map(fmt, rows)]
+    for lv in rep["levels"]:
+        lp = lv.get("long_prompt")
+        if lp and "error" in lp:
+            lines.append(f"{lv['concurrency']} clients + one {lp['prompt_tokens']}-token prompt: {lp['error']}")
+        elif lp:
+            d, o = lp["itl_during_ms"], lp["itl_outside_ms"]
+            lines.append(f"{lv['concurrency']} clients + one {lp['prompt_tokens']}-token prompt: its TTFT "
+                         f"{lp['ttft_ms']:.0f} ms; the others' chunk gaps during its prefill p50 {d.get('p50', 0):.1f} "
+                         f"p99 {d.get('p99', 0):.1f} max {d.get('max', 0):.1f} ms ({lp['gaps_during']} gaps), "
+                         f"otherwise p50 {o.get('p50', 0):.1f} p99 {o.get('p99', 0):.1f} ms")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -325,8 +381,11 @@ def main(argv=None) -> int:
         raise SystemExit("--concurrency and --rounds must be >= 1 and --output-len >= 2")
     if not 0 <= a.json_fraction <= 1:
         raise SystemExit(f"--json-fraction must be in [0, 1], got {a.json_fraction}")
-    a.max_num_seqs = a.max_num_seqs or max(a.concurrency)
-    a.max_model_len = a.max_model_len or -(-(a.prompt_len[1] + a.output_len[1]) // 64) * 64
+    a.max_num_seqs = a.max_num_seqs or max(a.concurrency) + (a.long_prompt is not None)
+    if a.long_prompt is not None and (a.long_prompt < 1 or a.long_output < 1):
+        raise SystemExit("--long-prompt and --long-output must be >= 1")
+    longest = max(a.prompt_len[1] + a.output_len[1], (a.long_prompt or 0) + a.long_output)
+    a.max_model_len = a.max_model_len or -(-longest // 64) * 64
     if a.vocab is None:
         if a.url:
             a.vocab = 1000
@@ -366,7 +425,7 @@ def main(argv=None) -> int:
                                                    "max_model_len", "max_num_batched_tokens", "decode_steps",
                                                    "tp", "quant", "kv_quant", "concurrency", "speculative",
                                                    "num_speculative_tokens", "draft_model_dir", "logprobs",
-                                                   "json_fraction")} | {"fused_ctx": ctx},
+                                                   "json_fraction", "long_prompt", "long_output")} | {"fused_ctx": ctx},
            "levels": [asdict(x) for x in levels]}
     if ref_rep is not None:
         rep.update(device=ref_rep["device"]["kind"], jax_version=ref_rep["jax_version"], fused_loop=ref_rep)
