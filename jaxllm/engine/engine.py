@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
 import warnings
@@ -305,9 +306,15 @@ class Engine:
         return bucket(n_tokens + (0 if self.spec is None else self.spec.k + 1), 1)
 
     def kv_plan(self, batch: int, length: int | None = None):
-        """What a cache of `batch` rows and `length` (default max_ctx) positions takes."""
-        return plan_cache(self.cfg, self.kv_layout, self.kv_options, batch, length or self.max_ctx,
-                          self.dtype)
+        """What a cache of `batch` rows and `length` (default max_ctx) positions takes, in all and
+        on each device of the mesh (its shards as the cache's shardings cut them)."""
+        length = length or self.max_ctx
+        plan = plan_cache(self.cfg, self.kv_layout, self.kv_options, batch, length, self.dtype)
+        if self.layout.mesh.size == 1:
+            return plan
+        per_device = sum(math.prod(s.sharding.shard_shape(s.shape)) * np.dtype(s.dtype).itemsize
+                         for s in jax.tree_util.tree_leaves(self.state_shapes(batch, length).cache))
+        return dataclasses.replace(plan, per_device=per_device)
 
     def chunking(self, longest: int) -> tuple[int, int]:
         """(chunk size, padded length) of a lockstep prefill: short prompts use their power-of-two

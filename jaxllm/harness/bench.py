@@ -280,7 +280,7 @@ def run_point(eng, fam, batch, a, ceilings, mem_limit) -> Point:
     p.roofline_ms = cost.bytes / (ceilings.bandwidth * a.tp) * 1e3
     p.compute_ms = cost.flops / (ceilings.matmul_flops * a.tp) * 1e3
     p.ceiling_tok_s = batch / max(p.roofline_ms, p.compute_ms) * 1e3
-    cache_bytes = nbytes(eng.state_shapes(batch, a.ctx + a.steps).cache) // a.tp
+    cache_bytes = eng.kv_plan(batch, a.ctx + a.steps).device_bytes
     if mem_limit and nbytes(weights) // a.tp + cache_bytes > 0.9 * mem_limit:
         p.skipped = f"KV cache of {cache_bytes / 2**30:.1f} GiB does not fit next to the weights"
         return p

@@ -22,11 +22,20 @@ class CachePlan:
     per_token: int        # bytes per position of one row that grow with the context
     fixed: int            # bytes that do not grow (ring buffers, slot positions), all rows
     total: int            # bytes of the whole cache as allocated
+    per_device: int | None = None   # bytes on the device that holds the most of it (None: one device)
+
+    @property
+    def device_bytes(self) -> int:
+        """What one device must find free for its share of the cache."""
+        return self.total if self.per_device is None else self.per_device
+
+    def where(self) -> str:
+        return "" if self.device_bytes == self.total else f", {self.device_bytes / GiB:.2f} GiB a device"
 
     def describe(self) -> str:
         ring = f" + {self.fixed / 2**20:.1f} MiB of sliding-window ring buffers" if self.fixed else ""
         return (f"KV cache: {self.layout.name}, {self.per_token:,} bytes/token{ring}; "
-                f"{self.total / GiB:.2f} GiB for {self.batch} x {self.max_ctx:,} tokens")
+                f"{self.total / GiB:.2f} GiB for {self.batch} x {self.max_ctx:,} tokens{self.where()}")
 
 
 def _nbytes(x) -> int:
@@ -71,11 +80,14 @@ def free_memory(device=None) -> int | None:
 
 
 def check_fits(plan: CachePlan, device=None, free: int | None = None):
+    """A clear error where a device cannot hold its share of the cache (the whole cache on one
+    device; under a mesh, the largest shard)."""
     free = free_memory(device) if free is None else free
-    if free is not None and plan.total > free:
+    if free is not None and plan.device_bytes > free:
         raise RequestError(f"the KV cache for {plan.batch} x {plan.max_ctx:,} tokens needs "
-                           f"{plan.total / GiB:.2f} GiB ({plan.layout.name}) but only {free / GiB:.2f} GiB "
-                           f"of device memory is free; lower --max-ctx or --batch, or use --kv-quant int8")
+                           f"{plan.total / GiB:.2f} GiB ({plan.layout.name}{plan.where()}) but only "
+                           f"{free / GiB:.2f} GiB of device memory is free; lower --max-ctx or --batch, "
+                           f"or use --kv-quant int8")
 
 
 def report(plan: CachePlan, file=None):

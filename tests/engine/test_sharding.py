@@ -41,6 +41,9 @@ def test_sharded_logits_match_single_device(sharded, case, layout):
     split_kv = r["kv_heads"] % tp == 0                               # else K/V weights and cache replicated
     assert ("model" in r["k"]) == split_kv and ("model" in r["cache"]) == split_kv
     assert ("data" in r["cache"]) == (layout == "tp2dp2")  # batch rows over the data axis
+    # the plan that sizes the cache before it is made counts what one device then holds
+    assert r["plan"] == r["allocated"]
+    assert (r["plan"][1] < r["plan"][0]) == (split_kv or layout == "tp2dp2")
 
 
 def test_sharded_int8_greedy_matches(sharded):

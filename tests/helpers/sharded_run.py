@@ -10,6 +10,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(__file__))
 
 import gemma4_refs  # noqa: E402
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from tp_models import make  # noqa: E402
 
@@ -43,11 +44,16 @@ def main(tmp):
         for tp, dp in LAYOUTS:
             eng = jaxllm.load(path, dtype="float32", quant="none", tp=tp, dp=dp, max_ctx=32)
             layers = eng.weights["layers"]["global"]
+            cache = eng.core(2, 8).state.cache
+            plan = eng.kv_plan(2, 8)
             res[f"tp{tp}dp{dp}"] = {
+                "plan": [plan.total, plan.device_bytes],
+                "allocated": [sum(x.nbytes for x in jax.tree_util.tree_leaves(cache)),
+                              sum(x.addressable_shards[0].data.nbytes for x in jax.tree_util.tree_leaves(cache))],
                 "err": float(np.abs(eng.logits(ids) - ref).max()),
                 "q": spec_of(layers["q"]), "k": spec_of(layers["k"]), "down": spec_of(layers["down"]),
                 "kv_heads": eng.cfg.attn[1].num_kv_heads,
-                "cache": list(eng.core(2, 8).state.cache["global"]["k"].sharding.spec),
+                "cache": list(cache["global"]["k"].sharding.spec),
             }
         out[name] = res
     # the int8 path shards the same way and decodes the same greedy tokens under TP=4
