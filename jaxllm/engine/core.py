@@ -358,11 +358,25 @@ def _divisor_at_most(n: int, cap: int) -> int:
 def decode_step(cfg: ModelConfig, weights, state: State, ops, dtype=jnp.bfloat16, allowed=None):
     """One token for every live slot (among the tokens `allowed` [B, ceil(V / 32)] lets each take,
     where given) -> (state, sampled tokens [B], live [B], float32 logits [B, V])."""
+    state, logits = step_forward(cfg, weights, state, ops, dtype)
+    state, tok, live = step_advance(cfg, state, logits, ops, allowed)
+    return state, tok, live, logits
+
+
+def step_forward(cfg: ModelConfig, weights, state: State, ops, dtype=jnp.bfloat16):
+    """A decode step's forward: each live slot's last token fed at its position, its keys and
+    values written there -> (state, float32 logits [B, V]). Run twice, it writes the same values."""
+    sl = state.slots
+    pos = jnp.where(sl.active, sl.pos, -1)
+    h, cache = forward(cfg, weights, sl.last[:, None], pos[:, None], state.cache, ops, dtype)
+    return state.replace(cache=cache), logits_from_hidden(cfg, weights, h[:, 0], ops)
+
+
+def step_advance(cfg: ModelConfig, state: State, logits, ops, allowed=None):
+    """A decode step's sampling from its forward's logits [B, V]: each live slot's token (its rules,
+    penalties and `allowed` mask applied), and the slot table advanced -> (state, tokens [B], live [B])."""
     sl = state.slots
     live = sl.active
-    pos = jnp.where(live, sl.pos, -1)
-    h, cache = forward(cfg, weights, sl.last[:, None], pos[:, None], state.cache, ops, dtype)
-    logits = logits_from_hidden(cfg, weights, h[:, 0], ops)
     tok = sample(mask_tokens(_sampling_logits(cfg.eos_ids, logits, sl), allowed), sl.params, sl.step, ops.top_p_by)
     inc = live.astype(jnp.int32)
     remaining = sl.remaining - inc
@@ -374,7 +388,7 @@ def decode_step(cfg: ModelConfig, weights, state: State, ops, dtype=jnp.bfloat16
     if sl.spec is not None:
         hist = write_history(sl.spec.history, None, jnp.where(live, sl.pos + 1, -1)[:, None], tok[:, None])
         slots = slots.replace(spec=sl.spec.replace(history=hist, idle=sl.spec.idle + 1))
-    return state.replace(cache=cache, slots=slots), tok, live, logits
+    return state.replace(slots=slots), tok, live
 
 
 def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, ops, dtype=jnp.bfloat16, n_logprobs: int = 0,
@@ -464,9 +478,6 @@ def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, allowed=
     `logprobs` or None): slot b sampled tokens[b, :count[b]]."""
     full = state.slots
     B = full.last.shape[0] if rows is None else rows
-    slots = jax.tree_util.tree_map(lambda a: a[:B], full)
-    if stop is not None:
-        slots = slots.replace(active=slots.active & ~stop)
     out = (jnp.zeros((B, max_steps), jnp.int32), LogProbs.zeros((B, max_steps), logprobs) if logprobs else None)
 
     if spec is None:
@@ -498,12 +509,53 @@ def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, allowed=
                                          out, (new, lp))
             return i + 1, s, out, count + n_new
 
-    init = (jnp.int32(0), state.replace(slots=slots), out, jnp.zeros((B,), jnp.int32))
+    init = (jnp.int32(0), _first_rows(state, rows, stop), out, jnp.zeros((B,), jnp.int32))
     _, s, (out, lp), count = jax.lax.while_loop(cond, body, init)
+    return _all_rows(full, s, ops.layout), out, count, lp
+
+
+def _first_rows(state: State, rows: int | None, stop=None) -> State:
+    """The state with the slot table cut to its first `rows` slots (those in `stop` ended first)."""
+    B = state.slots.last.shape[0] if rows is None else rows
+    slots = jax.tree_util.tree_map(lambda a: a[:B], state.slots)
+    if stop is not None:
+        slots = slots.replace(active=slots.active & ~stop)
+    return state.replace(slots=slots)
+
+
+def _all_rows(full: Slots, state: State, layout) -> State:
+    """`state` (its slot table cut to the first rows) with the whole slot table back."""
+    B = state.slots.last.shape[0]
+    slots = state.slots
     if B < full.last.shape[0]:
-        slots = jax.tree_util.tree_map(lambda a, v: a.at[:B].set(v), full, s.slots)
-        s = s.replace(slots=slots)
-    return s.replace(slots=_by_rows(s.slots, ops.layout)), out, count, lp
+        slots = jax.tree_util.tree_map(lambda a, v: a.at[:B].set(v), full, slots)
+    return state.replace(slots=_by_rows(slots, layout))
+
+
+def decode_forward(cfg: ModelConfig, weights, state: State, *, ops, rows: int | None = None,
+                   spec: Speculation | None = None, dtype=jnp.bfloat16):
+    """The forward of a one-step decode block of the first `rows` slots, apart from its sampling
+    (`decode_sample`), so that the host can write the next token's grammar masks while the device
+    runs it. -> (state, float32 logits [rows, V], rows over the data axis)."""
+    assert spec is None, "a decode block split in two has no speculation"
+    s, logits = step_forward(cfg, weights, _first_rows(state, rows), ops, dtype)
+    if ops.layout is not None:         # the layout the sampling call is compiled for
+        logits = jax.lax.with_sharding_constraint(logits, ops.layout.batch_sharding(logits.shape))
+    return s.replace(slots=state.slots), logits
+
+
+def decode_sample(cfg: ModelConfig, weights, state: State, logits, stop=None, allowed=None, *, ops,
+                  rows: int | None = None, logprobs: int = 0, spec: Speculation | None = None, dtype=jnp.bfloat16):
+    """The sampling of a one-step decode block whose forward `decode_forward` ran: each live slot's
+    token from `logits` among those `allowed` lets it take, the slots advanced. -> what `decode`
+    returns for a block of one step (tokens [rows, 1], count [rows], LogProbs [rows, 1] or None)."""
+    assert spec is None, "a decode block split in two has no speculation"
+    full = state.slots
+    s, tok, live = step_advance(cfg, _first_rows(state, rows, stop), logits, ops, allowed)
+    lp = None
+    if logprobs:
+        lp = jax.tree_util.tree_map(lambda a: a[:, None], _lp(logits, tok, logprobs))
+    return _all_rows(full, s, ops.layout), jnp.where(live, tok, 0)[:, None], live.astype(jnp.int32), lp
 
 
 # -- fork ------------------------------------------------------------------------------------------

@@ -164,7 +164,11 @@ class Engine:
                      "decode": jax.jit(partial(core.decode, cfg, ops=o, spec=speculation, dtype=d),
                                        static_argnames=("max_steps", "rows", "logprobs"), donate_argnames=("state",)),
                      "fork": jax.jit(partial(core.fork, cfg, ops=o, spec=speculation, dtype=d),
-                                     static_argnames=("logprobs",), donate_argnames=("state",))}
+                                     static_argnames=("logprobs",), donate_argnames=("state",)),
+                     "decode_forward": jax.jit(partial(core.decode_forward, cfg, ops=o, spec=speculation, dtype=d),
+                                               static_argnames=("rows",), donate_argnames=("state",)),
+                     "decode_sample": jax.jit(partial(core.decode_sample, cfg, ops=o, spec=speculation, dtype=d),
+                                              static_argnames=("rows", "logprobs"), donate_argnames=("state",))}
         self._executables: dict = {}
         self.compile_s = 0.0          # seconds spent compiling the core's calls so far
         self.on_compile = None        # on_compile(n_calls) -> a callable to call when they are done
@@ -177,8 +181,9 @@ class Engine:
         return self.weights if self.draft_weights is None else (self.weights, self.draft_weights)
 
     def run(self, name: str, *args, **static):
-        """Call the core's `name` ("prefill", "decode" or "fork") with the weights and `args`, through the
-        executable compiled for these shapes (compiled now if this is their first call)."""
+        """Call the core's `name` ("prefill", "decode", "fork", "decode_forward" or "decode_sample") with
+        the weights and `args`, through the executable compiled for these shapes (compiled now if this
+        is their first call)."""
         return self.executable(name, args, static)(self.call_weights, *args)
 
     def executable(self, name: str, args, static: dict):

@@ -56,7 +56,23 @@ class EngineCore:
         self.state, toks, count, lp = e.run("decode", self.state, np.int32(n_steps), stop, *masks, **static)
         return toks, count, lp
 
-    # -- lockstep batches: every row a prompt, prefilled in chunks ----------------------------------
+    def decode_forward(self, rows: int | None = None):
+        """The forward of a one-step decode block, apart from its sampling (`decode_sample`): ->
+        the logits [rows, V] on the device, for `decode_sample`."""
+        e = self.engine
+        self.state, logits = e.run("decode_forward", self.state, rows=rows)
+        return logits
+
+    def decode_sample(self, logits, stop=None, rows: int | None = None, logprobs: int = 0, allowed=None):
+        """The sampling of the one-step block whose forward gave `logits`: -> as `decode` for one step."""
+        e = self.engine
+        stop = None if stop is None else e.put_rows(np.asarray(stop, bool))
+        masks = None if allowed is None else e.put_rows(np.asarray(allowed, np.uint32))
+        static = {"rows": rows, **({"logprobs": logprobs} if logprobs else {})}
+        self.state, toks, count, lp = e.run("decode_sample", self.state, logits, stop, masks, **static)
+        return toks, count, lp
+
+        # -- lockstep batches: every row a prompt, prefilled in chunks ----------------------------------
     def prepare(self, longest: int, n_steps: int, logprobs: int = 0) -> float:
         """Compile what `prefill_prompts` of prompts up to `longest` tokens and `run_to_completion(
         n_steps)` call, if not compiled yet. -> seconds it took."""

@@ -102,11 +102,12 @@ class ClientGone(Exception):
 class Server:
     def __init__(self, engine, opts: ServeOptions):
         self.engine, self.opts = engine, opts
+        self.grammars = Grammars.for_engine(engine)           # structured output (None: no tokenizer)
         self.scheduler = Scheduler(engine, opts.max_num_seqs, opts.max_model_len, opts.max_queue,
-                                   opts.decode_steps, opts.max_num_batched_tokens)
+                                   opts.decode_steps, opts.max_num_batched_tokens,
+                                   structured=self.grammars is not None)
         self.metrics = self.scheduler.observer = Metrics(self.scheduler, opts.served_name)
         self.features = chat_features(engine.cfg.family)      # reasoning and tool calls in chat answers
-        self.grammars = Grammars.for_engine(engine)           # structured output (None: no tokenizer)
         self.started = time.time()
 
     def start(self):

@@ -14,10 +14,13 @@ long. The output thread detokenizes a block while the device runs the next (on G
 the decode loop, so the engine thread is inside that call meanwhile); at most two calls wait for it.
 
 Structured output: a constrained request's `grammar.Matcher` takes each of its tokens as the output
-thread reads them. While a constrained request decodes, the blocks are one step long, and before
-each the engine thread waits until the output thread has read every call back, then writes each
-constrained slot's allowed tokens into a bitmask the step applies (unconstrained rows all ones);
-a prefill piece that ends a constrained prompt gets its row too, for the first token.
+thread reads them. While a constrained request decodes, the blocks are one step long, each in two
+calls: the step's forward, launched as soon as the previous step's sampling is (it needs nothing
+from the host), and its sampling, launched once the output thread has read every call back and the
+engine thread has written each constrained slot's allowed tokens into a bitmask (unconstrained rows
+all ones). The device runs the forward while the host advances the grammars. (With speculative
+decoding a step is one call, its masks written before it.) A prefill piece that ends a constrained
+prompt gets its row too, for the first token.
 
 A request for n answers takes n slots at once. Its prompt is prefilled into the first; right after
 the forward that ends it, `EngineCore.fork` copies that slot into the others, each drawing its own
@@ -68,8 +71,11 @@ class Launched:
 
 class Scheduler:
     def __init__(self, engine, max_num_seqs: int, max_model_len: int, max_queue: int, decode_steps: int = 8,
-                 max_num_batched_tokens: int = 2048, record: int = 10_000):
+                 max_num_batched_tokens: int = 2048, record: int = 10_000, structured: bool = False):
+        """`structured`: requests may be constrained (a grammar engine serves them), so the calls of
+        constrained steps are compiled before ready too."""
         self.engine = engine
+        self.structured = structured
         self.observer = Observer()
         self.eos = set(engine.cfg.eos_ids)
         self.core = engine.core(max_num_seqs, max_model_len)
@@ -92,6 +98,7 @@ class Scheduler:
         self.results: queue.Queue[Launched | None] = queue.Queue(maxsize=2)
         self.launched = self.read = 0           # calls launched, and read back by the output thread
         self.mask_words = -(-engine.cfg.vocab_size // 32)     # a grammar mask's row: one bit a token
+        self.ahead = None       # (rows, calls launched then, logits): a one-step block's forward, launched ahead
         self.thread = threading.Thread(target=self._run, name="jaxllm-engine", daemon=True)
         self.output = threading.Thread(target=self._read_results, name="jaxllm-output", daemon=True)
         self.finished = 0              # requests completed
@@ -141,6 +148,14 @@ class Scheduler:
                    {"max_steps": self.out_size, "rows": n, **lp}) for n in self.shapes.decodes()]
         if self.core.num_slots > 1:
             calls.append(("fork", (state, e.row_shapes(Forks.make(self.core.num_slots))), lp))
+        if self.structured and e.spec is None:           # the two calls of a constrained step
+            V = e.cfg.vocab_size
+            for n in self.shapes.decodes():
+                logits = jax.ShapeDtypeStruct((n, V), np.float32, sharding=e.layout.batch_sharding((n, V)))
+                calls += [("decode_forward", (state,), {"rows": n}),
+                          ("decode_sample", (state, logits, e.row_shapes(np.zeros(n, bool)),
+                                             e.row_shapes(np.zeros((n, self.mask_words), np.uint32))),
+                           {"rows": n, **lp})]
         return e.precompile(calls)
 
     def start(self, warmup: bool = True):
@@ -201,6 +216,7 @@ class Scheduler:
                     log.exception("engine step failed")
                     self._fail_running(500, "internal error while generating; see the server log")
                     self.core.reset()
+                    self.ahead = None
                     self.spec_reported = dict.fromkeys(self.spec_reported, 0)     # a fresh core counts afresh
         finally:
             self._fail_running(503, "the server is shutting down")
@@ -264,6 +280,8 @@ class Scheduler:
         decoding = self._decoding()
         constrained = any(j.matcher is not None for j in decoding)
         if constrained:                    # their matchers must have taken their last tokens
+            if self.engine.spec is None and self.ahead is None and not self.prefilling:
+                self._launch_forward(self.shapes.decode_rows(max(j.slot for j in decoding) + 1))
             self._await_results()
             self._free_ended()
             decoding = self._decoding()
@@ -272,16 +290,43 @@ class Scheduler:
             return prefilled or constrained
         n = 1 if self.prefilling or constrained else self.decode_steps
         rows = self.shapes.decode_rows(max(j.slot for j in decoding) + 1)
+        if constrained and self.ahead is not None and self.ahead[1] == self.launched:
+            rows = max(rows, self.ahead[0])     # the forward launched ahead covers these rows
         stop = self.to_stop[:rows].copy()
         self.to_stop[:rows] = False
+        if constrained and self.engine.spec is None:
+            return self._launch_sampling(rows, stop, decoding)
         allowed = masks([j.matcher if j in decoding else None for j in self.slots[:rows]],
                         self.mask_words) if constrained else None
         toks = self.core.decode(n, self.out_size, stop, rows, logprobs=LOGPROBS, allowed=allowed)
-        rec = {"kind": "decode", "steps": n, "rows": rows, "tokens": {}}
+        self._put_decode(toks, n, rows)
+        return True
+
+    def _launch_forward(self, rows: int):
+        """Launch the forward of the next one-step block now, while the host still reads the
+        last one back and advances the grammars: the sampling call that follows takes its logits
+        (`_launch_sampling`), unless another call changes the slots first."""
+        self.ahead = (rows, self.launched, self.core.decode_forward(rows))
+
+    def _launch_sampling(self, rows: int, stop, decoding: list[Job]) -> bool:
+        """A step while a constrained request decodes, in two calls: the forward (launched ahead
+        when it could be) and the sampling, which takes the grammars' masks of the step."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None or ahead[:2] != (rows, self.launched):
+            self._launch_forward(rows)
+            ahead, self.ahead = self.ahead, None
+        allowed = masks([j.matcher if j in decoding else None for j in self.slots[:rows]], self.mask_words)
+        toks = self.core.decode_sample(ahead[2], stop, rows, logprobs=LOGPROBS, allowed=allowed)
+        self._put_decode(toks, 1, rows)
+        if not self.prefilling:
+            self._launch_forward(rows)
+        return True
+
+    def _put_decode(self, toks, steps: int, rows: int):
+        rec = {"kind": "decode", "steps": steps, "rows": rows, "tokens": {}}
         self.record.append(rec)
         jobs = [j if j is not None and j.started else None for j in self.slots[:rows]]
         self._put(Launched("decode", toks, jobs, record=rec))
-        return True
 
     def _decoding(self) -> list[Job]:
         """The jobs whose slots decode: their first tokens drawn."""

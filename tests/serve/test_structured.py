@@ -14,6 +14,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import jax
 import jsonschema
 import numpy as np
 import pytest
@@ -130,6 +131,45 @@ def test_masked_rows_sample_only_allowed_tokens_beside_speculation(tmp_path):
     assert set(rows[0]) <= {11, 23, 42}
     assert rows[1][:len(free)] == free
     assert most > 1                                      # the free row took drafts
+
+
+def test_step_split_in_forward_and_sampling_equals_one_call(tmp_path):
+    """A constrained step as the server runs it, its forward launched apart from (and even twice
+    before) its sampling, gives the tokens, counts and log-probabilities of the one-call step, for
+    the first rows of a larger slot table; the slots past them stay as they were."""
+    import tiny
+
+    from jaxllm.engine.core import Pieces
+    from jaxllm.engine.sampling import SamplingParams
+    tiny.make("qwen3", tmp_path)
+    eng = jaxllm.load(str(tmp_path), quant="none", dtype="float32", max_ctx=128)
+    ok = np.ones((2, eng.cfg.vocab_size), bool)
+    ok[0] = False
+    ok[0, [11, 23, 42, 57]] = True
+    allowed = pack(ok)
+    prompts = np.asarray([[5, 6, 7, 8, 9], [9, 3, 4, 1, 2]], np.int32)
+    cores = []
+    for _ in range(2):
+        core = eng.core(4, 64)
+        core.prefill(Pieces.make(prompts, 0, 5, True, [0, 1], SamplingParams.make(2, 0.8, seed=3), 64, False,
+                                 allowed=allowed))
+        cores.append(core)
+    one, split = cores
+    for step in range(6):
+        want = jax.tree_util.tree_map(eng.layout.get, one.decode(1, one.out_size(1), rows=2, logprobs=5,
+                                                                 allowed=allowed))
+        logits = split.decode_forward(rows=2)
+        if step == 2:                      # a forward launched ahead and then dropped, launched again
+            logits = split.decode_forward(rows=2)
+        got = jax.tree_util.tree_map(eng.layout.get, split.decode_sample(logits, rows=2, logprobs=5,
+                                                                         allowed=allowed))
+        assert got[0][:, 0].tolist() == want[0][:, 0].tolist() and got[1].tolist() == want[1].tolist() == [1, 1]
+        assert got[0][0, 0] in (11, 23, 42, 57)
+        np.testing.assert_allclose(got[2].token[:, 0], want[2].token[:, 0], atol=1e-5)
+        assert got[2].top_ids[:, 0].tolist() == want[2].top_ids[:, 0].tolist()
+    a, b = (jax.tree_util.tree_map(eng.layout.get, c.state.slots) for c in cores)
+    assert a.pos.tolist() == b.pos.tolist() and a.last.tolist() == b.last.tolist()
+    assert b.active.tolist() == [True, True, False, False]
 
 
 def test_grammar_masks_allow_text_and_eos_only_where_the_grammar_ends():
