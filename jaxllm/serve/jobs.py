@@ -68,6 +68,8 @@ class Job:
     logprobs_sent: int = 0                           # how many of them went out
     prompt_logprobs: list = field(default_factory=list)   # an echo's, as its prefill reads them
     matcher: object | None = None           # structured output: its `grammar.Matcher`, freed with the slot
+    held: list = field(default_factory=list)         # tokens read back, their text not out yet
+    held_lp: list = field(default_factory=list)      # their host LogProbs pieces
 
     def cancel(self):
         self.cancelled.set()

@@ -18,9 +18,12 @@ thread reads them. While a constrained request decodes, the blocks are one step 
 calls: the step's forward, launched as soon as the previous step's sampling is (it needs nothing
 from the host), and its sampling, launched once the output thread has read every call back and the
 engine thread has written each constrained slot's allowed tokens into a bitmask (unconstrained rows
-all ones). The device runs the forward while the host advances the grammars. (With speculative
-decoding a step is one call, its masks written before it.) A prefill piece that ends a constrained
-prompt gets its row too, for the first token.
+all ones). The device runs the forward while the host advances the grammars. The output thread
+has each grammar take its token at once, but holds every row's tokens back and turns them into text
+and events a block's worth at a time (or as soon as the answer may end), so that a one-token step
+costs the host little more than the grammars' work. (With speculative decoding a step is one call,
+its masks written before it.) A prefill piece that ends a constrained prompt gets its row too, for
+the first token.
 
 A request for n answers takes n slots at once. Its prompt is prefilled into the first; right after
 the forward that ends it, `EngineCore.fork` copies that slot into the others, each drawing its own
@@ -67,6 +70,7 @@ class Launched:
     finals: list | None = None      # prefill: whether each piece ended its prompt
     scored: list | None = None      # prefill: (start, length) of each piece whose tokens were scored, or None
     record: dict | None = None      # this call's entry in `Scheduler.record`
+    hold: bool = False              # decode: a one-step block whose tokens the jobs hold back (`_hold`)
 
 
 class Scheduler:
@@ -317,16 +321,16 @@ class Scheduler:
             ahead, self.ahead = self.ahead, None
         allowed = masks([j.matcher if j in decoding else None for j in self.slots[:rows]], self.mask_words)
         toks = self.core.decode_sample(ahead[2], stop, rows, logprobs=LOGPROBS, allowed=allowed)
-        self._put_decode(toks, 1, rows)
+        self._put_decode(toks, 1, rows, hold=True)
         if not self.prefilling:
             self._launch_forward(rows)
         return True
 
-    def _put_decode(self, toks, steps: int, rows: int):
+    def _put_decode(self, toks, steps: int, rows: int, hold: bool = False):
         rec = {"kind": "decode", "steps": steps, "rows": rows, "tokens": {}}
         self.record.append(rec)
         jobs = [j if j is not None and j.started else None for j in self.slots[:rows]]
-        self._put(Launched("decode", toks, jobs, record=rec))
+        self._put(Launched("decode", toks, jobs, record=rec, hold=hold))
 
     def _decoding(self) -> list[Job]:
         """The jobs whose slots decode: their first tokens drawn."""
@@ -502,7 +506,7 @@ class Scheduler:
         for b, job in enumerate(call.jobs):
             if job is not None and count[b] and not job.done:
                 call.record["tokens"][job.id] = int(count[b])
-                self._take(job, toks[b, :count[b]].tolist(), _row(lp, b, count[b]))
+                (self._hold if call.hold else self._take)(job, toks[b, :count[b]].tolist(), _row(lp, b, count[b]))
 
     def _score_prompt(self, job: Job, scores, at: int, start: int, length: int):
         """Fold in the log-probabilities of a prompt piece's next tokens (flat rows at.. of scores)."""
@@ -513,21 +517,50 @@ class Scheduler:
         piece = jax.tree_util.tree_map(lambda a: a[at:at + len(nxt)][None], scores)
         job.prompt_logprobs += token_logprobs(piece, 0, nxt, job.req.logprobs)
 
-    def _take(self, job: Job, toks: list[int], lp=None):
-        """Fold a request's new tokens in (with `lp`, host LogProbs [len(toks)] of them), emit their
-        text as one delta, finish it when it is done."""
+    def _follow(self, job: Job, toks: list[int]) -> tuple[list[int], bool] | None:
+        """`job`'s grammar takes its new tokens: -> (those it took, whether it is complete), or None
+        where it refused one (the request then fails)."""
+        if job.matcher is None or not toks:
+            return toks, False
+        try:
+            n, complete = job.matcher.follow(toks)
+        except ValueError as e:
+            log.error("request %s: %s", job.req.id, e)
+            if self._end(job, Failed(500, f"structured output failed: {e}")):
+                self._ended(job)
+            return None
+        return toks[:n], complete
+
+    def _hold(self, job: Job, toks: list[int], lp=None):
+        """A one-step block's tokens for `job`, held back until a block's worth (`decode_steps`) is
+        there or the answer may end: its grammar takes them now (the next step's mask needs that),
+        their text and events wait, so that a step of one token costs the host a fraction of a
+        block's work."""
         r = job.req
-        toks = toks[:r.max_tokens - job.n_tokens]
-        complete, m = False, job.matcher
-        if m is not None:
-            try:
-                n, complete = m.follow(toks)
-            except ValueError as e:
-                log.error("request %s: %s", r.id, e)
-                if self._end(job, Failed(500, f"structured output failed: {e}")):
-                    self._ended(job)
-                return
-            toks = toks[:n]
+        followed = self._follow(job, toks[:r.max_tokens - job.n_tokens - len(job.held)])
+        if followed is None:
+            return
+        toks, complete = followed
+        job.held += toks
+        job.held_lp.append(None if lp is None else jax.tree_util.tree_map(lambda a: a[:, :len(toks)], lp))
+        ends = set(r.stop_token_ids) | (set() if r.ignore_eos else self.eos)
+        if (complete or len(job.held) >= self.decode_steps or job.n_tokens + len(job.held) >= r.max_tokens
+                or any(t in ends for t in toks)):
+            self._take(job, [], None, complete)
+
+    def _take(self, job: Job, toks: list[int], lp=None, complete: bool = False):
+        """Fold a request's new tokens in (with `lp`, host LogProbs [len(toks)] of them), after any
+        it holds, emit their text as one delta, finish it when it is done."""
+        r = job.req
+        held, held_lp = job.held, job.held_lp
+        job.held, job.held_lp = [], []
+        followed = self._follow(job, toks[:r.max_tokens - job.n_tokens - len(held)])
+        if followed is None:
+            return
+        toks, done = followed
+        complete = complete or done
+        if held:
+            toks, lp = held + toks, _joined(held_lp + [lp])
         ends = set(r.stop_token_ids) | (set() if r.ignore_eos else self.eos)
         eos = next((i for i, t in enumerate(toks) if t in ends), None)
         text, taken = job.text.push_many(toks if eos is None else toks[:eos])
@@ -584,6 +617,14 @@ class Scheduler:
         if event is not None:
             job.emit(event)
         return True
+
+
+def _joined(pieces: list):
+    """Host LogProbs [1, n_i] pieces (None: a call that read none) -> one [1, sum n_i], or None."""
+    pieces = [x for x in pieces if x is not None]
+    if not pieces:
+        return None
+    return jax.tree_util.tree_map(lambda *a: np.concatenate(a, axis=1), *pieces)
 
 
 def _without_logprobs(kind: str, result):

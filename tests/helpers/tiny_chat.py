@@ -98,8 +98,9 @@ class ScriptedCore:
         return toks if end is None or ignore_eos else toks[:end + 1]
 
     def prefill(self, pieces, targets=None, logprobs: int = 0):
-        if logprobs or targets is not None:
-            raise ValueError("a scripted answer has no log-probabilities")
+        """(The server asks every call for log-probabilities; a scripted answer has none to give.)"""
+        if targets is not None:
+            raise ValueError("a scripted answer has no prompt log-probabilities")
         first = np.zeros(len(pieces.tokens), np.int32)
         for p, b in enumerate(np.asarray(pieces.rows)):
             if b >= self.num_slots:
@@ -116,8 +117,8 @@ class ScriptedCore:
 
     def decode(self, n_steps: int, max_steps: int, stop=None, rows: int | None = None, logprobs: int = 0,
                allowed=None):
-        if logprobs or allowed is not None:
-            raise ValueError("a scripted answer has no log-probabilities and no grammar")
+        if allowed is not None:
+            raise ValueError("a scripted answer has no grammar")
         rows = rows or self.num_slots
         time.sleep(self.step_s * n_steps)
         toks, count = np.zeros((rows, max_steps), np.int32), np.zeros(rows, np.int32)
