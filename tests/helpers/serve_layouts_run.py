@@ -27,18 +27,16 @@ MAX_LEN = 96
 NEW = 12
 CLIENTS = 64
 # (name, checkpoint, kv_quant, int8 rings, tp): the full-length cache, the split cache with int8
-# global layers (the threshold lowered by kv_quant="int8"), int8 rings too, and TP=4 over the
-# full-length and split caches; a Gemma 4 E2B-like model, whose shared-KV layers read other layers'
-# rings, on the split cache.
+# global layers (the threshold lowered by kv_quant="int8"), int8 rings too, and TP=4 over the split
+# cache; a Gemma 4 E2B-like model, whose shared-KV layers read other layers' rings, on the split
+# cache; a server that speculates, on the split cache.
 CASES = [
     ("full", "gemma3", "none", False, 1),
     ("split-int8", "gemma3", "int8", False, 1),
     ("int8-rings", "gemma3", "int8", True, 1),
-    ("full-tp4", "gemma3", "none", False, 4),
     ("split-int8-tp4", "gemma3", "int8", False, 4),
     ("e2b-split-int8", "e2b", "int8", False, 1),
-    ("spec-ngram", "gemma3", "none", False, 1),           # the server speculates, the reference not
-    ("spec-ngram-split-int8", "gemma3", "int8", False, 1),
+    ("spec-ngram-split-int8", "gemma3", "int8", False, 1),   # the server speculates, the reference not
 ]
 WRITERS = {"gemma3": lambda p: make("gemma3", p), "e2b": lambda p: gemma4_refs.build("e2b").save_pretrained(p)}
 

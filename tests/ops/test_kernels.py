@@ -525,7 +525,7 @@ def test_kernel_mode_switch(monkeypatch):
 
 def _run(eng, prompts, ids):
     out = [c.token_ids for c in eng.generate_ids(prompts, max_tokens=10)]
-    out += [c.token_ids for c in eng.generate_ids(prompts[:1], max_tokens=6)]     # one row
+    out += [c.token_ids for c in eng.generate_ids(prompts[:1], max_tokens=4)]     # one row
     stepper, logits = eng.core(2, 32), []
     for t in range(ids.shape[1]):
         lg = stepper.step_logits(ids[:, t], np.full(2, t))
@@ -536,8 +536,8 @@ def _run(eng, prompts, ids):
 @pytest.mark.parametrize("family,quant,kv", [("qwen3", "none", "none"), ("gemma3", "int8", "none"),
                                             ("qwen3", "int8", "int8"), ("gemma3", "int8", "int8-rings")])
 def test_model_kernels_match_xla(family, quant, kv, tmp_path, monkeypatch):
-    """Whole models with every kernel forced on: the same greedy tokens as the XLA path and
-    step logits within float32 rounding, past several wraps of Gemma 3's sliding window (8). With
+    """Whole models with every kernel forced on: the same greedy tokens as the XLA path past several
+    wraps of Gemma 3's sliding window (8), and step logits within float32 rounding past one. With
     kv="int8" the split cache (rings, int8 global layers; "int8-rings": int8 rings too), which the
     decode kernel reads in place."""
     tiny.make(family, tmp_path, seed=3)
@@ -550,7 +550,7 @@ def test_model_kernels_match_xla(family, quant, kv, tmp_path, monkeypatch):
         monkeypatch.setattr(matmul, "choose_tiles", split_tiles)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(1, 160, n).tolist() for n in (5, 12, 9)]
-    ids = rng.integers(0, 160, (2, 20)).astype(np.int32)
+    ids = rng.integers(0, 160, (2, 11)).astype(np.int32)
     results = {}
     for mode in ("xla", "pallas"):
         eng = jaxllm.load(str(tmp_path), quant=quant, dtype="float32", max_ctx=64, kv_quant=kv[:4],

@@ -31,8 +31,8 @@ def layouts(tmp_path_factory):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", ["full", "split-int8", "int8-rings", "full-tp4", "split-int8-tp4", "e2b-split-int8",
-                                  "spec-ngram", "spec-ngram-split-int8"])
+@pytest.mark.parametrize("case", ["full", "split-int8", "int8-rings", "split-int8-tp4", "e2b-split-int8",
+                                  "spec-ngram-split-int8"])
 def test_server_equals_engine_generate(layouts, case):
     """Greedy answers alone and to 64 concurrent clients equal `Engine.generate`'s; a server that
     speculates equals the plain engine; n answers of one request (its slot forked) are the request's
