@@ -564,9 +564,9 @@ class Scheduler:
         ends = set(r.stop_token_ids) | (set() if r.ignore_eos else self.eos)
         eos = next((i for i, t in enumerate(toks) if t in ends), None)
         text, taken = job.text.push_many(toks if eos is None else toks[:eos])
-        if lp is not None and r.logprobs is not None:       # an EOS has none: it is not in the text
-            job.logprobs += token_logprobs(lp, 0, toks[:taken], r.logprobs)
         stopped = job.text.stopped
+        if lp is not None and r.logprobs is not None:       # the text's tokens, then the EOS that ended it
+            job.logprobs += token_logprobs(lp, 0, toks[:taken + (eos is not None and not stopped)], r.logprobs)
         n = taken + (1 if eos is not None and not stopped else 0)       # an EOS counts as generated
         if n or not r.max_tokens:          # (max_tokens 0: an echo's prompt alone, read now)
             now = time.monotonic()
@@ -583,11 +583,12 @@ class Scheduler:
         if text or lps:
             job.emit(Delta(text, lps))
 
-    def _settled_logprobs(self, job: Job) -> list | None:
-        """The log-probabilities of the tokens whose text has gone out (or goes out now)."""
+    def _settled_logprobs(self, job: Job, last: bool = False) -> list | None:
+        """The log-probabilities of the tokens whose text has gone out (or goes out now); `last`:
+        all that are left (the answer's end: an EOS or stop token id, with no text, is listed last)."""
         if job.req.logprobs is None:
             return None
-        settled = job.text.settled()
+        settled = len(job.logprobs) if last and not job.text.stopped else job.text.settled()
         out, job.logprobs_sent = job.logprobs[job.logprobs_sent:settled], max(job.logprobs_sent, settled)
         return out
 
@@ -595,7 +596,7 @@ class Scheduler:
         text.append(job.text.finish())     # held-back text is final now (empty after a stop string)
         if job.text.stopped:
             reason = "stop"
-        if self._end(job, Finished(reason, job.n_tokens), "".join(text), self._settled_logprobs(job)):
+        if self._end(job, Finished(reason, job.n_tokens), "".join(text), self._settled_logprobs(job, last=True)):
             first = job.parent or job
             first.answers_done += 1
             self.finished += first.answers_done == len(first.choices)

@@ -385,7 +385,9 @@ def test_logit_bias_and_min_tokens_match_a_numpy_reference(engine, client, model
 
 def test_stop_token_ids_end_the_answer(engine, client, model_name):
     """`stop_token_ids` end the answer at the first of them the greedy answer meets, as EOS does:
-    finish reason "stop", the token counted but not in the text, streamed or not."""
+    finish reason "stop", the token counted but not in the text, streamed or not; with `logprobs`
+    the ending token is listed last (what a loglikelihood request scores when the next token ends
+    the answer)."""
     ids = engine.tokenizer.encode(PROMPT)
     base = engine.generate_ids([ids], max_tokens=12)[0].token_ids
     first = min(base.index(base[6]), base.index(base[9]))
@@ -396,6 +398,10 @@ def test_stop_token_ids_end_the_answer(engine, client, model_name):
     chunks = list(client.completions.create(stream=True, **kw))
     assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "stop"
+    lp = client.completions.create(logprobs=2, **kw).model_dump()["choices"][0]["logprobs"]
+    logprob_refs.check_completion(engine, lp, ids + base[:first + 1], len(ids), 2)
+    chunks = [c.model_dump() for c in client.completions.create(stream=True, logprobs=2, **kw)]
+    assert logprob_refs.joined(chunks, "completion") == lp
 
 
 def test_text_stream_never_splits_a_character(engine):
@@ -774,7 +780,7 @@ def test_stalled_body_gets_408(server):
 # -- 6. queue full -> 429; SIGTERM: running requests finish, queued ones get a 503, exit 0 -----------
 def test_sigterm_finishes_running_and_503s_the_queue(processes):
     small = processes[1].wait_ready()
-    running = {"prompt": "Hello world", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    running = {"prompt": "Hello world", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
     queued = {"prompt": "Hi", "max_tokens": 4, "temperature": 0}
 
     async def request(http, body, stream):
@@ -807,7 +813,7 @@ def test_sigterm_finishes_running_and_503s_the_queue(processes):
     for i, (status, got) in enumerate(done):             # every running request completes
         assert status == 200
         if i % 2:
-            assert got["choices"][0]["finish_reason"] == "length" and got["usage"]["completion_tokens"] == 120
+            assert got["choices"][0]["finish_reason"] == "length" and got["usage"]["completion_tokens"] == 60
         else:
             finals = [json.loads(x[6:]) for x in got if x.startswith("data: {")]
             assert finals[-1]["choices"][0]["finish_reason"] == "length" and got[-1] == "data: [DONE]"
