@@ -137,9 +137,11 @@ class Pieces:
                       None if allowed is None else np.asarray(allowed, np.uint32))
 
     @staticmethod
-    def shapes(P: int, C: int, rows: bool = True) -> "Pieces":
-        """Pieces of P rows of C tokens as shape structs (to compile for them ahead)."""
-        host = Pieces.make(np.zeros((P, C), np.int32), rows=np.zeros(P, np.int32) if rows else None)
+    def shapes(P: int, C: int, rows: bool = True, mask_words: int = 0) -> "Pieces":
+        """Pieces of P rows of C tokens as shape structs (to compile for them ahead); with
+        `mask_words`, with an `allowed` mask of that many words a row."""
+        host = Pieces.make(np.zeros((P, C), np.int32), rows=np.zeros(P, np.int32) if rows else None,
+                           allowed=np.zeros((P, mask_words), np.uint32) if mask_words else None)
         return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), host)
 
     def positions(self) -> jax.Array:

@@ -44,6 +44,9 @@ class Level:
     ratio: float | None = None
     speculation: dict | None = None    # verify cycles, drafted, accepted over the level (from /metrics)
     long_prompt: dict | None = None    # --long-prompt: its TTFT, and the others' chunk gaps during its prefill
+    # The fraction of the level's wall time each scheduler thread spent on each part of its work
+    # ("other": the engine thread's own scheduling), from the server's /metrics.
+    threads: dict | None = None
 
 
 def length_range(s: str) -> tuple[int, int]:
@@ -225,20 +228,51 @@ async def one_request(conn: Connection, ids: list[int], max_tokens: int, logprob
     return {"start": t0, "ttft": chunks[0], "end": chunks[-1], "chunks": chunks, "tokens": n}
 
 
+THREAD_METRIC, CALLS_METRIC = "jaxllm:scheduler_thread_seconds", "jaxllm:scheduler_calls"
 SPEC_METRICS = {"jaxllm:spec_decode_num_drafts": "cycles", "jaxllm:spec_decode_num_draft_tokens": "drafted",
                 "jaxllm:spec_decode_num_accepted_tokens": "accepted"}
 
 
-def spec_counts(url: str) -> dict | None:
-    """The server's speculation counters (verify cycles, drafted, accepted), or None where it does
-    not speculate."""
+def server_counts(url: str) -> tuple[dict | None, dict]:
+    """The server's speculation counters (verify cycles, drafted, accepted; None where it does not
+    speculate) and its scheduler threads' seconds by (thread, part)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
-    got = {}
+    spec, threads = {}, {}
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
         if fam.name in SPEC_METRICS:
-            got[SPEC_METRICS[fam.name]] = sum(s.value for s in fam.samples if s.name.endswith("_total"))
-    return got or None
+            spec[SPEC_METRICS[fam.name]] = sum(s.value for s in fam.samples if s.name.endswith("_total"))
+        elif fam.name == THREAD_METRIC:
+            for s in fam.samples:
+                if s.name.endswith("_total"):
+                    threads[s.labels["thread"], s.labels["part"]] = s.value
+        elif fam.name == CALLS_METRIC:
+            for s in fam.samples:
+                if s.name.endswith("_total"):
+                    threads["calls", s.labels["kind"]] = s.value
+    return spec or None, threads
+
+
+def thread_shares(before: dict, after: dict, wall: float) -> dict:
+    """{thread: {part: fraction of wall}} between two readings (and {"calls": {kind: count}}); the
+    engine thread's time outside every counted part is its "other" (its own scheduling)."""
+    out: dict = {}
+    for (thread, part), v in after.items():
+        d = v - before.get((thread, part), 0.0)
+        out.setdefault(thread, {})[part] = int(d) if thread == "calls" else round(d / wall, 4)
+    if "engine" in out:
+        out["engine"]["other"] = round(max(0.0, 1 - sum(out["engine"].values())), 4)
+    return out
+
+
+def thread_summary(shares: dict | None) -> str:
+    if not shares:
+        return ""
+    def part(t, p, v):
+        return f"{p} {v}" if t == "calls" else f"{p} {v:.0%}"
+    return "; ".join(f"{t}{'' if t == 'calls' else ' thread'} "
+                     + ", ".join(part(t, p, v) for p, v in sorted(parts.items(), key=lambda kv: -kv[1]))
+                     for t, parts in sorted(shares.items()))
 
 
 def spec_summary(d: dict | None) -> str:
@@ -264,7 +298,7 @@ async def run_level(url: str, c: int, a, rng) -> Level:
     outs = rng.integers(a.output_len[0], a.output_len[1] + 1, n).tolist()
     constrained = [int((i + 1) * a.json_fraction) > int(i * a.json_fraction) for i in range(n)]
     await one_request(conns[0], prompts[0][:8], 4, a.logprobs, a.json_fraction > 0)   # awake, its calls compiled
-    before = spec_counts(url)
+    before, threads_before = server_counts(url)
 
     streaming = asyncio.Event()
     firsts = [0]
@@ -303,7 +337,10 @@ async def run_level(url: str, c: int, a, rng) -> Level:
         lv.long_prompt = long_prompt_summary(a.long_prompt, long_result, ok)
     if before is not None:
         await asyncio.sleep(0.2)         # the server reads its speculation counts once it is idle
-        lv.speculation = {k: v - before[k] for k, v in spec_counts(url).items()}
+    spec, threads = server_counts(url)
+    if before is not None:
+        lv.speculation = {k: v - before[k] for k, v in spec.items()}
+    lv.threads = thread_shares(threads_before, threads, duration) or None
     return lv
 
 
@@ -363,6 +400,8 @@ def table(rep: dict) -> str:
     fmt = lambda r: "  ".join(x.rjust(w) for x, w in zip(r, width))      # noqa: E731
     lines = [head, fmt(cols) + "   (ms)", *map(fmt, rows)]
     for lv in rep["levels"]:
+        if lv.get("threads"):
+            lines.append(f"{lv['concurrency']} clients, time of the wall: {thread_summary(lv['threads'])}")
         lp = lv.get("long_prompt")
         if lp and "error" in lp:
             lines.append(f"{lv['concurrency']} clients + one {lp['prompt_tokens']}-token prompt: {lp['error']}")

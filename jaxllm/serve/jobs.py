@@ -98,6 +98,12 @@ class Observer:
     def spec(self, stats: dict):
         """Speculation of requests that ended: {"cycles", "drafted", "accepted"} added up."""
 
+    def busy(self, thread: str, part: str, seconds: float):
+        """The scheduler's `thread` ("engine" or "output") spent `seconds` on `part` of its work."""
+
+    def calls(self, kind: str):
+        """The engine thread launched a call of the core of this kind."""
+
 
 class QueueFull(Exception):
     pass

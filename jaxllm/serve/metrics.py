@@ -68,6 +68,13 @@ class Metrics(Observer):
               lambda: scheduler.load()["running"] / len(scheduler.slots))
         gauge("jaxllm:kv_cache_usage_perc", "Fraction of the KV cache's positions holding requests' tokens",
               lambda: scheduler.kv_positions() / (len(scheduler.slots) * scheduler.core.max_len))
+        # Where the scheduler's two threads spend their time (`Scheduler` names the parts): with the
+        # wall time, what keeps the device waiting (the engine thread's time outside device calls).
+        self.thread_seconds = counter("jaxllm:scheduler_thread_seconds", "Seconds the scheduler's engine and "
+                                      "output threads spent on each part of their work", ["thread", "part"])
+        self.core_calls = counter("jaxllm:scheduler_calls", "Calls of the engine core launched, by kind",
+                                  ["kind"])
+        self.model_name = model_name
         self.spec_counters = None
         if scheduler.engine.spec is not None:
             self.spec_counters = {
@@ -88,6 +95,12 @@ class Metrics(Observer):
         else:
             self.itl.observe(now - job.last_token_at)
         self.generation_tokens.inc(n)
+
+    def busy(self, thread: str, part: str, seconds: float):
+        self.thread_seconds.labels(model_name=self.model_name, thread=thread, part=part).inc(seconds)
+
+    def calls(self, kind: str):
+        self.core_calls.labels(model_name=self.model_name, kind=kind).inc()
 
     def spec(self, stats: dict):
         if self.spec_counters is not None:

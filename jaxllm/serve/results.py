@@ -9,6 +9,7 @@ decoding a row's tokens are held back and sent a block's worth at a time (`_hold
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -38,13 +39,45 @@ class Results:
     """What the output thread does with a call's results (the `Scheduler` holds the state it uses:
     the engine, the slots' condition and lock, the counters)."""
 
+    @contextlib.contextmanager
+    def _timed(self, thread: str, part: str):
+        """Count the time of the block as `thread`'s on `part` (`Observer.busy`)."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.observer.busy(thread, part, time.perf_counter() - t)
+
+    @contextlib.contextmanager
+    def _device_call(self, kind: str):
+        """Time a call of the engine core as the engine thread's `kind` ("prefill", "decode", ...),
+        apart from any compiling it had to do first (a shape no warmup compiled: logged, and counted
+        as "compile")."""
+        e = self.engine
+        t, c = time.perf_counter(), e.compile_s
+        try:
+            yield
+        finally:
+            compiled = e.compile_s - c
+            self.observer.busy("engine", kind, time.perf_counter() - t - compiled)
+            self.observer.calls(kind)
+            if compiled:
+                self.observer.busy("engine", "compile", compiled)
+                log.info("compiled a %s call for a new shape in %.2f s", kind, compiled)
+
     def _read_results(self):
+        """The output thread's loop. Its time: "idle" (no call launched to read), "device" (a call
+        launched, the device still running it), "processing" (its results read back and handed out)."""
         while True:
-            call = self.results.get()
+            with self._timed("output", "idle"):
+                call = self.results.get()
             if call is None:
                 return
             try:
-                self._collect(call)
+                with self._timed("output", "device"):
+                    jax.block_until_ready(call.result)
+                with self._timed("output", "processing"):
+                    self._collect(call)
             except Exception:                  # the call failed on the device: its requests fail
                 log.exception("reading a device call's results failed")
                 for job in call.jobs:

@@ -28,6 +28,14 @@ the first token.
 A request for n answers takes n slots at once. Its prompt is prefilled into the first; right after
 the forward that ends it, `EngineCore.fork` copies that slot into the others, each drawing its own
 first token with its own seed, and from there each answer is a job of its own.
+
+Each thread counts its time by part (`Observer.busy`; the server's
+`jaxllm:scheduler_thread_seconds`): the engine thread's time inside the core's calls ("prefill",
+"decode", "fork", "forward", "sample"; on GPUs a decode block's call returns once the device has
+run it, and a call that samples once the device reaches its sampling) apart from compiling a shape
+no warmup compiled ("compile"), waiting for the output thread ("output") and for work ("idle"), the rest being its own
+scheduling; the output thread's time waiting for a call to be launched ("idle"), for the device to
+finish it ("device"), and turning its results into events ("processing").
 """
 from __future__ import annotations
 
@@ -133,8 +141,9 @@ class Scheduler(Results):
         e = self.engine
         state = e.state_shapes(self.core.num_slots, self.core.max_len)
         lp = {"logprobs": LOGPROBS}
-        calls = [("prefill", (state, e.row_shapes(Pieces.shapes(P, C, rows=True)), None), {"out": "sample", **lp})
-                 for P, C in self.shapes.prefills()]
+        words = self.mask_words if self.structured else 0
+        calls = [("prefill", (state, e.row_shapes(Pieces.shapes(P, C, rows=True, mask_words=words)), None),
+                  {"out": "sample", **lp}) for P, C in self.shapes.prefills()]
         calls += [("decode", (state, np.int32(1), e.row_shapes(np.zeros(n, bool))),
                    {"max_steps": self.out_size, "rows": n, **lp}) for n in self.shapes.decodes()]
         if self.core.num_slots > 1:
@@ -147,6 +156,10 @@ class Scheduler(Results):
                           ("decode_sample", (state, logits, e.row_shapes(np.zeros(n, bool)),
                                              e.row_shapes(np.zeros((n, self.mask_words), np.uint32))),
                            {"rows": n, **lp})]
+        elif self.structured:                            # a speculating server's constrained blocks
+            calls += [("decode", (state, np.int32(1), e.row_shapes(np.zeros(n, bool)),
+                                  e.row_shapes(np.zeros((n, self.mask_words), np.uint32))),
+                       {"max_steps": self.out_size, "rows": n, **lp}) for n in self.shapes.decodes()]
         return e.precompile(calls)
 
     def start(self, warmup: bool = True):
@@ -184,14 +197,15 @@ class Scheduler(Results):
             while True:
                 with self.cond:
                     while not (self.done or self.waiting or self.ended or self._busy() or self.deadline):
-                        self.cond.wait()
+                        with self._timed("engine", "idle"):
+                            self.cond.wait()
                     if self.done:
                         break
                     past = self.deadline is not None and time.monotonic() >= self.deadline
                 self._free_ended()
                 if past:
                     self._fail_running(503, "the server is shutting down")
-                    with self.cond:
+                    with self.cond, self._timed("engine", "idle"):
                         self.cond.wait(0.05)
                     continue
                 try:
@@ -201,7 +215,7 @@ class Scheduler(Results):
                     self._gather_arrivals()
                     self._admit()
                     if not self._launch():         # nothing to run (draining, or only waiting on results)
-                        with self.cond:
+                        with self.cond, self._timed("engine", "idle"):
                             self.cond.wait(0.05)
                 except Exception:                  # a device failure: fail the batch, keep serving
                     log.exception("engine step failed")
@@ -224,7 +238,7 @@ class Scheduler(Results):
         if self.prefilling or any(j is not None for j in self.slots) or not self.waiting:
             return
         start = time.monotonic()
-        with self.cond:
+        with self.cond, self._timed("engine", "idle"):
             while len(self.waiting) < len(self.slots) and not self.done and not self.stopping:
                 now = time.monotonic()
                 wait = min(self.last_submit + ARRIVAL_GAP, start + ARRIVAL_WAIT) - now
@@ -289,7 +303,8 @@ class Scheduler(Results):
             return self._launch_sampling(rows, stop, decoding)
         allowed = masks([j.matcher if j in decoding else None for j in self.slots[:rows]],
                         self.mask_words) if constrained else None
-        toks = self.core.decode(n, self.out_size, stop, rows, logprobs=LOGPROBS, allowed=allowed)
+        with self._device_call("decode"):
+            toks = self.core.decode(n, self.out_size, stop, rows, logprobs=LOGPROBS, allowed=allowed)
         self._put_decode(toks, n, rows)
         return True
 
@@ -297,7 +312,8 @@ class Scheduler(Results):
         """Launch the forward of the next one-step block now, while the host still reads the
         last one back and advances the grammars: the sampling call that follows takes its logits
         (`_launch_sampling`), unless another call changes the slots first."""
-        self.ahead = (rows, self.launched, self.core.decode_forward(rows))
+        with self._device_call("forward"):
+            self.ahead = (rows, self.launched, self.core.decode_forward(rows))
 
     def _launch_sampling(self, rows: int, stop, decoding: list[Job]) -> bool:
         """A step while a constrained request decodes, in two calls: the forward (launched ahead
@@ -307,7 +323,8 @@ class Scheduler(Results):
             self._launch_forward(rows)
             ahead, self.ahead = self.ahead, None
         allowed = masks([j.matcher if j in decoding else None for j in self.slots[:rows]], self.mask_words)
-        toks = self.core.decode_sample(ahead[2], stop, rows, logprobs=LOGPROBS, allowed=allowed)
+        with self._device_call("sample"):
+            toks = self.core.decode_sample(ahead[2], stop, rows, logprobs=LOGPROBS, allowed=allowed)
         self._put_decode(toks, 1, rows, hold=True)
         if not self.prefilling:
             self._launch_forward(rows)
@@ -325,11 +342,12 @@ class Scheduler(Results):
 
     def _put(self, call: Launched):
         self.launched += 1
-        self.results.put(call)
+        with self._timed("engine", "output"):       # the output thread two calls behind
+            self.results.put(call)
 
     def _await_results(self):
         """Wait until the output thread has read back every call launched so far."""
-        with self.cond:
+        with self.cond, self._timed("engine", "output"):
             while self.read < self.launched and not self.done:
                 self.cond.wait(1.0)
 
@@ -360,10 +378,13 @@ class Scheduler(Results):
         scored = [(int(s), int(n)) if j.req.prompt_logprobs else None for j, s, n in zip(jobs, start, length)]
         targets = self._prompt_targets(jobs, scored, P, C) if any(scored) else None
         masked = [j.matcher if f else None for j, f in zip(jobs, final)]
-        allowed = masks(masked + [None] * (P - len(jobs)), self.mask_words) if any(masked) else None
-        first = self.core.prefill(Pieces.make(tokens, start, length, final, rows, params, max_new, ignore, pen, rules,
-                                              allowed),
-                                  targets=targets, logprobs=LOGPROBS)
+        # A server that constrains passes masks with every prefill (all ones for the free rows): one
+        # compiled variant of each prefill shape, compiled before ready, whichever requests come.
+        allowed = masks(masked + [None] * (P - len(jobs)), self.mask_words) if self.structured else None
+        with self._device_call("prefill"):
+            first = self.core.prefill(Pieces.make(tokens, start, length, final, rows, params, max_new, ignore, pen,
+                                                  rules, allowed),
+                                      targets=targets, logprobs=LOGPROBS)
         self.prefilling = [j for j in self.prefilling if j.prefilled < len(j.req.prompt_ids)]
         self.record.append({"kind": "prefill", "pieces": [(j.id, int(s), int(n)) for j, s, n in
                                                           zip(jobs, start, length)]})
@@ -384,7 +405,8 @@ class Scheduler(Results):
             return
         forks = Forks.make(self.core.num_slots, [c.parent.slot for c in children], [c.slot for c in children],
                            [c.req.choice_seed(c.index) for c in children])
-        first = self.core.fork(forks, logprobs=LOGPROBS)
+        with self._device_call("fork"):
+            first = self.core.fork(forks, logprobs=LOGPROBS)
         for c in children:
             c.prefilled = len(c.req.prompt_ids)
             self._start(c)

@@ -2,7 +2,8 @@
 reason, prompt and generated tokens, the latency histograms' counts, the gauges back at zero),
 speculative decoding's counters equal to what `Engine.generate` drafts for the same prompts, and
 requests that ended early (the client left, the deadline passed, the device failed) counted by
-reason. Each server here is in this process, with a registry of its own."""
+reason, and the scheduler's calls by kind. Each server here is in this process, with a registry of its
+own."""
 from __future__ import annotations
 
 import asyncio
@@ -65,6 +66,7 @@ def test_counters_match_the_requests(spec_engine):
         while (m := scrape(server.url))[("jaxllm:spec_decode_num_drafts_total", ())] < spec["cycles"] \
                 and time.time() - t0 < 30:
             time.sleep(0.1)
+        ran = [r["kind"] for r in server.scheduler.record]
     finally:
         server.stop()
     finished = sum(m[("jaxllm:request_success_total", (("finished_reason", r),))] for r in ("stop", "length", "tool_calls"))
@@ -78,6 +80,9 @@ def test_counters_match_the_requests(spec_engine):
     for g in ("num_requests_running", "num_requests_waiting", "slot_usage_perc", "kv_cache_usage_perc"):
         assert m[(f"jaxllm:{g}", ())] == 0, g
     assert all(m[("jaxllm:request_failure_total", (("reason", r),))] == 0 for r in ("abort", "timeout", "error"))
+    for kind in ("prefill", "decode"):          # the calls the scheduler launched, and their time
+        assert m[("jaxllm:scheduler_calls_total", (("kind", kind),))] == ran.count(kind) > 0
+        assert m[("jaxllm:scheduler_thread_seconds_total", (("part", kind), ("thread", "engine")))] > 0
     got = {k: m[(f"jaxllm:spec_decode_num_{n}_total", ())] for k, n in
            (("cycles", "drafts"), ("drafted", "draft_tokens"), ("accepted", "accepted_tokens"))}
     print(f"\nspeculation: server {got}, Engine.generate {spec}")

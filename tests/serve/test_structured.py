@@ -341,3 +341,14 @@ def test_bad_constraints_get_400_naming_the_field(server):
     ok = httpx.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0,
                                                           "guided_regex": "[a-z ]+"}, headers=h, timeout=60)
     assert ok.status_code == 200 and re.fullmatch("[a-z ]+", ok.json()["choices"][0]["text"])
+
+
+def test_constrained_requests_compile_nothing_after_ready(server):
+    """Every call the constrained requests above needed (prefills with grammar masks among them)
+    was compiled before the server said ready: the scheduler counted no compiling."""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60).text
+    parts = {(s.labels["thread"], s.labels["part"]): s.value for f in text_string_to_metric_families(text)
+             if f.name == "jaxllm:scheduler_thread_seconds" for s in f.samples if s.name.endswith("_total")}
+    assert parts[("engine", "prefill")] > 0 and parts[("engine", "sample")] > 0, parts
+    assert ("engine", "compile") not in parts, parts
