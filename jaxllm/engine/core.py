@@ -154,19 +154,23 @@ class Pieces:
 @pytree.dataclass
 class Forks:
     """Slots to fork, F at most: slot src[f] is copied into slot dst[f] (a dst past the cache: no
-    fork), which draws its own first token with seed[f]."""
+    fork), which draws its own first token with seed[f], among the tokens its row of `allowed`
+    lets it take where given (a structured-output request's grammar mask, `sampling.mask_tokens`)."""
     src: jax.Array             # [F] int32
     dst: jax.Array             # [F] int32
     seed: jax.Array            # [F] uint32
+    allowed: jax.Array | None = None       # [F, ceil(V / 32)] uint32 (None: every token)
 
     @staticmethod
-    def make(size: int, src=(), dst=(), seed=()) -> "Forks":
-        """Host arrays of `size` entries, the unused ones aimed past any cache."""
+    def make(size: int, src=(), dst=(), seed=(), allowed=None) -> "Forks":
+        """Host arrays of `size` entries, the unused ones aimed past any cache (`allowed`: already
+        of `size` rows)."""
         def col(v, dtype, pad):
             out = np.full((size,), pad, dtype)
             out[:len(v)] = v
             return out
-        return Forks(col(src, np.int32, 0), col(dst, np.int32, np.iinfo(np.int32).max), col(seed, np.uint32, 0))
+        return Forks(col(src, np.int32, 0), col(dst, np.int32, np.iinfo(np.int32).max), col(seed, np.uint32, 0),
+                     None if allowed is None else np.asarray(allowed, np.uint32))
 
 
 def is_eos(tok: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
@@ -588,7 +592,7 @@ def fork(cfg: ModelConfig, weights, state: State, forks: Forks, *, ops, logprobs
     x = logits if child.rules is None else apply_rules(logits, child.rules, step0, cfg.eos_ids, child.ignore_eos)
     if child.counts is not None:
         x = penalize(x, child.penalties, jnp.zeros_like(child.counts), child.in_prompt)
-    first = sample(x, child.params, step0, ops.top_p_by)
+    first = sample(mask_tokens(x, forks.allowed), child.params, step0, ops.top_p_by)
     child = child.replace(last=first, active=(child.remaining > 0) & ~ends_answer(first, cfg.eos_ids, child.ignore_eos,
                                                                                   child.rules))
     if child.counts is not None:

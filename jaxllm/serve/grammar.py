@@ -225,6 +225,10 @@ class Matcher:
                 return i + 1, True
         return len(tokens), False
 
+    def copy(self) -> "Matcher":
+        """Another matcher at the same place (each of a request's n answers follows its own)."""
+        return Matcher(self.m.deep_copy(), self.base, self.words)
+
 
 _executor: llguidance.LLExecutor | None = None
 

@@ -82,9 +82,10 @@ class Job:
     def for_request(req: GenRequest, emit: Callable[[int, object], None], matcher=None) -> Job:
         """The jobs of a request's `req.n` answers (the first, holding the others); emit(i, event)
         delivers answer i's events. Cancelling one cancels them all. `matcher`: a constrained
-        request's (one answer only)."""
+        request's (each answer follows a copy of its own)."""
         job = Job(req, functools.partial(emit, 0), matcher=matcher)
-        job.children = [Job(req, functools.partial(emit, i), cancelled=job.cancelled, index=i, parent=job)
+        job.children = [Job(req, functools.partial(emit, i), cancelled=job.cancelled, index=i, parent=job,
+                            matcher=None if matcher is None else matcher.copy())
                         for i in range(1, req.n)]
         return job
 

@@ -255,8 +255,6 @@ def parse_request(kind: str, body, engine, served_name: str, max_model_len: int,
         mct = int_field(body, "max_completion_tokens", lo=1)
         max_tokens = mct if mct is not None else max_tokens
     constraint = constraint_field(body)
-    if constraint is not None and n > 1:
-        raise bad(f"'{constraint.field}' is served with one answer a request, not 'n' = {n}", "n")
     plan, prompt_text = None, ""
     if kind == "completion":
         ids = completion_prompt_ids(body, engine)

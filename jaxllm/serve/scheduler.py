@@ -147,7 +147,9 @@ class Scheduler(Results):
         calls += [("decode", (state, np.int32(1), e.row_shapes(np.zeros(n, bool))),
                    {"max_steps": self.out_size, "rows": n, **lp}) for n in self.shapes.decodes()]
         if self.core.num_slots > 1:
-            calls.append(("fork", (state, e.row_shapes(Forks.make(self.core.num_slots))), lp))
+            F = self.core.num_slots
+            forks = Forks.make(F, allowed=np.zeros((F, words), np.uint32) if words else None)
+            calls.append(("fork", (state, e.row_shapes(forks)), lp))
         if self.structured and e.spec is None:           # the two calls of a constrained step
             V = e.cfg.vocab_size
             for n in self.shapes.decodes():
@@ -403,8 +405,11 @@ class Scheduler(Results):
         """Copy each child's parent slot (which has just ended its prompt) into the child's."""
         if not children:
             return
-        forks = Forks.make(self.core.num_slots, [c.parent.slot for c in children], [c.slot for c in children],
-                           [c.req.choice_seed(c.index) for c in children])
+        F = self.core.num_slots
+        allowed = masks([c.matcher for c in children] + [None] * (F - len(children)), self.mask_words) \
+            if self.structured else None         # a constrained answer's first token too
+        forks = Forks.make(F, [c.parent.slot for c in children], [c.slot for c in children],
+                           [c.req.choice_seed(c.index) for c in children], allowed)
         with self._device_call("fork"):
             first = self.core.fork(forks, logprobs=LOGPROBS)
         for c in children:

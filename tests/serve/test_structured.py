@@ -309,6 +309,22 @@ def test_regex_choice_grammar_and_json_object(client, model):
     jsonschema.validate(json.loads(got["stream"][0]), SCHEMAS[3][1])
 
 
+
+def test_n_constrained_answers_are_the_requests_with_their_seeds(client, model):
+    """`n` answers of a constrained request (the prompt prefilled once, its slot forked, each copy
+    following its own grammar from its first token on): each is valid JSON of the schema and is
+    what the request alone samples with seed + i."""
+    what, schema = SCHEMAS[5]
+    kw = dict(model=model, messages=ask(what), max_tokens=MAX_TOKENS, temperature=1.0, seed=11,
+              response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    r = client.chat.completions.create(n=3, **kw)
+    alone = [client.chat.completions.create(**{**kw, "seed": 11 + i}).choices[0] for i in range(3)]
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for c, a in zip(r.choices, alone):
+        assert c.finish_reason == a.finish_reason == "stop"
+        assert c.message.content == a.message.content
+        jsonschema.validate(json.loads(c.message.content), schema)
+
 BAD = [  # (route, body, param the 400 names, words of its message)
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
      "response_format", "not a valid JSON schema"),
