@@ -378,12 +378,14 @@ def step_forward(cfg: ModelConfig, weights, state: State, ops, dtype=jnp.bfloat1
     return state.replace(cache=cache), logits_from_hidden(cfg, weights, h[:, 0], ops)
 
 
-def step_advance(cfg: ModelConfig, state: State, logits, ops, allowed=None):
+def step_advance(cfg: ModelConfig, state: State, logits, ops, allowed=None, greedy: bool = False):
     """A decode step's sampling from its forward's logits [B, V]: each live slot's token (its rules,
-    penalties and `allowed` mask applied), and the slot table advanced -> (state, tokens [B], live [B])."""
+    penalties and `allowed` mask applied; `greedy`: every live slot's temperature is 0), and the slot
+    table advanced -> (state, tokens [B], live [B])."""
     sl = state.slots
     live = sl.active
-    tok = sample(mask_tokens(_sampling_logits(cfg.eos_ids, logits, sl), allowed), sl.params, sl.step, ops.top_p_by)
+    tok = sample(mask_tokens(_sampling_logits(cfg.eos_ids, logits, sl), allowed), sl.params, sl.step, ops.top_p_by,
+                 greedy)
     inc = live.astype(jnp.int32)
     remaining = sl.remaining - inc
     active = live & ~ends_answer(tok, cfg.eos_ids, sl.ignore_eos, sl.rules) & (remaining > 0)
@@ -551,13 +553,17 @@ def decode_forward(cfg: ModelConfig, weights, state: State, *, ops, rows: int | 
 
 
 def decode_sample(cfg: ModelConfig, weights, state: State, logits, stop=None, allowed=None, *, ops,
-                  rows: int | None = None, logprobs: int = 0, spec: Speculation | None = None, dtype=jnp.bfloat16):
+                  rows: int | None = None, logprobs: int = 0, greedy: bool = False, spec: Speculation | None = None,
+                  dtype=jnp.bfloat16):
     """The sampling of a one-step decode block whose forward `decode_forward` ran: each live slot's
     token from `logits` among those `allowed` lets it take, the slots advanced. -> what `decode`
-    returns for a block of one step (tokens [rows, 1], count [rows], LogProbs [rows, 1] or None)."""
+    returns for a block of one step (tokens [rows, 1], count [rows], LogProbs [rows, 1] or None).
+    `greedy` (every live slot's temperature is 0): a variant with no choice for the host to make,
+    so that the call returns at once and the host launches the next forward while the device
+    still runs this step's."""
     assert spec is None, "a decode block split in two has no speculation"
     full = state.slots
-    s, tok, live = step_advance(cfg, _first_rows(state, rows, stop), logits, ops, allowed)
+    s, tok, live = step_advance(cfg, _first_rows(state, rows, stop), logits, ops, allowed, greedy)
     lp = None
     if logprobs:
         lp = jax.tree_util.tree_map(lambda a: a[:, None], _lp(logits, tok, logprobs))

@@ -168,7 +168,8 @@ class Engine:
                      "decode_forward": jax.jit(partial(core.decode_forward, cfg, ops=o, spec=speculation, dtype=d),
                                                static_argnames=("rows",), donate_argnames=("state",)),
                      "decode_sample": jax.jit(partial(core.decode_sample, cfg, ops=o, spec=speculation, dtype=d),
-                                              static_argnames=("rows", "logprobs"), donate_argnames=("state",))}
+                                              static_argnames=("rows", "logprobs", "greedy"),
+                                              donate_argnames=("state",))}
         self._executables: dict = {}
         self.compile_s = 0.0          # seconds spent compiling the core's calls so far
         self.on_compile = None        # on_compile(n_calls) -> a callable to call when they are done

@@ -63,12 +63,14 @@ class EngineCore:
         self.state, logits = e.run("decode_forward", self.state, rows=rows)
         return logits
 
-    def decode_sample(self, logits, stop=None, rows: int | None = None, logprobs: int = 0, allowed=None):
-        """The sampling of the one-step block whose forward gave `logits`: -> as `decode` for one step."""
+    def decode_sample(self, logits, stop=None, rows: int | None = None, logprobs: int = 0, allowed=None,
+                      greedy: bool = False):
+        """The sampling of the one-step block whose forward gave `logits`: -> as `decode` for one
+        step (`greedy`: every live slot's temperature is 0; see `core.decode_sample`)."""
         e = self.engine
         stop = None if stop is None else e.put_rows(np.asarray(stop, bool))
         masks = None if allowed is None else e.put_rows(np.asarray(allowed, np.uint32))
-        static = {"rows": rows, **({"logprobs": logprobs} if logprobs else {})}
+        static = {"rows": rows, **({"logprobs": logprobs} if logprobs else {}), **({"greedy": True} if greedy else {})}
         self.state, toks, count, lp = e.run("decode_sample", self.state, logits, stop, masks, **static)
         return toks, count, lp
 

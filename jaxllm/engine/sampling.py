@@ -158,13 +158,19 @@ def _draw_top_p(scaled: jax.Array, top_p: jax.Array, keys: jax.Array) -> jax.Arr
     return jax.lax.while_loop(lambda s: ~jnp.all(s[2]), round_, first)[1]
 
 
-def sample(logits: jax.Array, p: SamplingParams, step: jax.Array, by: str = "bisection") -> jax.Array:
-    """logits [B, V] float32 -> tokens [B]; step is a scalar or per row [B]; `by` as in `filtered`.
+def sample(logits: jax.Array, p: SamplingParams, step: jax.Array, by: str = "bisection",
+           greedy: bool = False) -> jax.Array:
+    """logits [B, V] float32 -> tokens [B]; step is a scalar or per row [B]; `by` as in `filtered`;
+    `greedy`: the caller knows no row samples (every temperature 0), so the argmax alone.
 
     A row with a temperature draws what `jax.random.categorical` draws from `filtered`'s logits
     with the row's key, whichever other rows share its batch, without a sort of the vocabulary
     for top-k up to 128: the top-k cut-off (`_keep_top_k`, only where some row of the batch has
-    one), then `_draw_top_p`. When no row samples, the batch takes the argmax alone."""
+    one), then `_draw_top_p`. When no row samples, the batch takes the argmax alone: on GPUs that
+    choice is made on the host, which waits for the logits first, so a caller that knows no row
+    samples says so (`greedy`)."""
+    if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampling = p.temperature > 0
 

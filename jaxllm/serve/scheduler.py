@@ -154,10 +154,10 @@ class Scheduler(Results):
             V = e.cfg.vocab_size
             for n in self.shapes.decodes():
                 logits = jax.ShapeDtypeStruct((n, V), np.float32, sharding=e.layout.batch_sharding((n, V)))
-                calls += [("decode_forward", (state,), {"rows": n}),
-                          ("decode_sample", (state, logits, e.row_shapes(np.zeros(n, bool)),
+                calls.append(("decode_forward", (state,), {"rows": n}))
+                calls += [("decode_sample", (state, logits, e.row_shapes(np.zeros(n, bool)),
                                              e.row_shapes(np.zeros((n, self.mask_words), np.uint32))),
-                           {"rows": n, **lp})]
+                           {"rows": n, **lp, **greedy}) for greedy in ({}, {"greedy": True})]
         elif self.structured:                            # a speculating server's constrained blocks
             calls += [("decode", (state, np.int32(1), e.row_shapes(np.zeros(n, bool)),
                                   e.row_shapes(np.zeros((n, self.mask_words), np.uint32))),
@@ -325,8 +325,9 @@ class Scheduler(Results):
             self._launch_forward(rows)
             ahead, self.ahead = self.ahead, None
         allowed = masks([j.matcher if j in decoding else None for j in self.slots[:rows]], self.mask_words)
+        greedy = all(j.req.temperature == 0 for j in decoding)
         with self._device_call("sample"):
-            toks = self.core.decode_sample(ahead[2], stop, rows, logprobs=LOGPROBS, allowed=allowed)
+            toks = self.core.decode_sample(ahead[2], stop, rows, logprobs=LOGPROBS, allowed=allowed, greedy=greedy)
         self._put_decode(toks, 1, rows, hold=True)
         if not self.prefilling:
             self._launch_forward(rows)

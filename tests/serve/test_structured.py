@@ -133,10 +133,12 @@ def test_masked_rows_sample_only_allowed_tokens_beside_speculation(tmp_path):
     assert most > 1                                      # the free row took drafts
 
 
-def test_step_split_in_forward_and_sampling_equals_one_call(tmp_path):
+@pytest.mark.parametrize("temperature", [0.8, 0.0])
+def test_step_split_in_forward_and_sampling_equals_one_call(tmp_path, temperature):
     """A constrained step as the server runs it, its forward launched apart from (and even twice
     before) its sampling, gives the tokens, counts and log-probabilities of the one-call step, for
-    the first rows of a larger slot table; the slots past them stay as they were."""
+    the first rows of a larger slot table; the slots past them stay as they were. Greedy rows take
+    the sampling's greedy variant."""
     import tiny
 
     from jaxllm.engine.core import Pieces
@@ -151,7 +153,7 @@ def test_step_split_in_forward_and_sampling_equals_one_call(tmp_path):
     cores = []
     for _ in range(2):
         core = eng.core(4, 64)
-        core.prefill(Pieces.make(prompts, 0, 5, True, [0, 1], SamplingParams.make(2, 0.8, seed=3), 64, False,
+        core.prefill(Pieces.make(prompts, 0, 5, True, [0, 1], SamplingParams.make(2, temperature, seed=3), 64, False,
                                  allowed=allowed))
         cores.append(core)
     one, split = cores
@@ -161,8 +163,8 @@ def test_step_split_in_forward_and_sampling_equals_one_call(tmp_path):
         logits = split.decode_forward(rows=2)
         if step == 2:                      # a forward launched ahead and then dropped, launched again
             logits = split.decode_forward(rows=2)
-        got = jax.tree_util.tree_map(eng.layout.get, split.decode_sample(logits, rows=2, logprobs=5,
-                                                                         allowed=allowed))
+        got = jax.tree_util.tree_map(eng.layout.get, split.decode_sample(logits, rows=2, logprobs=5, allowed=allowed,
+                                                                         greedy=temperature == 0))
         assert got[0][:, 0].tolist() == want[0][:, 0].tolist() and got[1].tolist() == want[1].tolist() == [1, 1]
         assert got[0][0, 0] in (11, 23, 42, 57)
         np.testing.assert_allclose(got[2].token[:, 0], want[2].token[:, 0], atol=1e-5)
