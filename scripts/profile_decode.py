@@ -24,9 +24,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxllm.engine import core
 from jaxllm.engine.sampling import SamplingParams  # noqa: E402
 from jaxllm.engine.sharding import layout_for  # noqa: E402
+from jaxllm.engine.slots import Pieces
 from jaxllm.harness.bench import decode_state, load_subject  # noqa: E402
 from jaxllm.kv.split import KVOptions  # noqa: E402
 
@@ -73,7 +73,7 @@ def main():
     if a.prefill:                 # one prefill of the whole batch, a fresh cache each time
         n = a.prefill
         tokens = np.asarray(jax.random.randint(jax.random.key(0), (a.batch, n), 0, cfg.vocab_size, jnp.int32))
-        pieces = eng.put_rows(core.Pieces.make(tokens, 0, n, True, np.arange(a.batch)))
+        pieces = eng.put_rows(Pieces.make(tokens, 0, n, True, np.arange(a.batch)))
         fn = eng.executable("prefill", (eng.new_state(a.batch, n + 1), pieces, None), {"out": "sample"})
 
         def run():

@@ -29,6 +29,7 @@ from jaxllm.engine.sampling import (
     TokenRules,
 )
 from jaxllm.engine.sharding import single_device_layout
+from jaxllm.engine.slots import Slots, State
 from jaxllm.engine.speculative import Speculation
 from jaxllm.errors import ModelError, RequestError
 from jaxllm.kv.plan import check_fits, plan_cache
@@ -263,17 +264,17 @@ class Engine:
         """A KV cache of `num_slots` rows of `max_len` positions and its slot table, on the mesh."""
         return EngineCore(self, num_slots, max_len)
 
-    def _make_state(self, batch: int, length: int) -> core.State:
+    def _make_state(self, batch: int, length: int) -> State:
         """The one place a KV cache is made: the engine's KV policy (the draft model's cache too,
         where there is one), and an empty slot table."""
         def cache(cfg):
             return make_cache(cfg, self.kv_layout, self.kv_options, batch, length, self.dtype)
         draft = self.spec.draft_cfg if self.spec is not None else None
-        slots = core.Slots.empty(batch, length, self.spec is not None, self.cfg.vocab_size,
+        slots = Slots.empty(batch, length, self.spec is not None, self.cfg.vocab_size,
                                  hidden=(self.cfg.hidden_size, self.dtype))
-        return core.State(cache(self.cfg), slots, None if draft is None else cache(draft))
+        return State(cache(self.cfg), slots, None if draft is None else cache(draft))
 
-    def new_state(self, batch: int, length: int) -> core.State:
+    def new_state(self, batch: int, length: int) -> State:
         """A zeroed cache laid out on the mesh (batch over "data", KV heads over "model") and an
         empty slot table."""
         key = (batch, length)
@@ -282,16 +283,16 @@ class Engine:
             self._state_makers[key] = jax.jit(make, out_shardings=self.state_shardings(jax.eval_shape(make)))
         return self._state_makers[key]()
 
-    def state_shapes(self, batch: int, length: int) -> core.State:
+    def state_shapes(self, batch: int, length: int) -> State:
         """The state `new_state` makes, as shape structs with their shardings (nothing allocated)."""
         shapes = jax.eval_shape(partial(self._make_state, batch, length))
         return jax.tree_util.tree_map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                                       shapes, self.state_shardings(shapes))
 
-    def state_shardings(self, state: core.State) -> core.State:
+    def state_shardings(self, state: State) -> State:
         rows = jax.tree_util.tree_map(lambda a: self.layout.batch_sharding(a.shape), state.slots)
         draft = None if state.draft_cache is None else self.layout.cache_shardings(state.draft_cache)
-        return core.State(self.layout.cache_shardings(state.cache), rows, draft)
+        return State(self.layout.cache_shardings(state.cache), rows, draft)
 
     def put_rows(self, tree):
         """Per-row host data (a pytree of arrays with the row axis first) -> global arrays split over

@@ -6,8 +6,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxllm.engine.core import Forks, Pieces
 from jaxllm.engine.sampling import LogProbs, Penalties, SamplingParams, TokenRules
+from jaxllm.engine.slots import Forks, Pieces
 
 
 def bucket(n: int, lo: int = 16) -> int:

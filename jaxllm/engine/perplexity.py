@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from jaxllm.engine.core import Pieces
+from jaxllm.engine.slots import Pieces
 from jaxllm.errors import RequestError
 
 TOKENS_PER_FORWARD = 8192       # windows are batched up to this many tokens per forward

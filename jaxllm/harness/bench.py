@@ -22,10 +22,10 @@ import numpy as np
 
 from jaxllm import ops
 from jaxllm.config.runtime import env
-from jaxllm.engine import core
 from jaxllm.engine.engine import DTYPES, check_sampling
 from jaxllm.engine.sampling import SamplingParams
 from jaxllm.engine.sharding import layout_for
+from jaxllm.engine.slots import Pieces, Slots, State
 from jaxllm.engine.speculative import SpecSlots
 from jaxllm.errors import JaxllmError, RequestError
 from jaxllm.harness import ceilings as ceil
@@ -187,7 +187,7 @@ def filled_ring_positions(pos: jax.Array, ctx: int) -> jax.Array:
     return jax.jit(fill, out_shardings=getattr(pos, "sharding", None))(pos)
 
 
-def decode_state(eng, batch: int, ctx: int, steps: int, seed: int, params: SamplingParams) -> core.State:
+def decode_state(eng, batch: int, ctx: int, steps: int, seed: int, params: SamplingParams) -> State:
     """The core's state as if every slot had just prefilled a prompt of ctx tokens: random KV in
     positions [0, ctx), every slot live for `steps` tokens with EOS ignored."""
     shapes = eng.state_shapes(batch, ctx + steps)
@@ -201,14 +201,14 @@ def decode_state(eng, batch: int, ctx: int, steps: int, seed: int, params: Sampl
         history = np.asarray(jax.random.randint(jax.random.key(seed + 1), (batch, ctx + steps), 0,
                                                 eng.cfg.vocab_size, jnp.int32))
         spec = jax.tree_util.tree_map(np.asarray, SpecSlots.empty(batch, ctx + steps)).replace(history=history)
-    slots = core.Slots(last=last, pos=full * ctx, step=full, remaining=full * steps,
+    slots = Slots(last=last, pos=full * ctx, step=full, remaining=full * steps,
                        active=np.ones(batch, bool), ignore_eos=np.ones(batch, bool),
                        params=jax.tree_util.tree_map(np.asarray, params), spec=spec)
     draft = None
     if shapes.draft_cache is not None:
         draft = random_like(shapes.draft_cache, seed + 2,
                             jax.tree_util.tree_map(lambda s: s.sharding, shapes.draft_cache))
-    return core.State(cache, eng.put_rows(slots), draft)
+    return State(cache, eng.put_rows(slots), draft)
 
 
 def time_decode(eng, batch, a) -> tuple[float, list[float]]:
@@ -241,7 +241,7 @@ def time_prefill(eng, batch, prompt_len, a) -> tuple[float, float]:
     the core's prefill, to their first tokens."""
     tokens = np.asarray(jax.random.randint(jax.random.key(a.seed), (batch, prompt_len), 0, eng.cfg.vocab_size,
                                            jnp.int32))
-    pieces = eng.put_rows(core.Pieces.make(tokens, 0, prompt_len, True, np.arange(batch)))
+    pieces = eng.put_rows(Pieces.make(tokens, 0, prompt_len, True, np.arange(batch)))
 
     def fresh():
         return jax.block_until_ready(eng.new_state(batch, prompt_len + 1))

@@ -27,6 +27,7 @@ from jaxllm.config.runtime import RuntimeConfig, set_default
 from jaxllm.engine import core
 from jaxllm.engine.sampling import SamplingParams
 from jaxllm.engine.sharding import Layout, check_divisible, scale_shape_axes
+from jaxllm.engine.slots import Pieces, Slots, State
 from jaxllm.errors import JaxllmError, ModelError
 from jaxllm.model.params import map_specs
 from jaxllm.quant import QuantArray
@@ -90,17 +91,17 @@ def rows(layout: Layout, batch: int, dtype, extra=()):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=layout.batch_sharding(shape))
 
 
-def abstract_state(layout, cache, batch: int) -> core.State:
+def abstract_state(layout, cache, batch: int) -> State:
     i32 = jnp.int32
-    slots = core.Slots(last=rows(layout, batch, i32), pos=rows(layout, batch, i32), step=rows(layout, batch, i32),
+    slots = Slots(last=rows(layout, batch, i32), pos=rows(layout, batch, i32), step=rows(layout, batch, i32),
                        remaining=rows(layout, batch, i32), active=rows(layout, batch, jnp.bool_),
                        ignore_eos=rows(layout, batch, jnp.bool_), params=abstract_sampling(layout, batch))
-    return core.State(cache, slots)
+    return State(cache, slots)
 
 
-def abstract_pieces(layout, batch: int, length: int) -> core.Pieces:
+def abstract_pieces(layout, batch: int, length: int) -> Pieces:
     i32 = jnp.int32
-    return core.Pieces(tokens=rows(layout, batch, i32, (length,)), start=rows(layout, batch, i32),
+    return Pieces(tokens=rows(layout, batch, i32, (length,)), start=rows(layout, batch, i32),
                        length=rows(layout, batch, i32), final=rows(layout, batch, jnp.bool_),
                        max_new=rows(layout, batch, i32), ignore_eos=rows(layout, batch, jnp.bool_),
                        params=abstract_sampling(layout, batch))

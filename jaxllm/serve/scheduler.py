@@ -48,8 +48,8 @@ import time
 import jax
 import numpy as np
 
-from jaxllm.engine.core import Forks, Pieces
 from jaxllm.engine.sampling import MAX_LOGPROBS, Penalties, SamplingParams, TokenRules
+from jaxllm.engine.slots import Forks, Pieces
 from jaxllm.serve.detok import TextStream
 from jaxllm.serve.grammar import masks
 from jaxllm.serve.jobs import ARRIVAL_GAP, ARRIVAL_WAIT, Failed, Job, Observer, QueueFull

@@ -6,7 +6,7 @@ import tiny
 
 import jaxllm
 from jaxllm import RuntimeConfig
-from jaxllm.engine.core import Pieces
+from jaxllm.engine.slots import Pieces
 
 
 @pytest.fixture(scope="module", params=["qwen3", "gemma3"])
@@ -91,8 +91,8 @@ def test_forked_slots_decode_as_their_own_requests(eng):
     copy draws its own first token with its own seed and decodes what the request alone decodes
     with that seed (penalties and token rules copied with the slot, counts restarted), and the
     source decodes on as before."""
-    from jaxllm.engine.core import Forks
     from jaxllm.engine.sampling import Penalties, SamplingParams, TokenRules
+    from jaxllm.engine.slots import Forks
     prompt = list(range(5, 25))
     kw = dict(temperature=0.9, top_k=40, presence_penalty=0.5, repetition_penalty=1.2, logit_bias={9: 3.0},
               stop_token_ids=[11], min_tokens=2)

@@ -12,10 +12,10 @@ import pytest
 from kv_tiny_models import gemma4_31b, gemma4_e2b, random_weights, tiny_gemma3, tiny_gemma4_like
 
 import jaxllm
-from jaxllm.engine.core import Pieces
 from jaxllm.engine.engine import Engine
 from jaxllm.engine.host import pad_rows
 from jaxllm.engine.perplexity import perplexity_ids
+from jaxllm.engine.slots import Pieces
 from jaxllm.errors import ModelError, RequestError
 from jaxllm.kv.plan import check_fits, plan_cache
 from jaxllm.kv.split import BlockKV, KVLayout, KVOptions, RingKV, cache_shapes, has_kv_readers

@@ -444,8 +444,8 @@ def test_slots_joining_mid_decode_match_engine(engine):
     """The engine core without HTTP: requests join while others decode, one prompt in pieces over
     several prefills, greedy and sampled rows mix, a slot is reused after its request ended, and
     every request's tokens equal Engine.generate_ids for it."""
-    from jaxllm.engine.core import Pieces
     from jaxllm.engine.sampling import SamplingParams
+    from jaxllm.engine.slots import Pieces
     prompts = [engine.tokenizer.encode(p) for p in ("Hello world", "Once upon a time there was a", "café 東京")]
     jobs = [(p, 0.0) for p in prompts[:2]] + [(p, 0.8) for p in prompts[1:]]    # (ids, temperature)
     refs = {0.0: engine.generate_ids(prompts[:2], max_tokens=12),

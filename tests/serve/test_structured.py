@@ -102,9 +102,9 @@ def test_masked_rows_sample_only_allowed_tokens_beside_speculation(tmp_path):
     free beside it in the same blocks, takes drafts, and gets the greedy tokens of plain decoding."""
     import tiny
 
-    from jaxllm.engine.core import Pieces
     from jaxllm.engine.engine import Engine
     from jaxllm.engine.sampling import SamplingParams
+    from jaxllm.engine.slots import Pieces
     from jaxllm.engine.speculative import Speculation
     tiny.make("qwen3", tmp_path)
     base = jaxllm.load(str(tmp_path), quant="none", dtype="float32", max_ctx=256)
@@ -141,8 +141,8 @@ def test_step_split_in_forward_and_sampling_equals_one_call(tmp_path, temperatur
     the sampling's greedy variant."""
     import tiny
 
-    from jaxllm.engine.core import Pieces
     from jaxllm.engine.sampling import SamplingParams
+    from jaxllm.engine.slots import Pieces
     tiny.make("qwen3", tmp_path)
     eng = jaxllm.load(str(tmp_path), quant="none", dtype="float32", max_ctx=128)
     ok = np.ones((2, eng.cfg.vocab_size), bool)
