@@ -76,12 +76,13 @@ async def answers(http, ids, n: int, seed: int, temperature: float = 0.8) -> lis
 
 async def forks_match(http, ps, want, sampled: bool) -> bool:
     """3 answers of a short prompt and of one prefilled in pieces: greedy, each is `Engine.generate`'s;
-    sampled, answer i is the request's alone with seed 11 + i (not asked of a server that
-    speculates: there a sampled request's tokens depend on the requests sharing its decode blocks)."""
+    sampled (the one prefilled in pieces), answer i is the request's alone with seed 11 + i (not
+    asked of a server that speculates: there a sampled request's tokens depend on the requests
+    sharing its decode blocks)."""
     for i in (0, len(ps) - 1):
         if await answers(http, ps[i], 3, 0, temperature=0) != [want[i]] * 3:
             return False
-    for ids in (ps[0], ps[-1]) if sampled else ():
+    for ids in (ps[-1],) if sampled else ():
         together = await answers(http, ids, 3, 11)
         alone = [(await answers(http, ids, 1, 11 + i))[0] for i in range(3)]
         if together != alone or len(set(together)) < 2:
