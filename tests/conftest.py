@@ -40,16 +40,3 @@ def lower_for_cuda(monkeypatch):
     def lower(f, *args):
         return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     return lower
-
-
-# The files that take longest (minutes on a 2-core machine, from `--durations`), run first: with
-# `-n 2 --dist loadfile` each worker takes the next file when it is free, so the long ones starting
-# early keep one worker from running a long file alone at the end.
-LONGEST_FIRST = ("serve/test_scheduler.py", "ops/test_kernels.py", "serve/test_server.py",
-                 "engine/test_speculative.py", "serve/test_structured.py", "harness/test_real_model.py",
-                 "harness/test_perplexity.py", "serve/test_lm_eval.py", "engine/test_sharding.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {f"tests/{p}": i for i, p in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))     # stable: files stay whole
