@@ -33,9 +33,10 @@ Each thread counts its time by part (`Observer.busy`; the server's
 `jaxllm:scheduler_thread_seconds`): the engine thread's time inside the core's calls ("prefill",
 "decode", "fork", "forward", "sample"; on GPUs a decode block's call returns once the device has
 run it, and a call that samples once the device reaches its sampling) apart from compiling a shape
-no warmup compiled ("compile"), waiting for the output thread ("output") and for work ("idle"), the rest being its own
-scheduling; the output thread's time waiting for a call to be launched ("idle"), for the device to
-finish it ("device"), and turning its results into events ("processing").
+no warmup compiled ("compile"), waiting for the output thread ("output") and for work ("idle"),
+the rest being its own scheduling; the output thread's time waiting for a call to be launched
+("idle"), for the device to finish it ("device"), and turning its results into events
+("processing").
 """
 from __future__ import annotations
 
