@@ -41,29 +41,12 @@ class Results:
 
     @contextlib.contextmanager
     def _timed(self, thread: str, part: str):
-        """Count the time of the block as `thread`'s on `part` (`Observer.busy`)."""
+        """Count the time of the block as `thread`'s on `part` (`Observer.busy`; both threads use it)."""
         t = time.perf_counter()
         try:
             yield
         finally:
             self.observer.busy(thread, part, time.perf_counter() - t)
-
-    @contextlib.contextmanager
-    def _device_call(self, kind: str):
-        """Time a call of the engine core as the engine thread's `kind` ("prefill", "decode", ...),
-        apart from any compiling it had to do first (a shape no warmup compiled: logged, and counted
-        as "compile")."""
-        e = self.engine
-        t, c = time.perf_counter(), e.compile_s
-        try:
-            yield
-        finally:
-            compiled = e.compile_s - c
-            self.observer.busy("engine", kind, time.perf_counter() - t - compiled)
-            self.observer.calls(kind)
-            if compiled:
-                self.observer.busy("engine", "compile", compiled)
-                log.info("compiled a %s call for a new shape in %.2f s", kind, compiled)
 
     def _read_results(self):
         """The output thread's loop. Its time: "idle" (no call launched to read), "device" (a call

@@ -41,6 +41,7 @@ the rest being its own scheduling; the output thread's time waiting for a call t
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import queue
 import threading
@@ -316,6 +317,23 @@ class Scheduler(Results):
             toks = self.core.decode(n, self.out_size, stop, rows, logprobs=LOGPROBS if asked else 0, allowed=allowed)
         self._put_decode(toks, n, rows)
         return True
+
+    @contextlib.contextmanager
+    def _device_call(self, kind: str):
+        """Time a call of the engine core as the engine thread's `kind` ("prefill", "decode", ...),
+        apart from any compiling it had to do first (a shape no warmup compiled: logged, and counted
+        as "compile")."""
+        e = self.engine
+        t, c = time.perf_counter(), e.compile_s
+        try:
+            yield
+        finally:
+            compiled = e.compile_s - c
+            self.observer.busy("engine", kind, time.perf_counter() - t - compiled)
+            self.observer.calls(kind)
+            if compiled:
+                self.observer.busy("engine", "compile", compiled)
+                log.info("compiled a %s call for a new shape in %.2f s", kind, compiled)
 
     def _launch_forward(self, rows: int):
         """Launch the forward of the next one-step block now, while the host still reads the

@@ -364,10 +364,15 @@ def test_bad_constraints_get_400_naming_the_field(server):
 
 
 def test_constrained_requests_compile_nothing_after_ready(server):
-    """Every call the constrained requests above needed (prefills with grammar masks among them)
-    was compiled before the server said ready: the scheduler counted no compiling."""
+    """Every call the constrained requests of this module needed (prefills with grammar masks among
+    them, and one of its own) was compiled before the server said ready: the scheduler counted no
+    compiling."""
     from prometheus_client.parser import text_string_to_metric_families
-    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60).text
+    h = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(server.url + "/v1/chat/completions", headers=h, timeout=120,       # one of its own
+                   json={"messages": ask("a color"), "max_tokens": 16, "response_format": {"type": "json_object"}})
+    assert r.status_code == 200, r.text
+    text = httpx.get(server.url + "/metrics", headers=h, timeout=60).text
     parts = {(s.labels["thread"], s.labels["part"]): s.value for f in text_string_to_metric_families(text)
              if f.name == "jaxllm:scheduler_thread_seconds" for s in f.samples if s.name.endswith("_total")}
     assert parts[("engine", "prefill")] > 0 and parts[("engine", "sample")] > 0, parts
