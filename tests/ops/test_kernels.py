@@ -578,7 +578,7 @@ def test_sharded_kernels_match_single_device_xla(tmp_path):
     import subprocess
     import sys
     here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(here)), os.environ.get("PYTHONPATH", "")])
     r = subprocess.run([sys.executable, os.path.join(here, "sharded_kernels_run.py"), str(tmp_path)],
                        env=env, capture_output=True, text=True, timeout=1500)
