@@ -8,12 +8,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # TF32 (errors near 1e-3), which the kernel tests' tolerances would otherwise measure when they run
 # compiled there. CPUs compute float32 dots in full either way.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
-# The suite's programs are small and mostly compiled once each, so compiling is most of its time:
-# LLVM's optimizations off on the CPU backend compile them faster (a whole-model kernel test 54 s to
-# 43 s) for the same operations in the same order, where the heavier runs execute somewhat slower.
-# The helper processes that force host devices add their flag to these.
-if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 # The front ends turn JAX's persistent compilation cache on; the suite's processes (both workers,
 # the servers and CLIs they start) share one folder of their own, so each step compiles once a run.
 os.environ.setdefault("JAXLLM_COMPILATION_CACHE", os.path.join(__import__("tempfile").gettempdir(),
