@@ -17,9 +17,13 @@ def ladder(cap: int, factor: int = 4) -> list[int]:
 class Shapes:
     """The shapes of the device calls, few enough to compile them all before serving (each is a
     trace and a compile). Prefill forwards [rows, tokens]: pieces of up to 128 tokens, several
-    prompts' in one forward (rows 1, 4, 16, ... as the budget and the slots allow), or one longer
+    prompts' in one forward (rows 1, 2, 4, ... as the budget and the slots allow), or one longer
     piece of 512, 2048, ... tokens up to the longest piece. Decode blocks run over the leading 1, 4,
-    16, ... slots, so a few live requests do not pay for every slot."""
+    16, ... slots, so a few live requests do not pay for every slot.
+
+    Prefill rows go up by 2, not 4: requests that arrive a few at a time (answers that end at
+    different lengths) would otherwise pay for up to four times their rows in each prefill, which
+    every running request waits on."""
     budget: int           # tokens a prefill forward may take (--max-num-batched-tokens)
     slots: int
     max_piece: int        # the longest piece of one prompt in a forward
@@ -34,7 +38,7 @@ class Shapes:
     def row_counts(self, C: int) -> list[int]:
         if C != self.lengths()[0]:
             return [1]
-        return ladder(max(1, min(self.slots, self.budget // C)))
+        return ladder(max(1, min(self.slots, self.budget // C)), factor=2)
 
     def prefills(self) -> list[tuple[int, int]]:
         return [(P, C) for C in self.lengths() for P in self.row_counts(C)]

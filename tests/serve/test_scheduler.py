@@ -55,8 +55,8 @@ def test_server_equals_engine_generate(layouts, case):
 def test_shapes():
     s = Shapes(budget=2048, slots=64, max_piece=2048)
     assert s.lengths() == [128, 512, 2048] and s.decodes() == [1, 4, 16, 64]
-    assert s.row_counts(128) == [1, 4, 16] and s.row_counts(512) == [1] and s.row_counts(2048) == [1]
-    assert s.prefills() == [(1, 128), (4, 128), (16, 128), (1, 512), (1, 2048)]
+    assert s.row_counts(128) == [1, 2, 4, 8, 16] and s.row_counts(512) == [1] and s.row_counts(2048) == [1]
+    assert s.prefills() == [(1, 128), (2, 128), (4, 128), (8, 128), (16, 128), (1, 512), (1, 2048)]
     assert s.choose([100]) == (1, 128, [100])
     assert s.choose([5000, 10]) == (1, 2048, [2048])            # a long prompt fills the forward
     assert s.choose([10, 5000, 3]) == (4, 128, [10, 128, 3])    # short pieces share a forward
