@@ -8,6 +8,11 @@ request sent to the last answer read, as vLLM's serving benchmark counts it), ti
 and time per output token (p50, p99), inter-chunk latency, and beside them the fused on-device loop
 (`python -m jaxllm.bench`) at batch C and the mean context of a request's decode steps, measured in
 the same run, with the ratio of the two. The time the server took to report ready is recorded too.
+
+With --logprobs or --json-fraction, each level is run twice on the same server: as asked, then the
+same requests (the same prompts, each asking for exactly the tokens its answer had) without
+log-probabilities or constraints, so that their cost is the ratio of two loads that generate the
+same tokens (JSON answers end where their object does, at lengths of their own).
 """
 from __future__ import annotations
 
@@ -44,6 +49,9 @@ class Level:
     ratio: float | None = None
     speculation: dict | None = None    # verify cycles, drafted, accepted over the level (from /metrics)
     long_prompt: dict | None = None    # --long-prompt: its TTFT, and the others' chunk gaps during its prefill
+    # --logprobs / --json-fraction: the same requests without them (output_tok_s, duration_s,
+    # output_tokens, failed) and this level's tok/s as a fraction of theirs ("of_plain")
+    plain: dict | None = None
     # The fraction of the level's wall time each scheduler thread spent on each part of its work
     # ("other": the engine thread's own scheduling), from the server's /metrics.
     threads: dict | None = None
@@ -288,16 +296,38 @@ def pct(xs, scale=1e3) -> dict:
     return {"p50": float(np.percentile(xs, 50)), "p99": float(np.percentile(xs, 99)), "max": float(xs.max())}
 
 
-async def run_level(url: str, c: int, a, rng) -> Level:
+@dataclass
+class Load:
+    """The requests of a level, in the order the clients send them (client i sends rounds i * R to
+    (i + 1) * R - 1)."""
+    prompts: list
+    outs: list                  # max_tokens of each
+    constrained: list           # each asks for a JSON object
+    logprobs: int | None
+    long_prompt: int | None
+
+    @staticmethod
+    def draw(c: int, a, rng) -> "Load":
+        n = c * a.rounds
+        prompts = [rng.integers(0, a.vocab, rng.integers(a.prompt_len[0], a.prompt_len[1] + 1)).tolist()
+                   for _ in range(n)]
+        outs = rng.integers(a.output_len[0], a.output_len[1] + 1, n).tolist()
+        constrained = [int((i + 1) * a.json_fraction) > int(i * a.json_fraction) for i in range(n)]
+        return Load(prompts, outs, constrained, a.logprobs, a.long_prompt)
+
+    def plain(self, tokens: list) -> "Load":
+        """The same prompts without log-probabilities or constraints, each asking for `tokens` of
+        its own (EOS ignored)."""
+        return Load(self.prompts, tokens, [False] * len(self.prompts), None, None)
+
+
+async def run_level(url: str, c: int, a, load: Load, rng) -> tuple[Level, list]:
+    """-> (the level's figures, each request's completion tokens in load order, None where it failed)."""
     from urllib.parse import urlparse
     u = urlparse(url)
     conns = [Connection(u.hostname, u.port or 80) for _ in range(c)]
-    n = c * a.rounds
-    prompts = [rng.integers(0, a.vocab, rng.integers(a.prompt_len[0], a.prompt_len[1] + 1)).tolist()
-               for _ in range(n)]
-    outs = rng.integers(a.output_len[0], a.output_len[1] + 1, n).tolist()
-    constrained = [int((i + 1) * a.json_fraction) > int(i * a.json_fraction) for i in range(n)]
-    await one_request(conns[0], prompts[0][:8], 4, a.logprobs, a.json_fraction > 0)   # awake, its calls compiled
+    prompts, outs, constrained = load.prompts, load.outs, load.constrained
+    await one_request(conns[0], prompts[0][:8], 4, load.logprobs, any(constrained))   # awake, its calls compiled
     before, threads_before = server_counts(url)
 
     streaming = asyncio.Event()
@@ -309,7 +339,7 @@ async def run_level(url: str, c: int, a, rng) -> Level:
             streaming.set()
 
     async def client(i):
-        return [await one_request(conns[i], prompts[j], outs[j], a.logprobs, constrained[j],
+        return [await one_request(conns[i], prompts[j], outs[j], load.logprobs, constrained[j],
                                   first if j == i * a.rounds else None)
                 for j in range(i * a.rounds, (i + 1) * a.rounds)]
 
@@ -317,11 +347,11 @@ async def run_level(url: str, c: int, a, rng) -> Level:
         await streaming.wait()
         conn = Connection(u.hostname, u.port or 80)
         try:
-            return await one_request(conn, rng.integers(0, a.vocab, a.long_prompt).tolist(), a.long_output)
+            return await one_request(conn, rng.integers(0, a.vocab, load.long_prompt).tolist(), a.long_output)
         finally:
             conn.close()
     t0 = time.perf_counter()
-    long_task = asyncio.ensure_future(long_one()) if a.long_prompt else None
+    long_task = asyncio.ensure_future(long_one()) if load.long_prompt else None
     results = [r for rs in await asyncio.gather(*(client(i) for i in range(c))) for r in rs]
     duration = time.perf_counter() - t0
     long_result = await long_task if long_task is not None else None
@@ -334,14 +364,14 @@ async def run_level(url: str, c: int, a, rng) -> Level:
     lv.tpot_ms = pct([(r["end"] - r["ttft"]) / max(r["tokens"] - 1, 1) for r in ok])
     lv.itl_ms = pct([b - x for r in ok for x, b in zip(r["chunks"], r["chunks"][1:])])
     if long_result is not None:
-        lv.long_prompt = long_prompt_summary(a.long_prompt, long_result, ok)
+        lv.long_prompt = long_prompt_summary(load.long_prompt, long_result, ok)
     if before is not None:
         await asyncio.sleep(0.2)         # the server reads its speculation counts once it is idle
     spec, threads = server_counts(url)
     if before is not None:
         lv.speculation = {k: v - before[k] for k, v in spec.items()}
     lv.threads = thread_shares(threads_before, threads, duration) or None
-    return lv
+    return lv, [None if "error" in r else r["tokens"] for r in results]
 
 
 def long_prompt_summary(n: int, long: dict, others: list[dict]) -> dict:
@@ -402,6 +432,11 @@ def table(rep: dict) -> str:
     for lv in rep["levels"]:
         if lv.get("threads"):
             lines.append(f"{lv['concurrency']} clients, time of the wall: {thread_summary(lv['threads'])}")
+        pl = lv.get("plain")
+        if pl:
+            lines.append(f"{lv['concurrency']} clients, the same requests without log-probabilities or constraints: "
+                         f"{pl['output_tok_s']:.1f} tok/s ({pl['output_tokens']} tokens, {pl['failed']} failed); "
+                         f"this load is {pl['of_plain']:.2f} of it")
         lp = lv.get("long_prompt")
         if lp and "error" in lp:
             lines.append(f"{lv['concurrency']} clients + one {lp['prompt_tokens']}-token prompt: {lp['error']}")
@@ -448,7 +483,14 @@ def main(argv=None) -> int:
     levels = []
     try:
         for c in a.concurrency:
-            lv = asyncio.run(run_level(url, c, a, rng))
+            load = Load.draw(c, a, rng)
+            lv, tokens = asyncio.run(run_level(url, c, a, load, rng))
+            if a.logprobs is not None or a.json_fraction > 0:
+                plain, _ = asyncio.run(run_level(url, c, a, load.plain(
+                    [max(t, 1) if t is not None else o for t, o in zip(tokens, load.outs)]), rng))
+                lv.plain = {"output_tok_s": plain.output_tok_s, "duration_s": plain.duration_s,
+                            "output_tokens": plain.output_tokens, "failed": plain.failed,
+                            "of_plain": lv.output_tok_s / plain.output_tok_s if plain.output_tok_s else None}
             if c in ref and ref[c].get("tok_s"):
                 lv.fused_tok_s = ref[c]["tok_s"]
                 lv.ratio = lv.output_tok_s / lv.fused_tok_s

@@ -240,11 +240,12 @@ def test_bench_rings_hold_the_last_window_of_positions():
 def test_serving_bench_on_a_tiny_shape(tmp_path):
     """`--serve` starts a server on random weights, drives it with concurrent streaming clients and
     reports every request's tokens, beside the fused loop at the same batch; a long prompt sent
-    once every client streams is served beside them."""
+    once every client streams is served beside them. With log-probabilities asked, the same requests
+    run again without them, for the same tokens."""
     out = tmp_path / "serve.json"
     assert bench.main(["--serve", "--shape", shape_file(tmp_path), "--concurrency", "3", "--rounds", "2",
                        "--prompt-len", "4:12", "--output-len", "6", "--compilation-cache", "off",
-                       "--long-prompt", "90", "--long-output", "3", "--out", str(out)]) == 0
+                       "--long-prompt", "90", "--long-output", "3", "--logprobs", "2", "--out", str(out)]) == 0
     rep = json.loads(out.read_text())
     assert [lv["concurrency"] for lv in rep["levels"]] == [3]
     for lv in rep["levels"]:
@@ -253,4 +254,7 @@ def test_serving_bench_on_a_tiny_shape(tmp_path):
         assert lv["ttft_ms"]["p50"] > 0 and 0 < lv["ratio"]
         lp = lv["long_prompt"]
         assert lp["tokens"] == 3 and lp["ttft_ms"] > 0 and lp["prompt_tokens"] == 90
+        plain = lv["plain"]
+        assert plain["output_tokens"] == lv["output_tokens"] and plain["failed"] == 0
+        assert plain["of_plain"] == lv["output_tok_s"] / plain["output_tok_s"]
     assert rep["ready_s"] > 0 and rep["settings"]["max_num_seqs"] == 4
