@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm import ops as backends
+from jaxllm.compiling import compile_all
 from jaxllm.config.model import ModelConfig
 from jaxllm.config.runtime import RuntimeConfig
 from jaxllm.engine import compilation_cache, core
@@ -220,10 +220,8 @@ class Engine:
             compilation_cache.describe(args))
 
     def precompile(self, calls: list[tuple[str, tuple, dict]], threads: int | None = None) -> float:
-        """Compile every (name, args, static) call not compiled yet: each is traced and lowered in
-        turn (Python) and compiled in a thread of its own meanwhile (XLA compiles without the GIL).
-        args may be shape structs. -> seconds taken."""
-        import concurrent.futures as cf
+        """Compile every (name, args, static) call not compiled yet, together (`compile_all`). args
+        may be shape structs. -> seconds taken."""
         t0 = time.perf_counter()
         keys = list(dict.fromkeys(_signature(*c) for c in calls if _signature(*c) not in self._executables))
         todo = {k: c for c in calls for k in [_signature(*c)] if k in keys}
@@ -237,23 +235,21 @@ class Engine:
                 del todo[key]
                 loaded += 1
         done = self.on_compile(len(todo)) if self.on_compile and todo else None
-        workers = threads or max(1, min(len(todo), os.cpu_count() or 2))
         traced = 0.0
 
-        def compile_and_keep(lowered, disk_key):
-            return compilation_cache.compile_and_keep(self.steps_cache, disk_key, lowered)
-        with cf.ThreadPoolExecutor(workers) as pool:
-            futures = {}
-            for key, (name, args, static) in todo.items():
-                t = time.perf_counter()
-                lowered = self._lower(name, args, static)
-                traced += time.perf_counter() - t
-                futures[key] = pool.submit(compile_and_keep, lowered, self._disk_key(name, args, static))
-            for key, fut in futures.items():
-                self._executables[key] = fut.result()
+        def lower(key):
+            nonlocal traced
+            t = time.perf_counter()
+            lowered = self._lower(*todo[key])
+            traced += time.perf_counter() - t
+            return lowered
+
+        def compile_and_keep(key, lowered):
+            return compilation_cache.compile_and_keep(self.steps_cache, self._disk_key(*todo[key]), lowered)
+        self._executables.update(zip(todo, compile_all(todo, lower, compile_and_keep, threads)))
         dt = time.perf_counter() - t0
-        log.info("%d calls compiled in %.1f s (%.1f s of it tracing and lowering, %d compile threads), %d read "
-                 "from the compiled-steps cache", len(todo), dt, traced, workers, loaded)
+        log.info("%d calls compiled in %.1f s (%.1f s of it tracing and lowering), %d read from the compiled-steps "
+                 "cache", len(todo), dt, traced, loaded)
         if done is not None:
             done()
         self.compile_s += dt

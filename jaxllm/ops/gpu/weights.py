@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxllm.compiling import compile_all
 from jaxllm.ops.gpu import log
 from jaxllm.ops.gpu.dispatch import AXES
 from jaxllm.ops.gpu.types import OutMajor
@@ -23,35 +24,43 @@ CONTRACTED = {"o": 2}       # contracted dims of each layer weight the kernels t
 NAMES = tuple(AXES)         # the layer weights laid out output-major
 
 
-def _transposed(a, n_contract: int, donate: bool):
-    """[L, *in, *out] -> [L, *out, *in] on a's devices, its sharding permuted with its dims."""
+def _transpose(a, n_contract: int, donate: bool):
+    """[L, *in, *out] -> [L, *out, *in] on a's devices, its sharding permuted with its dims: the
+    lowered function, to compile."""
     perm = (0,) + tuple(range(1 + n_contract, a.ndim)) + tuple(range(1, 1 + n_contract))
     sharding = getattr(a, "sharding", None)
     out = None
     if isinstance(sharding, NamedSharding):
         spec = tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec))
         out = NamedSharding(sharding.mesh, P(*(spec[i] for i in perm)))
-    fn = jax.jit(lambda x: jnp.transpose(x, perm), out_shardings=out,
-                 donate_argnums=(0,) if donate else ())
-    return fn(a)
+    return jax.jit(lambda x: jnp.transpose(x, perm), out_shardings=out,
+                   donate_argnums=(0,) if donate else ()).lower(a)
 
 
-def _one(name: str, w, donate: bool):
+def _stack(name: str, w):
+    """The array of layer weight `name` to lay out output-major, and its contracted dims, or None."""
     if isinstance(w, OutMajor) or name not in NAMES:
-        return w
+        return None
     n = CONTRACTED.get(name, 1)
     if isinstance(w, QuantArray):
-        if w.n_contract != n:
-            return w
-        return OutMajor(QuantArray(_transposed(w.q, n, donate), w.scale, n), n)
-    return OutMajor(_transposed(w, n, donate), n)
+        return (w.q, n) if w.n_contract == n else None
+    return w, n
 
 
 def out_major(weights: dict, donate: bool = False) -> dict:
     """`weights` with each layer stack the kernels take (Q, K, V, O, gate, up, down) output-major.
-    One stack is transposed at a time; with `donate` each input stack is freed as its copy is made,
-    so loading needs one stack of headroom rather than a second model."""
-    layers = {g: {k: _one(k, v, donate) for k, v in group.items()}
-              for g, group in weights["layers"].items()}
+    The transposes are compiled together (`compiling.compile_all`), then run one stack at a time;
+    with `donate` each input stack is freed as its copy is made, so loading needs one stack of
+    headroom rather than a second model."""
+    todo = [(g, k) for g, group in weights["layers"].items() for k, v in group.items() if _stack(k, v) is not None]
+    fns = compile_all(todo, lambda gk: _transpose(*_stack(gk[1], weights["layers"][gk[0]][gk[1]]), donate))
+    layers = {g: dict(group) for g, group in weights["layers"].items()}
+    for (g, k), fn in zip(todo, fns):
+        w = layers[g][k]
+        n = CONTRACTED.get(k, 1)
+        if isinstance(w, QuantArray):
+            layers[g][k] = OutMajor(QuantArray(fn(w.q), w.scale, n), n)
+        else:
+            layers[g][k] = OutMajor(fn(w), n)
     log.info("layer matmul weights laid out output-major for the kernels")
     return {**weights, "layers": layers}
