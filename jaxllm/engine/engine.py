@@ -245,7 +245,10 @@ class Engine:
             return lowered
 
         def compile_and_keep(key, lowered):
-            return compilation_cache.compile_and_keep(self.steps_cache, self._disk_key(*todo[key]), lowered)
+            t = time.perf_counter()
+            exe = compilation_cache.compile_and_keep(self.steps_cache, self._disk_key(*todo[key]), lowered)
+            log.debug("compiled %s %s in %.1f s", key[0], dict(key[1]), time.perf_counter() - t)
+            return exe
         self._executables.update(zip(todo, compile_all(todo, lower, compile_and_keep, threads)))
         dt = time.perf_counter() - t0
         log.info("%d calls compiled in %.1f s (%.1f s of it tracing and lowering), %d read from the compiled-steps "
