@@ -247,7 +247,9 @@ class Engine:
         def compile_and_keep(key, lowered):
             t = time.perf_counter()
             exe = compilation_cache.compile_and_keep(self.steps_cache, self._disk_key(*todo[key]), lowered)
-            log.debug("compiled %s %s in %.1f s", key[0], dict(key[1]), time.perf_counter() - t)
+            name, args, static = todo[key]
+            shape = [tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(args[1:])[:1]]    # a prefill's [P, C]
+            log.debug("compiled %s %s %s in %.1f s", name, static, shape, time.perf_counter() - t)
             return exe
         self._executables.update(zip(todo, compile_all(todo, lower, compile_and_keep, threads)))
         dt = time.perf_counter() - t0

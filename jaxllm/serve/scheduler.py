@@ -147,13 +147,11 @@ class Scheduler(Results):
         state = e.state_shapes(self.core.num_slots, self.core.max_len)
         lp = {"logprobs": LOGPROBS}
         words = self.mask_words if self.structured else 0
-        # The decode blocks first, the widest first: they take longest to compile, and each call is
-        # compiled on a thread while the next ones are traced.
-        calls = [("decode", (state, np.int32(1), e.row_shapes(np.zeros(n, bool))),
-                  {"max_steps": self.out_size, "rows": n, **asked})
-                 for n in reversed(self.shapes.decodes()) for asked in (lp, {})]
-        calls += [("prefill", (state, e.row_shapes(Pieces.shapes(P, C, rows=True, mask_words=words)), None),
-                   {"out": "sample", **lp}) for P, C in reversed(self.shapes.prefills())]
+        calls = [("prefill", (state, e.row_shapes(Pieces.shapes(P, C, rows=True, mask_words=words)), None),
+                  {"out": "sample", **lp}) for P, C in self.shapes.prefills()]
+        calls += [("decode", (state, np.int32(1), e.row_shapes(np.zeros(n, bool))),
+                   {"max_steps": self.out_size, "rows": n, **asked})
+                  for n in self.shapes.decodes() for asked in (lp, {})]
         if self.core.num_slots > 1:
             F = self.core.num_slots
             forks = Forks.make(F, allowed=np.zeros((F, words), np.uint32) if words else None)
