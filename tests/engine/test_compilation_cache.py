@@ -75,3 +75,17 @@ def test_off_and_folder_resolution(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXLLM_COMPILATION_CACHE", "off")
     assert cc.resolve() is None and cc.resolve(str(tmp_path / "y")) == tmp_path / "y"
     assert cc.executables_folder(None) is None
+
+
+def test_compile_all_keeps_the_order_of_its_items():
+    """Programs compiled together on threads come back in the order of the items they were made
+    from, each the program of its own item."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm.compiling import compile_all
+    items = [1.0, 2.0, 3.0, 4.0, 5.0]
+    made = compile_all(items, lambda c: jax.jit(lambda x: x * c + jnp.arange(3.0)).lower(jnp.zeros(3)), threads=3)
+    for c, exe in zip(items, made):
+        assert jnp.array_equal(exe(jnp.ones(3)), c + jnp.arange(3.0))
+    assert compile_all([], lambda c: None) == []
