@@ -69,7 +69,10 @@ def random_weights(specs, quant: str, dtype, seed: int = 0, shardings=None):
     key = jax.random.key(seed)
     dtype = jnp.dtype(dtype).type
     kinds = list(dict.fromkeys(leaves))         # leaves of one spec share a compiled function
-    made = dict(zip(kinds, compile_all(kinds, lambda s: random_leaf.lower(s, quant, dtype, key))))
+    if isinstance(key, jax.core.Tracer):         # traced (the weights' shapes by jax.eval_shape): nothing to compile
+        made = {s: partial(random_leaf, s, quant, dtype) for s in kinds}
+    else:
+        made = dict(zip(kinds, compile_all(kinds, lambda s: random_leaf.lower(s, quant, dtype, key))))
     out = []
     for i, (s, sh) in enumerate(zip(leaves, shards)):
         leaf = made[s](jax.random.fold_in(key, i))
