@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm import ops as backends
-from jaxllm.compiling import compile_all
+from jaxllm.compiling import compile_all, map_threads
 from jaxllm.config.model import ModelConfig
 from jaxllm.config.runtime import RuntimeConfig
 from jaxllm.engine import compilation_cache, core
@@ -227,9 +227,13 @@ class Engine:
         todo = {k: c for c in calls for k in [_signature(*c)] if k in keys}
         if not todo:
             return 0.0
+        # Read back what an earlier process compiled, on threads: loading an executable onto the
+        # devices runs without the GIL.
+        keys = list(todo)
+        disk = [self._disk_key(*todo[k]) for k in keys]
+        found = map_threads(lambda d: compilation_cache.load_executable(self.steps_cache, d), disk)
         loaded = 0
-        for key in list(todo):                  # read back what an earlier process compiled
-            exe = compilation_cache.load_executable(self.steps_cache, self._disk_key(*todo[key]))
+        for key, exe in zip(keys, found):
             if exe is not None:
                 self._executables[key] = exe
                 del todo[key]
