@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -89,3 +90,25 @@ def test_compile_all_keeps_the_order_of_its_items():
     for c, exe in zip(items, made):
         assert jnp.array_equal(exe(jnp.ones(3)), c + jnp.arange(3.0))
     assert compile_all([], lambda c: None) == []
+    from jaxllm.compiling import map_threads
+    assert map_threads(lambda c: 2 * c, items, threads=3) == [2 * c for c in items] and map_threads(len, []) == []
+
+
+def test_warmup_reads_every_call_back(tmp_path, monkeypatch):
+    """A second engine of the same model warms a server's scheduler from the executables the first
+    one kept: every call is read back (on threads), none traced again."""
+    import jaxllm
+    from jaxllm.serve.scheduler import Scheduler
+    tiny.make("qwen3", tmp_path / "m", seed=1)
+
+    def scheduler():
+        eng = jaxllm.load(str(tmp_path / "m"), quant="none", dtype="float32", max_ctx=64)
+        eng.steps_cache = tmp_path / "steps"
+        return eng, Scheduler(eng, max_num_seqs=2, max_model_len=64, max_queue=4, max_num_batched_tokens=16)
+    first, sched = scheduler()
+    sched.warmup()
+    assert len(list((tmp_path / "steps").glob("*.bin"))) == len(first._executables) > 2
+    second, sched = scheduler()
+    monkeypatch.setattr(second, "_lower", lambda *a: pytest.fail(f"traced {a[0]} again"))
+    sched.warmup()
+    assert set(second._executables) == set(first._executables)
