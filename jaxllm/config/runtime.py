@@ -23,6 +23,7 @@ VARIABLES = {
     "JAXLLM_LAYER_SCAN": "auto | cond | period: how the layer scan reaches sliding and global layers",
     "JAXLLM_SCAN_UNROLL": "layers per iteration of the layer scan: a count, or full (unset: chosen per step)",
     "JAXLLM_INT8_WIDEN": "convert | magic | bits: how GPU kernels widen int8 (unset: each kernel's own)",
+    "JAXLLM_TRITON_GEMM": "on | off: XLA's autotuned Triton GEMMs on GPUs beside cuBLAS (default off)",
     "JAXLLM_CACHE": "the folder of jaxllm's per-user caches (default $XDG_CACHE_HOME/jaxllm)",
     "JAXLLM_WEIGHT_CACHE": "on | off: keep models built from GGUF files in the weight cache",
     "JAXLLM_COMPILATION_CACHE": "the compilation cache's folder, or off",
@@ -64,6 +65,7 @@ def cache_home() -> Path:
 KERNELS = ("auto", "xla", "pallas")
 LAYER_SCANS = ("auto", "cond", "period")
 WIDENINGS = ("convert", "magic", "bits")
+SWITCH = {"on": True, "1": True, "true": True, "off": False, "0": False, "false": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,11 +80,14 @@ class RuntimeConfig:
       periods on GPUs, where XLA decides a conditional on the host, and `cond` elsewhere.
     scan_unroll: layers per scan iteration, a count or "full"; None lets the backend choose per step.
     int8_widen: how GPU kernels widen int8 values (see `ops.gpu.widen`); None: each kernel's default.
+    triton_gemm: on GPUs, let XLA try its Triton GEMMs beside cuBLAS for each matmul it compiles
+      (autotuned at compile time); off, XLA's GEMMs are cuBLAS's (see `XlaOps.compiler_options`).
     """
     kernels: str = "auto"
     layer_scan: str = "auto"
     scan_unroll: int | str | None = None
     int8_widen: str | None = None
+    triton_gemm: bool = False
 
     def __post_init__(self):
         if self.kernels not in KERNELS:
@@ -94,11 +99,13 @@ class RuntimeConfig:
             raise ModelError(f"scan_unroll must be a positive number of layers or 'full', got {u!r}")
         if self.int8_widen is not None and self.int8_widen not in WIDENINGS:
             raise ModelError(f"int8_widen must be one of {', '.join(WIDENINGS)}, got {self.int8_widen!r}")
+        if not isinstance(self.triton_gemm, bool):
+            raise ModelError(f"triton_gemm must be on or off, got {self.triton_gemm!r}")
 
     @classmethod
     def from_env(cls, **overrides) -> "RuntimeConfig":
         """The configuration the environment variables name (JAXLLM_KERNELS, JAXLLM_LAYER_SCAN,
-        JAXLLM_SCAN_UNROLL, JAXLLM_INT8_WIDEN), with `overrides` on top; a bad value is a one-line
+        JAXLLM_SCAN_UNROLL, JAXLLM_INT8_WIDEN, JAXLLM_TRITON_GEMM), with `overrides` on top; a bad value is a one-line
         error naming the variable."""
         def word(name, default=None):
             v = env(name)
@@ -106,8 +113,10 @@ class RuntimeConfig:
         raw = {"kernels": ("JAXLLM_KERNELS", word("JAXLLM_KERNELS", "auto")),
                "layer_scan": ("JAXLLM_LAYER_SCAN", word("JAXLLM_LAYER_SCAN", "auto")),
                "int8_widen": ("JAXLLM_INT8_WIDEN", word("JAXLLM_INT8_WIDEN")),
-               "scan_unroll": ("JAXLLM_SCAN_UNROLL", word("JAXLLM_SCAN_UNROLL"))}
+               "scan_unroll": ("JAXLLM_SCAN_UNROLL", word("JAXLLM_SCAN_UNROLL")),
+               "triton_gemm": ("JAXLLM_TRITON_GEMM", word("JAXLLM_TRITON_GEMM", "off"))}
         values = {k: v for k, (_, v) in raw.items()}
+        values["triton_gemm"] = SWITCH.get(values["triton_gemm"], values["triton_gemm"])
         u = values["scan_unroll"]
         if u is not None and u.isdigit():
             values["scan_unroll"] = int(u)

@@ -143,20 +143,20 @@ def _on_event(event: str, **_) -> None:
         _seen.hits = getattr(_seen, "hits", 0) + 1
 
 
-def compile_and_keep(folder: Path | None, key: str, lowered):
-    """`lowered.compile()`, kept under `key` in `folder` unless JAX's persistent cache answered
+def compile_and_keep(folder: Path | None, key: str, lowered, options: dict | None = None):
+    """`lowered.compile(options)`, kept under `key` in `folder` unless JAX's persistent cache answered
     the compile: an executable read from that cache serializes without its code on some backends
     (the CPU's: loading it back fails at its first call with "Function ... not found"), so only
     what XLA itself compiled is kept."""
     global _listening
     if folder is None:
-        return lowered.compile()
+        return lowered.compile(options or None)
     if not _listening:
         import jax
         jax.monitoring.register_event_listener(_on_event)
         _listening = True
     before = getattr(_seen, "hits", 0)
-    exe = lowered.compile()
+    exe = lowered.compile(options or None)
     if getattr(_seen, "hits", 0) == before:
         store_executable(folder, key, exe)
     return exe

@@ -201,7 +201,8 @@ class Engine:
         key = self._disk_key(name, args, static)
         exe = compilation_cache.load_executable(self.steps_cache, key)
         if exe is None:
-            exe = compilation_cache.compile_and_keep(self.steps_cache, key, self._lower(name, args, static))
+            exe = compilation_cache.compile_and_keep(self.steps_cache, key, self._lower(name, args, static),
+                                                     self.ops.compiler_options())
         self.compile_s += time.perf_counter() - t0
         return exe
 
@@ -250,7 +251,8 @@ class Engine:
 
         def compile_and_keep(key, lowered):
             t = time.perf_counter()
-            exe = compilation_cache.compile_and_keep(self.steps_cache, self._disk_key(*todo[key]), lowered)
+            exe = compilation_cache.compile_and_keep(self.steps_cache, self._disk_key(*todo[key]), lowered,
+                                                     self.ops.compiler_options())
             name, args, static = todo[key]
             shape = [tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(args[1:])[:1]]    # a prefill's [P, C]
             log.debug("compiled %s %s %s in %.1f s", name, static, shape, time.perf_counter() - t)

@@ -523,6 +523,49 @@ def test_kernel_mode_switch(monkeypatch):
         RuntimeConfig.from_env()
 
 
+def test_gpu_compiles_take_cublas_gemms(monkeypatch):
+    """On GPUs the engine's calls compile without XLA's autotuned Triton GEMMs unless the runtime
+    asks for them (`JAXLLM_TRITON_GEMM=on`); elsewhere no option is passed."""
+    class OnGpu(XlaOps):
+        platform = "gpu"
+    assert OnGpu().compiler_options() == {"xla_gpu_enable_triton_gemm": False}
+    assert OnGpu(RuntimeConfig(triton_gemm=True)).compiler_options() == {}
+    assert XlaOps().compiler_options() == {} and PALLAS.compiler_options() == {}
+    for raw, want in (("on", True), ("1", True), (" Off ", False), ("", False)):
+        monkeypatch.setenv("JAXLLM_TRITON_GEMM", raw)
+        assert RuntimeConfig.from_env().triton_gemm is want
+    monkeypatch.setenv("JAXLLM_TRITON_GEMM", "maybe")
+    with pytest.raises(ModelError, match="JAXLLM_TRITON_GEMM: triton_gemm must be on or off, got 'maybe'"):
+        RuntimeConfig.from_env()
+
+
+def test_kernel_traced_and_lowered_once(lower_for_cuda, monkeypatch):
+    """Two programs holding the same kernel (as a server's decode blocks with and without
+    log-probabilities do) share its trace and its Triton module; another shape is another kernel."""
+    from jax._src.pallas.triton import lowering as tl
+
+    from jaxllm.ops.gpu import lowered
+    assert lowered.install() and tl.lower_jaxpr_to_triton_module._jaxllm_kept
+    made, orig = [], lowered._original
+    monkeypatch.setattr(lowered, "_modules", {})
+    monkeypatch.setattr(lowered, "_original", lambda *a, **k: made.append(a[0]) or orig(*a, **k))
+    x, w, s = _matmul_inputs_int8(M=8, K=192, N=96)
+    t = Tiles(bm=16, bn=32, bk=64, out_major=True)
+    texts = [lower_for_cuda(f, x, w, s).as_text() for f in (
+        lambda x, w, s: stacked_matmul(x, w, s, 1, t, True),
+        lambda x, w, s: stacked_matmul(x, w, s, 2, t, True) * 2 + stacked_matmul(x, w, s, 0, t, True))]
+    assert len(made) == 1 and all(text.count("xla.gpu.triton") == 1 for text in texts)
+    lower_for_cuda(lambda x, w, s: stacked_matmul(x, w, s, 1, t, True), x[:4], w, s)
+    assert len(made) == 2
+
+
+def _matmul_inputs_int8(M, K, N):
+    rng = np.random.default_rng(5)
+    return (jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16),
+            jnp.asarray(rng.integers(-128, 128, (L, N, K)), jnp.int8),
+            jnp.asarray(rng.random((L, N)) * 0.02 + 0.001, jnp.float32))
+
+
 def _run(eng, prompts, ids):
     out = [c.token_ids for c in eng.generate_ids(prompts, max_tokens=10)]
     out += [c.token_ids for c in eng.generate_ids(prompts[:1], max_tokens=4)]     # one row

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 from dataclasses import dataclass
 
 import jax
 from jax.experimental import pallas as pl
 
-from jaxllm.ops.gpu import offsets
+from jaxllm.ops.gpu import lowered, offsets
 
 log = logging.getLogger("jaxllm.kernels")
 
@@ -64,14 +65,45 @@ def interpret() -> bool:
 
 
 def install() -> None:
-    """What the kernels need of JAX's Triton lowering (`offsets`), once a process."""
+    """What the kernels need of JAX's Triton lowering (`offsets`, `lowered`), once a process."""
     offsets.install()
+    lowered.install()
+
+
+def _static(obj):
+    """A hashable stand-in for a kernel's static parameters (kernels are `functools.partial`s of
+    module functions over tiles, shapes and flags), typed so that 1 and 1.0 differ; TypeError
+    where a parameter has no value identity (an array)."""
+    if isinstance(obj, functools.partial):
+        return (functools.partial, _static(obj.func), _static(obj.args), _static(obj.keywords))
+    if isinstance(obj, (list, tuple)):
+        return (type(obj), tuple(_static(o) for o in obj))
+    if isinstance(obj, dict):
+        return (dict, tuple((k, _static(obj[k])) for k in sorted(obj)))
+    hash(obj)
+    return (type(obj), obj)
+
+
+_calls: dict = {}
 
 
 def pallas_call(kernel, **kw):
     """`pl.pallas_call`, compiled on a GPU and interpreted anywhere else; compiled, its operands
-    are first checked against what the lowering's offsets can address (`offsets`)."""
-    call = pl.pallas_call(kernel, interpret=interpret(), **kw)
+    are first checked against what the lowering's offsets can address (`offsets`).
+
+    One jitted callable per kernel and parameters for the whole process: JAX traces a kernel
+    again for every `pl.pallas_call`, and lowers it to Triton again at every use, so an unrolled
+    36-layer decode step lowered each of its kernels 36 times. Through one jitted callable a
+    kernel is traced once per shape, and lowered once per program (a function its layers call)."""
+    try:
+        key = (_static(kernel), _static(kw), interpret())
+    except TypeError:                    # parameters without value identity: no reuse
+        key = None
+    call = _calls.get(key) if key is not None else None
+    if call is None:
+        call = jax.jit(pl.pallas_call(kernel, interpret=interpret(), **kw))
+        if key is not None:
+            _calls[key] = call
 
     def run(*args):
         if not interpret():

@@ -9,6 +9,7 @@ inside this backend: whatever leaves it for XLA goes through `value` or `weight`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -105,7 +106,7 @@ class PallasOps(XlaOps):
         `close_layer`), so the kernel sums them itself."""
         x = self.value(x)
         with self._scope():
-            h = k.gated(x, gate, up, lambda g: activation(act, g))
+            h = k.gated(x, gate, up, functools.partial(activation, act))
         if h is None:
             h = activation(act, self.linear(x, gate)) * self.linear(x, up)
         return self.linear(h, down, partials=partials and _rows(x) > k.NORM_ROWS)
