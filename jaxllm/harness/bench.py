@@ -330,6 +330,7 @@ def report(a, eng, subject, ceilings, points) -> dict:
                      "batches": a.batches, "prompt_lens": a.prompt_lens, "kv_quant": a.kv_quant,
                      "int8_rings": a.int8_rings, "rebuild_keys": a.rebuild_keys,
                      "scan_unroll": eng.runtime.scan_unroll or "auto",
+                     "compiler_options": eng.ops.compiler_options(),
                      "speculative": a.speculative, "num_speculative_tokens": a.num_speculative_tokens,
                      "draft_shape": a.draft_shape, "draft_model_dir": a.draft_model_dir,
                      "draft_always": a.draft_always, "speculative_max_batch": a.speculative_max_batch,
