@@ -25,7 +25,8 @@ import jaxllm
 
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "test-key-123"
-MAX_LEN = 512                  # positions per slot on the main server
+MAX_LEN = 512                  # positions per slot on the server
+SLOTS = 16
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. " * 3,
     "Once upon a time there was a small engine that served many requests at once.",
@@ -94,17 +95,15 @@ class ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def processes(model_dir, tmp_path_factory):
-    """Both server processes start at once (and while the reference engine compiles)."""
-    logs = tmp_path_factory.mktemp("server_logs")
-    main = ServerProcess(model_dir, logs / "main.log", "--max-num-seqs", "8", "--max-model-len", str(MAX_LEN),
-                         "--api-key", API_KEY, "--max-request-bytes", "200000", "--body-timeout", "2")
-    # the drain test's 16 running streams must finish inside the drain window on a loaded CI machine
-    small = ServerProcess(model_dir, logs / "small.log", "--max-num-seqs", "16", "--max-queue", "24",
-                          "--max-model-len", "256", "--shutdown-timeout", "240")
-    yield main, small
-    for p in (main, small):
-        p.terminate()
+def process(model_dir, tmp_path_factory):
+    """The server process, started while the reference engine compiles. Its 16 slots and queue of
+    24 are what the last test (SIGTERM with 16 running and 24 waiting) needs; the drain window is
+    long enough for those 16 streams to finish on a loaded CI machine."""
+    p = ServerProcess(model_dir, tmp_path_factory.mktemp("server_logs") / "main.log", "--max-num-seqs", str(SLOTS),
+                      "--max-queue", "24", "--max-model-len", str(MAX_LEN), "--api-key", API_KEY,
+                      "--max-request-bytes", "200000", "--body-timeout", "2", "--shutdown-timeout", "240")
+    yield p
+    p.terminate()
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +112,8 @@ def engine(model_dir):
 
 
 @pytest.fixture(scope="module")
-def server(processes, engine):
-    main = processes[0].wait_ready()
+def server(process, engine):
+    main = process.wait_ready()
     yield main
     assert "Traceback" not in main.output(), main.output()[-3000:]
 
@@ -518,7 +517,7 @@ async def one_request(http: httpx.AsyncClient, spec) -> tuple[str, str, int]:
     return "".join(text), finish, n
 
 
-CLIENTS = 12       # each sends 2 requests, one after another: more clients than slots, so some queue
+CLIENTS = SLOTS + 2     # each sends 2 requests, one after another: more clients than slots, so some queue
 PER_CLIENT = 2
 
 
@@ -561,8 +560,8 @@ BAD = [  # (id, path, raw body or JSON, headers, status, words the message must 
     ("top_k_type", "/v1/completions", {"prompt": "x", "top_k": "ten"}, None, 400, "'top_k'"),
     ("seed_float", "/v1/completions", {"prompt": "x", "seed": 1.5}, None, 400, "'seed'"),
     ("stop_type", "/v1/completions", {"prompt": "x", "stop": [1, 2]}, None, 400, "'stop'"),
-    ("n_over_slots", "/v1/completions", {"prompt": "x", "n": 9}, None, 400, "'n' = 9 answers need 9 slots, but "
-     "this server has 8"),
+    ("n_over_slots", "/v1/completions", {"prompt": "x", "n": SLOTS + 1}, None, 400,
+     f"'n' = {SLOTS + 1} answers need {SLOTS + 1} slots, but this server has {SLOTS}"),
     ("n_zero", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, None, 400, "'n'"),
     ("logit_bias_key", "/v1/completions", {"prompt": "x", "logit_bias": {"a5": 1}}, None, 400, "'logit_bias' keys"),
     ("logit_bias_vocab", "/v1/completions", {"prompt": "x", "logit_bias": {"262144": 1}}, None, 400,
@@ -778,8 +777,8 @@ def test_stalled_body_gets_408(server):
 
 
 # -- 6. queue full -> 429; SIGTERM: running requests finish, queued ones get a 503, exit 0 -----------
-def test_sigterm_finishes_running_and_503s_the_queue(processes):
-    small = processes[1].wait_ready()
+def test_sigterm_finishes_running_and_503s_the_queue(server):
+    """The last test of this file: the server ends here."""
     running = {"prompt": "Hello world", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
     queued = {"prompt": "Hi", "max_tokens": 4, "temperature": 0}
 
@@ -792,20 +791,20 @@ def test_sigterm_finishes_running_and_503s_the_queue(processes):
         return r.status_code, lines
 
     async def run():
-        async with httpx.AsyncClient(base_url=small.url, timeout=600,
+        async with httpx.AsyncClient(base_url=server.url, timeout=600, headers=headers(),
                                      limits=httpx.Limits(max_connections=64)) as http:
-            first = [asyncio.create_task(request(http, running, i % 2 == 0)) for i in range(16)]
+            first = [asyncio.create_task(request(http, running, i % 2 == 0)) for i in range(SLOTS)]
             t0 = time.time()
-            while small.health()["running"] < 16 and time.time() - t0 < 120:
+            while server.health()["running"] < SLOTS and time.time() - t0 < 120:
                 await asyncio.sleep(0.02)
             rest = [asyncio.create_task(request(http, queued, i % 2 == 0)) for i in range(24)]
-            while small.health()["waiting"] < 24 and time.time() - t0 < 120:
+            while server.health()["waiting"] < 24 and time.time() - t0 < 120:
                 await asyncio.sleep(0.02)
-            assert small.health()["running"] == 16
+            assert server.health()["running"] == SLOTS
             r = await http.post("/v1/completions", json=queued)
             assert r.status_code == 429 and r.headers.get("retry-after")
             assert r.json()["error"]["type"] == "rate_limit_error"
-            small.proc.send_signal(signal.SIGTERM)
+            server.proc.send_signal(signal.SIGTERM)
             t1 = time.time()
             return await asyncio.gather(*first), await asyncio.gather(*rest), t1
 
@@ -824,6 +823,6 @@ def test_sigterm_finishes_running_and_503s_the_queue(processes):
         else:
             err = json.loads(got[-2][6:])
             assert got[-1] == "data: [DONE]" and "shutting down" in err["error"]["message"], got
-    assert small.proc.wait(240) == 0
+    assert server.proc.wait(240) == 0
     print(f"\nexit {time.time() - t_sigterm:.1f} s after SIGTERM")
-    assert "Traceback" not in small.output()
+    assert "Traceback" not in server.output()
