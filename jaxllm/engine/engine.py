@@ -220,25 +220,31 @@ class Engine:
             compilation_cache.describe(self.call_weights),
             compilation_cache.describe(args))
 
-    def precompile(self, calls: list[tuple[str, tuple, dict]], threads: int | None = None) -> float:
-        """Compile every (name, args, static) call not compiled yet, together (`compile_all`). args
-        may be shape structs. -> seconds taken."""
-        t0 = time.perf_counter()
-        keys = list(dict.fromkeys(_signature(*c) for c in calls if _signature(*c) not in self._executables))
-        todo = {k: c for c in calls for k in [_signature(*c)] if k in keys}
-        if not todo:
-            return 0.0
-        # Read back what an earlier process compiled, on threads: loading an executable onto the
-        # devices runs without the GIL.
+    def read_back(self, calls: list[tuple[str, tuple, dict]]) -> int:
+        """Read back, on threads, the calls the compiled-steps cache holds (loading an executable
+        onto the devices runs without the GIL). -> how many were read."""
+        todo = {k: c for c in calls for k in [_signature(*c)] if k not in self._executables}
         keys = list(todo)
-        disk = [self._disk_key(*todo[k]) for k in keys]
-        found = map_threads(lambda d: compilation_cache.load_executable(self.steps_cache, d), disk)
-        loaded = 0
-        for key, exe in zip(keys, found):
-            if exe is not None:
-                self._executables[key] = exe
-                del todo[key]
-                loaded += 1
+        found = map_threads(lambda k: compilation_cache.load_executable(self.steps_cache, self._disk_key(*todo[k])),
+                            keys)
+        loaded = {k: exe for k, exe in zip(keys, found) if exe is not None}
+        self._executables.update(loaded)
+        return len(loaded)
+
+    def compiled(self, call: tuple[str, tuple, dict]) -> bool:
+        return _signature(*call) in self._executables
+
+    def precompile(self, calls: list[tuple[str, tuple, dict]], threads: int | None = None,
+                   counted: bool = True) -> float:
+        """Compile every (name, args, static) call not compiled yet, together (`compile_all`), after
+        reading back what the compiled-steps cache holds. args may be shape structs. `counted`:
+        add the time to `compile_s`, which a caller timing its own calls reads (not for compiles
+        on a thread beside them). -> seconds taken."""
+        t0 = time.perf_counter()
+        loaded = self.read_back(calls) if self.steps_cache is not None else 0
+        todo = {k: c for c in calls for k in [_signature(*c)] if k not in self._executables}
+        if not todo and not loaded:
+            return 0.0
         done = self.on_compile(len(todo)) if self.on_compile and todo else None
         traced = 0.0
 
@@ -263,7 +269,8 @@ class Engine:
                  "cache", len(todo), dt, traced, loaded)
         if done is not None:
             done()
-        self.compile_s += dt
+        if counted:
+            self.compile_s += dt
         return dt
 
     # -- the core's state on the mesh -----------------------------------------------------------

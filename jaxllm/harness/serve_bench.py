@@ -156,6 +156,16 @@ class Server:
             time.sleep(0.05)
         raise SystemExit(f"the server was not ready after {timeout} s; see {self.log.name}")
 
+    def wait_compiled(self, timeout: float = 1800) -> float:
+        """Seconds from start until the shapes the server compiles in the background after ready
+        are all compiled (the timed loads run on every shape, as a server long up does)."""
+        import httpx
+        while time.monotonic() - self.t0 < timeout:
+            if httpx.get(self.url + "/health", timeout=10).json().get("compiling", 0) == 0:
+                return time.monotonic() - self.t0
+            time.sleep(0.1)
+        raise SystemExit(f"the server's shapes were not all compiled after {timeout} s; see {self.log.name}")
+
     def stop(self):
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -409,6 +419,8 @@ def fused_reference(a, ctx: int) -> tuple[dict, dict]:
 def table(rep: dict) -> str:
     s = rep["settings"]
     ready = "" if rep.get("ready_s") is None else f"; server ready {rep['ready_s']:.1f} s after start"
+    if rep.get("compiled_s") is not None:
+        ready += f", every shape compiled {rep['compiled_s']:.1f} s after start"
     def span(r):
         return str(r[0]) if r[0] == r[1] else f"{r[0]}-{r[1]}"
     head = (f"serving {rep['subject']} on {rep.get('device', '?')}: prompts of {span(s['prompt_len'])} tokens, "
@@ -473,11 +485,12 @@ def main(argv=None) -> int:
     ctx = (sum(a.prompt_len) + sum(a.output_len) // 2) // 2        # a request's mean decode context
     ref, ref_rep = ({}, None) if a.url or a.no_reference else fused_reference(a, ctx)
     server = None
-    ready = None
+    ready = compiled = None
     if not a.url:
         server = Server(server_args(a), out.with_suffix(".server.log"))
         ready = server.wait_ready()
-        print(f"server ready in {ready:.1f} s", file=sys.stderr)
+        compiled = server.wait_compiled()
+        print(f"server ready in {ready:.1f} s, every shape compiled in {compiled:.1f} s", file=sys.stderr)
     url = a.url or server.url
     rng = np.random.default_rng(a.seed)
     levels = []
@@ -505,6 +518,7 @@ def main(argv=None) -> int:
     rep = {"subject": a.shape or a.model_dir or a.url or "the embedded model",
            "date": datetime.datetime.now(datetime.timezone.utc)
            .isoformat(timespec="seconds"), "git_commit": git_commit(), "ready_s": ready,
+           "compiled_s": compiled,
            "settings": {k: getattr(a, k) for k in ("prompt_len", "output_len", "rounds", "max_num_seqs",
                                                    "max_model_len", "max_num_batched_tokens", "decode_steps",
                                                    "tp", "quant", "kv_quant", "concurrency", "speculative",

@@ -105,6 +105,8 @@ class Scheduler(Results):
         self.ahead = None       # (rows, calls launched then, logits): a one-step block's forward, launched ahead
         self.thread = threading.Thread(target=self._run, name="jaxllm-engine", daemon=True)
         self.output = threading.Thread(target=self._read_results, name="jaxllm-output", daemon=True)
+        self.ready: set | None = None  # shapes compiled while the others compile (None: any shape)
+        self.compiling = 0             # shapes still compiling in the background
         self.finished = 0              # requests completed
         self.generated = 0             # tokens sampled for requests (a freed slot stops adding)
         # What the device ran, in order: {"kind": "prefill", "pieces": [(job, start, length), ...]},
@@ -132,7 +134,8 @@ class Scheduler(Results):
     def load(self) -> dict:
         with self.cond:
             return {"running": sum(j is not None for j in self.slots), "waiting": len(self.waiting),
-                    "slots": len(self.slots), "finished": self.finished, "generated_tokens": self.generated}
+                    "slots": len(self.slots), "finished": self.finished, "generated_tokens": self.generated,
+                    "compiling": self.compiling}
 
     def kv_positions(self) -> int:
         """KV-cache positions that hold the tokens of the requests in the slots."""
@@ -140,42 +143,106 @@ class Scheduler(Results):
             return sum(j.prefilled + j.n_tokens for j in self.slots if j is not None)
 
     # -- lifecycle -------------------------------------------------------------------------------
-    def warmup(self) -> float:
-        """Compile every call a request can wait on: each prefill shape and each decode block.
-        -> seconds taken."""
+    def warmup_calls(self) -> dict:
+        """Every call a request can wait on, by the shape that picks it: {("prefill", P, C) or
+        ("decode", rows) or ("fork",): [(name, args, static), ...]}."""
         e = self.engine
         state = e.state_shapes(self.core.num_slots, self.core.max_len)
         lp = {"logprobs": LOGPROBS}
         words = self.mask_words if self.structured else 0
-        calls = [("prefill", (state, e.row_shapes(Pieces.shapes(P, C, rows=True, mask_words=words)), None),
-                  {"out": "sample", **lp}) for P, C in self.shapes.prefills()]
-        calls += [("decode", (state, np.int32(1), e.row_shapes(np.zeros(n, bool))),
-                   {"max_steps": self.out_size, "rows": n, **asked})
-                  for n in self.shapes.decodes() for asked in (lp, {})]
-        if self.core.num_slots > 1:
-            F = self.core.num_slots
-            forks = Forks.make(F, allowed=np.zeros((F, words), np.uint32) if words else None)
-            calls.append(("fork", (state, e.row_shapes(forks)), lp))
-        if self.structured and e.spec is None:           # the two calls of a constrained step
-            V = e.cfg.vocab_size
-            for n in self.shapes.decodes():
+        def pieces(P, C):
+            return e.row_shapes(Pieces.shapes(P, C, rows=True, mask_words=words))
+        groups = {("prefill", P, C): [("prefill", (state, pieces(P, C), None), {"out": "sample", **lp})]
+                  for P, C in self.shapes.prefills()}
+        for n in self.shapes.decodes():
+            calls = [("decode", (state, np.int32(1), e.row_shapes(np.zeros(n, bool))),
+                      {"max_steps": self.out_size, "rows": n, **asked}) for asked in (lp, {})]
+            if self.structured and e.spec is None:       # the two calls of a constrained step
+                V = e.cfg.vocab_size
                 logits = jax.ShapeDtypeStruct((n, V), np.float32, sharding=e.layout.batch_sharding((n, V)))
                 calls.append(("decode_forward", (state,), {"rows": n}))
                 calls += [("decode_sample", (state, logits, e.row_shapes(np.zeros(n, bool)),
                                              e.row_shapes(np.zeros((n, self.mask_words), np.uint32))),
                            {"rows": n, **lp, **greedy}) for greedy in ({}, {"greedy": True})]
-        elif self.structured:                            # a speculating server's constrained blocks
-            calls += [("decode", (state, np.int32(1), e.row_shapes(np.zeros(n, bool)),
-                                  e.row_shapes(np.zeros((n, self.mask_words), np.uint32))),
-                       {"max_steps": self.out_size, "rows": n, **asked}) for n in self.shapes.decodes()
-                      for asked in (lp, {})]
-        return e.precompile(calls)
+            elif self.structured:                        # a speculating server's constrained blocks
+                calls += [("decode", (state, np.int32(1), e.row_shapes(np.zeros(n, bool)),
+                                      e.row_shapes(np.zeros((n, self.mask_words), np.uint32))),
+                           {"max_steps": self.out_size, "rows": n, **asked}) for asked in (lp, {})]
+            groups[("decode", n)] = calls
+        if self.core.num_slots > 1:
+            F = self.core.num_slots
+            forks = Forks.make(F, allowed=np.zeros((F, words), np.uint32) if words else None)
+            groups[("fork",)] = [("fork", (state, e.row_shapes(forks)), lp)]
+        return groups
+
+    def warmup(self, background: bool = True) -> float:
+        """Compile what a request can wait on before serving: with `background`, the largest shape
+        of each kind first (the largest prefill rows of each piece length, the decode blocks over
+        every slot, the fork), after which any request can be served, a smaller shape running as
+        the next larger compiled one (padding rows); the smaller shapes then compile on a thread
+        of their own while the server serves, each taken up as soon as it is compiled. Without,
+        everything before. -> seconds taken before serving."""
+        groups = self.warmup_calls()
+        if self.engine.steps_cache is not None:        # what an earlier process kept: every shape at once
+            self.engine.read_back([c for calls in groups.values() for c in calls])
+        first = {k for k, calls in groups.items() if all(map(self.engine.compiled, calls))}
+        first |= {k for k in groups if k[0] == "fork"}
+        first |= {("decode", self.shapes.decodes()[-1])}
+        first |= {("prefill", self.shapes.row_counts(C)[-1], C) for C in self.shapes.lengths()}
+        rest = [k for k in groups if k not in first] if background else []
+        # the smallest shapes first: a lone request's decode block and prefill
+        rest.sort(key=lambda k: (k[0] != "decode", k[1:]))
+        with self.cond:
+            self.ready = None if not rest else set(first)
+        t = self.engine.precompile([c for k in groups if k not in rest for c in groups[k]])
+        if rest:
+            self.compiling = len(rest)
+            threading.Thread(target=self._compile_rest, args=([(k, groups[k]) for k in rest],),
+                             name="jaxllm-compile", daemon=True).start()
+        return t
+
+    def _compile_rest(self, todo: list):
+        t0, failed = time.perf_counter(), False
+        for key, calls in todo:
+            if self.done or self.stopping:
+                return
+            try:
+                self.engine.precompile(calls, counted=False)
+            except Exception:                  # a shape that fails to compile stays unused
+                log.exception("compiling the %s shape %s failed; its requests run on a larger one", key[0], key[1:])
+                failed = True
+            else:
+                with self.cond:
+                    self.ready.add(key)
+            with self.cond:
+                self.compiling -= 1
+        if not failed:
+            with self.cond:
+                self.ready = None
+        log.info("the other %d shapes compiled in the background in %.1f s", len(todo), time.perf_counter() - t0)
+
+    def _decode_rows(self, live: int) -> int:
+        """The leading slots a decode block covers for `live`: the shape's, or while that shape
+        compiles, the next larger compiled one."""
+        n = self.shapes.decode_rows(live)
+        ready = self.ready
+        if ready is None:
+            return n
+        return next(m for m in self.shapes.decodes() if m >= n and ("decode", m) in ready)
+
+    def _prefill_rows(self, P: int, C: int) -> int:
+        ready = self.ready
+        if ready is None:
+            return P
+        return next(p for p in self.shapes.row_counts(C) if p >= P and ("prefill", p, C) in ready)
 
     def start(self, warmup: bool = True):
         if warmup:
             t = self.warmup()
-            log.info("compiled %d prefill and %d decode shapes in %.1f s", len(self.shapes.prefills()),
-                     len(self.shapes.decodes()), t)
+            n = len(self.shapes.prefills()) + len(self.shapes.decodes())
+            log.info("compiled %d of %d prefill and decode shapes in %.1f s%s", n - self.compiling, n, t,
+                     f"; the {self.compiling} others compile in the background, their requests running on "
+                     "larger shapes meanwhile" if self.compiling else "")
         self.thread.start()
         self.output.start()
 
@@ -295,7 +362,7 @@ class Scheduler(Results):
         constrained = any(j.matcher is not None for j in decoding)
         if constrained:                    # their matchers must have taken their last tokens
             if self.engine.spec is None and self.ahead is None and not self.prefilling:
-                self._launch_forward(self.shapes.decode_rows(max(j.slot for j in decoding) + 1))
+                self._launch_forward(self._decode_rows(max(j.slot for j in decoding) + 1))
             self._await_results()
             self._free_ended()
             decoding = self._decoding()
@@ -303,7 +370,7 @@ class Scheduler(Results):
         if not decoding:
             return prefilled or constrained
         n = 1 if self.prefilling or constrained else self.decode_steps
-        rows = self.shapes.decode_rows(max(j.slot for j in decoding) + 1)
+        rows = self._decode_rows(max(j.slot for j in decoding) + 1)
         if constrained and self.ahead is not None and self.ahead[1] == self.launched:
             rows = max(rows, self.ahead[0])     # the forward launched ahead covers these rows
         stop = self.to_stop[:rows].copy()
@@ -381,6 +448,7 @@ class Scheduler(Results):
 
     def _launch_prefill(self):
         P, C, lengths = self.shapes.choose([len(j.req.prompt_ids) - j.prefilled for j in self.prefilling])
+        P = self._prefill_rows(P, C)
         jobs = self.prefilling[:len(lengths)]
         B = self.core.num_slots
         tokens = np.full((P, C), self.engine.cfg.pad_id, np.int32)

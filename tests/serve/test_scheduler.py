@@ -133,3 +133,47 @@ def test_long_prompt_runs_one_chunk_between_tokens(engine):
     text = "".join(e.text for e in long.events if isinstance(e, Delta))
     want = engine.generate_ids([long.job.req.prompt_ids], max_tokens=8)[0]
     assert text == want.text
+
+
+def test_no_request_waits_for_a_compile(engine, monkeypatch):
+    """The scheduler serves once each kind's largest shape is compiled: a request meanwhile runs on
+    those (padding rows) with `Engine.generate`'s tokens; the smaller shapes compile on a thread of
+    their own and are taken up once compiled; the engine thread itself never compiles."""
+    engine.tokenizer = type("Ids", (), {"decode": lambda self, ids: "".join(f" {i}" for i in ids)})()
+    gate, orig = threading.Event(), engine.precompile
+
+    def held(calls, threads=None, counted=True):        # the background compiles wait for the gate
+        if not counted:
+            assert gate.wait(300)
+        return orig(calls, threads, counted)
+    monkeypatch.setattr(engine, "precompile", held)
+    sched = Scheduler(engine, max_num_seqs=4, max_model_len=32, max_queue=8, decode_steps=4,
+                      max_num_batched_tokens=64)     # prefills of 1 and 2 pieces of 32, decodes over 1 and 4 slots
+    parts = []
+    sched.observer.busy = lambda thread, part, s: parts.append((thread, part))
+    prompt = np.random.default_rng(4).integers(3, 150, 7).tolist()
+
+    def answer():
+        c = Client(prompt, 6)
+        sched.submit(c.job)
+        assert c.done.wait(300) and isinstance(c.events[-1], Finished)
+        rows = {r["rows"] for r in sched.record if r["kind"] == "decode" and c.job.id in r["tokens"]}
+        return "".join(e.text for e in c.events if isinstance(e, Delta)), rows
+    sched.start(warmup=True)
+    try:
+        assert sched.load()["compiling"] == 2
+        assert sched.ready == {("prefill", 2, 32), ("decode", 4), ("fork",)}
+        assert (sched._prefill_rows(1, 32), sched._decode_rows(1)) == (2, 4)
+        early, early_rows = answer()
+        gate.set()
+        t0 = time.time()
+        while sched.load()["compiling"]:
+            assert time.time() - t0 < 300
+            time.sleep(0.05)
+        assert sched.ready is None and (sched._prefill_rows(1, 32), sched._decode_rows(1)) == (1, 1)
+        late, late_rows = answer()
+    finally:
+        sched.shutdown()
+    want = engine.generate_ids([prompt], max_tokens=6)[0].text
+    assert early == late == want and early_rows == {4} and late_rows == {1}
+    assert ("engine", "compile") not in parts
