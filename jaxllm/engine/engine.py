@@ -235,11 +235,12 @@ class Engine:
         return _signature(*call) in self._executables
 
     def precompile(self, calls: list[tuple[str, tuple, dict]], threads: int | None = None,
-                   counted: bool = True) -> float:
+                   counted: bool = True, on_compiled=None) -> float:
         """Compile every (name, args, static) call not compiled yet, together (`compile_all`), after
         reading back what the compiled-steps cache holds. args may be shape structs. `counted`:
         add the time to `compile_s`, which a caller timing its own calls reads (not for compiles
-        on a thread beside them). -> seconds taken."""
+        on a thread beside them). `on_compiled()`: called as each call's executable is in place,
+        before the others are done. -> seconds taken."""
         t0 = time.perf_counter()
         loaded = self.read_back(calls) if self.steps_cache is not None else 0
         todo = {k: c for c in calls for k in [_signature(*c)] if k not in self._executables}
@@ -262,8 +263,11 @@ class Engine:
             name, args, static = todo[key]
             shape = [tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(args[1:])[:1]]    # a prefill's [P, C]
             log.debug("compiled %s %s %s in %.1f s", name, static, shape, time.perf_counter() - t)
+            self._executables[key] = exe
+            if on_compiled is not None:
+                on_compiled()
             return exe
-        self._executables.update(zip(todo, compile_all(todo, lower, compile_and_keep, threads)))
+        compile_all(todo, lower, compile_and_keep, threads)
         dt = time.perf_counter() - t0
         log.info("%d calls compiled in %.1f s (%.1f s of it tracing and lowering), %d read from the compiled-steps "
                  "cache", len(todo), dt, traced, loaded)

@@ -202,23 +202,25 @@ class Scheduler(Results):
         return t
 
     def _compile_rest(self, todo: list):
-        t0, failed = time.perf_counter(), False
-        for key, calls in todo:
-            if self.done or self.stopping:
-                return
-            try:
-                self.engine.precompile(calls, counted=False)
-            except Exception:                  # a shape that fails to compile stays unused
-                log.exception("compiling the %s shape %s failed; its requests run on a larger one", key[0], key[1:])
-                failed = True
-            else:
-                with self.cond:
-                    self.ready.add(key)
+        """Compile the shapes in `todo` ([(shape, its calls)], the most wanted first) together, each
+        taken up as soon as its calls are compiled."""
+        t0 = time.perf_counter()
+
+        def taken_up():
             with self.cond:
-                self.compiling -= 1
-        if not failed:
+                for key, calls in todo:
+                    if key not in self.ready and all(map(self.engine.compiled, calls)):
+                        self.ready.add(key)
+                        self.compiling -= 1
+        try:
+            self.engine.precompile([c for _, calls in todo for c in calls], counted=False, on_compiled=taken_up)
+        except Exception:                      # the shapes not compiled stay unused
+            log.exception("compiling the server's smaller shapes failed; their requests run on larger ones")
             with self.cond:
-                self.ready = None
+                self.compiling = 0
+            return
+        with self.cond:
+            self.ready, self.compiling = None, 0
         log.info("the other %d shapes compiled in the background in %.1f s", len(todo), time.perf_counter() - t0)
 
     def _decode_rows(self, live: int) -> int:

@@ -142,10 +142,10 @@ def test_no_request_waits_for_a_compile(engine, monkeypatch):
     engine.tokenizer = type("Ids", (), {"decode": lambda self, ids: "".join(f" {i}" for i in ids)})()
     gate, orig = threading.Event(), engine.precompile
 
-    def held(calls, threads=None, counted=True):        # the background compiles wait for the gate
+    def held(calls, threads=None, counted=True, on_compiled=None):      # the background compiles wait
         if not counted:
             assert gate.wait(300)
-        return orig(calls, threads, counted)
+        return orig(calls, threads, counted, on_compiled)
     monkeypatch.setattr(engine, "precompile", held)
     sched = Scheduler(engine, max_num_seqs=4, max_model_len=32, max_queue=8, decode_steps=4,
                       max_num_batched_tokens=64)     # prefills of 1 and 2 pieces of 32, decodes over 1 and 4 slots
