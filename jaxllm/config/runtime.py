@@ -77,7 +77,7 @@ class RuntimeConfig:
       interpreted on a CPU (how the tests check them).
     layer_scan: how the layer scan reaches a layer's sliding or global branch: `cond` (a
       `lax.cond` per layer) or `period` (a scan over whole periods of the pattern); `auto` takes
-      periods on GPUs, where XLA decides a conditional on the host, and `cond` elsewhere.
+      periods (see `XlaOps.layer_scan`).
     scan_unroll: layers per scan iteration, a count or "full"; None lets the backend choose per step.
     int8_widen: how GPU kernels widen int8 values (see `ops.gpu.widen`); None: each kernel's default.
     triton_gemm: on GPUs, let XLA try its Triton GEMMs beside cuBLAS for each matmul it compiles

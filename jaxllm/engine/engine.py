@@ -286,7 +286,7 @@ class Engine:
         """The one place a KV cache is made: the engine's KV policy (the draft model's cache too,
         where there is one), and an empty slot table."""
         def cache(cfg):
-            return make_cache(cfg, self.kv_layout, self.kv_options, batch, length, self.dtype)
+            return make_cache(cfg, self.kv_layout, self.kv_options, batch, length, self.ops.kv_dtype(self.dtype))
         draft = self.spec.draft_cfg if self.spec is not None else None
         slots = Slots.empty(batch, length, self.spec is not None, self.cfg.vocab_size,
                                  hidden=(self.cfg.hidden_size, self.dtype))

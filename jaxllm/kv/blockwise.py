@@ -18,6 +18,27 @@ from jaxllm.ops.xla import NEG_INF, attention_mask
 BlockLoader = Callable[[jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
 
 
+# A bfloat16 cache held as its bits (`XlaOps.kv_dtype`): XLA's CPU backend computes a bfloat16
+# scatter or dynamic-update-slice in float32, converting the whole buffer there and back, so every
+# token written into a bfloat16 cache cost a pass over the cache; an integer store is updated in
+# place.
+PACKED = jnp.uint16
+
+
+def to_store(x: jax.Array, store) -> jax.Array:
+    """x as a cache whose buffers are of dtype `store` holds it."""
+    if store == PACKED:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), PACKED)
+    return x.astype(store)
+
+
+def from_store(x: jax.Array, dtype) -> jax.Array:
+    """Values read from a cache buffer, in `dtype` (bfloat16 bits unpacked)."""
+    if x.dtype == PACKED:
+        x = jax.lax.bitcast_convert_type(x, jnp.bfloat16)
+    return x.astype(dtype)
+
+
 def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [..., hd] -> (int8 [..., hd], float32 scale [...]): symmetric, one scale per token and head."""
     xf = x.astype(jnp.float32)
@@ -29,7 +50,7 @@ def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def dequantize_kv(q: jax.Array, scale: jax.Array | None, dtype) -> jax.Array:
     if scale is None:
-        return q.astype(dtype)
+        return from_store(q, dtype)
     return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
 

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config.model import KIND_NAMES, ModelConfig
+from jaxllm.kv.blockwise import from_store, to_store
 from jaxllm.ops.xla import attend, attention_mask
 
 
@@ -61,7 +62,8 @@ class LayerKV:
             return o
         lc = self.layer()
         B, S = lc["k"].shape[0], lc["k"].shape[1]
-        return attend(q, lc["k"], lc["v"], attention_mask(positions, slot_positions(B, S), window), scale, softcap)
+        k, v = (from_store(lc[n], q.dtype) for n in ("k", "v"))
+        return attend(q, k, v, attention_mask(positions, slot_positions(B, S), window), scale, softcap)
 
     def layer(self) -> dict:
         """This layer's K/V [P, S, K, hd] of the rows worked on."""
@@ -92,7 +94,7 @@ def write_layer(buf: jax.Array, idx, new: jax.Array, positions: jax.Array, rows=
     S = buf.shape[2]
     r = jnp.arange(B, dtype=jnp.int32) if rows is None else rows
     cols = jnp.where((positions >= 0) & (positions < S), positions, S)
-    return buf.at[idx, jnp.broadcast_to(r[:, None], (B, T)), cols].set(new.astype(buf.dtype), mode="drop")
+    return buf.at[idx, jnp.broadcast_to(r[:, None], (B, T)), cols].set(to_store(new, buf.dtype), mode="drop")
 
 
 def copy_rows(cache, src: jax.Array, dst: jax.Array, n: jax.Array):

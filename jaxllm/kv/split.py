@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jaxllm import pytree
 from jaxllm.config.model import KIND_NAMES, AttnSpec, ModelConfig
 from jaxllm.errors import ModelError
-from jaxllm.kv.blockwise import blockwise_attend, dequantize_kv, linear_loader, quantize_kv
+from jaxllm.kv.blockwise import blockwise_attend, dequantize_kv, linear_loader, quantize_kv, to_store
 from jaxllm.kv.linear import gather_rows, init_cache
 from jaxllm.ops.xla import KeysFromValues, apply_rope, attend, attention_mask, inv_frequencies, rms_norm
 
@@ -83,7 +83,7 @@ def _drop_index(positions: jax.Array, slots: jax.Array, keep: jax.Array, size: i
 
 def _scatter_rows(buf: jax.Array, idx: jax.Array, new: jax.Array) -> jax.Array:
     """buf [B, S, ...] <- new [B, T, ...] at slots idx [B, T]; out-of-range slots are dropped."""
-    return jax.vmap(lambda b, i, n: b.at[i].set(n.astype(b.dtype), mode="drop"))(buf, idx, new)
+    return jax.vmap(lambda b, i, n: b.at[i].set(to_store(n, b.dtype), mode="drop"))(buf, idx, new)
 
 
 def _store(put, buf, scale, x):
@@ -245,7 +245,7 @@ class StackedLayer:
         rows = jnp.arange(p.shape[0])
 
         def put(buf, x):
-            return buf.at[self.idx, rows, slot].set(x.astype(buf.dtype), mode="drop")
+            return buf.at[self.idx, rows, slot].set(to_store(x, buf.dtype), mode="drop")
 
         def store(buf, scale, x):
             return _store(put, buf, scale, x[:, 0])

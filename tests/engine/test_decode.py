@@ -321,9 +321,8 @@ def test_layer_scan_mode_is_checked(monkeypatch):
         RuntimeConfig.from_env()
     monkeypatch.setenv("JAXLLM_LAYER_SCAN", "auto")
     assert RuntimeConfig.from_env().layer_scan == "auto"
-    # A CPU decides a conditional on the device; a GPU on the host, so there the scan takes periods.
     for kernels in ("auto", "xla", "pallas"):
         rt = RuntimeConfig(kernels=kernels, layer_scan="auto")
-        assert ops.select(rt).layer_scan() == ("period" if jax.default_backend() == "gpu" else "cond")
+        assert ops.select(rt).layer_scan() == "period"
         for mode in ("cond", "period"):
             assert ops.select(RuntimeConfig(kernels=kernels, layer_scan=mode)).layer_scan() == mode

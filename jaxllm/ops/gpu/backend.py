@@ -53,6 +53,10 @@ class PallasOps(XlaOps):
         return num_layers if tokens_per_row == 1 and rows <= k.MAX_ROWS else 1
 
     # --- weights
+    def kv_dtype(self, dtype):
+        """The kernels read and write caches of the compute dtype itself."""
+        return dtype
+
     def prepare_weights(self, weights: dict, donate: bool = False) -> dict:
         with self._scope():
             return out_major(weights, donate)
