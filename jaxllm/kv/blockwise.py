@@ -1,7 +1,8 @@
 """Attention over a long linear KV cache, one block of slots at a time, with an online softmax.
 
 The loop runs only over the blocks that hold a position some query can see (up to the highest query
-position of the batch), so a decode step at 10K tokens of a 128K cache reads 10K tokens of KV.
+position of the batch, from the lowest a sliding window still holds), so a decode step at 10K
+tokens of a 128K cache reads 10K tokens of KV.
 The cache is read through `load_block(start) -> (k, v, kv_pos)`, which dequantizes an int8 block or
 passes a compute-dtype block through: one loop serves both storage formats, and prefill (T > 1)
 as well as decode (T = 1).
@@ -72,6 +73,15 @@ def blocks_needed(q_pos: jax.Array, block: int, n_slots: int) -> jax.Array:
     return jnp.clip(n, 0, n_slots // block).astype(jnp.int32)
 
 
+def first_block(q_pos: jax.Array, block: int, window: int | None) -> jax.Array:
+    """The first block that holds a position some query of the batch can see: 0, or with a sliding
+    window the block of the earliest position in the window of the earliest query."""
+    if window is None:
+        return jnp.int32(0)
+    lo = jnp.min(jnp.where(q_pos >= 0, q_pos, jnp.iinfo(jnp.int32).max)) - window + 1
+    return (jnp.clip(lo, 0, None) // block).astype(jnp.int32)
+
+
 def blockwise_attend(q: jax.Array, q_pos: jax.Array, load_block: BlockLoader, *, n_slots: int,
                      block: int, scale: float, softcap: float | None = None,
                      window: int | None = None) -> jax.Array:
@@ -103,6 +113,7 @@ def blockwise_attend(q: jax.Array, q_pos: jax.Array, load_block: BlockLoader, *,
 
     init = (jnp.full((B, K, G, T), NEG_INF, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
             jnp.zeros((B, K, G, T, hd), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, blocks_needed(q_pos, block, n_slots), body, init)
+    n = blocks_needed(q_pos, block, n_slots)
+    _, l, acc = jax.lax.fori_loop(jnp.minimum(first_block(q_pos, block, window), n), n, body, init)
     o = acc / jnp.maximum(l, 1e-30)[..., None]                               # [B, K, G, T, hd]
     return o.transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd).astype(q.dtype)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config.model import KIND_NAMES, ModelConfig
-from jaxllm.kv.blockwise import from_store, to_store
+from jaxllm.kv.blockwise import blockwise_attend, from_store, to_store
 from jaxllm.ops.xla import attend, attention_mask
 
 
@@ -64,6 +64,24 @@ class LayerKV:
         B, S = lc["k"].shape[0], lc["k"].shape[1]
         k, v = (from_store(lc[n], q.dtype) for n in ("k", "v"))
         return attend(q, k, v, attention_mask(positions, slot_positions(B, S), window), scale, softcap)
+
+    def attend_blocks(self, q: jax.Array, positions: jax.Array, block: int, *, scale: float, softcap,
+                      window) -> jax.Array:
+        """Attention of q [B, T, H, hd] over this layer's rows read `block` positions at a time
+        from the stack, over the blocks some query can see (`kv.blockwise`): a step reads the
+        cache up to its rows' positions, not the whole length."""
+        k, v = self.stack["k"], self.stack["v"]
+        n, R, S, K, hd = k.shape
+        B = q.shape[0]
+        take = R if self.rows is not None or self.batch is None else self.batch
+
+        def load(start):
+            def cut(a):
+                x = jax.lax.dynamic_slice(a, (self.idx, 0, start, 0, 0), (1, take, block, K, hd))[0]
+                return from_store(gather_rows(x, self.rows), q.dtype)
+            return cut(k), cut(v), jnp.broadcast_to(start + jnp.arange(block, dtype=jnp.int32), (B, block))
+        return blockwise_attend(q, positions, load, n_slots=S, block=block, scale=scale, softcap=softcap,
+                                window=window)
 
     def layer(self) -> dict:
         """This layer's K/V [P, S, K, hd] of the rows worked on."""

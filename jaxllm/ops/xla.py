@@ -15,6 +15,7 @@ from jaxllm.errors import ModelError
 from jaxllm.quant import QuantArray
 
 NEG_INF = -1e30
+LINEAR_BLOCKS = (1024, 512, 256)     # positions a block of a long linear cache's attention reads, by preference
 
 
 # -- the math ----------------------------------------------------------------------------------------
@@ -281,8 +282,16 @@ class XlaOps:
 
     def cache_attention(self, q, layer_kv, positions, *, scale, softcap, window):
         """Attention of q over a layer of the linear KV cache (`kv.linear.LayerKV`), or None where
-        the cache's own XLA attention should run."""
-        return None
+        the cache's own XLA attention (over every position of its rows) should run: a cache of at
+        least two blocks of `LINEAR_BLOCKS` positions is read a block at a time up to the highest
+        query position (a server's slots of 8192 positions, one request of 16 tokens: the embedded
+        model's decode steps took 210 ms each on this project's CPU machine reading every
+        position, against 115 ms by blocks)."""
+        S = layer_kv.stack["k"].shape[2]
+        block = next((b for b in LINEAR_BLOCKS if S >= 2 * b and S % b == 0), None)
+        if block is None:
+            return None
+        return layer_kv.attend_blocks(q, positions, block, scale=scale, softcap=softcap, window=window)
 
     def stacked_attention(self, q, arrays: dict, idx, positions, *, scale, softcap, window, keys=None):
         """Decode attention over layer `idx` of a split cache's stacked arrays read in place, or

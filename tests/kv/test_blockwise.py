@@ -113,3 +113,37 @@ def test_int8_roundtrip_scale_per_token_and_head():
     bound = np.abs(x).max(-1, keepdims=True) / 254 + 1e-6
     assert np.all(np.abs(back - x) <= bound)
     assert np.all(back[0, 0, 1] == 0)
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_long_linear_cache_is_read_by_blocks_up_to_the_queries(window):
+    """The XLA backend reads a long layer of the linear cache (`LayerKV`) block by block from the
+    stack: equal to attention over the whole layer, for decode and prefill rows, the leading rows
+    or named ones; a block past the highest query position, or before a sliding window, is never
+    read (NaNs there would poison the output)."""
+    from jaxllm.kv.linear import LayerKV, slot_positions
+    from jaxllm.ops import XlaOps
+    from jaxllm.ops.xla import attend, attention_mask
+    n, R, L, blk = 2, 3, 1024, 512       # two blocks of 512
+    at = 100 if window is None else 700   # the queries' block: the first, or the second with a window
+    r = np.random.default_rng(5)
+    stack = {name: r.standard_normal((n, R, L, K, HD), np.float32) for name in ("k", "v")}
+    for a in stack.values():
+        a[1, :, blk:] = a[1, :, :blk] = np.nan
+        a[1, :, at // blk * blk:at // blk * blk + blk] = r.standard_normal((R, blk, K, HD))
+    stack = {name: jnp.asarray(a) for name, a in stack.items()}
+    T = PREFILL_T
+    cases = [(None, 2, np.array([[at + 9], [at]])),                                  # decode, leading rows
+             (jnp.asarray([2, 0], jnp.int32), None, np.array([[at + t for t in range(T)],
+                                                                [-1] * 2 + [at + t for t in range(T - 2)]]))]
+    for rows, batch, qpos in cases:
+        lkv = LayerKV(stack, jnp.int32(1), rows, batch)
+        q = jnp.asarray(r.standard_normal((2, qpos.shape[1], H, HD), np.float32))
+        out = XlaOps().cache_attention(q, lkv, jnp.asarray(qpos, jnp.int32), scale=HD ** -0.5, softcap=5.0,
+                                       window=window)
+        lc = jax.tree_util.tree_map(jnp.nan_to_num, lkv.layer())
+        ref = attend(q, lc["k"], lc["v"], attention_mask(jnp.asarray(qpos), slot_positions(2, L), window),
+                     HD ** -0.5, 5.0)
+        ref = jnp.where(jnp.asarray(qpos >= 0)[..., None, None], ref, 0.0)
+        assert np.isfinite(np.asarray(out)).all()
+        assert np.abs(np.asarray(out) - np.asarray(ref)).max() < 1e-5
