@@ -14,16 +14,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxllm.ops.xla import NEG_INF, attention_mask
+from jaxllm.ops.xla import NEG_INF, PACKED, attention_mask
 
 BlockLoader = Callable[[jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
-
-
-# A bfloat16 cache held as its bits (`XlaOps.kv_dtype`): XLA's CPU backend computes a bfloat16
-# scatter or dynamic-update-slice in float32, converting the whole buffer there and back, so every
-# token written into a bfloat16 cache cost a pass over the cache; an integer store is updated in
-# place.
-PACKED = jnp.uint16
 
 
 def to_store(x: jax.Array, store) -> jax.Array:

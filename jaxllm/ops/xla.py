@@ -15,6 +15,11 @@ from jaxllm.errors import ModelError
 from jaxllm.quant import QuantArray
 
 NEG_INF = -1e30
+# A bfloat16 KV cache held as its bits (`XlaOps.kv_dtype`; `kv.blockwise.to_store` and `from_store`
+# read and write it): XLA's CPU backend computes a bfloat16 scatter or dynamic-update-slice in
+# float32, converting the whole buffer there and back, so every token written into a bfloat16 cache
+# cost a pass over the cache; an integer buffer is updated in place.
+PACKED = jnp.uint16
 LINEAR_BLOCKS = (1024, 512, 256)     # positions a block of a long linear cache's attention reads, by preference
 
 
@@ -176,12 +181,11 @@ class XlaOps:
 
     def kv_dtype(self, dtype):
         """The dtype a KV cache of compute dtype `dtype` keeps its values in: on a CPU a bfloat16
-        cache keeps their bits in uint16 (`kv.blockwise.PACKED`), which XLA's CPU backend writes in
+        cache keeps their bits in uint16 (`PACKED`), which XLA's CPU backend writes in
         place (the embedded model's decode steps over one live slot of a cache of 8 slots of
         2048 positions took 510 ms each on this project's CPU machine with a bfloat16 store,
         against 125 ms with the packed one)."""
         if self.platform == "cpu" and jnp.dtype(dtype) == jnp.bfloat16:
-            from jaxllm.kv.blockwise import PACKED
             return PACKED
         return dtype
 
