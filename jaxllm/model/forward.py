@@ -64,6 +64,11 @@ def next_input_norms(cfg: ModelConfig, weights: dict) -> dict:
     return {g: jnp.stack(rows) for g, rows in groups.items()}
 
 
+def cache_positions(cache: dict) -> int:
+    """Rows x positions of a cache's largest stack (its leaves [layers, rows, positions, ...])."""
+    return max((a.shape[1] * a.shape[2] for a in jax.tree_util.tree_leaves(cache) if a.ndim >= 3), default=0)
+
+
 def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.Array, cache: dict, ops,
             dtype=jnp.bfloat16, rows: jax.Array | None = None):
     """tokens/positions [B, T] -> hidden states [B, T, D] and the updated cache, on backend `ops`.
@@ -117,7 +122,7 @@ def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.A
             xh, caches = jax.lax.switch(s["branch"], [branch(b) for b in brs], xh, caches, s)
         return (xh, caches), None
 
-    p = layer_period(cfg) if len(brs) > 1 and ops.layer_scan() == "period" else None
+    p = layer_period(cfg) if len(brs) > 1 and ops.layer_scan(cache_positions(cache)) == "period" else None
     if p is None and counted_layers(cfg) and "inputs" not in xs:
         # Layer i reads stack entry i and cache i: the scan carries i itself instead of slicing the
         # schedule, whose index clamp was a kernel of its own each layer on GPUs.

@@ -21,6 +21,7 @@ NEG_INF = -1e30
 # cost a pass over the cache; an integer buffer is updated in place.
 PACKED = jnp.uint16
 LINEAR_BLOCKS = (1024, 512, 256)     # positions a block of a long linear cache's attention reads, by preference
+CPU_COND_POSITIONS = 2048            # `XlaOps.layer_scan`: a CPU's smaller caches take a conditional per layer
 
 
 # -- the math ----------------------------------------------------------------------------------------
@@ -169,18 +170,21 @@ class XlaOps:
         the sort's time)."""
         return "sort" if self.platform == "gpu" else "bisection"
 
-    def layer_scan(self) -> str:
-        """`cond` or `period` (see `RuntimeConfig.layer_scan`); `auto` takes periods everywhere. With
-        a conditional per layer, XLA copies the KV-cache stacks a branch passes through (on a GPU it
-        also decides the conditional on the host, a device-to-host copy and a wait each layer): the
-        embedded model's decode loop compiled for a v6e holds 10 copies of cache stacks that way
-        and none with periods, and on this project's CPU machine a step over 8 slots of 2048
-        positions took 200 ms against 125 ms with periods. (`jaxllm.infer` answering one prompt
-        with the embedded model on that CPU decodes faster with the conditional, 16.2 to 16.6 tok/s
-        against 12.4 to 13.0, though the core's decode over 1 x 8192 positions is not slower with
-        periods, 0.83 s for 8 steps against 0.93: not explained yet.)"""
+    def layer_scan(self, cache_positions: int = 0) -> str:
+        """`cond` or `period` (see `RuntimeConfig.layer_scan`) for a step over a cache of
+        `cache_positions` (rows x positions). With a conditional per layer, XLA copies the KV-cache
+        stacks a branch passes through (on a GPU it also decides the conditional on the host, a
+        device-to-host copy and a wait each layer): the embedded model's decode loop compiled for a
+        v6e holds 10 copies of cache stacks that way and none with periods, and on this project's
+        CPU machine 8 decode steps over 1 x 8192 positions took 0.83 s with periods against 0.93,
+        over 4 x 4096 0.79 against 1.47. So `auto` takes periods, except on a CPU for a cache of
+        fewer than `CPU_COND_POSITIONS`, where the copies are small and the conditional's loop
+        runs faster (`jaxllm.infer` answering one prompt with the embedded model, its cache 1 x
+        64: 16.2 to 16.6 tok/s against 12.4 to 13.0 with periods)."""
         m = self.runtime.layer_scan
-        return "period" if m == "auto" else m
+        if m != "auto":
+            return m
+        return "cond" if self.platform == "cpu" and cache_positions < CPU_COND_POSITIONS else "period"
 
     def kv_dtype(self, dtype):
         """The dtype a KV cache of compute dtype `dtype` keeps its values in: on a CPU a bfloat16

@@ -52,7 +52,7 @@ def test_second_process_reads_the_compiled_steps(tmp_path):
     assert first["tokens"] == second["tokens"] == cold["tokens"] == warm["tokens"]
     # another runtime configuration (another layer scan) is another key: compiled and kept anew,
     # nothing read from the first configuration's executables
-    other, _ = run(tmp_path / "m", steps, "steps", layer_scan="cond")
+    other, _ = run(tmp_path / "m", steps, "steps", layer_scan="period")
     assert len(set((steps / "executables").glob("*.bin")) - set(files)) == 2 and all(f.exists() for f in files)
     assert other["compile_s"] > warm["compile_s"]
     for f in set((steps / "executables").glob("*.bin")) - set(files):

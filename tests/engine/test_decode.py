@@ -321,8 +321,11 @@ def test_layer_scan_mode_is_checked(monkeypatch):
         RuntimeConfig.from_env()
     monkeypatch.setenv("JAXLLM_LAYER_SCAN", "auto")
     assert RuntimeConfig.from_env().layer_scan == "auto"
+    from jaxllm.ops.xla import CPU_COND_POSITIONS
     for kernels in ("auto", "xla", "pallas"):
         rt = RuntimeConfig(kernels=kernels, layer_scan="auto")
-        assert ops.select(rt).layer_scan() == "period"
+        small = "cond" if jax.default_backend() == "cpu" else "period"
+        assert ops.select(rt).layer_scan(CPU_COND_POSITIONS - 1) == small
+        assert ops.select(rt).layer_scan(CPU_COND_POSITIONS) == "period"
         for mode in ("cond", "period"):
             assert ops.select(RuntimeConfig(kernels=kernels, layer_scan=mode)).layer_scan() == mode
