@@ -240,11 +240,12 @@ def _divisor_at_most(n: int, cap: int) -> int:
 
 
 # -- decode ----------------------------------------------------------------------------------------
-def decode_step(cfg: ModelConfig, weights, state: State, ops, dtype=jnp.bfloat16, allowed=None):
+def decode_step(cfg: ModelConfig, weights, state: State, ops, dtype=jnp.bfloat16, allowed=None, greedy: bool = False):
     """One token for every live slot (among the tokens `allowed` [B, ceil(V / 32)] lets each take,
-    where given) -> (state, sampled tokens [B], live [B], float32 logits [B, V])."""
+    where given; `greedy`: every live slot's temperature is 0) -> (state, sampled tokens [B], live
+    [B], float32 logits [B, V])."""
     state, logits = step_forward(cfg, weights, state, ops, dtype)
-    state, tok, live = step_advance(cfg, state, logits, ops, allowed)
+    state, tok, live = step_advance(cfg, state, logits, ops, allowed, greedy)
     return state, tok, live, logits
 
 
@@ -353,13 +354,20 @@ def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, ops, 
 
 
 def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, allowed=None, *, ops, max_steps: int,
-           rows: int | None = None, logprobs: int = 0, spec: Speculation | None = None, dtype=jnp.bfloat16):
+           rows: int | None = None, logprobs: int = 0, spec: Speculation | None = None, dtype=jnp.bfloat16,
+           fixed: bool = False):
     """Up to n_steps decode steps (speculative cycles, with `spec`) of the first `rows` slots (all
     for None; the others must not be live), ending once none is live or a row's next tokens would
     not fit the max_steps of the output. `stop` [rows]: slots to end first (a request cancelled or
     stopped by the host). `allowed` [rows, ceil(V / 32)] uint32: the tokens each slot may sample
     (`sampling.mask_tokens`), at every step of the block; a grammar's mask holds for one token, so
     the server runs one-step blocks while a slot is constrained.
+
+    `fixed` (no speculation, no `allowed`, every live slot greedy; n_steps is not read): exactly
+    max_steps steps, their sampling the argmax, with nothing in the call that branches on the
+    device's values. A GPU decides a loop's next step or a conditional's branch on the host, which
+    waits for the device at every step; this call it runs start to end with no such wait, so it
+    returns at once and the host launches the next call while the device runs this one.
 
     -> (state, tokens [rows, max_steps], count [rows], LogProbs [rows, max_steps] with the top
     `logprobs` or None): slot b sampled tokens[b, :count[b]]."""
@@ -374,7 +382,7 @@ def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, allowed=
 
         def body(c):
             i, s, out, count = c
-            s, tok, live, logits = decode_step(cfg, weights, s, ops, dtype, allowed)
+            s, tok, live, logits = decode_step(cfg, weights, s, ops, dtype, allowed, greedy=fixed)
             new = (jnp.where(live, tok, 0), _lp(logits, tok, logprobs) if logprobs else None)
             out = jax.tree_util.tree_map(lambda o, v: jax.lax.dynamic_update_slice_in_dim(o, v[:, None], i, axis=1),
                                          out, new)
@@ -397,7 +405,11 @@ def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, allowed=
             return i + 1, s, out, count + n_new
 
     init = (jnp.int32(0), _first_rows(state, rows, stop), out, jnp.zeros((B,), jnp.int32))
-    _, s, (out, lp), count = jax.lax.while_loop(cond, body, init)
+    if fixed:
+        assert spec is None and allowed is None, "a fixed block neither speculates nor masks tokens"
+        _, s, (out, lp), count = jax.lax.fori_loop(0, max_steps, lambda _, c: body(c), init)
+    else:
+        _, s, (out, lp), count = jax.lax.while_loop(cond, body, init)
     return _all_rows(full, s, ops.layout), out, count, lp
 
 

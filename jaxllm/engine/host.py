@@ -45,15 +45,18 @@ class EngineCore:
         self.state, res = e.run("fork", self.state, e.put_rows(forks), **static)
         return res
 
-    def decode(self, n_steps: int, max_steps: int, stop=None, rows: int | None = None, logprobs: int = 0,
+    def decode(self, n_steps: int | None, max_steps: int, stop=None, rows: int | None = None, logprobs: int = 0,
                allowed=None):
         """-> (tokens [rows, max_steps], count [rows], LogProbs or None) on the device; see
-        `core.decode`. A call with `allowed` is a variant of its own, compiled on first use."""
+        `core.decode`. A call with `allowed` is a variant of its own, compiled on first use.
+        n_steps None: a fixed block of max_steps greedy steps (`core.decode`'s `fixed`)."""
         e = self.engine
         stop = None if stop is None else e.put_rows(np.asarray(stop, bool))
-        static = {"max_steps": max_steps, "rows": rows, **({"logprobs": logprobs} if logprobs else {})}
+        static = {"max_steps": max_steps, "rows": rows, **({"logprobs": logprobs} if logprobs else {}),
+                  **({"fixed": True} if n_steps is None else {})}
         masks = () if allowed is None else (e.put_rows(np.asarray(allowed, np.uint32)),)
-        self.state, toks, count, lp = e.run("decode", self.state, np.int32(n_steps), stop, *masks, **static)
+        n = None if n_steps is None else np.int32(n_steps)
+        self.state, toks, count, lp = e.run("decode", self.state, n, stop, *masks, **static)
         return toks, count, lp
 
     def decode_forward(self, rows: int | None = None):

@@ -10,8 +10,13 @@ at most `max_num_batched_tokens` tokens, several requests' pieces in one forward
 block over the live slots, so a new request waits for no running one to finish, and between two
 tokens of a running request at most one prefill forward runs. While prompts wait for their prefill
 the blocks are one step long, so that prefills follow one another closely; otherwise `decode_steps`
-long. The output thread detokenizes a block while the device runs the next (on GPUs the host drives
-the decode loop, so the engine thread is inside that call meanwhile); at most two calls wait for it.
+long. A block of `decode_steps` whose requests are all greedy is a fixed one (`core.decode`'s
+`fixed`): nothing in it waits for the host, so its call returns at once and the engine thread plans
+and launches the next call while the device runs it, one call ahead (it first waits for the calls
+before that block to be read back, so that it plans knowing which requests ended). A GPU runs the
+other blocks (sampling, or one step) deciding each step on the host, so their call returns once the
+device has run them. The output thread detokenizes a block while the device runs the next; at most
+two calls wait for it.
 
 Structured output: a constrained request's `grammar.Matcher` takes each of its tokens as the output
 thread reads them. While a constrained request decodes, the blocks are one step long, each in two
@@ -31,8 +36,8 @@ first token with its own seed, and from there each answer is a job of its own.
 
 Each thread counts its time by part (`Observer.busy`; the server's
 `jaxllm:scheduler_thread_seconds`): the engine thread's time inside the core's calls ("prefill",
-"decode", "fork", "forward", "sample"; on GPUs a decode block's call returns once the device has
-run it, and a call that samples once the device reaches its sampling) apart from compiling a shape
+"decode", "fork", "forward", "sample"; on GPUs a decode block's call, unless fixed, returns once
+the device has run it, and a call that samples once the device reaches its sampling) apart from compiling a shape
 no warmup compiled ("compile"), waiting for the output thread ("output") and for work ("idle"),
 the rest being its own scheduling; the output thread's time waiting for a call to be launched
 ("idle"), for the device to finish it ("device"), and turning its results into events
@@ -103,6 +108,7 @@ class Scheduler(Results):
         self.launched = self.read = 0           # calls launched, and read back by the output thread
         self.mask_words = -(-engine.cfg.vocab_size // 32)     # a grammar mask's row: one bit a token
         self.ahead = None       # (rows, calls launched then, logits): a one-step block's forward, launched ahead
+        self.ahead_of_device = False    # the last call launched was a fixed block (it returned at once)
         self.thread = threading.Thread(target=self._run, name="jaxllm-engine", daemon=True)
         self.output = threading.Thread(target=self._read_results, name="jaxllm-output", daemon=True)
         self.ready: set | None = None  # shapes compiled while the others compile (None: any shape)
@@ -111,7 +117,7 @@ class Scheduler(Results):
         self.generated = 0             # tokens sampled for requests (a freed slot stops adding)
         # What the device ran, in order: {"kind": "prefill", "pieces": [(job, start, length), ...]},
         # {"kind": "fork", "forks": [(job, its slot, the slot it forks), ...]} or {"kind": "decode",
-        # "steps": n, "rows": r, "tokens": {job: count}} (filled when read back).
+        # "steps": n, "rows": r, "fixed": whether a fixed block, "tokens": {job: count}} (filled when read back).
         self.record: collections.deque[dict] = collections.deque(maxlen=record)
         # Speculation counts reported so far; the core's are read (one device read) when the engine
         # goes idle after decoding, so that a busy server never waits on the device for them.
@@ -169,6 +175,10 @@ class Scheduler(Results):
                                       e.row_shapes(np.zeros((n, self.mask_words), np.uint32))),
                            {"max_steps": self.out_size, "rows": n, **asked}) for asked in (lp, {})]
             groups[("decode", n)] = calls
+            if e.spec is None:           # greedy blocks the device runs without the host (`core.decode`'s `fixed`)
+                groups[("fixed", n)] = [("decode", (state, None, e.row_shapes(np.zeros(n, bool))),
+                                         {"max_steps": self.decode_steps, "rows": n, **asked, "fixed": True})
+                                        for asked in (lp, {})]
         if self.core.num_slots > 1:
             F = self.core.num_slots
             forks = Forks.make(F, allowed=np.zeros((F, words), np.uint32) if words else None)
@@ -190,8 +200,8 @@ class Scheduler(Results):
         first |= {("decode", self.shapes.decodes()[-1])}
         first |= {("prefill", self.shapes.row_counts(C)[-1], C) for C in self.shapes.lengths()}
         rest = [k for k in groups if k not in first] if background else []
-        # the smallest shapes first: a lone request's decode block and prefill
-        rest.sort(key=lambda k: (k[0] != "decode", k[1:]))
+        # the smallest shapes first: a lone request's decode blocks and prefill
+        rest.sort(key=lambda k: (k[0] not in ("decode", "fixed"), k[1:], k[0]))
         with self.cond:
             self.ready = None if not rest else set(first)
         t = self.engine.precompile([c for k in groups if k not in rest for c in groups[k]])
@@ -231,6 +241,14 @@ class Scheduler(Results):
         if ready is None:
             return n
         return next(m for m in self.shapes.decodes() if m >= n and ("decode", m) in ready)
+
+    def _fixed(self, rows: int, decoding: list[Job]) -> bool:
+        """Whether the next block of `rows` slots can be a fixed one (`core.decode`'s `fixed`):
+        every decoding request greedy and its variant compiled (until then, the other one runs)."""
+        if self.engine.spec is not None or any(j.req.temperature != 0 for j in decoding):
+            return False
+        ready = self.ready
+        return ready is None or ("fixed", rows) in ready
 
     def _prefill_rows(self, P: int, C: int) -> int:
         ready = self.ready
@@ -280,6 +298,9 @@ class Scheduler(Results):
                     if self.done:
                         break
                     past = self.deadline is not None and time.monotonic() >= self.deadline
+                if self.ahead_of_device:     # the last call runs on the device without the host:
+                    self._await_results(ahead=1)     # plan the next one once the calls before it are read
+                    self.ahead_of_device = False
                 self._free_ended()
                 if past:
                     self._fail_running(503, "the server is shutting down")
@@ -382,9 +403,12 @@ class Scheduler(Results):
         allowed = masks([j.matcher if j in decoding else None for j in self.slots[:rows]],
                         self.mask_words) if constrained else None
         asked = any(j.req.logprobs is not None for j in decoding)
+        fixed = n == self.decode_steps and not constrained and self._fixed(rows, decoding)
         with self._device_call("decode"):
-            toks = self.core.decode(n, self.out_size, stop, rows, logprobs=LOGPROBS if asked else 0, allowed=allowed)
-        self._put_decode(toks, n, rows)
+            toks = self.core.decode(None if fixed else n, n if fixed else self.out_size, stop, rows,
+                                    logprobs=LOGPROBS if asked else 0, allowed=allowed)
+        self._put_decode(toks, n, rows, fixed=fixed)
+        self.ahead_of_device = fixed
         return True
 
     @contextlib.contextmanager
@@ -427,8 +451,8 @@ class Scheduler(Results):
             self._launch_forward(rows)
         return True
 
-    def _put_decode(self, toks, steps: int, rows: int, hold: bool = False):
-        rec = {"kind": "decode", "steps": steps, "rows": rows, "tokens": {}}
+    def _put_decode(self, toks, steps: int, rows: int, hold: bool = False, fixed: bool = False):
+        rec = {"kind": "decode", "steps": steps, "rows": rows, "fixed": fixed, "tokens": {}}
         self.record.append(rec)
         jobs = [j if j is not None and j.started else None for j in self.slots[:rows]]
         self._put(Launched("decode", toks, jobs, record=rec, hold=hold))
@@ -442,10 +466,11 @@ class Scheduler(Results):
         with self._timed("engine", "output"):       # the output thread two calls behind
             self.results.put(call)
 
-    def _await_results(self):
-        """Wait until the output thread has read back every call launched so far."""
+    def _await_results(self, ahead: int = 0):
+        """Wait until the output thread has read back every call launched so far but the last
+        `ahead`."""
         with self.cond, self._timed("engine", "output"):
-            while self.read < self.launched and not self.done:
+            while self.read < self.launched - ahead and not self.done:
                 self.cond.wait(1.0)
 
     def _launch_prefill(self):

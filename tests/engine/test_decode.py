@@ -72,6 +72,23 @@ def test_fused_loop_equals_python_stepping(eng):
         assert c.token_ids == stepped
 
 
+def test_fixed_blocks_equal_the_loop(eng):
+    """Greedy blocks of a fixed number of steps (which a GPU runs without the host) give the tokens
+    and counts of the loop's blocks, a row that reaches its limit inside a block included."""
+    from jaxllm.engine.sampling import SamplingParams
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, eng.cfg.vocab_size, n).tolist() for n in (5, 12, 9)]
+    cores = [eng.core(4, 64), eng.core(4, 64)]
+    for core in cores:
+        core.prefill_prompts(prompts + [[1]], SamplingParams.make(4), max_new=np.array([7, 18, 13, 0]))
+    for _ in range(5):
+        loop = jax.tree_util.tree_map(eng.layout.get, cores[0].decode(4, 4, rows=4)[:2])
+        fixed = jax.tree_util.tree_map(eng.layout.get, cores[1].decode(None, 4, rows=4)[:2])
+        np.testing.assert_array_equal(fixed[1], loop[1])
+        np.testing.assert_array_equal(fixed[0], loop[0])
+    assert int(cores[1].state.slots.active.sum()) == 0
+
+
 def test_sampling_is_reproducible_and_seed_dependent(eng):
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     kw = dict(max_tokens=16, temperature=1.0, top_k=40, top_p=0.9)

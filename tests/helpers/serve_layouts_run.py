@@ -152,6 +152,7 @@ def run_case(tmp, name, ckpt, kv_quant, rings, tp):
             "mismatch": [i for i, t in enumerate(many) if t != want[i % len(ps)]], "forks": forks,
             "cache_spec": [str(s) for s in k.sharding.spec], "devices": len(k.sharding.device_set),
             "prefills": sum(r["kind"] == "prefill" for r in sched.record),
+            "fixed_blocks": sum(r["kind"] == "decode" and r["fixed"] for r in sched.record),
             "speculation": sched.core.spec_stats()}
 
 

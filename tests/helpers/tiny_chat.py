@@ -120,6 +120,7 @@ class ScriptedCore:
         if allowed is not None:
             raise ValueError("a scripted answer has no grammar")
         rows = rows or self.num_slots
+        n_steps = max_steps if n_steps is None else n_steps         # a fixed block runs them all
         time.sleep(self.step_s * n_steps)
         toks, count = np.zeros((rows, max_steps), np.int32), np.zeros(rows, np.int32)
         for b in range(rows):
