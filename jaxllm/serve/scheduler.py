@@ -381,14 +381,14 @@ class Scheduler(Results):
         prefilled = bool(self.prefilling)
         if prefilled:
             self._launch_prefill()
-        decoding = self._decoding()
+        decoding = self._to_decode()
         constrained = any(j.matcher is not None for j in decoding)
         if constrained:                    # their matchers must have taken their last tokens
             if self.engine.spec is None and self.ahead is None and not self.prefilling:
                 self._launch_forward(self._decode_rows(max(j.slot for j in decoding) + 1))
             self._await_results()
             self._free_ended()
-            decoding = self._decoding()
+            decoding = self._to_decode()
             constrained = any(j.matcher is not None for j in decoding)
         if not decoding:
             return prefilled or constrained
@@ -455,11 +455,20 @@ class Scheduler(Results):
         rec = {"kind": "decode", "steps": steps, "rows": rows, "fixed": fixed, "tokens": {}}
         self.record.append(rec)
         jobs = [j if j is not None and j.started else None for j in self.slots[:rows]]
+        per = 1 if self.engine.spec is None else self.engine.spec.k + 1      # tokens a step may take
+        for j in jobs:
+            if j is not None:
+                j.launched += steps * per
         self._put(Launched("decode", toks, jobs, record=rec, hold=hold))
 
     def _decoding(self) -> list[Job]:
         """The jobs whose slots decode: their first tokens drawn."""
         return [j for j in self.slots if j is not None and j.started]
+
+    def _to_decode(self) -> list[Job]:
+        """The decoding jobs that the calls launched so far do not take to their token limit: a
+        round of requests that end together leaves no block running on empty rows after them."""
+        return [j for j in self._decoding() if j.launched < j.req.max_tokens]
 
     def _put(self, call: Launched):
         self.launched += 1
@@ -520,6 +529,7 @@ class Scheduler(Results):
     def _start(self, job: Job):
         """`job`'s first token is drawn by a call just launched: its slot decodes from now on."""
         job.started = True
+        job.launched = 1
         self.to_stop[job.slot] = False
 
     def _launch_forks(self, children: list[Job]):
