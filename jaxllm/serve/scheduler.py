@@ -12,8 +12,9 @@ tokens of a running request at most one prefill forward runs. While prompts wait
 the blocks are one step long, so that prefills follow one another closely; otherwise `decode_steps`
 long. A block of `decode_steps` whose requests are all greedy is a fixed one (`core.decode`'s
 `fixed`): nothing in it waits for the host, so its call returns at once and the engine thread plans
-and launches the next call while the device runs it, one call ahead (it first waits for the calls
-before that block to be read back, so that it plans knowing which requests ended). A GPU runs the
+and launches the next call while the device runs it, one call ahead (it first waits, without the
+GIL, for the device to finish the call before that block). It plans without knowing which requests
+the calls in flight ended, except those they take to their token limit (`Job.launched`). A GPU runs the
 other blocks (sampling, or one step) deciding each step on the host, so their call returns once the
 device has run them. The output thread detokenizes a block while the device runs the next; at most
 two calls wait for it.
@@ -108,7 +109,8 @@ class Scheduler(Results):
         self.launched = self.read = 0           # calls launched, and read back by the output thread
         self.mask_words = -(-engine.cfg.vocab_size // 32)     # a grammar mask's row: one bit a token
         self.ahead = None       # (rows, calls launched then, logits): a one-step block's forward, launched ahead
-        self.ahead_of_device = False    # the last call launched was a fixed block (it returned at once)
+        self.last_result = None     # what the last call launched returns (on the device)
+        self.wait_for = None        # the results of the call before a fixed block just launched
         self.thread = threading.Thread(target=self._run, name="jaxllm-engine", daemon=True)
         self.output = threading.Thread(target=self._read_results, name="jaxllm-output", daemon=True)
         self.ready: set | None = None  # shapes compiled while the others compile (None: any shape)
@@ -298,9 +300,6 @@ class Scheduler(Results):
                     if self.done:
                         break
                     past = self.deadline is not None and time.monotonic() >= self.deadline
-                if self.ahead_of_device:     # the last call runs on the device without the host:
-                    self._await_results(ahead=1)     # plan the next one once the calls before it are read
-                    self.ahead_of_device = False
                 self._free_ended()
                 if past:
                     self._fail_running(503, "the server is shutting down")
@@ -308,6 +307,10 @@ class Scheduler(Results):
                         self.cond.wait(0.05)
                     continue
                 try:
+                    if self.wait_for is not None:      # a fixed block was launched: plan the next call
+                        wait, self.wait_for = self.wait_for, None     # once the device has run the one before it
+                        with self._timed("engine", "device"):
+                            jax.block_until_ready(wait)
                     self._reap()
                     if self.spec_unread and not self._busy():     # idle: report what the slots drafted
                         self._read_spec()
@@ -320,7 +323,7 @@ class Scheduler(Results):
                     log.exception("engine step failed")
                     self._fail_running(500, "internal error while generating; see the server log")
                     self.core.reset()
-                    self.ahead = None
+                    self.ahead = self.last_result = None
                     self.spec_reported = dict.fromkeys(self.spec_reported, 0)     # a fresh core counts afresh
         finally:
             self._fail_running(503, "the server is shutting down")
@@ -404,11 +407,12 @@ class Scheduler(Results):
                         self.mask_words) if constrained else None
         asked = any(j.req.logprobs is not None for j in decoding)
         fixed = n == self.decode_steps and not constrained and self._fixed(rows, decoding)
+        before = self.last_result
         with self._device_call("decode"):
             toks = self.core.decode(None if fixed else n, n if fixed else self.out_size, stop, rows,
                                     logprobs=LOGPROBS if asked else 0, allowed=allowed)
         self._put_decode(toks, n, rows, fixed=fixed)
-        self.ahead_of_device = fixed
+        self.wait_for = before if fixed else None
         return True
 
     @contextlib.contextmanager
@@ -472,6 +476,7 @@ class Scheduler(Results):
 
     def _put(self, call: Launched):
         self.launched += 1
+        self.last_result = call.result
         with self._timed("engine", "output"):       # the output thread two calls behind
             self.results.put(call)
 
