@@ -12,12 +12,11 @@ tokens of a running request at most one prefill forward runs. While prompts wait
 the blocks are one step long, so that prefills follow one another closely; otherwise `decode_steps`
 long. A block of `decode_steps` whose requests are all greedy is a fixed one (`core.decode`'s
 `fixed`): nothing in it waits for the host, so its call returns at once and the engine thread plans
-and launches the next call while the device runs it, one call ahead (it first waits, without the
-GIL, for the device to finish the call before that block). It plans without knowing which requests
-the calls in flight ended, except those they take to their token limit (`Job.launched`). A GPU runs the
-other blocks (sampling, or one step) deciding each step on the host, so their call returns once the
-device has run them. The output thread detokenizes a block while the device runs the next; at most
-two calls wait for it.
+the next call while the device runs it, once the device has run the call before it (a wait without
+the GIL), knowing of the requests the calls in flight end only those they take to their token limit
+(`Job.launched`). A GPU runs the other blocks deciding each step on the host, so their call returns
+once the device has run them. The output thread detokenizes a block while the device runs the
+next; at most two calls wait for it.
 
 Structured output: a constrained request's `grammar.Matcher` takes each of its tokens as the output
 thread reads them. While a constrained request decodes, the blocks are one step long, each in two
@@ -38,8 +37,9 @@ first token with its own seed, and from there each answer is a job of its own.
 Each thread counts its time by part (`Observer.busy`; the server's
 `jaxllm:scheduler_thread_seconds`): the engine thread's time inside the core's calls ("prefill",
 "decode", "fork", "forward", "sample"; on GPUs a decode block's call, unless fixed, returns once
-the device has run it, and a call that samples once the device reaches its sampling) apart from compiling a shape
-no warmup compiled ("compile"), waiting for the output thread ("output") and for work ("idle"),
+the device has run it, and a call that samples once the device reaches its sampling) apart from
+compiling a shape no warmup compiled ("compile"), waiting for the device before planning past a
+fixed block ("device"), for the output thread ("output") and for work ("idle"),
 the rest being its own scheduling; the output thread's time waiting for a call to be launched
 ("idle"), for the device to finish it ("device"), and turning its results into events
 ("processing").
@@ -56,30 +56,20 @@ import time
 import jax
 import numpy as np
 
-from jaxllm.engine.sampling import MAX_LOGPROBS, Penalties, SamplingParams, TokenRules
+from jaxllm.engine.sampling import Penalties, SamplingParams, TokenRules
 from jaxllm.engine.slots import Forks, Pieces
 from jaxllm.serve.detok import TextStream
 from jaxllm.serve.grammar import masks
 from jaxllm.serve.jobs import ARRIVAL_GAP, ARRIVAL_WAIT, Failed, Job, Observer, QueueFull
 from jaxllm.serve.results import Launched, Results
 from jaxllm.serve.shapes import Shapes
+from jaxllm.serve.warmup import LOGPROBS, Warmup
 
 log = logging.getLogger("jaxllm.serve")
 
-# Every prefill, fork and constrained-step call of the server computes the top alternatives of each
-# token it samples, whether or not a request asks: one compiled variant of each, compiled before
-# the server is ready, instead of a second one compiled on a request's first use (a stall of up to
-# 2 s for every running request, Qwen3-4B on one H100). The top 20 of a step's logits come from the
-# 20 blocks of 128 with the largest maxima (`sampling.top_k`), after a log-softmax over the
-# vocabulary. Decode blocks, which run most tokens, have both variants compiled before ready and
-# compute the alternatives only while a request asks: in every step they cost 0.4 ms a token of
-# Qwen3-4B at batch 1 (2.7 ms against 2.3, one H100) and up to two fifths of the embedded model's
-# throughput. They are read back only for a call that holds a request asking for them.
-LOGPROBS = MAX_LOGPROBS
-
 
 # -- the scheduler --------------------------------------------------------------------------------
-class Scheduler(Results):
+class Scheduler(Results, Warmup):
     def __init__(self, engine, max_num_seqs: int, max_model_len: int, max_queue: int, decode_steps: int = 8,
                  max_num_batched_tokens: int = 2048, record: int = 10_000, structured: bool = False):
         """`structured`: requests may be constrained (a grammar engine serves them), so the calls of
@@ -119,7 +109,7 @@ class Scheduler(Results):
         self.generated = 0             # tokens sampled for requests (a freed slot stops adding)
         # What the device ran, in order: {"kind": "prefill", "pieces": [(job, start, length), ...]},
         # {"kind": "fork", "forks": [(job, its slot, the slot it forks), ...]} or {"kind": "decode",
-        # "steps": n, "rows": r, "fixed": whether a fixed block, "tokens": {job: count}} (filled when read back).
+        # "steps": n, "rows": r, "fixed": bool, "tokens": {job: count}} (filled when read back).
         self.record: collections.deque[dict] = collections.deque(maxlen=record)
         # Speculation counts reported so far; the core's are read (one device read) when the engine
         # goes idle after decoding, so that a busy server never waits on the device for them.
@@ -151,113 +141,6 @@ class Scheduler(Results):
             return sum(j.prefilled + j.n_tokens for j in self.slots if j is not None)
 
     # -- lifecycle -------------------------------------------------------------------------------
-    def warmup_calls(self) -> dict:
-        """Every call a request can wait on, by the shape that picks it: {("prefill", P, C) or
-        ("decode", rows) or ("fork",): [(name, args, static), ...]}."""
-        e = self.engine
-        state = e.state_shapes(self.core.num_slots, self.core.max_len)
-        lp = {"logprobs": LOGPROBS}
-        words = self.mask_words if self.structured else 0
-        def pieces(P, C):
-            return e.row_shapes(Pieces.shapes(P, C, rows=True, mask_words=words))
-        groups = {("prefill", P, C): [("prefill", (state, pieces(P, C), None), {"out": "sample", **lp})]
-                  for P, C in self.shapes.prefills()}
-        for n in self.shapes.decodes():
-            calls = [("decode", (state, np.int32(1), e.row_shapes(np.zeros(n, bool))),
-                      {"max_steps": self.out_size, "rows": n, **asked}) for asked in (lp, {})]
-            if self.structured and e.spec is None:       # the two calls of a constrained step
-                V = e.cfg.vocab_size
-                logits = jax.ShapeDtypeStruct((n, V), np.float32, sharding=e.layout.batch_sharding((n, V)))
-                calls.append(("decode_forward", (state,), {"rows": n}))
-                calls += [("decode_sample", (state, logits, e.row_shapes(np.zeros(n, bool)),
-                                             e.row_shapes(np.zeros((n, self.mask_words), np.uint32))),
-                           {"rows": n, **lp, **greedy}) for greedy in ({}, {"greedy": True})]
-            elif self.structured:                        # a speculating server's constrained blocks
-                calls += [("decode", (state, np.int32(1), e.row_shapes(np.zeros(n, bool)),
-                                      e.row_shapes(np.zeros((n, self.mask_words), np.uint32))),
-                           {"max_steps": self.out_size, "rows": n, **asked}) for asked in (lp, {})]
-            groups[("decode", n)] = calls
-            if e.spec is None:           # greedy blocks the device runs without the host (`core.decode`'s `fixed`)
-                groups[("fixed", n)] = [("decode", (state, None, e.row_shapes(np.zeros(n, bool))),
-                                         {"max_steps": self.decode_steps, "rows": n, **asked, "fixed": True})
-                                        for asked in (lp, {})]
-        if self.core.num_slots > 1:
-            F = self.core.num_slots
-            forks = Forks.make(F, allowed=np.zeros((F, words), np.uint32) if words else None)
-            groups[("fork",)] = [("fork", (state, e.row_shapes(forks)), lp)]
-        return groups
-
-    def warmup(self, background: bool = True) -> float:
-        """Compile what a request can wait on before serving: with `background`, the largest shape
-        of each kind first (the largest prefill rows of each piece length, the decode blocks over
-        every slot, the fork), after which any request can be served, a smaller shape running as
-        the next larger compiled one (padding rows); the smaller shapes then compile on a thread
-        of their own while the server serves, each taken up as soon as it is compiled. Without,
-        everything before. -> seconds taken before serving."""
-        groups = self.warmup_calls()
-        if self.engine.steps_cache is not None:        # what an earlier process kept: every shape at once
-            self.engine.read_back([c for calls in groups.values() for c in calls])
-        first = {k for k, calls in groups.items() if all(map(self.engine.compiled, calls))}
-        first |= {k for k in groups if k[0] == "fork"}
-        first |= {("decode", self.shapes.decodes()[-1])}
-        first |= {("prefill", self.shapes.row_counts(C)[-1], C) for C in self.shapes.lengths()}
-        rest = [k for k in groups if k not in first] if background else []
-        # the smallest shapes first: a lone request's decode blocks and prefill
-        rest.sort(key=lambda k: (k[0] not in ("decode", "fixed"), k[1:], k[0]))
-        with self.cond:
-            self.ready = None if not rest else set(first)
-        t = self.engine.precompile([c for k in groups if k not in rest for c in groups[k]])
-        if rest:
-            self.compiling = len(rest)
-            threading.Thread(target=self._compile_rest, args=([(k, groups[k]) for k in rest],),
-                             name="jaxllm-compile", daemon=True).start()
-        return t
-
-    def _compile_rest(self, todo: list):
-        """Compile the shapes in `todo` ([(shape, its calls)], the most wanted first) together, each
-        taken up as soon as its calls are compiled."""
-        t0 = time.perf_counter()
-
-        def taken_up():
-            with self.cond:
-                for key, calls in todo:
-                    if key not in self.ready and all(map(self.engine.compiled, calls)):
-                        self.ready.add(key)
-                        self.compiling -= 1
-        try:
-            self.engine.precompile([c for _, calls in todo for c in calls], counted=False, on_compiled=taken_up)
-        except Exception:                      # the shapes not compiled stay unused
-            log.exception("compiling the server's smaller shapes failed; their requests run on larger ones")
-            with self.cond:
-                self.compiling = 0
-            return
-        with self.cond:
-            self.ready, self.compiling = None, 0
-        log.info("the other %d shapes compiled in the background in %.1f s", len(todo), time.perf_counter() - t0)
-
-    def _decode_rows(self, live: int) -> int:
-        """The leading slots a decode block covers for `live`: the shape's, or while that shape
-        compiles, the next larger compiled one."""
-        n = self.shapes.decode_rows(live)
-        ready = self.ready
-        if ready is None:
-            return n
-        return next(m for m in self.shapes.decodes() if m >= n and ("decode", m) in ready)
-
-    def _fixed(self, rows: int, decoding: list[Job]) -> bool:
-        """Whether the next block of `rows` slots can be a fixed one (`core.decode`'s `fixed`):
-        every decoding request greedy and its variant compiled (until then, the other one runs)."""
-        if self.engine.spec is not None or any(j.req.temperature != 0 for j in decoding):
-            return False
-        ready = self.ready
-        return ready is None or ("fixed", rows) in ready
-
-    def _prefill_rows(self, P: int, C: int) -> int:
-        ready = self.ready
-        if ready is None:
-            return P
-        return next(p for p in self.shapes.row_counts(C) if p >= P and ("prefill", p, C) in ready)
-
     def start(self, warmup: bool = True):
         if warmup:
             t = self.warmup()
@@ -480,11 +363,10 @@ class Scheduler(Results):
         with self._timed("engine", "output"):       # the output thread two calls behind
             self.results.put(call)
 
-    def _await_results(self, ahead: int = 0):
-        """Wait until the output thread has read back every call launched so far but the last
-        `ahead`."""
+    def _await_results(self):
+        """Wait until the output thread has read back every call launched so far."""
         with self.cond, self._timed("engine", "output"):
-            while self.read < self.launched - ahead and not self.done:
+            while self.read < self.launched and not self.done:
                 self.cond.wait(1.0)
 
     def _launch_prefill(self):
