@@ -55,7 +55,7 @@ class Job:
     slot: int = -1
     prefilled: int = 0                      # prompt tokens sent to the device so far (a fork: all)
     started: bool = False                   # its first token is being drawn: its slot may decode
-    launched: int = 0                       # tokens the calls launched so far may sample for it, at most
+    launched: int = 0                       # tokens the calls launched so far sample for it, unless it ends first
     done: bool = False                      # its last event went out
     index: int = 0                          # which of the request's answers
     parent: Job | None = None               # a child: the job whose slot it forks

@@ -342,10 +342,9 @@ class Scheduler(Results, Warmup):
         rec = {"kind": "decode", "steps": steps, "rows": rows, "fixed": fixed, "tokens": {}}
         self.record.append(rec)
         jobs = [j if j is not None and j.started else None for j in self.slots[:rows]]
-        per = 1 if self.engine.spec is None else self.engine.spec.k + 1      # tokens a step may take
-        for j in jobs:
+        for j in jobs:          # a live row samples one token a step (a speculative cycle: at least one)
             if j is not None:
-                j.launched += steps * per
+                j.launched += steps
         self._put(Launched("decode", toks, jobs, record=rec, hold=hold))
 
     def _decoding(self) -> list[Job]:
