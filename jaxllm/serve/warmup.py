@@ -99,10 +99,14 @@ class Warmup:
 
         def taken_up():
             with self.cond:
+                if self.ready is None:
+                    return
                 for key, calls in todo:
                     if key not in self.ready and all(map(self.engine.compiled, calls)):
                         self.ready.add(key)
                         self.compiling -= 1
+                if not self.compiling:         # every shape compiled: any shape from now on, as
+                    self.ready = None          # `load()` reports none compiling
         try:
             self.engine.precompile([c for _, calls in todo for c in calls], counted=False, on_compiled=taken_up)
         except Exception:                      # the shapes not compiled stay unused
