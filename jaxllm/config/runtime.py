@@ -24,6 +24,8 @@ VARIABLES = {
     "JAXLLM_SCAN_UNROLL": "layers per iteration of the layer scan: a count, or full (unset: chosen per step)",
     "JAXLLM_INT8_WIDEN": "convert | magic | bits: how GPU kernels widen int8 (unset: each kernel's own)",
     "JAXLLM_TRITON_GEMM": "on | off: XLA's autotuned Triton GEMMs on GPUs beside cuBLAS (default off)",
+    "JAXLLM_WIDEN_ONCE": "auto | on | off: int8 weights widened once a GPU decode call for XLA's GEMMs (auto: "
+                         "above 256 rows where the copy fits)",
     "JAXLLM_CACHE": "the folder of jaxllm's per-user caches (default $XDG_CACHE_HOME/jaxllm)",
     "JAXLLM_WEIGHT_CACHE": "on | off: keep models built from GGUF files in the weight cache",
     "JAXLLM_COMPILATION_CACHE": "the compilation cache's folder, or off",
@@ -65,6 +67,7 @@ def cache_home() -> Path:
 KERNELS = ("auto", "xla", "pallas")
 LAYER_SCANS = ("auto", "cond", "period")
 WIDENINGS = ("convert", "magic", "bits")
+WIDEN_ONCE = ("auto", "on", "off")
 SWITCH = {"on": True, "1": True, "true": True, "off": False, "0": False, "false": False}
 
 
@@ -82,12 +85,17 @@ class RuntimeConfig:
     int8_widen: how GPU kernels widen int8 values (see `ops.gpu.widen`); None: each kernel's default.
     triton_gemm: on GPUs, let XLA try its Triton GEMMs beside cuBLAS for each matmul it compiles
       (autotuned at compile time); off, XLA's GEMMs are cuBLAS's (see `XlaOps.compiler_options`).
+    widen_once: on GPUs, where a decode step's matmuls are XLA's GEMMs (more rows than the kernels
+      take), widen the int8 weights to the compute dtype once a decode call rather than in every
+      step: `auto` where the widened copy fits the device's memory beside the call's own, `on`
+      always, `off` never (see `PallasOps.loop_weights`).
     """
     kernels: str = "auto"
     layer_scan: str = "auto"
     scan_unroll: int | str | None = None
     int8_widen: str | None = None
     triton_gemm: bool = False
+    widen_once: str = "auto"
 
     def __post_init__(self):
         if self.kernels not in KERNELS:
@@ -101,12 +109,14 @@ class RuntimeConfig:
             raise ModelError(f"int8_widen must be one of {', '.join(WIDENINGS)}, got {self.int8_widen!r}")
         if not isinstance(self.triton_gemm, bool):
             raise ModelError(f"triton_gemm must be on or off, got {self.triton_gemm!r}")
+        if self.widen_once not in WIDEN_ONCE:
+            raise ModelError(f"widen_once must be one of {', '.join(WIDEN_ONCE)}, got {self.widen_once!r}")
 
     @classmethod
     def from_env(cls, **overrides) -> "RuntimeConfig":
         """The configuration the environment variables name (JAXLLM_KERNELS, JAXLLM_LAYER_SCAN,
-        JAXLLM_SCAN_UNROLL, JAXLLM_INT8_WIDEN, JAXLLM_TRITON_GEMM), with `overrides` on top; a bad value is a one-line
-        error naming the variable."""
+        JAXLLM_SCAN_UNROLL, JAXLLM_INT8_WIDEN, JAXLLM_TRITON_GEMM, JAXLLM_WIDEN_ONCE), with
+        `overrides` on top; a bad value is a one-line error naming the variable."""
         def word(name, default=None):
             v = env(name)
             return default if v is None else v.strip().lower()
@@ -114,7 +124,8 @@ class RuntimeConfig:
                "layer_scan": ("JAXLLM_LAYER_SCAN", word("JAXLLM_LAYER_SCAN", "auto")),
                "int8_widen": ("JAXLLM_INT8_WIDEN", word("JAXLLM_INT8_WIDEN")),
                "scan_unroll": ("JAXLLM_SCAN_UNROLL", word("JAXLLM_SCAN_UNROLL")),
-               "triton_gemm": ("JAXLLM_TRITON_GEMM", word("JAXLLM_TRITON_GEMM", "off"))}
+               "triton_gemm": ("JAXLLM_TRITON_GEMM", word("JAXLLM_TRITON_GEMM", "off")),
+               "widen_once": ("JAXLLM_WIDEN_ONCE", word("JAXLLM_WIDEN_ONCE", "auto"))}
         values = {k: v for k, (_, v) in raw.items()}
         values["triton_gemm"] = SWITCH.get(values["triton_gemm"], values["triton_gemm"])
         u = values["scan_unroll"]

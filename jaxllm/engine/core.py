@@ -374,6 +374,9 @@ def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, allowed=
     full = state.slots
     B = full.last.shape[0] if rows is None else rows
     out = (jnp.zeros((B, max_steps), jnp.int32), LogProbs.zeros((B, max_steps), logprobs) if logprobs else None)
+    main, draft = model_weights(weights, spec)      # as the loop reads them (`loop_weights`)
+    main = ops.loop_weights(main, B * (1 if spec is None else spec.k + 1), state, dtype)
+    weights = main if draft is None else (main, draft)
 
     if spec is None:
         def cond(c):

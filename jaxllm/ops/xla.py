@@ -218,6 +218,12 @@ class XlaOps:
         """The weights laid out for this backend, once after loading."""
         return weights
 
+    def loop_weights(self, weights, rows: int, state=None, dtype=jnp.bfloat16):
+        """The weights as a decode call's loop reads them, `rows` tokens a step, `state` (the cache
+        and slot table) beside them: here as they are (XLA on CPUs and TPUs fuses the int8
+        widening into each matmul)."""
+        return weights
+
     def layer_weights(self, group: dict, idx) -> dict:
         """Layer `idx` of a group of stacked layer weights, in the form this backend's operations take."""
         return jax.tree_util.tree_map(lambda a: a[idx], group)

@@ -539,6 +539,58 @@ def test_gpu_compiles_take_cublas_gemms(monkeypatch):
         RuntimeConfig.from_env()
 
 
+def test_widen_once_where_the_copy_fits(monkeypatch):
+    """Above the kernels' rows a decode call's int8 weights are widened once before its loop (the
+    same values), where the copy fits beside the weights, the call's state and a tenth of the
+    device; `on` and `off` override that, and the XLA backend leaves them as they are."""
+    from jaxllm.ops.gpu import backend, dispatch
+    from jaxllm.quant import QuantArray
+    q = jnp.asarray(np.random.default_rng(0).integers(-127, 128, (2, 8, 6)), jnp.int8)
+    weights = {"w": QuantArray(q, jnp.ones((2, 6), jnp.float32)), "norm": jnp.ones((8,), jnp.float32)}
+    state = {"cache": jnp.zeros((1000,), jnp.float32)}          # 4000 bytes
+    rows = dispatch.MAX_ROWS + 1
+
+    def loop(limit, mode="auto", rows=rows, ops_=None):
+        monkeypatch.setattr(backend, "_bytes_limit", lambda layout: limit)
+        o = ops_ or ops.select(RuntimeConfig(kernels="pallas", widen_once=mode))
+        return o.loop_weights(weights, rows, state, jnp.bfloat16)
+    # 96 int8 values: a 192-byte copy beside 4176 bytes of weights (96 + 48 + 32) and state (4000)
+    got = loop(10_000)
+    assert got["w"].q.dtype == jnp.bfloat16 and got["w"].scale is weights["w"].scale
+    np.testing.assert_array_equal(np.asarray(got["w"].q, np.float32), np.asarray(q, np.float32))
+    assert got["norm"] is weights["norm"]
+    assert {s["choice"] for s in kernels.selections() if s["kernel"] == "widen once"} >= {"on"}
+    assert loop(4_600)["w"].q.dtype == jnp.int8                  # 4176 + 192 + 460 > 4600
+    assert loop(None)["w"].q.dtype == jnp.int8                   # no limit known (a CPU)
+    assert loop(10_000, rows=dispatch.MAX_ROWS)["w"].q.dtype == jnp.int8      # the kernels' rows
+    assert loop(None, "on")["w"].q.dtype == jnp.bfloat16
+    assert loop(10_000, "off")["w"].q.dtype == jnp.int8
+    assert loop(10_000, ops_=XLA)["w"].q.dtype == jnp.int8
+    for raw, want in (("on", "on"), (" OFF ", "off"), ("", "auto")):
+        monkeypatch.setenv("JAXLLM_WIDEN_ONCE", raw)
+        assert RuntimeConfig.from_env().widen_once == want
+    monkeypatch.setenv("JAXLLM_WIDEN_ONCE", "maybe")
+    with pytest.raises(ModelError, match="JAXLLM_WIDEN_ONCE: widen_once must be one of auto, on, off, got 'maybe'"):
+        RuntimeConfig.from_env()
+
+
+def test_decode_with_weights_widened_once_equals_the_plain_path(tmp_path, monkeypatch):
+    """A whole int8 model whose decode steps take more rows than the kernels (their limit lowered
+    to 1 row): the weights widened once a call give the tokens of the weights widened in each step."""
+    from jaxllm.ops.gpu import dispatch
+    monkeypatch.setattr(dispatch, "MAX_ROWS", 1)
+    tiny.make("qwen3", tmp_path, seed=7)
+    prompts = [[5, 9, 2, 7], [11, 3], [4, 4, 8]]
+    got = {}
+    for mode in ("off", "on"):
+        eng = jaxllm.load(str(tmp_path), quant="int8", dtype="float32", max_ctx=32,
+                          runtime=RuntimeConfig(kernels="pallas", widen_once=mode))
+        got[mode] = [c.token_ids for c in eng.generate_ids(prompts, max_tokens=8)]
+    assert got["on"] == got["off"] and all(len(t) == 8 for t in got["on"])
+    assert any(s["kernel"] == "widen once" and s["choice"] == "on" and s["shape"][0] == 3
+               for s in kernels.selections())
+
+
 def test_kernel_traced_and_lowered_once(lower_for_cuda, monkeypatch):
     """Two programs holding the same kernel (as a server's decode blocks with and without
     log-probabilities do) share its trace and its Triton module; another shape is another kernel."""
