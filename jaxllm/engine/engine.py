@@ -218,6 +218,7 @@ class Engine:
         return compilation_cache.executable_key(
             name, sorted(static.items()), self.cfg, self.runtime, self.dtype_name, self.quant, self.kv_layout,
             self.kv_options, self.spec, devices, mesh.shape, jax.process_count(),
+            backends.memory_limit(mesh.devices.flat[0]),       # the weights widened once where it leaves room
             compilation_cache.describe(self.call_weights),
             compilation_cache.describe(args))
 
@@ -479,3 +480,4 @@ def _ids_covering(tok, ids, text):
         if len(tok.decode(ids[:n])) >= len(text):
             return ids[:n]
     return ids
+

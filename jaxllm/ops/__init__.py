@@ -13,9 +13,9 @@ import logging
 import jax
 
 from jaxllm.config.runtime import RuntimeConfig
-from jaxllm.ops.xla import HeadPrep, KeysFromValues, XlaOps
+from jaxllm.ops.xla import HeadPrep, KeysFromValues, XlaOps, memory_limit
 
-__all__ = ["HeadPrep", "KeysFromValues", "XlaOps", "select", "uses_kernels"]
+__all__ = ["HeadPrep", "KeysFromValues", "XlaOps", "memory_limit", "select", "uses_kernels"]
 log = logging.getLogger("jaxllm.ops")
 
 

@@ -106,6 +106,14 @@ def matmul(x: jax.Array, w, n_contract: int = 1, out_major: bool = False) -> jax
                                preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+def memory_limit(device) -> int | None:
+    """The bytes `device` lets this process allocate, where its runtime says (None elsewhere)."""
+    try:
+        return (device.memory_stats() or {}).get("bytes_limit")
+    except Exception:       # a backend without memory statistics
+        return None
+
+
 def take_rows(table, ids: jax.Array, dtype) -> jax.Array:
     """Embedding lookup from a plain or row-quantized table."""
     if isinstance(table, QuantArray):

@@ -37,12 +37,7 @@ def _is_quant(w) -> bool:
 
 def _bytes_limit(layout) -> int | None:
     """The memory a device of the computation may allocate (None where the runtime does not say)."""
-    dev = jax.local_devices()[0] if layout is None else layout.mesh.devices.flat[0]
-    try:
-        stats = dev.memory_stats()
-    except Exception:       # a backend without memory statistics
-        return None
-    return (stats or {}).get("bytes_limit")
+    return xla.memory_limit(jax.local_devices()[0] if layout is None else layout.mesh.devices.flat[0])
 
 
 def _rows(x) -> int:
