@@ -480,4 +480,3 @@ def _ids_covering(tok, ids, text):
         if len(tok.decode(ids[:n])) >= len(text):
             return ids[:n]
     return ids
-

@@ -88,12 +88,15 @@ class PallasOps(XlaOps):
         need = sum(w.q.size for w in quant) * jnp.dtype(dtype).itemsize / shards
         have = sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves((weights, state))) / shards
         limit = _bytes_limit(self.layout)
-        fits = limit is not None and have + need + 0.1 * limit <= limit
-        note("widen once", (rows, f"{need / 2**30:.1f} GiB"),
-                     "on" if mode == "on" or fits else
-                     "off (no memory limit known)" if limit is None else
-                     f"off ({(have + need) / 2**30:.1f} GiB with the call's own of {limit / 2**30:.1f})")
-        if mode != "on" and not fits:
+        fits = limit is not None and have + need <= 0.9 * limit
+        if mode == "on" or fits:
+            why = "on"
+        elif limit is None:
+            why = "off (no memory limit known)"
+        else:
+            why = f"off ({(have + need) / 2**30:.1f} GiB with the copy, over {0.9 * limit / 2**30:.1f})"
+        note("widen once", (rows, f"{need / 2**30:.1f} GiB"), why)
+        if why != "on":
             return weights
         return jax.tree_util.tree_map(lambda w: dataclasses.replace(w, q=w.q.astype(dtype)) if _is_quant(w) else w,
                                       weights, is_leaf=_is_quant)
