@@ -13,14 +13,11 @@ os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 os.environ.setdefault("JAXLLM_COMPILATION_CACHE", os.path.join(__import__("tempfile").gettempdir(),
                                                                f"jaxllm-test-xla-{os.getuid()}"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))       # the shared test helpers
-# The suite's models are tiny and each test compiles many shapes, so compiling, not running, is
-# most of its time: XLA's CPU backend without LLVM's optimizations and with its older fusion code
-# generation compiles in about two thirds of the time. The helpers that start processes of their
-# own pass these flags on with the environment.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-                               " --xla_cpu_use_fusion_emitters=false").strip()
+# Compile fast (tests/helpers/xla_env.py): the processes the suite starts inherit the flags, except
+# those that decode the real model for long, which take `xla_env.full_speed()`.
+import xla_env  # noqa: E402
 
+os.environ["XLA_FLAGS"] = xla_env.with_fast_compile(os.environ.get("XLA_FLAGS", ""))
 
 import pytest  # noqa: E402
 

@@ -7,6 +7,7 @@ import sys
 import hf_reference
 import numpy as np
 import pytest
+import xla_env
 
 import jaxllm
 
@@ -67,7 +68,7 @@ def test_logits_match_transformers(eng32, hf_model):
 
 
 def run_cli(*args):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    env = {**xla_env.full_speed(), "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
     return subprocess.run([sys.executable, "-m", "jaxllm.infer", *args], capture_output=True, text=True,
                           timeout=600, env=env, cwd=ROOT)
 

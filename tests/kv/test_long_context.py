@@ -83,7 +83,9 @@ def test_decode_steps_through_ring_wraps(make_cfg):
     cfg, full, int8, plain = engines(make_cfg)
     seq = np.array(prompts(cfg, seed=4)[0] + prompts(cfg, seed=5)[1], np.int32)[None]   # 83 > 5 windows
     ref = full.logits(seq)[0]
-    for eng, tol in ((plain, 1e-5), (int8, INT8_LOGIT_TOL)):
+    # float32 sums in another order (83 steps against one forward): the E2B-like model's differ by
+    # 0.8e-5 of the largest logit as XLA compiles by default, 1.3e-5 without LLVM's optimizations
+    for eng, tol in ((plain, 2e-5), (int8, INT8_LOGIT_TOL)):
         stepper = eng.core(1, 96)
         rows = []
         for t in range(seq.shape[1]):

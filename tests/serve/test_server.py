@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import signal
 import socket
@@ -20,6 +19,7 @@ import httpx
 import logprob_refs
 import numpy as np
 import pytest
+import xla_env
 
 import jaxllm
 
@@ -55,7 +55,7 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**xla_env.full_speed(), "PYTHONPATH": str(ROOT)}      # it decodes the real model
         env.setdefault("JAX_PLATFORMS", "cpu")
         model = ["--model-dir", model_dir] if model_dir else []
         cmd = [sys.executable, "-m", "jaxllm.serve", *model, "--port", str(self.port), "--quant", "none",
