@@ -94,7 +94,23 @@ def test_compile_all_keeps_the_order_of_its_items():
     assert map_threads(lambda c: 2 * c, items, threads=3) == [2 * c for c in items] and map_threads(len, []) == []
 
 
-def test_warmup_reads_every_call_back(tmp_path, monkeypatch):
+@pytest.fixture
+def without_jax_cache():
+    """JAX's persistent cache off in this process for one test. A front end run in process earlier
+    in the worker turns it on, and a program it answers is not kept as an executable
+    (`compile_and_keep`): whether a test's programs were compiled before in the run (or in an
+    earlier run, the folder being shared) must not decide what it sees."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as jcc
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    jcc.reset_cache()                     # JAX decides once a process whether the cache is used
+    yield
+    jax.config.update("jax_enable_compilation_cache", was)
+    jcc.reset_cache()
+
+
+def test_warmup_reads_every_call_back(tmp_path, monkeypatch, without_jax_cache):
     """A second engine of the same model warms a server's scheduler from the executables the first
     one kept: every call is read back (on threads), none traced again."""
     import jaxllm
