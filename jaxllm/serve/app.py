@@ -7,6 +7,7 @@ OpenAI's error body and never logged as a traceback.
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import json
 import logging
@@ -62,33 +63,60 @@ class ServeOptions:
     started: float | None = None        # process start (time.monotonic()), for the time to ready
 
 
+class Wakeups:
+    """Wakes handlers on the event loop for events that other threads put in their inboxes: one
+    `call_soon_threadsafe` for however many inboxes the threads fill meanwhile, so that a decode
+    block's events for every running request cost the loop one wake-up, not one each (with many
+    short streams the loop's own work is what a busy server waits on)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.due: collections.deque[Inbox] = collections.deque()
+        self.scheduled = False
+
+    def wake(self, inbox: Inbox):              # any thread
+        self.due.append(inbox)
+        if not self.scheduled:
+            self.scheduled = True
+            try:
+                self.loop.call_soon_threadsafe(self._run)
+            except RuntimeError:                # the event loop is gone (shutdown)
+                pass
+
+    def _run(self):                             # the event loop
+        self.scheduled = False                  # before draining: an inbox due after this schedules again
+        while self.due:
+            self.due.popleft().wake()
+
+
 class Inbox:
-    """Events from the engine thread to one handler. Waiting with a timeout never loses an event
-    (the pending get survives the timeout instead of being cancelled)."""
+    """Events from the scheduler's threads to one handler, in order."""
 
-    def __init__(self):
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.pending: asyncio.Future | None = None
+    def __init__(self, wakeups: Wakeups):
+        self.wakeups = wakeups
+        self.events: collections.deque = collections.deque()
+        self.waiter: asyncio.Future | None = None
 
-    def put(self, event):                       # called from the engine thread
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-        except RuntimeError:                    # the event loop is gone (shutdown)
-            pass
+    def put(self, event):                       # the engine or output thread
+        self.events.append(event)
+        self.wakeups.wake(self)
+
+    def wake(self):                             # the event loop
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 
     async def get(self, timeout: float):
-        if self.pending is None:
-            self.pending = asyncio.ensure_future(self.queue.get())
-        done, _ = await asyncio.wait({self.pending}, timeout=max(timeout, 0))
-        if not done:
-            return None
-        fut, self.pending = self.pending, None
-        return fut.result()
-
-    def close(self):
-        if self.pending is not None:
-            self.pending.cancel()
+        """The next event, or None after `timeout` seconds without one."""
+        if not self.events:
+            loop = self.wakeups.loop
+            self.waiter = loop.create_future()
+            timer = loop.call_later(max(timeout, 0), self.wake)
+            try:
+                await self.waiter
+            finally:
+                timer.cancel()
+                self.waiter = None
+        return self.events.popleft() if self.events else None
 
 
 class TimedOut(Exception):
@@ -109,6 +137,13 @@ class Server:
         self.metrics = self.scheduler.observer = Metrics(self.scheduler, opts.served_name)
         self.features = chat_features(engine.cfg.family)      # reasoning and tool calls in chat answers
         self.started = time.time()
+        self.wakeups: Wakeups | None = None                   # the event loop's, made by its first request
+
+    def inbox(self) -> Inbox:
+        loop = asyncio.get_running_loop()
+        if self.wakeups is None or self.wakeups.loop is not loop:
+            self.wakeups = Wakeups(loop)
+        return Inbox(self.wakeups)
 
     def start(self):
         """Compile the engine's calls, and meanwhile build the grammar engine's tokenizer."""
@@ -229,7 +264,7 @@ class Server:
             if self.grammars is None:
                 raise bad("this model has no tokenizer, so its answers cannot be constrained", req.constraint.field)
             matcher = await run_in_threadpool(self.grammars.matcher, req.constraint)
-        inbox = Inbox()
+        inbox = self.inbox()
         job = Job.for_request(req, lambda index, event: inbox.put((index, event)), matcher=matcher)
         try:
             self.scheduler.submit(job)
@@ -250,7 +285,6 @@ class Server:
             return Response(status_code=499)     # nobody reads it; the slot is freed below
         finally:
             job.cancel()              # frees the slot if the client left or the deadline passed
-            inbox.close()
 
     async def collect(self, request: Request, req: GenRequest, job: Job, inbox: Inbox, deadline: float):
         """The request's answers (events tagged with their index) -> one response."""
@@ -288,9 +322,12 @@ class Server:
 
     async def stream(self, req: GenRequest, job: Job, inbox: Inbox, deadline: float):
         """The request's answers as SSE chunks, each chunk one answer's with its index (OpenAI's
-        shape for n > 1), the usage after the last answer ends."""
-        def sse(obj) -> str:
-            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+        shape for n > 1), the usage after the last answer ends. The chunks of the events waiting
+        in the inbox go out in one write."""
+        out: list[str] = []
+
+        def sse(obj):
+            out.append(f"data: {json.dumps(obj, ensure_ascii=False)}\n\n")
         answers = [AnswerStream(req, i, self.engine.tokenizer) for i in range(req.n)]
         reasons: dict[int, str] = {}
         n_completion = 0
@@ -298,19 +335,22 @@ class Server:
         try:
             if req.kind == "chat":
                 for a in answers:
-                    yield sse(a.role())
+                    sse(a.role())
             while True:
+                if out and (not inbox.events or len(out) >= 64):
+                    yield "".join(out)
+                    out.clear()
                 try:
                     i, ev = await self.next_event(inbox, deadline)
                 except TimedOut:
                     ended = True
                     self.metrics.failed("timeout")
-                    yield sse(self.timeout_error().body())
+                    sse(self.timeout_error().body())
                     break
                 if isinstance(ev, (Delta, Prompt)):
                     text = ev.text if isinstance(ev, Delta) else req.prompt_text
                     for c in answers[i].text(text, ev.logprobs):
-                        yield sse(c)
+                        sse(c)
                 elif isinstance(ev, Finished):
                     last, reasons[i] = answers[i].finish(ev.finish_reason)
                     n_completion += ev.completion_tokens
@@ -318,22 +358,22 @@ class Server:
                         ended = True
                         self.metrics.finished(job, reasons[0])
                     for c in last:
-                        yield sse(c)
+                        sse(c)
                     if ended:
                         if req.include_usage:
-                            yield sse(usage_chunk(req, n_completion))
+                            sse(usage_chunk(req, n_completion))
                         break
                 elif isinstance(ev, Failed):
                     ended = True
                     self.metrics.failed("error")
-                    yield sse(ApiError(ev.status, ev.message, type=ev.type).body())
+                    sse(ApiError(ev.status, ev.message, type=ev.type).body())
                     break
-            yield "data: [DONE]\n\n"
+            out.append("data: [DONE]\n\n")
+            yield "".join(out)
         finally:
             if not ended:                        # the client went away mid-stream
                 self.metrics.failed("abort")
             job.cancel()
-            inbox.close()
 
 
 # -- the application ------------------------------------------------------------------------------
