@@ -105,6 +105,8 @@ class Scheduler(Results, Warmup):
         self.output = threading.Thread(target=self._read_results, name="jaxllm-output", daemon=True)
         self.ready: set | None = None  # shapes compiled while the others compile (None: any shape)
         self.compiling = 0             # shapes still compiling in the background
+        self.groups: dict = {}         # the calls of each shape (`warmup_calls`), once warmed up
+        self.unprimed: list = []       # shapes compiled in the background, not yet run once (`prime`)
         self.finished = 0              # requests completed
         self.generated = 0             # tokens sampled for requests (a freed slot stops adding)
         # What the device ran, in order: {"kind": "prefill", "pieces": [(job, start, length), ...]},
@@ -177,7 +179,8 @@ class Scheduler(Results, Warmup):
         try:
             while True:
                 with self.cond:
-                    while not (self.done or self.waiting or self.ended or self._busy() or self.deadline):
+                    while not (self.done or self.waiting or self.ended or self._busy() or self.deadline
+                               or self.unprimed):
                         with self._timed("engine", "idle"):
                             self.cond.wait()
                     if self.done:
@@ -197,6 +200,8 @@ class Scheduler(Results, Warmup):
                     self._reap()
                     if self.spec_unread and not self._busy():     # idle: report what the slots drafted
                         self._read_spec()
+                    if self._prime_idle():
+                        continue
                     self._gather_arrivals()
                     self._admit()
                     if not self._launch():         # nothing to run (draining, or only waiting on results)

@@ -161,9 +161,12 @@ def test_no_request_waits_for_a_compile(engine, monkeypatch):
         assert c.done.wait(300) and isinstance(c.events[-1], Finished)
         rows = {(r["rows"], r["fixed"]) for r in sched.record if r["kind"] == "decode" and c.job.id in r["tokens"]}
         return "".join(e.text for e in c.events if isinstance(e, Delta)), rows
+    primed, prime = [], sched.prime
+    sched.prime = lambda keys: primed.extend(keys) or prime(keys)
     sched.start(warmup=True)
     try:
         assert sched.load()["compiling"] == 4        # and the fixed blocks over 1 and 4 slots
+        assert set(primed) == sched.ready            # what serves first has run once
         assert sched.ready == {("prefill", 2, 32), ("decode", 4), ("fork",)}
         assert (sched._prefill_rows(1, 32), sched._decode_rows(1)) == (2, 4)
         early, early_rows = answer()
@@ -173,9 +176,41 @@ def test_no_request_waits_for_a_compile(engine, monkeypatch):
             assert time.time() - t0 < 300
             time.sleep(0.05)
         assert sched.ready is None and (sched._prefill_rows(1, 32), sched._decode_rows(1)) == (1, 1)
+        while set(primed) != set(sched.groups):      # the others run once as the engine thread idles
+            assert time.time() - t0 < 300
+            time.sleep(0.05)
+        assert len(primed) == len(sched.groups)
         late, late_rows = answer()
     finally:
         sched.shutdown()
     want = engine.generate_ids([prompt], max_tokens=6)[0].text
     assert early == late == want and early_rows == {(4, False)} and late_rows == {(1, True)}
     assert ("engine", "compile") not in parts
+
+
+def test_warmup_runs_each_call_once_and_changes_nothing(engine, monkeypatch):
+    """Warming up runs every call it compiled once (a GPU loads a call's kernels at its first run),
+    on the slot table with nothing to do: after a request has ended in a slot, running every call
+    again leaves the cache and the slot table bit for bit as they were."""
+    import jax
+
+    from jaxllm.engine.engine import _signature
+    from jaxllm.engine.slots import Pieces
+    sched = Scheduler(engine, max_num_seqs=4, max_model_len=32, max_queue=8, decode_steps=4,
+                      max_num_batched_tokens=64)
+    ran, run = [], engine.run
+    monkeypatch.setattr(engine, "run", lambda name, *args, **static: ran.append(_signature(name, args, static))
+                        or run(name, *args, **static))
+    sched.warmup(background=False)
+    calls = [c for cs in sched.groups.values() for c in cs]
+    assert len(calls) == 11 and sorted(ran) == sorted(_signature(*c) for c in calls)
+    core = sched.core
+    tokens = np.zeros((1, 32), np.int32)
+    tokens[0, :5] = [5, 9, 23, 7, 11]
+    core.prefill(Pieces.make(tokens, length=[5], final=[True], rows=[2], max_new=[3]))
+    toks, count, _ = core.decode(8, sched.out_size, np.zeros(4, bool), 4)
+    assert np.asarray(count)[2] == 2                  # its 2 tokens after the first: the slot has ended
+    before = [np.asarray(x) for x in jax.tree_util.tree_leaves(core.state)]
+    sched.prime(list(sched.groups))
+    after = [np.asarray(x) for x in jax.tree_util.tree_leaves(core.state)]
+    assert len(before) == len(after) and all(np.array_equal(a, b) for a, b in zip(before, after))
