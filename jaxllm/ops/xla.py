@@ -178,6 +178,15 @@ class XlaOps:
         the sort's time)."""
         return "sort" if self.platform == "gpu" else "bisection"
 
+    @property
+    def first_run_costs(self) -> bool:
+        """Whether a compiled call's first run costs more than its next ones, so that a server runs
+        each call once before a request waits on it: a GPU loads the call's kernels and builds its
+        command buffers then (20 to 60 ms a call on one H100). On a CPU the first run costs what the
+        next ones do (the embedded model's server's calls on this project's CPU machine), and a run
+        with nothing to do still computes everything (a prefill of padding rows is seconds long)."""
+        return self.platform == "gpu"
+
     def layer_scan(self, cache_positions: int = 0) -> str:
         """`cond` or `period` (see `RuntimeConfig.layer_scan`) for a step over a cache of
         `cache_positions` (rows x positions). With a conditional per layer, XLA copies the KV-cache

@@ -71,9 +71,12 @@ log = logging.getLogger("jaxllm.serve")
 # -- the scheduler --------------------------------------------------------------------------------
 class Scheduler(Results, Warmup):
     def __init__(self, engine, max_num_seqs: int, max_model_len: int, max_queue: int, decode_steps: int = 8,
-                 max_num_batched_tokens: int = 2048, record: int = 10_000, structured: bool = False):
+                 max_num_batched_tokens: int = 2048, record: int = 10_000, structured: bool = False,
+                 first_runs: bool | None = None):
         """`structured`: requests may be constrained (a grammar engine serves them), so the calls of
-        constrained steps are compiled before ready too."""
+        constrained steps are compiled before ready too. `first_runs`: run each compiled call once
+        before a request can wait on it (`Warmup.prime`; None: where the backend's first runs cost
+        more, `first_run_costs`)."""
         self.engine = engine
         self.structured = structured
         self.observer = Observer()
@@ -107,6 +110,7 @@ class Scheduler(Results, Warmup):
         self.compiling = 0             # shapes still compiling in the background
         self.groups: dict = {}         # the calls of each shape (`warmup_calls`), once warmed up
         self.unprimed: list = []       # shapes compiled in the background, not yet run once (`prime`)
+        self.first_runs = engine.ops.first_run_costs if first_runs is None else first_runs
         self.finished = 0              # requests completed
         self.generated = 0             # tokens sampled for requests (a freed slot stops adding)
         # What the device ran, in order: {"kind": "prefill", "pieces": [(job, start, length), ...]},

@@ -87,10 +87,11 @@ class Warmup:
             self.ready = None if not rest else set(first)
         t = self.engine.precompile([c for k in groups if k not in rest for c in groups[k]])
         self.groups = groups
-        primed = self.prime([k for k in groups if k not in rest])
-        log.info("ran each of the %d calls compiled before serving once in %.2f s",
-                 sum(len(groups[k]) for k in groups if k not in rest), primed)
-        t += primed
+        if self.first_runs:
+            primed = self.prime([k for k in groups if k not in rest])
+            log.info("ran each of the %d calls compiled before serving once in %.2f s",
+                     sum(len(groups[k]) for k in groups if k not in rest), primed)
+            t += primed
         if rest:
             self.compiling = len(rest)
             threading.Thread(target=self._compile_rest, args=([(k, groups[k]) for k in rest],),
@@ -109,7 +110,8 @@ class Warmup:
                 for key, calls in todo:
                     if key not in self.ready and all(map(self.engine.compiled, calls)):
                         self.ready.add(key)
-                        self.unprimed.append(key)
+                        if self.first_runs:
+                            self.unprimed.append(key)
                         self.compiling -= 1
                 self.cond.notify()             # the engine thread runs them once when idle
                 if not self.compiling:         # every shape compiled: any shape from now on, as
@@ -131,7 +133,7 @@ class Warmup:
         (an idle slot runs at position -1 and writes nothing). A GPU loads a call's kernels and builds
         its command buffers at its first run, 20 to 60 ms a call on one H100 (0.5 s for the 23 calls
         of the Gemma 3 270M shape's server, 0.6 s for Qwen3-4B's), which the first requests would
-        otherwise wait on. The engine thread's, or before it starts. -> seconds taken."""
+        otherwise wait on (`first_runs`). The engine thread's, or before it starts. -> seconds taken."""
         t = time.perf_counter()
         core = self.core
         for key in keys:

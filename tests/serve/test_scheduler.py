@@ -150,7 +150,8 @@ def test_no_request_waits_for_a_compile(engine, monkeypatch):
         return orig(calls, threads, counted, on_compiled)
     monkeypatch.setattr(engine, "precompile", held)
     sched = Scheduler(engine, max_num_seqs=4, max_model_len=32, max_queue=8, decode_steps=4,
-                      max_num_batched_tokens=64)     # prefills of 1 and 2 pieces of 32, decodes over 1 and 4 slots
+                      max_num_batched_tokens=64,     # prefills of 1 and 2 pieces of 32, decodes over 1 and 4 slots
+                      first_runs=True)               # as on a GPU
     parts = []
     sched.observer.busy = lambda thread, part, s: parts.append((thread, part))
     prompt = np.random.default_rng(4).integers(3, 150, 7).tolist()
@@ -189,15 +190,16 @@ def test_no_request_waits_for_a_compile(engine, monkeypatch):
 
 
 def test_warmup_runs_each_call_once_and_changes_nothing(engine, monkeypatch):
-    """Warming up runs every call it compiled once (a GPU loads a call's kernels at its first run),
-    on the slot table with nothing to do: after a request has ended in a slot, running every call
+    """Warming up runs every call it compiled once where first runs cost more (a GPU loads a call's
+    kernels at its first run), on the slot table with nothing to do: after a request has ended in a slot, running every call
     again leaves the cache and the slot table bit for bit as they were."""
     import jax
 
     from jaxllm.engine.engine import _signature
     from jaxllm.engine.slots import Pieces
     sched = Scheduler(engine, max_num_seqs=4, max_model_len=32, max_queue=8, decode_steps=4,
-                      max_num_batched_tokens=64)
+                      max_num_batched_tokens=64, first_runs=True)
+    assert not Scheduler(engine, 4, 32, 8).first_runs       # a CPU's first runs cost no more
     ran, run = [], engine.run
     monkeypatch.setattr(engine, "run", lambda name, *args, **static: ran.append(_signature(name, args, static))
                         or run(name, *args, **static))
