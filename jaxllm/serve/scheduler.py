@@ -150,8 +150,8 @@ class Scheduler(Results, Warmup):
     def start(self, warmup: bool = True):
         if warmup:
             t = self.warmup()
-            n = len(self.shapes.prefills()) + len(self.shapes.decodes())
-            log.info("compiled %d of %d prefill and decode shapes in %.1f s%s", n - self.compiling, n, t,
+            n = len(self.groups)            # prefill, decode and fixed decode shapes, and the fork
+            log.info("compiled %d of %d shapes of calls in %.1f s%s", n - self.compiling, n, t,
                      f"; the {self.compiling} others compile in the background, their requests running on "
                      "larger shapes meanwhile" if self.compiling else "")
         self.thread.start()
