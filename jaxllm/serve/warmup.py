@@ -157,15 +157,17 @@ class Warmup:
                                       if isinstance(x, jax.ShapeDtypeStruct) else x, a)
 
     def _prime_idle(self) -> bool:
-        """With no slot in use and no request waiting, run the shapes compiled in the background
-        since, once each (`prime`). -> whether it did."""
+        """With no slot in use and no request waiting, run the next shape compiled in the background
+        once (`prime`): one at a time, so that a request arriving meanwhile waits for one shape's
+        calls at most. -> whether it did."""
         with self.cond:
             if not self.unprimed or self.waiting or any(j is not None for j in self.slots):
                 return False
-            keys, self.unprimed = self.unprimed, []
+            key = self.unprimed.pop(0)
         self.ahead = None              # a forward launched ahead no longer matches the slot table
-        log.info("ran each call of %d shapes compiled in the background once in %.2f s", len(keys),
-                 self.prime(keys))
+        log.debug("ran the calls of %s, compiled in the background, once in %.3f s", key, self.prime([key]))
+        if not self.unprimed and not self.compiling:
+            log.info("every shape compiled in the background has run once")
         return True
 
     def _decode_rows(self, live: int) -> int:
