@@ -119,6 +119,9 @@ class Inbox:
         return self.events.popleft() if self.events else None
 
 
+DISCONNECT_CHECK = 0.5      # seconds between two looks at whether a non-streaming client is still there
+
+
 class TimedOut(Exception):
     pass
 
@@ -212,7 +215,7 @@ class Server:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimedOut
-            ev = await inbox.get(min(left, 0.5))
+            ev = await inbox.get(min(left, DISCONNECT_CHECK))
             if ev is not None:
                 return ev
             if request is not None and await request.is_disconnected():
@@ -287,10 +290,18 @@ class Server:
             job.cancel()              # frees the slot if the client left or the deadline passed
 
     async def collect(self, request: Request, req: GenRequest, job: Job, inbox: Inbox, deadline: float):
-        """The request's answers (events tagged with their index) -> one response."""
+        """The request's answers (events tagged with their index) -> one response. A client that
+        went away is noticed within about `DISCONNECT_CHECK` seconds, whether or not events keep
+        coming (tokens whose text is held back, a special token skipped, still send events), and
+        its slot given back."""
         texts, logprobs = [[] for _ in range(req.n)], [[] for _ in range(req.n)]
         finished: dict[int, Finished] = {}
+        checked = time.monotonic()
         while len(finished) < req.n:
+            if time.monotonic() - checked >= DISCONNECT_CHECK:
+                if await request.is_disconnected():
+                    raise ClientGone
+                checked = time.monotonic()
             try:
                 i, ev = await self.next_event(inbox, deadline, request)
             except TimedOut:
