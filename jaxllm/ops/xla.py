@@ -187,6 +187,18 @@ class XlaOps:
         with nothing to do still computes everything (a prefill of padding rows is seconds long)."""
         return self.platform == "gpu"
 
+    @property
+    def prefill_tokens(self) -> int:
+        """The prompt tokens a server's prefill forward takes unless told (`--max-num-batched-tokens`):
+        8192 on a GPU whose allocator may hold at least 40 GiB, as vLLM's server on GPUs of 70 GiB and
+        more (64 prompts of 100 tokens in one forward: the Qwen3-4B shape on one H100 prefills them
+        in 125 ms, against 151 ms in four forwards of 16), else 2048."""
+        if self.platform != "gpu":
+            return 2048
+        device = jax.local_devices()[0] if self.layout is None else self.layout.mesh.devices.flat[0]
+        limit = memory_limit(device)
+        return 8192 if limit is not None and limit >= 40 << 30 else 2048
+
     def layer_scan(self, cache_positions: int = 0) -> str:
         """`cond` or `period` (see `RuntimeConfig.layer_scan`) for a step over a cache of
         `cache_positions` (rows x positions). With a conditional per layer, XLA copies the KV-cache

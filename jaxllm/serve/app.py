@@ -51,7 +51,7 @@ class ServeOptions:
     served_name: str
     max_model_len: int
     max_num_seqs: int = 8
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None      # None: the backend's (`XlaOps.prefill_tokens`)
     max_queue: int = 64
     api_key: str | None = None
     max_request_bytes: int = 4 << 20
@@ -411,8 +411,9 @@ def build_app(engine, opts: ServeOptions) -> Starlette:
     async def lifespan(app):
         await run_in_threadpool(server.start)
         ready = "" if opts.started is None else f"; ready {time.monotonic() - opts.started:.1f} s after start"
-        log.info("serving %s: %d slots x %d positions, %s KV cache%s", opts.served_name, opts.max_num_seqs,
-                 opts.max_model_len, engine.kv_layout.name, ready)
+        log.info("serving %s: %d slots x %d positions, %s KV cache, prefill forwards of up to %d tokens%s",
+                 opts.served_name, opts.max_num_seqs, opts.max_model_len, engine.kv_layout.name,
+                 server.scheduler.shapes.budget, ready)
         yield
         server.scheduler.shutdown()
 

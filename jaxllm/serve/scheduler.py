@@ -71,9 +71,10 @@ log = logging.getLogger("jaxllm.serve")
 # -- the scheduler --------------------------------------------------------------------------------
 class Scheduler(Results, Warmup):
     def __init__(self, engine, max_num_seqs: int, max_model_len: int, max_queue: int, decode_steps: int = 8,
-                 max_num_batched_tokens: int = 2048, record: int = 10_000, structured: bool = False,
+                 max_num_batched_tokens: int | None = None, record: int = 10_000, structured: bool = False,
                  first_runs: bool | None = None):
-        """`structured`: requests may be constrained (a grammar engine serves them), so the calls of
+        """`max_num_batched_tokens`: prompt tokens a prefill forward takes (None: the backend's,
+        `XlaOps.prefill_tokens`). `structured`: requests may be constrained (a grammar engine serves them), so the calls of
         constrained steps are compiled before ready too. `first_runs`: run each compiled call once
         before a request can wait on it (`Warmup.prime`; None: where the backend's first runs cost
         more, `first_run_costs`)."""
@@ -82,6 +83,8 @@ class Scheduler(Results, Warmup):
         self.observer = Observer()
         self.eos = set(engine.cfg.eos_ids)
         self.core = engine.core(max_num_seqs, max_model_len)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = engine.ops.prefill_tokens
         self.shapes = Shapes(max_num_batched_tokens, max_num_seqs,
                              min(max_num_batched_tokens, engine.kv_options.prefill_chunk, max_model_len))
         self.decode_steps = decode_steps          # steps (speculative cycles) a decode block
@@ -206,7 +209,8 @@ class Scheduler(Results, Warmup):
                         self._read_spec()
                     if self._prime_idle():
                         continue
-                    self._gather_arrivals()
+                    if self._gather_arrivals():
+                        self._free_ended()         # the slots of requests that ended meanwhile
                     self._admit()
                     if not self._launch():         # nothing to run (draining, or only waiting on results)
                         with self.cond, self._timed("engine", "idle"):
@@ -224,21 +228,29 @@ class Scheduler(Results, Warmup):
     def _busy(self) -> bool:
         return any(j is not None for j in self.slots)
 
-    def _gather_arrivals(self):
-        """While no slot decodes, let a burst of requests arrive before the first prefill: clients
-        that send together (a batch job, the round of a benchmark) then share one forward instead of
-        each waiting for the forwards of the ones that came a millisecond earlier. Waits while
-        requests keep coming ARRIVAL_GAP apart, up to ARRIVAL_WAIT in all."""
-        if self.prefilling or any(j is not None for j in self.slots) or not self.waiting:
-            return
+    def _gather_arrivals(self) -> bool:
+        """While the device has nothing left to run (no prompt waits for its prefill, and the calls
+        launched take every decoding request to its end), let a burst of requests arrive before the
+        first prefill: clients that send together (a batch job, the round of a benchmark, clients
+        whose answers ended in one block) then share one forward instead of each waiting for the
+        forwards of the ones that came a millisecond earlier. Waits while requests keep coming
+        ARRIVAL_GAP apart, up to ARRIVAL_WAIT in all. -> whether it waited.
+
+        Measured on the Qwen3-4B shape on one H100 with 64 clients in lockstep: when only an idle
+        device let it wait, the next round's first 16 requests went in a forward of their own while
+        the other 48 arrived, and those waited for it and for their own (TTFT over 200 ms where one
+        forward of 64 takes 125)."""
+        if self.prefilling or not self.waiting or self._to_decode():
+            return False
         start = time.monotonic()
         with self.cond, self._timed("engine", "idle"):
             while len(self.waiting) < len(self.slots) and not self.done and not self.stopping:
                 now = time.monotonic()
                 wait = min(self.last_submit + ARRIVAL_GAP, start + ARRIVAL_WAIT) - now
                 if wait <= 0:
-                    return
+                    break
                 self.cond.wait(wait)
+        return True
 
     def _admit(self):
         """Give free slots (the lowest first, so live requests stay in the leading slots) to queued

@@ -137,6 +137,28 @@ def test_long_prompt_runs_one_chunk_between_tokens(engine):
     assert text == want.text
 
 
+def test_a_burst_gathers_while_the_device_has_nothing_left_to_run(engine, monkeypatch):
+    """Requests that arrive together share one prefill forward: the first prefill waits while they
+    keep coming, as long as the calls launched take every decoding request to its end (slots still
+    held by answers the output thread has not read back do not stop it), and never while a running
+    request has steps left to launch."""
+    from jaxllm.serve import scheduler
+    monkeypatch.setattr(scheduler, "ARRIVAL_GAP", 0.5)       # a loaded CI machine's gaps stay well under
+    monkeypatch.setattr(scheduler, "ARRIVAL_WAIT", 10.0)
+    sched = Scheduler(engine, max_num_seqs=4, max_model_len=32, max_queue=8)
+    ending = Client([5, 6, 7], 4).job
+    ending.slot, ending.started, ending.launched = 0, True, 4   # its last block launched, not read back yet
+    sched.slots[0] = ending
+    sched.submit(Client([5, 6], 4).job)
+    later = threading.Timer(0.2, lambda: sched.submit(Client([8, 9], 4).job))
+    later.start()
+    assert sched._gather_arrivals() and len(sched.waiting) == 2
+    later.join()
+    ending.launched = 3                                        # a step left to launch: no wait
+    t0 = time.monotonic()
+    assert not sched._gather_arrivals() and time.monotonic() - t0 < 0.2
+
+
 def test_no_request_waits_for_a_compile(engine, monkeypatch):
     """The scheduler serves once each kind's largest shape is compiled: a request meanwhile runs on
     those (padding rows) with `Engine.generate`'s tokens; the smaller shapes compile on a thread of
