@@ -40,7 +40,7 @@ class Failed:
 
 _ids = itertools.count(1)
 ARRIVAL_GAP = 0.002      # seconds between arrivals that still count as one burst
-ARRIVAL_WAIT = 0.010     # the longest a burst holds the first prefill back
+ARRIVAL_WAIT = 0.020     # the longest a burst holds the first prefill back
 
 
 @dataclass(eq=False)

@@ -204,6 +204,7 @@ class Results:
     def _ended(self, job: Job):
         with self.cond:
             self.ended.append(job)
+            self.last_end = time.monotonic()
             self.cond.notify()
 
     def _end(self, job: Job, event, text: str = "", logprobs: list | None = None) -> bool:

@@ -95,6 +95,7 @@ class Scheduler(Results, Warmup):
         self.max_queue = max_queue
         self.waiting: collections.deque[Job] = collections.deque()
         self.last_submit = 0.0
+        self.last_end = 0.0             # when the output thread last ended a request
         self.ended: collections.deque[Job] = collections.deque()   # finished by the output thread
         self.cond = threading.Condition()
         self.lock = threading.Lock()    # a request's end event goes out once
@@ -233,23 +234,22 @@ class Scheduler(Results, Warmup):
         launched take every decoding request to its end), let a burst of requests arrive before the
         first prefill: clients that send together (a batch job, the round of a benchmark, clients
         whose answers ended in one block) then share one forward instead of each waiting for the
-        forwards of the ones that came a millisecond earlier. Waits while requests keep coming
-        ARRIVAL_GAP apart, up to ARRIVAL_WAIT in all. -> whether it waited.
-
-        Measured on the Qwen3-4B shape on one H100 with 64 clients in lockstep: when only an idle
-        device let it wait, the next round's first 16 requests went in a forward of their own while
-        the other 48 arrived, and those waited for it and for their own (TTFT over 200 ms where one
-        forward of 64 takes 125)."""
+        forwards of the ones that came a millisecond earlier. Waits while answers of that last
+        block are still being read back, and while requests or ends keep coming ARRIVAL_GAP apart,
+        up to ARRIVAL_WAIT in all. -> whether it waited."""
         if self.prefilling or not self.waiting or self._to_decode():
             return False
         start = time.monotonic()
         with self.cond, self._timed("engine", "idle"):
             while len(self.waiting) < len(self.slots) and not self.done and not self.stopping:
                 now = time.monotonic()
-                wait = min(self.last_submit + ARRIVAL_GAP, start + ARRIVAL_WAIT) - now
-                if wait <= 0:
+                reading = any(j is not None and not j.done for j in self.slots)
+                until = start + ARRIVAL_WAIT
+                if not reading:
+                    until = min(max(self.last_submit, self.last_end) + ARRIVAL_GAP, until)
+                if until <= now:
                     break
-                self.cond.wait(wait)
+                self.cond.wait(until - now)
         return True
 
     def _admit(self):

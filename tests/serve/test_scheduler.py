@@ -139,9 +139,8 @@ def test_long_prompt_runs_one_chunk_between_tokens(engine):
 
 def test_a_burst_gathers_while_the_device_has_nothing_left_to_run(engine, monkeypatch):
     """Requests that arrive together share one prefill forward: the first prefill waits while they
-    keep coming, as long as the calls launched take every decoding request to its end (slots still
-    held by answers the output thread has not read back do not stop it), and never while a running
-    request has steps left to launch."""
+    keep coming, and while answers whose last tokens are launched are still being read back (slots
+    such answers hold do not stop it), as long as no running request has steps left to launch."""
     from jaxllm.serve import scheduler
     monkeypatch.setattr(scheduler, "ARRIVAL_GAP", 0.5)       # a loaded CI machine's gaps stay well under
     monkeypatch.setattr(scheduler, "ARRIVAL_WAIT", 10.0)
@@ -149,12 +148,21 @@ def test_a_burst_gathers_while_the_device_has_nothing_left_to_run(engine, monkey
     ending = Client([5, 6, 7], 4).job
     ending.slot, ending.started, ending.launched = 0, True, 4   # its last block launched, not read back yet
     sched.slots[0] = ending
+
+    def read_back():
+        ending.done = True
+        sched._ended(ending)
+    timers = [threading.Timer(0.2, lambda: sched.submit(Client([8, 9], 4).job)), threading.Timer(1.0, read_back)]
     sched.submit(Client([5, 6], 4).job)
-    later = threading.Timer(0.2, lambda: sched.submit(Client([8, 9], 4).job))
-    later.start()
-    assert sched._gather_arrivals() and len(sched.waiting) == 2
-    later.join()
-    ending.launched = 3                                        # a step left to launch: no wait
+    t0 = time.monotonic()
+    for t in timers:
+        t.start()
+    assert sched._gather_arrivals()
+    assert time.monotonic() - t0 >= 1.0 and len(sched.waiting) == 2 and list(sched.ended) == [ending]
+    sched._free_ended()
+    ending = Client([5, 6, 7], 4).job
+    ending.slot, ending.started, ending.launched = 1, True, 3   # a step left to launch: no wait
+    sched.slots[1] = ending
     t0 = time.monotonic()
     assert not sched._gather_arrivals() and time.monotonic() - t0 < 0.2
 
