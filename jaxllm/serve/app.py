@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
+import functools
 import hmac
 import json
 import logging
@@ -120,12 +122,6 @@ class Inbox:
 
 
 DISCONNECT_CHECK = 0.5      # seconds between two looks at whether a non-streaming client is still there
-# A request body up to this size is parsed (chat template, tokenizer) on the event loop itself, a
-# larger one on a worker thread. Sixteen clients whose requests came at once each took a worker
-# thread, and those threads' turns at the GIL held the engine thread's prefill back (one H100, the
-# Gemma 3 270M shape: a 1-row prefill call 15 ms instead of 4, requests submitted 6 to 10 ms after
-# they arrived, for a parse of 0.1 ms).
-INLINE_PARSE_BYTES = 16 << 10
 
 
 class TimedOut(Exception):
@@ -147,6 +143,12 @@ class Server:
         self.features = chat_features(engine.cfg.family)      # reasoning and tool calls in chat answers
         self.started = time.time()
         self.wakeups: Wakeups | None = None                   # the event loop's, made by its first request
+        # Requests are parsed (chat template, tokenizer) off the event loop, one at a time on a thread
+        # of their own, as vLLM's server tokenizes. A worker thread each, as Starlette's pool gives,
+        # let a burst of sixteen requests' threads take turns at the GIL ahead of the engine thread
+        # (one H100, the Gemma 3 270M shape: a 1-row prefill call 15 ms instead of 4, requests
+        # submitted 6 to 10 ms after they arrived, for a parse of 0.1 ms).
+        self.parser = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxllm-parse")
 
     def inbox(self) -> Inbox:
         loop = asyncio.get_running_loop()
@@ -174,8 +176,7 @@ class Server:
             raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    async def read_json(self, request: Request, sized: bool = False):
-        """The request's JSON body (with `sized`, and its size in bytes)."""
+    async def read_json(self, request: Request):
         limit = self.opts.max_request_bytes
         too_big = ApiError(413, f"request body is larger than the limit of {limit} bytes",
                            code="request_too_large")
@@ -209,7 +210,11 @@ class Server:
             json.dumps(body, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
             raise bad("the request body holds an unpaired UTF-16 surrogate escape") from None
-        return (body, len(raw)) if sized else body
+        return body
+
+    async def parsed(self, fn, *args):
+        """fn(*args) on the parse thread: a request's chat template and tokenizer, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.parser, functools.partial(fn, *args))
 
     def deadline(self) -> float:
         t = self.opts.request_timeout
@@ -250,13 +255,13 @@ class Server:
     async def tokenize(self, request: Request):
         self.check_auth(request)
         body = await self.read_json(request)
-        return JSONResponse(await run_in_threadpool(tokenize, body, self.engine, self.opts.served_name,
-                                                    self.opts.max_model_len, self.features))
+        return JSONResponse(await self.parsed(tokenize, body, self.engine, self.opts.served_name,
+                                                self.opts.max_model_len, self.features))
 
     async def detokenize(self, request: Request):
         self.check_auth(request)
         body = await self.read_json(request)
-        return JSONResponse(await run_in_threadpool(detokenize, body, self.engine, self.opts.served_name))
+        return JSONResponse(await self.parsed(detokenize, body, self.engine, self.opts.served_name))
 
     async def completions(self, request: Request):
         return await self.generate(request, "completion")
@@ -266,10 +271,9 @@ class Server:
 
     async def generate(self, request: Request, kind: str):
         self.check_auth(request)
-        body, size = await self.read_json(request, sized=True)
-        args = (kind, body, self.engine, self.opts.served_name, self.opts.max_model_len, self.features,
-                self.opts.max_num_seqs)
-        req = parse_request(*args) if size <= INLINE_PARSE_BYTES else await run_in_threadpool(parse_request, *args)
+        body = await self.read_json(request)
+        req = await self.parsed(parse_request, kind, body, self.engine, self.opts.served_name,
+                                self.opts.max_model_len, self.features, self.opts.max_num_seqs)
         matcher = None
         if req.constraint is not None:           # compiled here, never on the engine thread
             if self.grammars is None:
@@ -424,6 +428,7 @@ def build_app(engine, opts: ServeOptions) -> Starlette:
                  server.scheduler.shapes.budget, ready)
         yield
         server.scheduler.shutdown()
+        server.parser.shutdown(wait=False)
 
     routes = [
         Route("/health", server.health, methods=["GET"]),
