@@ -74,10 +74,10 @@ class Scheduler(Results, Warmup):
                  max_num_batched_tokens: int | None = None, record: int = 10_000, structured: bool = False,
                  first_runs: bool | None = None):
         """`max_num_batched_tokens`: prompt tokens a prefill forward takes (None: the backend's,
-        `XlaOps.prefill_tokens`). `structured`: requests may be constrained (a grammar engine serves them), so the calls of
-        constrained steps are compiled before ready too. `first_runs`: run each compiled call once
-        before a request can wait on it (`Warmup.prime`; None: where the backend's first runs cost
-        more, `first_run_costs`)."""
+        `XlaOps.prefill_tokens`). `structured`: requests may be constrained (a grammar engine serves
+        them), so the calls of constrained steps are compiled before ready too. `first_runs`: run
+        each compiled call once before a request can wait on it (`Warmup.prime`; None: where the
+        backend's first runs cost more, `first_run_costs`)."""
         self.engine = engine
         self.structured = structured
         self.observer = Observer()
