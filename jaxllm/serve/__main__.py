@@ -40,7 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(default: the model's maximum, capped at 8192); above 32768 the split int8 KV cache is used")
     p.add_argument("--max-num-batched-tokens", type=positive(), default=None,
                    help="prompt tokens one prefill forward takes; longer prompts go in chunks of it "
-                        "(default: 8192 on a GPU of 40 GiB or more, else 2048)")
+                        "(default: 8192 on a GPU whose allocator may hold 40 GiB or more, else 2048)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--quant", choices=["int8", "none"], default="int8", help="weight format on device")
     p.add_argument("--kv-quant", choices=["auto", "int8", "none"], default="auto",

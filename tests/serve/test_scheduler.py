@@ -69,6 +69,19 @@ def test_shapes():
     assert Shapes(budget=64, slots=9, max_piece=48).decodes() == [1, 4, 9]
 
 
+def test_the_backend_picks_the_prefill_budget(monkeypatch):
+    """A server's prefill forwards take 8192 prompt tokens on a GPU whose allocator holds 40 GiB or
+    more, 2048 elsewhere (this CPU, smaller GPUs, a runtime that does not say)."""
+    from jaxllm.ops import xla
+
+    class OnGpu(xla.XlaOps):
+        platform = "gpu"
+    assert xla.XlaOps().prefill_tokens == 2048
+    for limit, want in ((60 << 30, 8192), (40 << 30, 8192), (30 << 30, 2048), (None, 2048)):
+        monkeypatch.setattr(xla, "memory_limit", lambda device, v=limit: v)
+        assert OnGpu().prefill_tokens == want, limit
+
+
 # -- chunked prefill interleaved with decoding (in process, on a tiny model) ----------------------
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
