@@ -8,7 +8,9 @@ thread here blocks on a client, and a client never touches the device.
 Each round the engine thread launches at most one prefill forward (pieces of the waiting prompts,
 at most `max_num_batched_tokens` tokens, several requests' pieces in one forward) and then a decode
 block over the live slots, so a new request waits for no running one to finish, and between two
-tokens of a running request at most one prefill forward runs. While prompts wait for their prefill
+tokens of a running request at most one prefill forward runs. When the device has nothing left to
+run, the first prefill waits a few milliseconds for requests that arrive together, so that they
+share one forward (`_gather_arrivals`). While prompts wait for their prefill
 the blocks are one step long, so that prefills follow one another closely; otherwise `decode_steps`
 long. A block of `decode_steps` whose requests are all greedy is a fixed one (`core.decode`'s
 `fixed`): nothing in it waits for the host, so its call returns at once and the engine thread plans
