@@ -6,7 +6,8 @@ Request handlers (asyncio) hand a `Job` to `Scheduler.submit` and read `Event`s 
 thread here blocks on a client, and a client never touches the device.
 
 Each round the engine thread launches at most one prefill forward (pieces of the waiting prompts,
-at most `max_num_batched_tokens` tokens, several requests' pieces in one forward) and then a decode
+at most `max_num_batched_tokens` tokens, several requests' pieces in one forward, in the shape that
+does the most for its cost: `Shapes.choose`) and then a decode
 block over the live slots, so a new request waits for no running one to finish, and between two
 tokens of a running request at most one prefill forward runs. When the device has nothing left to
 run, the first prefill waits a few milliseconds for requests that arrive together, so that they
@@ -392,8 +393,8 @@ class Scheduler(Results, Warmup):
                 self.cond.wait(1.0)
 
     def _launch_prefill(self):
-        P, C, lengths = self.shapes.choose([len(j.req.prompt_ids) - j.prefilled for j in self.prefilling])
-        P = self._prefill_rows(P, C)
+        P, C, lengths = self.shapes.choose([len(j.req.prompt_ids) - j.prefilled for j in self.prefilling],
+                                           self._prefill_shapes())
         jobs = self.prefilling[:len(lengths)]
         B = self.core.num_slots
         tokens = np.full((P, C), self.engine.cfg.pad_id, np.int32)

@@ -69,8 +69,8 @@ class Warmup:
     def warmup(self, background: bool = True) -> float:
         """Compile what a request can wait on before serving: with `background`, the largest shape
         of each kind first (the largest prefill rows of each piece length, the decode blocks over
-        every slot, the fork), after which any request can be served, a smaller shape running as
-        the next larger compiled one (padding rows); the smaller shapes then compile on a thread
+        every slot, the fork), after which any request can be served, on the compiled shapes
+        (a decode block over more rows, a prefill forward of those shapes); the others compile on a thread
         of their own while the server serves, each taken up as soon as it is compiled. Without,
         everything before. -> seconds taken before serving."""
         groups = self.warmup_calls()
@@ -187,8 +187,9 @@ class Warmup:
         ready = self.ready
         return ready is None or ("fixed", rows) in ready
 
-    def _prefill_rows(self, P: int, C: int) -> int:
+    def _prefill_shapes(self):
+        """Which prefill shapes a forward may take now: any, or while some compile, the compiled
+        ones (the most rows of each piece length are compiled before serving). -> a predicate of
+        (rows, piece length), or None for any."""
         ready = self.ready
-        if ready is None:
-            return P
-        return next(p for p in self.shapes.row_counts(C) if p >= P and ("prefill", p, C) in ready)
+        return None if ready is None else lambda P, C: ("prefill", P, C) in ready

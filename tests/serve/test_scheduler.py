@@ -57,16 +57,23 @@ def test_server_equals_engine_generate(layouts, case):
 def test_shapes():
     s = Shapes(budget=2048, slots=64, max_piece=2048)
     assert s.lengths() == [128, 512, 2048] and s.decodes() == [1, 4, 16, 64]
-    assert s.row_counts(128) == [1, 2, 4, 8, 16] and s.row_counts(512) == [1] and s.row_counts(2048) == [1]
-    assert s.prefills() == [(1, 128), (2, 128), (4, 128), (8, 128), (16, 128), (1, 512), (1, 2048)]
+    assert s.row_counts(128) == [1, 2, 4, 8, 16] and s.row_counts(512) == [1, 2, 4] and s.row_counts(2048) == [1]
+    assert s.prefills() == [(1, 128), (2, 128), (4, 128), (8, 128), (16, 128), (1, 512), (2, 512), (4, 512),
+                            (1, 2048)]
     assert s.choose([100]) == (1, 128, [100])
+    assert s.choose([700]) == (1, 512, [512])                    # 512 + 188 costs less than 2048
     assert s.choose([5000, 10]) == (1, 2048, [2048])            # a long prompt fills the forward
-    assert s.choose([10, 5000, 3]) == (4, 128, [10, 128, 3])    # short pieces share a forward
-    assert s.choose([300, 10]) == (1, 512, [300])
+    assert s.choose([300, 10]) == (2, 512, [300, 10])           # prompts share a forward of long pieces
+    assert s.choose([10, 5000, 3]) == (2, 512, [10, 512])       # 3 tokens would cost a row of 512
     assert s.choose([60] * 40) == (16, 128, [60] * 16)
     assert s.decode_rows(1) == 1 and s.decode_rows(5) == 16 and s.decode_rows(64) == 64
     assert Shapes(budget=64, slots=9, max_piece=48).lengths() == [48]
     assert Shapes(budget=64, slots=9, max_piece=48).decodes() == [1, 4, 9]
+    big = Shapes(budget=8192, slots=64, max_piece=4096)
+    assert big.choose([100] * 64) == (64, 128, [100] * 64)
+    assert big.choose([100] * 33) == (32, 128, [100] * 32)       # then 1, rather than 31 rows of padding
+    assert big.choose([100] * 33, lambda P, C: P == big.row_counts(C)[-1]) == (64, 128, [100] * 33)
+    assert big.choose([100_000, 100]) == (1, 4096, [4096])
 
 
 def test_the_backend_picks_the_prefill_budget(monkeypatch):
@@ -212,14 +219,14 @@ def test_no_request_waits_for_a_compile(engine, monkeypatch):
         assert sched.load()["compiling"] == 4        # and the fixed blocks over 1 and 4 slots
         assert set(primed) == sched.ready            # what serves first has run once
         assert sched.ready == {("prefill", 2, 32), ("decode", 4), ("fork",)}
-        assert (sched._prefill_rows(1, 32), sched._decode_rows(1)) == (2, 4)
+        assert (sched.shapes.choose([7], sched._prefill_shapes())[:2], sched._decode_rows(1)) == ((2, 32), 4)
         early, early_rows = answer()
         gate.set()
         t0 = time.time()
         while sched.load()["compiling"]:
             assert time.time() - t0 < 300
             time.sleep(0.05)
-        assert sched.ready is None and (sched._prefill_rows(1, 32), sched._decode_rows(1)) == (1, 1)
+        assert sched.ready is None and sched._prefill_shapes() is None and sched._decode_rows(1) == 1
         while set(primed) != set(sched.groups):      # the others run once as the engine thread idles
             assert time.time() - t0 < 300
             time.sleep(0.05)
