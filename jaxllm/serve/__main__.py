@@ -11,6 +11,7 @@ import time
 from jaxllm.config.runtime import env
 
 STARTED = time.monotonic()
+KEEP_ALIVE_S = 30.0     # seconds an idle HTTP connection stays open
 
 
 def positive(kind=int):
@@ -143,9 +144,12 @@ def main(argv=None) -> int:
         body_timeout=args.body_timeout, shutdown_timeout=args.shutdown_timeout,
         decode_steps=args.decode_steps, warmup=not args.no_warmup, started=STARTED)
     app = build_app(engine, opts)
-    # uvicorn's own wait for open connections outlasts ours, so it never cuts a stream itself
+    # uvicorn's own wait for open connections outlasts ours, so it never cuts a stream itself. An
+    # idle connection is kept for longer than the OpenAI SDK keeps it (5 s, uvicorn's default
+    # too): at equal times a client could send on a connection as the server closes it, and get
+    # a connection error with no answer.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            access_log=not args.disable_uvicorn_access_log,
+                            access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=KEEP_ALIVE_S,
                             timeout_graceful_shutdown=args.shutdown_timeout + 30, lifespan="on")
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal; ignoring it then makes the
     # drained shutdown an ordinary exit 0.
