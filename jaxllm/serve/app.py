@@ -184,19 +184,19 @@ class Server:
         if length.isdigit() and int(length) > limit:
             raise too_big
         chunks, size = [], 0
-        body = request.stream().__aiter__()
-        while True:
-            try:
-                chunk = await asyncio.wait_for(body.__anext__(), self.opts.body_timeout)
-            except StopAsyncIteration:
-                break
-            except asyncio.TimeoutError:
-                raise ApiError(408, f"the request body stalled for more than {self.opts.body_timeout:g} s",
-                               type="timeout_error", code="request_timeout") from None
-            size += len(chunk)
-            if size > limit:
-                raise too_big
-            chunks.append(chunk)
+        wait = self.opts.body_timeout
+        loop = asyncio.get_running_loop()
+        try:          # a deadline on this task, moved at each read (`wait_for` would start a task a read)
+            async with asyncio.timeout(wait) as stalled:
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise too_big
+                    chunks.append(chunk)
+                    stalled.reschedule(loop.time() + wait)
+        except TimeoutError:
+            raise ApiError(408, f"the request body stalled for more than {wait:g} s",
+                           type="timeout_error", code="request_timeout") from None
         raw = b"".join(chunks)
         if not raw.strip():
             raise bad("the request body is empty; send a JSON object")
