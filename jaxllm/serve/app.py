@@ -212,6 +212,20 @@ class Server:
             raise bad("the request body holds an unpaired UTF-16 surrogate escape") from None
         return body
 
+    def parse_and_submit(self, kind: str, body: dict, inbox: Inbox) -> tuple[GenRequest, Job | None]:
+        """On the parse thread: the request parsed and, unless it is constrained (its grammar is
+        compiled first), handed to the scheduler at once, so that a burst of requests reaches
+        the engine thread as they are parsed rather than as the event loop gets back to each.
+        Raises QueueFull."""
+        req = parse_request(kind, body, self.engine, self.opts.served_name, self.opts.max_model_len,
+                            self.features, self.opts.max_num_seqs)
+        return req, None if req.constraint is not None else self.submit(req, inbox)
+
+    def submit(self, req: GenRequest, inbox: Inbox, matcher=None) -> Job:
+        job = Job.for_request(req, lambda index, event: inbox.put((index, event)), matcher=matcher)
+        self.scheduler.submit(job)
+        return job
+
     async def parsed(self, fn, *args):
         """fn(*args) on the parse thread: a request's chat template and tokenizer, off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.parser, functools.partial(fn, *args))
@@ -272,17 +286,15 @@ class Server:
     async def generate(self, request: Request, kind: str):
         self.check_auth(request)
         body = await self.read_json(request)
-        req = await self.parsed(parse_request, kind, body, self.engine, self.opts.served_name,
-                                self.opts.max_model_len, self.features, self.opts.max_num_seqs)
-        matcher = None
-        if req.constraint is not None:           # compiled here, never on the engine thread
-            if self.grammars is None:
-                raise bad("this model has no tokenizer, so its answers cannot be constrained", req.constraint.field)
-            matcher = await run_in_threadpool(self.grammars.matcher, req.constraint)
         inbox = self.inbox()
-        job = Job.for_request(req, lambda index, event: inbox.put((index, event)), matcher=matcher)
         try:
-            self.scheduler.submit(job)
+            req, job = await self.parsed(self.parse_and_submit, kind, body, inbox)
+            if job is None:                          # its grammar compiled here, never on the engine thread
+                if self.grammars is None:
+                    raise bad("this model has no tokenizer, so its answers cannot be constrained",
+                              req.constraint.field)
+                matcher = await run_in_threadpool(self.grammars.matcher, req.constraint)
+                job = self.submit(req, inbox, matcher)
         except QueueFull as e:
             if self.scheduler.stopping:
                 raise ApiError(503, str(e), type="server_error") from None
