@@ -116,7 +116,7 @@ class Scheduler(Results, Warmup):
         self.ready: set | None = None  # shapes compiled while the others compile (None: any shape)
         self.compiling = 0             # shapes still compiling in the background
         self.groups: dict = {}         # the calls of each shape (`warmup_calls`), once warmed up
-        self.unprimed: list = []       # shapes compiled in the background, not yet run once (`prime`)
+        self.unprimed: list = []       # shapes compiled, not yet run once (`prime`)
         self.first_runs = engine.ops.first_run_costs if first_runs is None else first_runs
         self.finished = 0              # requests completed
         self.generated = 0             # tokens sampled for requests (a freed slot stops adding)

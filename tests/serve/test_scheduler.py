@@ -239,6 +239,27 @@ def test_no_request_waits_for_a_compile(engine, monkeypatch):
     assert ("engine", "compile") not in parts
 
 
+def test_a_warm_start_runs_the_largest_shapes_before_serving(engine):
+    """With every call compiled already (a restart that reads them back), the largest shape of each
+    kind runs once before serving and the others as the engine thread idles, once each."""
+    kw = dict(max_num_seqs=4, max_model_len=32, max_queue=8, decode_steps=4, max_num_batched_tokens=64,
+              first_runs=True)
+    sched = Scheduler(engine, **kw)
+    engine.precompile([c for calls in sched.warmup_calls().values() for c in calls])
+    primed, prime = [], sched.prime
+    sched.prime = lambda keys: primed.extend(keys) or prime(keys)
+    sched.start(warmup=True)
+    try:
+        assert sched.ready is None and sched.load()["compiling"] == 0
+        assert set(primed[:3]) == {("decode", 4), ("prefill", 2, 32), ("fork",)}
+        t0 = time.time()
+        while len(primed) < len(sched.groups):
+            assert time.time() - t0 < 300
+            time.sleep(0.05)
+        assert sorted(primed) == sorted(sched.groups)
+    finally:
+        sched.shutdown()
+
 def test_warmup_runs_each_call_once_and_changes_nothing(engine, monkeypatch):
     """Warming up runs every call it compiled once where first runs cost more (a GPU loads a call's
     kernels at its first run), on the slot table with nothing to do: after a request has ended in a slot, running every call
