@@ -158,10 +158,12 @@ class Server:
 
     def wait_compiled(self, timeout: float = 1800) -> float:
         """Seconds from start until the shapes the server compiles in the background after ready
-        are all compiled (the timed loads run on every shape, as a server long up does)."""
+        are all compiled and have run once (the timed loads run on every shape, as a server long
+        up does)."""
         import httpx
         while time.monotonic() - self.t0 < timeout:
-            if httpx.get(self.url + "/health", timeout=10).json().get("compiling", 0) == 0:
+            h = httpx.get(self.url + "/health", timeout=10).json()
+            if h.get("compiling", 0) == 0 and h.get("warming", 0) == 0:
                 return time.monotonic() - self.t0
             time.sleep(0.1)
         raise SystemExit(f"the server's shapes were not all compiled after {timeout} s; see {self.log.name}")

@@ -146,7 +146,7 @@ class Scheduler(Results, Warmup):
         with self.cond:
             return {"running": sum(j is not None for j in self.slots), "waiting": len(self.waiting),
                     "slots": len(self.slots), "finished": self.finished, "generated_tokens": self.generated,
-                    "compiling": self.compiling}
+                    "compiling": self.compiling, "warming": len(self.unprimed)}
 
     def kv_positions(self) -> int:
         """KV-cache positions that hold the tokens of the requests in the slots."""
