@@ -69,13 +69,21 @@ def executables_folder(path: Path | None) -> Path | None:
 
 
 # -- the engine's executables ------------------------------------------------------------------------
+PACKAGE = Path(__file__).resolve().parent.parent      # jaxllm/
+
+
+def sources() -> list[Path]:
+    """Every Python file of the package, whichever of its folders: the kernels a call runs are as
+    much its program as the engine's own code."""
+    return sorted(PACKAGE.rglob("*.py"))
+
+
 @functools.lru_cache(maxsize=1)
 def source_digest() -> str:
     """sha256 of every Python file of this package: a changed line is a different program."""
-    root = Path(__file__).resolve().parent
     h = hashlib.sha256()
-    for f in sorted(root.rglob("*.py")):
-        h.update(str(f.relative_to(root)).encode())
+    for f in sources():
+        h.update(str(f.relative_to(PACKAGE)).encode())
         h.update(f.read_bytes())
     return h.hexdigest()
 

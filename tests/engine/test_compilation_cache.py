@@ -78,6 +78,15 @@ def test_off_and_folder_resolution(tmp_path, monkeypatch):
     assert cc.executables_folder(None) is None
 
 
+def test_executable_keys_cover_the_whole_package():
+    """A kept executable's key hashes the source of every part of the package, the kernels and the
+    model included, not only the engine's: a change to a kernel's tiles is a different program."""
+    from jaxllm.engine import compilation_cache as cc
+    names = {str(f.relative_to(cc.PACKAGE)) for f in cc.sources()}
+    for part in ("engine/core.py", "model/forward.py", "ops/xla.py", "ops/gpu/matmul.py", "kv/split.py"):
+        assert part in names, part
+
+
 def test_compile_all_keeps_the_order_of_its_items():
     """Programs compiled together on threads come back in the order of the items they were made
     from, each the program of its own item."""
