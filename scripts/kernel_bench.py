@@ -78,7 +78,7 @@ def matmul_cases(cfg, tp: int = 1):
             "o": (a.num_heads * a.head_dim // tp, D), "down": (F // tp, D), "gate_up": (D, F // tp)}
 
 
-def variants(M, K, N, gated, out_major, quick, psum_after=False, widen=()):
+def variants(M, K, N, gated, out_major, quick, psum_after=False, widen=(), weights_first=False):
     """The automatic tiles and, unless quick, other shapes around them (each with its own
     automatic K split): at M=1 wide column blocks over shallow steps input-major, a few output
     channels over long contiguous steps output-major, as the accumulator allows. Above one row,
@@ -89,6 +89,18 @@ def variants(M, K, N, gated, out_major, quick, psum_after=False, widen=()):
         if M > 1 and way != auto.widen:
             t = dataclasses.replace(auto, widen=way)
             out[t.label()] = t
+    if weights_first and M > 1 and out_major:
+        bms = sorted({auto.bm, min(128, max(16, 1 << (M - 1).bit_length()))})
+        for bm in bms:
+            for bn, bk, warps in ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8),
+                                  (256, 64, 8)):
+                t = dataclasses.replace(choose_tiles(M, K, N, gated, bn=bn, bk=bk, warps=warps, out_major=True,
+                                                     psum_after=psum_after), bm=bm, weights_first=True)
+                stages = 3
+                while stages > 1 and stages * bk * (bm * 2 + (2 if gated else 1) * bn) > 200 * 1024:
+                    stages -= 1
+                t = dataclasses.replace(t, stages=stages)
+                out[t.label()] = t
     if quick:
         return out
     if M == 1 and out_major:
@@ -119,6 +131,8 @@ def main():
     p.add_argument("--cases", default="", help="matmuls to time, comma-separated (default: all)")
     p.add_argument("--widen", default="", help="ways of widening int8 to time beside the automatic tiles' "
                    "(convert, magic, bits; comma-separated), above one row")
+    p.add_argument("--weights-first", action="store_true",
+                   help="above one row, also time output-major tiles whose dot takes the weights as its left operand")
     p.add_argument("--layouts", default="in,out",
                    help="weight layouts to time: in (input-major [L, K, N]), out (output-major [L, N, K])")
     a = p.parse_args()
@@ -164,7 +178,7 @@ def main():
                 # under --tp, O and down are row-parallel shards: "auto" is what the model picks there
                 row_par = a.tp > 1 and name in ("o", "down")
                 vs.update({k: (t, stacks[om]) for k, t in variants(M, K, N, gated, om, quick, row_par,
-                                                                    ways).items()})
+                                                                    ways, a.weights_first).items()})
             for label, (t, (wl, w2l)) in vs.items():
                 if gated:
                     f = over_layers(lambda l, x, w, w2, s, t=t: stacked_gated(x, (w, s), (w2, s), l, jax.nn.silu, t,

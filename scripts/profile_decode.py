@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 from jaxllm.engine.sampling import SamplingParams  # noqa: E402
 from jaxllm.engine.sharding import layout_for  # noqa: E402
 from jaxllm.engine.slots import Pieces
-from jaxllm.harness.bench import decode_state, load_subject  # noqa: E402
+from jaxllm.harness.bench import build_parser, decode_state, load_subject  # noqa: E402
 from jaxllm.kv.split import KVOptions  # noqa: E402
 
 KINDS = [("matmul", r"gemm|cutlass|cublas|dot|matmul|xmma|sm90"),
@@ -57,9 +57,12 @@ def main():
     p.add_argument("--kv-quant", default="none", choices=("none", "int8"))
     p.add_argument("--int8-rings", action="store_true", help="with --kv-quant int8, int8 sliding rings too")
     p.add_argument("--rebuild-keys", action="store_true", help="with --kv-quant int8, k_eq_v layers store V alone")
-    p.add_argument("--hlo", help="also write the compiled step's HLO text here, to look up the fusions named")
+    p.add_argument("--hlo", help="also write the compiled step's (or prefill's) HLO text here, to look up the fusions named")
     p.add_argument("--prefill", type=int, default=0, help="profile a prefill of this many tokens a prompt instead")
     a = p.parse_args()
+    for k, v in vars(build_parser().parse_args(["--shape", a.shape])).items():    # the bench's other defaults
+        if not hasattr(a, k):
+            setattr(a, k, v)
     a.layout, a.dtype, a.seed, a.model_dir = layout_for(a.tp), "bfloat16", 0, None
     a.kv_options = KVOptions(int8_rings=a.int8_rings, store_keys=not a.rebuild_keys)
     eng, _, _ = load_subject(a)
@@ -89,9 +92,9 @@ def main():
         what = f"ctx={a.ctx}"
     run()()
     unroll = eng.ops.scan_unroll(cfg.num_layers, a.batch, a.prefill or 1)     # as the step was traced
-    if a.hlo and not a.prefill:
+    if a.hlo:
         with open(a.hlo, "w") as f:
-            f.write(loop.as_text())
+            f.write((fn if a.prefill else loop).as_text())
     go = run()
     t0 = time.perf_counter()
     go()

@@ -81,6 +81,32 @@ def test_stacked_matmul(M, K, N, dtype, out_major):
         assert _rel(got, ref) < 1e-5, t
 
 
+def test_weights_first_tiles():
+    """Output-major tiles whose dot takes the weight tile as its left operand (the rows the other
+    side), the choice above 128 rows: a plain, a K-split, a fused and an RMS-normed product and the
+    gated one, each against the float32 product, rows past the last tile's end included."""
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((21, 96)), jnp.float32)
+    w, s = _w(rng, 96, 40, "int8")
+    u, su = _w(rng, 96, 40, "int8")
+    for split in (1, 2):
+        t = Tiles(bm=16, bn=16, bk=32, split=split, out_major=True, weights_first=True)
+        assert _rel(stacked_matmul(x, _om(w, True), s, jnp.int32(2), t, True), _ref(x, w, s, 2)) < 1e-5
+    t = Tiles(bm=16, bn=16, bk=32, out_major=True, weights_first=True)
+    y, z = stacked_matmuls(x, [(_om(w, True), s), (_om(u, True), su)], jnp.int32(1), t, True)
+    assert _rel(y, _ref(x, w, s, 1)) < 1e-5 and _rel(z, _ref(x, u, su, 1)) < 1e-5
+    nw = jnp.asarray(rng.standard_normal((L, 96)), jnp.float32)
+    normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * nw[1]
+    (y,) = stacked_matmuls(x, [(_om(w, True), s)], jnp.int32(1), t, True, norm=matmul.RowNorm(nw, jnp.int32(1), 1e-6))
+    assert _rel(y, _ref(normed, w, s, 1)) < 1e-5
+    g = stacked_gated(x, (_om(w, True), s), (_om(u, True), su), jnp.int32(0), jax.nn.silu, t, True)
+    assert _rel(g, jax.nn.silu(_ref(x, w, s, 0)) * _ref(x, u, su, 0)) < 1e-5
+    for gated in (False, True):
+        assert choose_tiles(256, 2560, 6144, gated, out_major=True).weights_first
+        assert not choose_tiles(128, 2560, 6144, gated, out_major=True).weights_first
+        assert not choose_tiles(256, 2560, 6144, gated).weights_first
+
+
 @pytest.mark.parametrize("out_major", [False, True])
 def test_fused_projections_match_separate(out_major):
     """Q, K and V widths side by side in one grid; each output equals its own product."""

@@ -43,11 +43,13 @@ class Tiles:
     out_major: bool = False  # the weight stack is [L, N, K] rather than [L, K, N]
     fold: int = 0    # bm=1, out-major: sum each run of `fold` inputs within a thread every step
     widen: str = "convert"   # how int8 weights reach the tensor cores (bm > 1), see `widen`
+    weights_first: bool = False   # out-major, bm > 1: the dot is w [bn, bk] x x^T, the weights its left operand
 
     def label(self) -> str:
         return (f"pallas bm={self.bm} bn={self.bn} bk={self.bk} split={self.split} warps={self.warps}"
                 + (f" fold={self.fold}" if self.fold else "") + (" out-major" if self.out_major else "")
-                + (f" widen={self.widen}" if self.bm > 1 and self.widen != "convert" else ""))
+                + (f" widen={self.widen}" if self.bm > 1 and self.widen != "convert" else "")
+                + (" weights-first" if self.weights_first else ""))
 
 
 @dataclass(frozen=True)
@@ -106,12 +108,27 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, 
     and so do its tensor-core tiles of 32-64 rows (on an H100 even: Qwen3-4B batch 64, 5815-5872
     against 5837-5853), but for the gated product, which takes 32 rows by 64 channels with 4 warps
     on either GPU, as do the projections of up to 32 rows."""
+    weights_first = False
     if out_major and M == 1:
         bm, bn_, bk_, warps_ = 1, 16, min(512, max(16, _pow2(K))), 8
         if gated and "H200" in device_kind():
             warps_ = 4
     elif M == 1:
         bm, bn_, bk_, warps_ = 1, (128 if gated else 64), 32, 8
+    elif out_major and M > 128:
+        # The weights as the dot's left operand: 64 output channels a block, one warpgroup of 4
+        # warps, so each widened int8 tile feeds Hopper's tensor cores from registers, with 128
+        # rows as the other side. Qwen3-4B on one H100, µs a layer (scripts/kernel_bench.py
+        # --weights-first) at 256 / 512 rows, against the tiles below: Q/K/V 29.8 / 47.3 against
+        # 42.4 / 73.8, down 58.9 / 80.8 against 70.0 / 126.7, the gated product 97.2 / 148.8
+        # against 115.9 / 226.6; the decode step at batch 256, ctx 512: 16.35-16.39 ms against
+        # 17.89-17.98. At 64 rows the projections alone were 10-15% faster but the step was not,
+        # and at 128 rows the step was 1% slower, so those keep the tiles below. On one H200,
+        # against the 128-row tiles below: Qwen3-4B's layer at 256 rows 217 µs against 262,
+        # Gemma 4 31B's per-GPU layer at TP=4 232 against 266 (256 rows) and 385 against 419
+        # (512; its Q/K/V alone slower, 64.9 against 56.4).
+        bm, bn_, bk_, warps_ = 128, 64, 64, 4
+        weights_first = True
     elif M >= 128 and out_major and -(-M // 128) * -(-N // 128) * 2 >= SMS and "H200" in device_kind():
         # 128-row tiles widen each weight tile once for every 128 rows rather than every 64, where
         # they still give half as many blocks as multiprocessors. Gemma 4 31B on one H200, µs a
@@ -152,7 +169,8 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, 
     # Partials cost M*N*4 bytes each. A gated product over 16- or 32-row tiles is not split:
     # summing its partials is an XLA kernel of its own (Qwen3-4B batch 8 on one H100: 2108-2114
     # tok/s unsplit, 2074-2092 split in 4).
-    max_split = ((4 if gated else 16) if M == 1 else 1 if gated and (bm <= 16 or (out_major and bm == 32))
+    max_split = ((4 if gated else 16) if M == 1 else 1 if gated and (bm <= 16 or (out_major and bm == 32)
+                                                                        or weights_first)
                  else 4 if M <= 64 else 2)
     if bn == 8 and psum_after and out_major and M == 1:
         target = blocks     # the narrow blocks stand in for the split
@@ -165,7 +183,7 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, 
         stages -= 1
     fold = 16 if out_major and bm == 1 and bk % 16 == 0 else 0
     return Tiles(bm=bm, bn=bn, bk=bk, split=split, warps=warps, stages=stages, out_major=out_major,
-                 fold=fold, widen=widen or widening.default())
+                 fold=fold, widen=widen or widening.default(), weights_first=weights_first)
 
 
 def _load_x(x_ref, i, k0, t: Tiles, M, K):
@@ -196,6 +214,9 @@ def _product(x, w, t: Tiles):
             p = jnp.sum(p.reshape(t.bn, t.bk // t.fold, t.fold), axis=2)
         return p
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    if t.weights_first:
+        return jax.lax.dot_general(widening.widen(w, x.dtype, t.widen), x, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32, precision=precision)
     return jax.lax.dot_general(x, widening.widen(w, x.dtype, t.widen), (((1,), (1 if t.out_major else 0,)), ((), ())),
                                preferred_element_type=jnp.float32, precision=precision)
 
@@ -243,7 +264,8 @@ def _accumulate(loader, w_refs, layer, j, s, steps, t: Tiles, K, N):
     """[bm, bn] float32 sums over this program's K range for each weight in w_refs."""
     load_x, finish = loader
     k_lo = s * steps * t.bk
-    shape = ((t.bn, t.bk // (t.fold or 1)) if t.out_major else (t.bk, t.bn)) if t.bm == 1 else (t.bm, t.bn)
+    shape = (((t.bn, t.bk // (t.fold or 1)) if t.out_major else (t.bk, t.bn)) if t.bm == 1
+             else (t.bn, t.bm) if t.weights_first else (t.bm, t.bn))
     acc = tuple(jnp.zeros(shape, jnp.float32) for _ in w_refs)
     sq = () if finish is None else (jnp.zeros((t.bk,), jnp.float32),)   # the row's squares
 
@@ -258,6 +280,8 @@ def _accumulate(loader, w_refs, layer, j, s, steps, t: Tiles, K, N):
     acc, sq = jax.lax.fori_loop(0, steps, body, (acc, sq))
     if t.bm == 1:
         acc = tuple(jnp.sum(a, axis=1 if t.out_major else 0)[None, :] for a in acc)
+    elif t.weights_first:
+        acc = tuple(a.T for a in acc)
     if finish is not None:
         inv = finish(sq[0])
         acc = tuple(a * inv for a in acc)
