@@ -164,6 +164,13 @@ def test_out_major_weights_on_the_xla_path():
             stacked = Stacked(om.w, jnp.int32(1), "o", out_major=True)
             y = PALLAS.linear(x, stacked, 2) if mode == "pallas" else _xla_linear(x, stacked, 2)
             assert _rel(y, ref) < 1e-5, (rows, mode)
+        # in bf16, above 256 rows the scale is folded into the widened weight and the GEMM writes
+        # bf16: within bf16 rounding of the float32 product, input-major and output-major alike
+        xb = x.astype(jnp.bfloat16)
+        refb = _ref(xb.astype(jnp.float32).reshape(rows, 24), w, s, 1)
+        for stacked in (Stacked(om.w, jnp.int32(1), "o", out_major=True), Stacked(o, jnp.int32(1), "o")):
+            y = PALLAS.linear(xb, stacked, 2)
+            assert y.dtype == jnp.bfloat16 and _rel(y.astype(jnp.float32), refb) < 1e-2, (rows, stacked.out_major)
         # the layer as the XLA backend holds it (input-major), through its own `linear`
         y = XLA.linear(x, XLA.layer_weights(weights["layers"]["g"], jnp.int32(1))["o"], 2)
         assert _rel(y, ref) < 1e-5, (rows, "xla backend")
