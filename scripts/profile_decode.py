@@ -57,7 +57,7 @@ def main():
     p.add_argument("--kv-quant", default="none", choices=("none", "int8"))
     p.add_argument("--int8-rings", action="store_true", help="with --kv-quant int8, int8 sliding rings too")
     p.add_argument("--rebuild-keys", action="store_true", help="with --kv-quant int8, k_eq_v layers store V alone")
-    p.add_argument("--hlo", help="also write the compiled step's (or prefill's) HLO text here, to look up the fusions named")
+    p.add_argument("--hlo", help="also write the compiled step's (or prefill's) HLO text here, to look up fusions")
     p.add_argument("--prefill", type=int, default=0, help="profile a prefill of this many tokens a prompt instead")
     a = p.parse_args()
     for k, v in vars(build_parser().parse_args(["--shape", a.shape])).items():    # the bench's other defaults
