@@ -91,11 +91,12 @@ def attend(q, k, v, mask, scale: float, softcap: float | None) -> jax.Array:
     return o.reshape(B, T, H, hd).astype(q.dtype)
 
 
-def matmul(x: jax.Array, w, n_contract: int = 1, out_major: bool = False) -> jax.Array:
+def matmul(x: jax.Array, w, n_contract: int = 1, out_major: bool = False, out_dtype=jnp.float32) -> jax.Array:
     """Contract the last `n_contract` dims of x with the first `n_contract` dims of w (its last
     ones where `out_major`), w an array or a QuantArray. The output is x's leading dims followed by
     w's output dims, so a per-output-channel scale broadcasts on the trailing dims and XLA fuses
-    the dequantization into the dot's epilogue."""
+    the dequantization into the dot's epilogue. A plain w's product is written as `out_dtype`
+    (the sums are float32 either way) and returned as x's dtype."""
     xa = tuple(range(x.ndim - n_contract, x.ndim))
     nd = len(w.shape)
     wa = tuple(range(nd - n_contract, nd)) if out_major else tuple(range(n_contract))
@@ -103,7 +104,7 @@ def matmul(x: jax.Array, w, n_contract: int = 1, out_major: bool = False) -> jax
         y = jax.lax.dot_general(x, w.q.astype(x.dtype), ((xa, wa), ((), ())), preferred_element_type=jnp.float32)
         return (y * w.scale).astype(x.dtype)
     return jax.lax.dot_general(x, w.astype(x.dtype), ((xa, wa), ((), ())),
-                               preferred_element_type=jnp.float32).astype(x.dtype)
+                               preferred_element_type=out_dtype).astype(x.dtype)
 
 
 def memory_limit(device) -> int | None:

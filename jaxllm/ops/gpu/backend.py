@@ -213,7 +213,4 @@ def gemm(x, w, n_contract: int, out_major: bool):
     if not (isinstance(w, QuantArray) and w.q.dtype == jnp.int8 and x.dtype != jnp.float32):
         return matmul(x, w, n_contract, out_major=out_major)
     s = w.scale.reshape(w.scale.shape + (1,) * n_contract) if out_major else w.scale
-    wd = (w.q.astype(jnp.float32) * s).astype(x.dtype)
-    xa = tuple(range(x.ndim - n_contract, x.ndim))
-    wa = tuple(range(wd.ndim - n_contract, wd.ndim)) if out_major else tuple(range(n_contract))
-    return jax.lax.dot_general(x, wd, ((xa, wa), ((), ())), preferred_element_type=x.dtype)
+    return matmul(x, (w.q.astype(jnp.float32) * s).astype(x.dtype), n_contract, out_major, out_dtype=x.dtype)
