@@ -142,7 +142,7 @@ def main(argv=None) -> int:
         max_queue=args.max_queue, api_key=args.api_key or None, max_request_bytes=args.max_request_bytes,
         request_timeout=args.request_timeout if args.request_timeout > 0 else None,
         body_timeout=args.body_timeout, shutdown_timeout=args.shutdown_timeout,
-        decode_steps=args.decode_steps, warmup=not args.no_warmup, started=STARTED)
+        decode_steps=args.decode_steps, warmup=not args.no_warmup, started=STARTED, freeze_heap=True)
     app = build_app(engine, opts)
     # uvicorn's own wait for open connections outlasts ours, so it never cuts a stream itself. An
     # idle connection is kept for longer than the OpenAI SDK keeps it (5 s, uvicorn's default

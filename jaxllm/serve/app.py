@@ -63,6 +63,7 @@ class ServeOptions:
     decode_steps: int = 8
     warmup: bool = True
     started: float | None = None        # process start (time.monotonic()), for the time to ready
+    freeze_heap: bool = False           # for a process that serves for its lifetime: `Warmup.freeze_heap`
 
 
 class Wakeups:
@@ -138,7 +139,7 @@ class Server:
         self.grammars = Grammars.for_engine(engine)           # structured output (None: no tokenizer)
         self.scheduler = Scheduler(engine, opts.max_num_seqs, opts.max_model_len, opts.max_queue,
                                    opts.decode_steps, opts.max_num_batched_tokens,
-                                   structured=self.grammars is not None)
+                                   structured=self.grammars is not None, freeze_heap=opts.freeze_heap)
         self.metrics = self.scheduler.observer = Metrics(self.scheduler, opts.served_name)
         self.features = chat_features(engine.cfg.family)      # reasoning and tool calls in chat answers
         self.started = time.time()

@@ -75,12 +75,12 @@ log = logging.getLogger("jaxllm.serve")
 class Scheduler(Results, Warmup):
     def __init__(self, engine, max_num_seqs: int, max_model_len: int, max_queue: int, decode_steps: int = 8,
                  max_num_batched_tokens: int | None = None, record: int = 10_000, structured: bool = False,
-                 first_runs: bool | None = None):
+                 first_runs: bool | None = None, freeze_heap: bool = False):
         """`max_num_batched_tokens`: prompt tokens a prefill forward takes (None: the backend's,
         `XlaOps.prefill_tokens`). `structured`: requests may be constrained (a grammar engine serves
         them), so the calls of constrained steps are compiled before ready too. `first_runs`: run
         each compiled call once before a request can wait on it (`Warmup.prime`; None: where the
-        backend's first runs cost more, `first_run_costs`)."""
+        backend's first runs cost more, `first_run_costs`). `freeze_heap`: `Warmup.freeze_heap`."""
         self.engine = engine
         self.structured = structured
         self.observer = Observer()
@@ -118,6 +118,7 @@ class Scheduler(Results, Warmup):
         self.groups: dict = {}         # the calls of each shape (`warmup_calls`), once warmed up
         self.unprimed: list = []       # shapes compiled, not yet run once (`prime`)
         self.first_runs = engine.ops.first_run_costs if first_runs is None else first_runs
+        self.freeze_heap = freeze_heap
         self.finished = 0              # requests completed
         self.generated = 0             # tokens sampled for requests (a freed slot stops adding)
         # What the device ran, in order: {"kind": "prefill", "pieces": [(job, start, length), ...]},
@@ -161,6 +162,7 @@ class Scheduler(Results, Warmup):
             log.info("compiled %d of %d shapes of calls in %.1f s%s", n - self.compiling, n, t,
                      f"; the {self.compiling} others compile in the background, their requests running on "
                      "larger shapes meanwhile" if self.compiling else "")
+        self.settle_heap("warm")
         self.thread.start()
         self.output.start()
 

@@ -4,6 +4,7 @@ meanwhile. `Warmup` is the half of `Scheduler` that does this (the scheduler hol
 uses: the engine and its core, the shapes, `ready` under the scheduler's condition)."""
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -130,6 +131,8 @@ class Warmup:
         with self.cond:
             self.ready, self.compiling = None, 0
         log.info("the other %d shapes compiled in the background in %.1f s", len(todo), time.perf_counter() - t0)
+        if not self.first_runs:                # (else once the engine thread has run them)
+            self.settle_heap("every shape compiled")
 
     def prime(self, keys: list) -> float:
         """Run each call of the shapes `keys` once, on the slot table as it is, with nothing to do:
@@ -160,6 +163,23 @@ class Warmup:
         return jax.tree_util.tree_map(lambda x: e.layout.put(np.zeros(x.shape, x.dtype), x.sharding)
                                       if isinstance(x, jax.ShapeDtypeStruct) else x, a)
 
+    def settle_heap(self, what: str):
+        """With `freeze_heap` (a process that serves for its lifetime): collect, then move every
+        object alive (the model, the compiled calls, the libraries) out of the garbage collector's
+        reach, once the server is warm and again once the shapes compiled in the background are.
+        Its full passes then walk only what requests made since, a few milliseconds, where they
+        walked the whole heap, which every running request waited on: on one H200, 374 ms for the
+        Gemma 3 270M shape's server and 312 ms for Qwen3-4B's, once every few seconds of a 64-client
+        load (its TTFT p99 444 and 464 ms against 90 and 237 ms frozen). What is frozen is never
+        collected."""
+        if not self.freeze_heap:
+            return
+        t = time.perf_counter()
+        gc.collect()
+        gc.freeze()
+        log.info("%s: %d objects moved out of the garbage collector's passes in %.2f s", what, gc.get_freeze_count(),
+                 time.perf_counter() - t)
+
     def _prime_idle(self) -> bool:
         """With no slot in use and no request waiting, run the next shape compiled in the background
         once (`prime`): one at a time, so that a request arriving meanwhile waits for one shape's
@@ -172,6 +192,7 @@ class Warmup:
         log.debug("ran the calls of %s, compiled in the background, once in %.3f s", key, self.prime([key]))
         if not self.unprimed and not self.compiling:
             log.info("every shape has run once")
+            self.settle_heap("every shape run once")
         return True
 
     def _decode_rows(self, live: int) -> int:

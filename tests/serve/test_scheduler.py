@@ -241,15 +241,21 @@ def test_no_request_waits_for_a_compile(engine, monkeypatch):
 
 def test_a_warm_start_runs_the_largest_shapes_before_serving(engine):
     """With every call compiled already (a restart that reads them back), the largest shape of each
-    kind runs once before serving and the others as the engine thread idles, once each."""
+    kind runs once before serving and the others as the engine thread idles, once each. With
+    `freeze_heap` the heap leaves the garbage collector's passes before serving and again once
+    every shape has run."""
+    import gc
     kw = dict(max_num_seqs=4, max_model_len=32, max_queue=8, decode_steps=4, max_num_batched_tokens=64,
-              first_runs=True)
+              first_runs=True, freeze_heap=True)
     sched = Scheduler(engine, **kw)
     engine.precompile([c for calls in sched.warmup_calls().values() for c in calls])
     primed, prime = [], sched.prime
     sched.prime = lambda keys: primed.extend(keys) or prime(keys)
+    settled, settle = [], sched.settle_heap
+    sched.settle_heap = lambda what: settled.append((what, len(primed), gc.get_freeze_count())) or settle(what)
     sched.start(warmup=True)
     try:
+        assert settled == [("warm", 3, 0)] and gc.get_freeze_count() > 0
         load = sched.load()
         assert sched.ready is None and load["compiling"] == 0 and load["warming"] <= len(sched.groups) - 3
         assert set(primed[:3]) == {("decode", 4), ("prefill", 2, 32), ("fork",)}
@@ -258,8 +264,14 @@ def test_a_warm_start_runs_the_largest_shapes_before_serving(engine):
             assert time.time() - t0 < 300
             time.sleep(0.05)
         assert sorted(primed) == sorted(sched.groups) and sched.load()["warming"] == 0
+        t0 = time.time()
+        while len(settled) < 2:
+            assert time.time() - t0 < 60
+            time.sleep(0.05)
+        assert settled[1][:2] == ("every shape run once", len(sched.groups)) and settled[1][2] > 0
     finally:
         sched.shutdown()
+        gc.unfreeze()
 
 def test_warmup_runs_each_call_once_and_changes_nothing(engine, monkeypatch):
     """Warming up runs every call it compiled once where first runs cost more (a GPU loads a call's
