@@ -143,6 +143,11 @@ def main(argv=None) -> int:
         request_timeout=args.request_timeout if args.request_timeout > 0 else None,
         body_timeout=args.body_timeout, shutdown_timeout=args.shutdown_timeout,
         decode_steps=args.decode_steps, warmup=not args.no_warmup, started=STARTED, freeze_heap=True)
+    # The event loop, the engine thread, the output thread and the parse thread take turns at the
+    # GIL; a thread that wakes for a moment's work (a request parsed, a call launched) waits for the
+    # one holding it to reach its switch interval. At 1 ms rather than Python's 5 the Gemma 3 270M
+    # shape's server gave 40,009 tok/s at 64 clients against 36,253 (one H200, the same code).
+    sys.setswitchinterval(0.001)
     app = build_app(engine, opts)
     # uvicorn's own wait for open connections outlasts ours, so it never cuts a stream itself. An
     # idle connection is kept for longer than the OpenAI SDK keeps it (5 s, uvicorn's default

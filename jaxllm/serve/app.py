@@ -305,7 +305,7 @@ class Server:
         if req.stream:
             # the background cancel also covers a client gone before the stream's first chunk
             return StreamingResponse(self.stream(req, job, inbox, deadline), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"}, background=BackgroundTask(job.cancel))
+                                     headers={"Cache-Control": "no-cache"}, background=BackgroundTask(_cancel, job))
         try:
             return await self.collect(request, req, job, inbox, deadline)
         except ClientGone:
@@ -427,6 +427,12 @@ async def _http_error(request: Request, exc: HTTPException):
 async def _internal_error(request: Request, exc: Exception):
     log.exception("unhandled error in %s %s", request.method, request.url.path)
     return JSONResponse(ApiError(500, "internal server error", type="server_error").body(), status_code=500)
+
+
+async def _cancel(job: Job):
+    """A stream's end, whatever ended it: on the event loop, where a plain function would take a
+    thread of Starlette's pool for each request."""
+    job.cancel()
 
 
 def build_app(engine, opts: ServeOptions) -> Starlette:
