@@ -44,3 +44,26 @@ def lower_for_cuda(monkeypatch):
     def lower(f, *args):
         return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     return lower
+
+
+# The files that take minutes on the 2-core machine CI runs on (their tests' times summed, as the
+# suite's durations report gives them), longest first. `pytest -n 2 --dist loadfile` hands each
+# worker a whole file at a time, in collection order (pyproject.toml turns off xdist's reordering
+# by test count, which sent the long files with few tests last, where one worker ran them alone
+# while the other had finished).
+LONG_FILES = [
+    "serve/test_server.py", "ops/test_kernels.py", "engine/test_speculative.py", "serve/test_scheduler.py",
+    "harness/test_real_model.py", "harness/test_perplexity.py", "serve/test_structured.py",
+    "harness/test_bench.py", "engine/test_sharding.py", "kv/test_long_context.py", "serve/test_lm_eval.py",
+    "weights/test_gguf.py",
+]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {f: i for i, f in enumerate(LONG_FILES)}
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def key(item):
+        path = os.path.relpath(str(item.path), here).replace(os.sep, "/")
+        return rank.get(path, len(LONG_FILES))
+    items.sort(key=key)                  # stable: the other files, and each file's tests, keep their order
