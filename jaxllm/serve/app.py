@@ -63,7 +63,7 @@ class ServeOptions:
     decode_steps: int = 8
     warmup: bool = True
     started: float | None = None        # process start (time.monotonic()), for the time to ready
-    freeze_heap: bool = False           # for a process that serves for its lifetime: `Warmup.freeze_heap`
+    freeze_heap: bool = False           # for a process that serves for its lifetime: `Warmup.settle_heap`
 
 
 class Wakeups:

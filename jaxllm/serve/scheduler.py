@@ -80,7 +80,7 @@ class Scheduler(Results, Warmup):
         `XlaOps.prefill_tokens`). `structured`: requests may be constrained (a grammar engine serves
         them), so the calls of constrained steps are compiled before ready too. `first_runs`: run
         each compiled call once before a request can wait on it (`Warmup.prime`; None: where the
-        backend's first runs cost more, `first_run_costs`). `freeze_heap`: `Warmup.freeze_heap`."""
+        backend's first runs cost more, `first_run_costs`). `freeze_heap`: `Warmup.settle_heap`."""
         self.engine = engine
         self.structured = structured
         self.observer = Observer()
