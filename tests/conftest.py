@@ -52,10 +52,10 @@ def lower_for_cuda(monkeypatch):
 # by test count, which sent the long files with few tests last, where one worker ran them alone
 # while the other had finished).
 LONG_FILES = [
-    "serve/test_server.py", "ops/test_kernels.py", "engine/test_speculative.py", "serve/test_scheduler.py",
-    "harness/test_real_model.py", "harness/test_perplexity.py", "serve/test_structured.py",
-    "harness/test_bench.py", "engine/test_sharding.py", "kv/test_long_context.py", "serve/test_lm_eval.py",
-    "weights/test_gguf.py",
+    "serve/test_server.py", "ops/test_kernels.py", "engine/test_speculative.py", "harness/test_real_model.py",
+    "kv/test_long_context.py", "serve/test_scheduler.py", "engine/test_decode.py", "serve/test_lm_eval.py",
+    "harness/test_perplexity.py", "serve/test_structured.py", "harness/test_bench.py", "model/test_int8_quality.py",
+    "engine/test_sharding.py", "weights/test_gguf.py",
 ]
 
 

@@ -44,45 +44,53 @@ def engines(kv_quant: str):
     return base, spec
 
 
-PROMPTS = [CODE + "\n\n# The same code again:\n", FREE]
-NEW = 64              # from the code prompt's 1000 tokens past position 1032: the rings (512 slots, 516
-                      # with the drafts beside them) wrap the second time while it decodes
+NEW = 64              # from the code prompt's 1000 tokens past position 1032: the split cache's rings (512
+                      # slots, 516 with the drafts beside them) wrap the second time while it decodes
 MAX_CTX = 1088
+
+
+def prompts(kv_quant: str) -> list[str]:
+    """A code prompt that repeats itself, in a batch with one that does not. The split cache's is
+    the whole 1000 tokens, for its rings to wrap; the full-length cache has no ring, and its code
+    prompt is the first 271 tokens of that."""
+    code = CODE if kv_quant == "int8" else CODE[:CODE.rfind("\n", 0, 900)]
+    return [code + "\n\n# The same code again:\n", FREE]
 
 
 @lru_cache(maxsize=None)
 def plain_answers(kv_quant: str):
     """NEW new tokens of each prompt without speculation, and the plain decode rate."""
     base, _ = engines(kv_quant)
-    want = base.generate(PROMPTS, max_tokens=NEW, chat=False)
+    want = base.generate(prompts(kv_quant), max_tokens=NEW, chat=False)
     return want, (base.stats.new_tokens - 2) / base.stats.decode_s
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_quant", ["none", "int8"])
 def test_greedy_speculation_is_plain_decoding(kv_quant):
-    """64 new tokens after a 1000-token prompt (the 512-position sliding window's ring wraps twice),
-    in a batch with a row that finds little to look up, and on the split cache alone too."""
+    """64 new tokens after a code prompt (on the split cache 1000 tokens: the 512-position sliding
+    window's ring wraps twice), in a batch with a row that finds little to look up, and on the
+    split cache alone too."""
     base, spec = engines(kv_quant)
     assert base.kv_layout.split == (kv_quant == "int8")
-    prompts = PROMPTS
+    batch = prompts(kv_quant)
     want, plain_tok_s = plain_answers(kv_quant)
-    got = spec.generate(prompts, max_tokens=NEW, chat=False)
+    got = spec.generate(batch, max_tokens=NEW, chat=False)
     st = spec.stats
     print(f"{base.kv_layout.name}: {st.spec}, decode {(st.new_tokens - 2) / st.decode_s:.1f} tok/s against "
           f"{plain_tok_s:.1f} plain")
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    assert len(got[0].prompt_token_ids) == 1000 and len(want[0].token_ids) == NEW
+    assert len(got[0].prompt_token_ids) == (1000 if kv_quant == "int8" else 271) and len(want[0].token_ids) == NEW
     assert st.spec["accepted"] > 0
     if kv_quant == "int8":
-        alone = spec.generate(prompts[1:], max_tokens=64, chat=False)[0]
+        alone = spec.generate(batch[1:], max_tokens=64, chat=False)[0]
         assert alone.token_ids == want[1].token_ids[:64]
 
 
 @pytest.mark.slow
 def test_greedy_speculation_with_a_draft_model(tmp_path):
     """A tiny random draft model sharing the vocabulary proposes nonsense: the 64 tokens of each
-    row (past the ring wraps, in a batch) are the plain output all the same."""
+    row (in a batch) are the plain output all the same."""
     base, _ = engines("none")
     tiny.make("gemma3", tmp_path, seed=2, vocab_size=base.cfg.vocab_size, num_hidden_layers=2)
     from jaxllm.weights import load_model
@@ -90,7 +98,7 @@ def test_greedy_speculation_with_a_draft_model(tmp_path):
     eng = Engine(base.cfg, base.weights, base.tokenizer, dtype="float32", max_ctx=MAX_CTX,
                  speculation=Speculation("draft", 3, draft_cfg=dcfg), draft_weights=dweights)
     want, _ = plain_answers("none")
-    got = eng.generate(PROMPTS, max_tokens=NEW, chat=False)
+    got = eng.generate(prompts("none"), max_tokens=NEW, chat=False)
     print("draft model:", eng.stats.spec)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert eng.stats.spec["drafted"] > 0
