@@ -41,6 +41,11 @@ class Failed:
 _ids = itertools.count(1)
 ARRIVAL_GAP = 0.002      # seconds between arrivals that still count as one burst
 ARRIVAL_WAIT = 0.020     # the longest a burst holds the first prefill back
+# Clients whose answers just ended and that have not sent again (a benchmark's, a batch job's or an
+# agent's workers send their next request as each answer ends): the first prefill waits for them
+# while they keep coming RETURN_GAP apart, up to RETURN_WAIT in all.
+RETURN_GAP = 0.010
+RETURN_WAIT = 0.060
 
 
 @dataclass(eq=False)

@@ -198,13 +198,16 @@ class Results:
         if self._end(job, Finished(reason, job.n_tokens), "".join(text), self._settled_logprobs(job, last=True)):
             first = job.parent or job
             first.answers_done += 1
-            self.finished += first.answers_done == len(first.choices)
-            self._ended(job)
+            complete = first.answers_done == len(first.choices)
+            self.finished += complete
+            self._ended(job, complete)
 
-    def _ended(self, job: Job):
+    def _ended(self, job: Job, complete: bool = False):
+        """`complete`: the request's last answer ended, so its client may send again."""
         with self.cond:
             self.ended.append(job)
             self.last_end = time.monotonic()
+            self.returning += complete
             self.cond.notify()
 
     def _end(self, job: Job, event, text: str = "", logprobs: list | None = None) -> bool:

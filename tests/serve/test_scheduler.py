@@ -187,6 +187,41 @@ def test_a_burst_gathers_while_the_device_has_nothing_left_to_run(engine, monkey
     assert not sched._gather_arrivals() and time.monotonic() - t0 < 0.2
 
 
+def test_clients_whose_answers_ended_are_waited_for(engine, monkeypatch):
+    """Clients that send their next request as each answer ends (a round of a benchmark, a batch
+    job's workers): the first prefill waits for as many requests as answers completed, past pauses
+    longer than ARRIVAL_GAP, while they keep coming RETURN_GAP apart; a client that does not come
+    back holds the next burst RETURN_GAP once."""
+    from jaxllm.serve import scheduler
+    monkeypatch.setattr(scheduler, "ARRIVAL_GAP", 0.05)
+    monkeypatch.setattr(scheduler, "RETURN_GAP", 0.6)
+    monkeypatch.setattr(scheduler, "RETURN_WAIT", 10.0)
+    sched = Scheduler(engine, max_num_seqs=4, max_model_len=32, max_queue=8)
+    for _ in range(2):                     # two requests complete, a third's answer ends with it failing
+        sched._ended(Client([5, 6], 4).job, True)
+    sched._ended(Client([5, 6], 4).job)
+    assert sched.returning == 2
+    sched.submit(Client([5, 6], 4).job)
+    later = threading.Timer(0.3, lambda: sched.submit(Client([8, 9], 4).job))
+    t0 = time.monotonic()
+    later.start()
+    assert sched._gather_arrivals()
+    took = time.monotonic() - t0
+    assert 0.3 <= took < 0.6 and len(sched.waiting) == 2 and sched.returning == 0
+
+    sched.waiting.clear()
+    for _ in range(2):                     # two complete, one comes back
+        sched._ended(Client([5, 6], 4).job, True)
+    sched.submit(Client([5, 6], 4).job)
+    t0 = time.monotonic()
+    assert sched._gather_arrivals()
+    took = time.monotonic() - t0
+    assert 0.5 <= took < 3.0 and len(sched.waiting) == 1 and sched.returning == 0
+    sched.submit(Client([7, 8], 4).job)    # the next burst: no one owed, ARRIVAL_GAP alone
+    t0 = time.monotonic()
+    assert sched._gather_arrivals() and time.monotonic() - t0 < 0.4
+
+
 def test_no_request_waits_for_a_compile(engine, monkeypatch):
     """The scheduler serves once each kind's largest shape is compiled: a request meanwhile runs on
     those (padding rows) with `Engine.generate`'s tokens; the smaller shapes compile on a thread of
