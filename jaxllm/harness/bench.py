@@ -82,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=64, help="decode steps per timed run")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs after compiling")
     p.add_argument("--repeats", type=int, default=3, help="timed runs (the median is reported)")
-    p.add_argument("--prompt-lens", type=int_list, default=[], help="prompt lengths whose TTFT to time")
+    p.add_argument("--prompt-lens", type=int_list, default=[],
+                   help="prompt lengths whose TTFT to time (a forward of batch such prompts, at the smallest batch)")
+    p.add_argument("--ttft-every-batch", action="store_true", help="time --prompt-lens at every batch")
     p.add_argument("--quant", choices=("int8", "none"), default="int8")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices on the model axis)")
@@ -290,7 +292,7 @@ def run_point(eng, fam, batch, a, ceilings, mem_limit) -> Point:
         p.ms_per_step = median_ms(runs) / a.steps
         p.tok_s = batch / p.ms_per_step * 1e3
         p.roofline_fraction = p.roofline_ms / p.ms_per_step
-        for n in (a.prompt_lens if batch == min(a.batches) else []):      # TTFT of one prompt
+        for n in (a.prompt_lens if a.ttft_every_batch or batch == min(a.batches) else []):
             c, t = time_prefill(eng, batch, n, a)
             p.ttft_compile_s[str(n)], p.ttft_ms[str(n)] = c, t * 1e3
             p.prefill_flops[str(n)] = prefill_flops(cfg, fam.abstract(cfg), batch, n)

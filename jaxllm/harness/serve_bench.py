@@ -7,7 +7,11 @@ Reported per concurrency: output tok/s (all completion tokens over the wall time
 request sent to the last answer read, as vLLM's serving benchmark counts it), time to first token
 and time per output token (p50, p99), inter-chunk latency, and beside them the fused on-device loop
 (`python -m jaxllm.bench`) at batch C and the mean context of a request's decode steps, measured in
-the same run, with the ratio of the two. The time the server took to report ready is recorded too.
+the same run, with the ratio of the two. The loop counts decode steps alone, while a server also
+prefills every prompt; so beside the ratio is its bound, the ratio a server reaches with no host
+time at all: each round of C answers one forward of C prompts of the mean prompt length (timed in
+the same run) and then the mean output length less one of the loop's steps. The time the server
+took to report ready is recorded too.
 
 With --logprobs or --json-fraction, each level runs on the same server once untimed, once timed as
 asked, then as the same requests (the same prompts, each asking for exactly the tokens its answer
@@ -47,6 +51,7 @@ class Level:
     failed: int = 0
     fused_tok_s: float | None = None
     ratio: float | None = None
+    bound: float | None = None         # the ratio with no host time: the loop's steps and one prefill a round
     speculation: dict | None = None    # verify cycles, drafted, accepted over the level (from /metrics)
     long_prompt: dict | None = None    # --long-prompt: its TTFT, and the others' chunk gaps during its prefill
     # --logprobs / --json-fraction: the same requests without them (output_tok_s, duration_s,
@@ -410,12 +415,27 @@ def fused_reference(a, ctx: int) -> tuple[dict, dict]:
         path = Path(tmp) / "fused_loop.json"
         cmd = [sys.executable, "-m", "jaxllm.bench", *src, "--batches", ",".join(map(str, a.concurrency)),
                "--ctx", str(ctx), "--steps", str(a.output_len[1]), "--quant", a.quant, "--kv-quant", a.kv_quant,
+               "--prompt-lens", str(mean_len(a.prompt_len)), "--ttft-every-batch",
                "--out", str(path)] + (["--tp", str(a.tp)] if a.tp else [])
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise SystemExit(f"the fused-loop bench failed:\n{r.stderr[-2000:]}")
         rep = json.loads(path.read_text())
     return {p["batch"]: p for p in rep["points"]}, rep
+
+
+def mean_len(r: tuple[int, int]) -> int:
+    return round(sum(r) / 2)
+
+
+def bound(point: dict, prompt_len: int, output_len: int) -> float | None:
+    """The ratio to the fused loop a server of this load reaches with no host time (see the module's
+    docstring), from the loop's point at the level's batch; None without its prefill timed."""
+    prefill_ms = point.get("ttft_ms", {}).get(str(prompt_len))
+    if prefill_ms is None or not point.get("ms_per_step"):
+        return None
+    step = point["ms_per_step"]
+    return output_len * step / (prefill_ms + (output_len - 1) * step)
 
 
 def table(rep: dict) -> str:
@@ -428,8 +448,8 @@ def table(rep: dict) -> str:
     head = (f"serving {rep['subject']} on {rep.get('device', '?')}: prompts of {span(s['prompt_len'])} tokens, "
             f"{span(s['output_len'])} new, {s['rounds']} requests a client; fused loop at ctx {s['fused_ctx']}{ready}")
     spec = any(lv.get("speculation") for lv in rep["levels"])
-    cols = ["clients", "requests", "tok/s", "fused tok/s", "ratio", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
-            "ITL p50", "ITL p99", "failed"] + (["accepted"] if spec else [])
+    cols = ["clients", "requests", "tok/s", "fused tok/s", "ratio", "bound", "TTFT p50", "TTFT p99", "TPOT p50",
+            "TPOT p99", "ITL p50", "ITL p99", "failed"] + (["accepted"] if spec else [])
     rows = []
     for lv in rep["levels"]:
         def f(d, k):
@@ -437,6 +457,7 @@ def table(rep: dict) -> str:
         rows.append([str(lv["concurrency"]), str(lv["requests"]), f"{lv['output_tok_s']:.1f}",
                      "-" if lv["fused_tok_s"] is None else f"{lv['fused_tok_s']:.1f}",
                      "-" if lv["ratio"] is None else f"{lv['ratio']:.2f}",
+                     "-" if lv.get("bound") is None else f"{lv['bound']:.2f}",
                      f(lv["ttft_ms"], "p50"), f(lv["ttft_ms"], "p99"), f(lv["tpot_ms"], "p50"),
                      f(lv["tpot_ms"], "p99"), f(lv["itl_ms"], "p50"), f(lv["itl_ms"], "p99"), str(lv["failed"])]
                     + ([spec_summary(lv.get("speculation"))] if spec else []))
@@ -512,6 +533,7 @@ def main(argv=None) -> int:
             if c in ref and ref[c].get("tok_s"):
                 lv.fused_tok_s = ref[c]["tok_s"]
                 lv.ratio = lv.output_tok_s / lv.fused_tok_s
+                lv.bound = bound(ref[c], mean_len(a.prompt_len), mean_len(a.output_len))
             levels.append(lv)
             print(f"concurrency {c}: {lv.output_tok_s:.1f} tok/s", file=sys.stderr)
     finally:

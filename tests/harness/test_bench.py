@@ -150,6 +150,10 @@ def test_sweep_on_tiny_shape_writes_json_png_and_table(tmp_path, capsys):
     assert "TTFT@8 ms" in lines[-3] and "MFU@8" in lines[-3]
     assert lines[-2].split()[0] == "1" and lines[-2].split()[-1].endswith("%") and lines[-1].split()[0] == "2"
     assert lines[-4].endswith("; greedy")
+    run_bench(["--shape", shape_file(tmp_path), "--batches", "1,2", "--ctx", "24", "--steps", "1", "--warmup", "0",
+               "--repeats", "1", "--prompt-lens", "8", "--ttft-every-batch", "--out", str(out), "--probe-mib", "8",
+               "--matmul-n", "128"], capsys)
+    assert all(set(p["ttft_ms"]) == {"8"} for p in json.loads(out.read_text())["points"])
 
 
 def test_sweep_on_gemma3_270m_shape(tmp_path, capsys):
@@ -252,6 +256,10 @@ def test_serving_bench_on_a_tiny_shape(tmp_path):
         assert lv["failed"] == 0 and lv["requests"] == 2 * lv["concurrency"]
         assert lv["output_tokens"] == 6 * lv["requests"] and lv["fused_tok_s"] > 0
         assert lv["ttft_ms"]["p50"] > 0 and 0 < lv["ratio"]
+        # the bound: the loop's steps and one forward of the level's prompts (of the mean length, 8) a round
+        loop = {p["batch"]: p for p in rep["fused_loop"]["points"]}[lv["concurrency"]]
+        step = loop["ms_per_step"]
+        assert lv["bound"] == pytest.approx(6 * step / (loop["ttft_ms"]["8"] + 5 * step)) and lv["bound"] > 0
         lp = lv["long_prompt"]
         assert lp["tokens"] == 3 and lp["ttft_ms"] > 0 and lp["prompt_tokens"] == 90
         plain = lv["plain"]
