@@ -6,7 +6,7 @@ import numbers
 from jaxllm.config.runtime import RuntimeConfig
 from jaxllm.engine.engine import Completion, Engine
 from jaxllm.errors import JaxllmError, ModelError, RequestError
-from jaxllm.kv.split import KVOptions
+from jaxllm.kv.options import KVOptions
 
 __all__ = ["load", "Engine", "Completion", "KVOptions", "RuntimeConfig", "JaxllmError", "ModelError", "RequestError"]
 __version__ = "0.1.0"
@@ -31,7 +31,7 @@ def load(model_dir=None, max_ctx=8192, quant="int8", kv_quant="auto", tp=None, d
     environment (`RuntimeConfig.from_env`).
     """
     from jaxllm.engine.engine import DTYPES
-    from jaxllm.kv.split import KV_QUANT_MODES
+    from jaxllm.kv.options import KV_QUANT_MODES
     from jaxllm.weights import load_model
     if dtype not in DTYPES:
         raise ModelError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")

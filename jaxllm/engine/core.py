@@ -1,6 +1,6 @@
-"""The engine core: one KV cache of `slots` rows and a table of those slots (`engine.slots`), and
-the calls that advance them on the device. Offline generation, logits, perplexity, the bench and the server all
-drive this.
+"""The engine core: the KV pools, a table of `slots` rows (`engine.slots`) and each row's block
+tables, and the calls that advance them on the device. Offline generation, logits, perplexity, the
+bench and the server all drive this; the host decides which blocks each row holds (`engine.blocks`).
 
 - `prefill` runs one forward over pieces of prompts: P rows of at most C tokens, row p a piece of
   the prompt of slot rows[p] starting at position start[p]. Several requests' pieces go in one
@@ -13,9 +13,10 @@ drive this.
   position -1, which writes nothing. The cache is read in place: nothing is sliced or copied around
   the loop.
 
-- `fork` copies slots that have just ended their prompts into other slots (the KV-cache rows and
-  the slot-table entries), each copy drawing its own first token with its own seed from the logits
-  its source drew from: a request for n answers prefills its prompt once.
+- `fork` copies slots that have just ended their prompts into other slots (the slot-table entries,
+  and the KV blocks the host gave the copies, the one a prompt's last partial block is in: the full
+  blocks before it are shared), each copy drawing its own first token with its own seed from the
+  logits its source drew from: a request for n answers prefills its prompt once.
 
 A slot draws its k-th token with `fold_in(seed, k)`, so a request samples the same tokens whatever
 else shares the cache and however its steps are split into calls.
@@ -46,7 +47,7 @@ from jaxllm.engine.speculative import (
     worth_verifying,
     write_history,
 )
-from jaxllm.kv.linear import copy_rows
+from jaxllm.kv.paged import PagedCache, copy_blocks
 from jaxllm.model.forward import forward, logits_from_hidden
 
 LOGIT_ELEMENTS = 1 << 26        # float32 logits made at once when scoring, at most (256 MiB)
@@ -89,32 +90,34 @@ def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=Non
     """
     weights, draft = model_weights(weights, spec)
     positions = pieces.positions()
-    h, cache = forward(cfg, weights, pieces.tokens, positions, state.cache, ops, dtype, rows=pieces.rows)
-    state = state.replace(cache=cache)
+    P, C = pieces.tokens.shape
+    rows = jnp.arange(P, dtype=jnp.int32) if pieces.rows is None else pieces.rows
+    tables = {n: jnp.take(t, rows, axis=0, mode="clip") for n, t in state.cache.tables.items()}
+    h, view = forward(cfg, weights, pieces.tokens, positions, PagedCache(state.cache.pools, tables), ops, dtype)
+    state = state.replace(cache=state.cache.replace(pools=view.pools))
     if draft is not None and out == "sample":
-        _, dcache = forward(spec.draft_cfg, draft, pieces.tokens, positions, state.draft_cache, ops, dtype,
-                            rows=pieces.rows)
-        state = state.replace(draft_cache=dcache)
+        _, dview = forward(spec.draft_cfg, draft, pieces.tokens, positions, PagedCache(state.draft_cache, tables),
+                           ops, dtype)
+        state = state.replace(draft_cache=dview.pools)
     if out == "logits":
         return state, logits_from_hidden(cfg, weights, h, ops)
     if out in ("nll", "logprobs"):
         return state, _score(cfg, weights, h, *targets, ops=ops, top=logprobs if out == "logprobs" else None)
-    P, C = pieces.tokens.shape
     last = jnp.clip(pieces.length - 1, 0, C - 1)
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
     first_logits = logits_from_hidden(cfg, weights, h_last, ops)
-    rows = jnp.arange(P, dtype=jnp.int32) if pieces.rows is None else pieces.rows
     sl = state.slots
     B = sl.last.shape[0]
     rules = None if sl.rules is None else _rules(pieces, P)
-    step0 = jnp.zeros((P,), jnp.int32)
+    step0 = pieces.step0
     x = first_logits if rules is None else apply_rules(first_logits, rules, step0, cfg.eos_ids, pieces.ignore_eos)
     if sl.counts is not None:             # new prompts start their counts; prompt tokens are marked
         sl = _count_prompt(sl, pieces, rows, positions)
         in_prompt = jnp.take(sl.in_prompt, rows, axis=0, mode="clip")
+        counts = jnp.take(sl.counts, rows, axis=0, mode="clip")     # a recomputed request's own so far
         pen = _penalties(pieces, P)
-        first = sample(mask_tokens(penalize(x, pen, jnp.zeros(in_prompt.shape, jnp.int32), in_prompt), pieces.allowed),
-                       pieces.params, step0, ops.top_p_by)
+        first = sample(mask_tokens(penalize(x, pen, counts, in_prompt), pieces.allowed), pieces.params, step0,
+                       ops.top_p_by)
         sl = sl.replace(counts=sl.counts.at[jnp.where(pieces.final, rows, B), first].add(1, mode="drop"),
                         penalties=jax.tree_util.tree_map(lambda a, v: a.at[rows].set(v, mode="drop"),
                                                          sl.penalties, pen))
@@ -124,9 +127,8 @@ def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=Non
 
     def put(a, v):
         return a.at[rows].set(v, mode="drop")
-    one = jnp.ones((P,), jnp.int32)
     end = pieces.start + pieces.length
-    slots = sl.replace(last=put(sl.last, first), pos=put(sl.pos, end), step=put(sl.step, one),
+    slots = sl.replace(last=put(sl.last, first), pos=put(sl.pos, end), step=put(sl.step, step0 + 1),
                        remaining=put(sl.remaining, pieces.max_new - 1), active=put(sl.active, live),
                        ignore_eos=put(sl.ignore_eos, pieces.ignore_eos),
                        params=jax.tree_util.tree_map(put, sl.params, pieces.params))
@@ -138,7 +140,7 @@ def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=Non
     if sl.spec is not None:               # the prompt's tokens and the first one, for drafting
         hist = write_history(sl.spec.history, pieces.rows, positions, pieces.tokens)
         hist = write_history(hist, pieces.rows, jnp.where(pieces.final, end, -1)[:, None], first[:, None])
-        new_rows = jnp.where(pieces.start == 0, rows, sl.last.shape[0])     # a new request's slot
+        new_rows = jnp.where(pieces.first, rows, sl.last.shape[0])     # a new request's slot
 
         def reset(a, v):
             return a.at[new_rows].set(v, mode="drop")
@@ -171,14 +173,18 @@ def _rules(pieces: Pieces, P: int) -> TokenRules:
 
 
 def _count_prompt(sl: Slots, pieces: Pieces, rows, positions) -> Slots:
-    """A piece that starts its prompt zeroes its slot's token counts and prompt marks; every piece
-    marks its tokens as its prompt's."""
+    """A piece that starts its request zeroes its slot's token counts and prompt marks; every piece
+    marks its tokens as its prompt's, or counts them as generated from `out_start` on (a request
+    recomputed after preemption)."""
     B = sl.last.shape[0]
-    new = jnp.where(pieces.start == 0, rows, B)
+    new = jnp.where(pieces.first, rows, B)
     counts = sl.counts.at[new].set(0, mode="drop")
     in_prompt = sl.in_prompt.at[new].set(False, mode="drop")
-    at = jnp.where(positions >= 0, rows[:, None], B)
-    return sl.replace(counts=counts, in_prompt=in_prompt.at[at, pieces.tokens].set(True, mode="drop"))
+    out = positions >= pieces.out_start[:, None]
+    at = jnp.where((positions >= 0) & ~out, rows[:, None], B)
+    gen = jnp.where((positions >= 0) & out, rows[:, None], B)
+    return sl.replace(counts=counts.at[gen, pieces.tokens].add(1, mode="drop"),
+                      in_prompt=in_prompt.at[at, pieces.tokens].set(True, mode="drop"))
 
 
 def _sampling_logits(eos_ids, logits, sl: Slots, drafts=None):
@@ -258,6 +264,11 @@ def step_forward(cfg: ModelConfig, weights, state: State, ops, dtype=jnp.bfloat1
     return state.replace(cache=cache), logits_from_hidden(cfg, weights, h[:, 0], ops)
 
 
+def draft_view(state: State) -> PagedCache:
+    """The draft model's pools under the rows' block tables (its blocks are the model's)."""
+    return PagedCache(state.draft_cache, state.cache.tables)
+
+
 def step_advance(cfg: ModelConfig, state: State, logits, ops, allowed=None, greedy: bool = False):
     """A decode step's sampling from its forward's logits [B, V]: each live slot's token (its rules,
     penalties and `allowed` mask applied; `greedy`: every live slot's temperature is 0), and the slot
@@ -296,9 +307,9 @@ def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, ops, 
     def plain(state):
         state, tok, live, logits = decode_step(cfg, weights, state, ops, dtype, allowed)
         if draft is not None:      # the draft cache learns the token the model was fed
-            _, dcache = forward(spec.draft_cfg, draft, sl.last[:, None], jnp.where(live, sl.pos, -1)[:, None],
-                                state.draft_cache, ops, dtype)
-            state = state.replace(draft_cache=dcache)
+            _, dview = forward(spec.draft_cfg, draft, sl.last[:, None], jnp.where(live, sl.pos, -1)[:, None],
+                               draft_view(state), ops, dtype)
+            state = state.replace(draft_cache=dview.pools)
         new = jnp.zeros((B, K + 1), jnp.int32).at[:, 0].set(tok)
         lp = None
         if n_logprobs:
@@ -347,8 +358,8 @@ def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, ops, 
             h, dcache = forward(spec.draft_cfg, draft, tok[:, None], pos[:, None], dcache, ops, dtype)
             nxt = jnp.argmax(logits_from_hidden(spec.draft_cfg, draft, h[:, 0], ops), axis=-1).astype(jnp.int32)
             return (nxt, dcache), nxt
-        (_, dcache), props = jax.lax.scan(step, (sl.last, state.draft_cache), jnp.arange(K + 1, dtype=jnp.int32))
-        return verify(state.replace(draft_cache=dcache), props[:K].T, n_draft)
+        (_, dview), props = jax.lax.scan(step, (sl.last, draft_view(state)), jnp.arange(K + 1, dtype=jnp.int32))
+        return verify(state.replace(draft_cache=dview.pools), props[:K].T, n_draft)
     n_draft = jnp.where(drafting, jnp.minimum(K, sl.remaining - 1), 0)
     return jax.lax.cond(worth_verifying(sl.spec, n_draft, live, spec), with_draft_model, plain, state)
 
@@ -371,8 +382,8 @@ def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, allowed=
 
     -> (state, tokens [rows, max_steps], count [rows], LogProbs [rows, max_steps] with the top
     `logprobs` or None): slot b sampled tokens[b, :count[b]]."""
-    full = state.slots
-    B = full.last.shape[0] if rows is None else rows
+    full = state
+    B = full.slots.last.shape[0] if rows is None else rows
     out = (jnp.zeros((B, max_steps), jnp.int32), LogProbs.zeros((B, max_steps), logprobs) if logprobs else None)
     main, draft = model_weights(weights, spec)      # as the loop reads them (`loop_weights`)
     main = ops.loop_weights(main, B * (1 if spec is None else spec.k + 1), state, dtype)
@@ -417,21 +428,24 @@ def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, allowed=
 
 
 def _first_rows(state: State, rows: int | None, stop=None) -> State:
-    """The state with the slot table cut to its first `rows` slots (those in `stop` ended first)."""
+    """The state with the slot table and the block tables cut to their first `rows` slots (those in
+    `stop` ended first)."""
     B = state.slots.last.shape[0] if rows is None else rows
     slots = jax.tree_util.tree_map(lambda a: a[:B], state.slots)
     if stop is not None:
         slots = slots.replace(active=slots.active & ~stop)
-    return state.replace(slots=slots)
+    tables = {n: t[:B] for n, t in state.cache.tables.items()}
+    return state.replace(slots=slots, cache=state.cache.replace(tables=tables))
 
 
-def _all_rows(full: Slots, state: State, layout) -> State:
-    """`state` (its slot table cut to the first rows) with the whole slot table back."""
+def _all_rows(full: State, state: State, layout) -> State:
+    """`state` (its tables cut to the first rows) with the whole slot table and block tables of
+    `full` back."""
     B = state.slots.last.shape[0]
     slots = state.slots
-    if B < full.last.shape[0]:
-        slots = jax.tree_util.tree_map(lambda a, v: a.at[:B].set(v), full, slots)
-    return state.replace(slots=_by_rows(slots, layout))
+    if B < full.slots.last.shape[0]:
+        slots = jax.tree_util.tree_map(lambda a, v: a.at[:B].set(v), full.slots, slots)
+    return state.replace(slots=_by_rows(slots, layout), cache=state.cache.replace(tables=full.cache.tables))
 
 
 def decode_forward(cfg: ModelConfig, weights, state: State, *, ops, rows: int | None = None,
@@ -443,7 +457,7 @@ def decode_forward(cfg: ModelConfig, weights, state: State, *, ops, rows: int | 
     s, logits = step_forward(cfg, weights, _first_rows(state, rows), ops, dtype)
     if ops.layout is not None:         # the layout the sampling call is compiled for
         logits = jax.lax.with_sharding_constraint(logits, ops.layout.batch_sharding(logits.shape))
-    return s.replace(slots=state.slots), logits
+    return s.replace(slots=state.slots, cache=s.cache.replace(tables=state.cache.tables)), logits
 
 
 def decode_sample(cfg: ModelConfig, weights, state: State, logits, stop=None, allowed=None, *, ops,
@@ -456,7 +470,7 @@ def decode_sample(cfg: ModelConfig, weights, state: State, logits, stop=None, al
     so that the call returns at once and the host launches the next forward while the device
     still runs this step's."""
     assert spec is None, "a decode block split in two has no speculation"
-    full = state.slots
+    full = state
     s, tok, live = step_advance(cfg, _first_rows(state, rows, stop), logits, ops, allowed, greedy)
     lp = None
     if logprobs:
@@ -465,24 +479,23 @@ def decode_sample(cfg: ModelConfig, weights, state: State, logits, stop=None, al
 
 
 # -- fork ------------------------------------------------------------------------------------------
-def fork(cfg: ModelConfig, weights, state: State, forks: Forks, *, ops, logprobs: int = 0,
+def fork(cfg: ModelConfig, weights, state: State, forks: Forks, copies: dict, *, ops, logprobs: int = 0,
          spec: Speculation | None = None, dtype=jnp.bfloat16):
     """Each slot forks.src[f], which has just ended its prompt (its first token drawn, nothing
-    decoded since), is copied into slot forks.dst[f]: its rows of the KV cache (and of the draft
-    model's), and its slot-table entry with the seed forks.seed[f]. The copy then draws its own
-    first token from the logits its source drew its first from, with its own seed, so it goes on
-    exactly as the source's request would with that seed.
+    decoded since), is copied into slot forks.dst[f]: its slot-table entry with the seed
+    forks.seed[f], and the KV blocks `copies` names ({kind: (src blocks [F], dst blocks [F])}, a
+    dst past the pool for none; of the draft model's pools too): the host shares the full blocks
+    and gives the copy its own of the blocks it will write. The copy then draws its own first token
+    from the logits its source drew its first from, with its own seed, so it goes on exactly as the
+    source's request would with that seed.
 
     -> (state, first tokens [F]), or with `logprobs` n > 0 (state, (first tokens, their LogProbs
     [F] with the top n)); entries without a fork return what nothing reads."""
     weights, _ = model_weights(weights, spec)
     sl = state.slots
     B = sl.last.shape[0]
-    valid = forks.dst < B
-    order = jnp.argsort(~valid, stable=True)          # the forks first: the copy loops run over those
-    rows = forks.src[order], forks.dst[order], jnp.sum(valid)
-    cache = copy_rows(state.cache, *rows)
-    draft = None if state.draft_cache is None else copy_rows(state.draft_cache, *rows)
+    cache = state.cache.replace(pools=copy_blocks(state.cache.pools, copies))
+    draft = None if state.draft_cache is None else copy_blocks(state.draft_cache, copies)
     src = jnp.clip(forks.src, 0, B - 1)
     child = jax.tree_util.tree_map(lambda a: a[src], sl)
     child = child.replace(params=child.params.replace(seed=forks.seed))
@@ -501,13 +514,13 @@ def fork(cfg: ModelConfig, weights, state: State, forks: Forks, *, ops, logprobs
         hist = write_history(child.spec.history, None, child.pos[:, None], first[:, None])
         child = child.replace(spec=child.spec.replace(history=hist, stats=sl.spec.stats[jnp.clip(forks.dst, 0, B - 1)]))
     slots = jax.tree_util.tree_map(lambda a, v: a.at[forks.dst].set(v, mode="drop"), sl, child)
-    state = State(_by_layout(cache, ops.layout), _by_rows(slots, ops.layout),
+    state = State(cache.replace(pools=_by_layout(cache.pools, ops.layout)), _by_rows(slots, ops.layout),
                   None if draft is None else _by_layout(draft, ops.layout))
     return state, ((first, _lp(logits, first, logprobs)) if logprobs else first)
 
 
 def _by_layout(cache, layout):
-    """The cache laid out as the engine made it (KV heads over "model"), as `_by_rows` the slots."""
+    """KV pools laid out as the engine made them (KV heads over "model"), as `_by_rows` the slots."""
     if layout is None:
         return cache
     return jax.tree_util.tree_map(jax.lax.with_sharding_constraint, cache, layout.cache_shardings(cache))

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -32,8 +31,9 @@ from jaxllm.engine.sharding import single_device_layout
 from jaxllm.engine.slots import Slots, State
 from jaxllm.engine.speculative import Speculation
 from jaxllm.errors import ModelError, RequestError
-from jaxllm.kv.plan import check_fits, plan_cache
-from jaxllm.kv.split import KVOptions, choose_layout, make_cache
+from jaxllm.kv.options import KVOptions, choose_layout
+from jaxllm.kv.paged import PagedCache, kind_specs, make_pools, static_tables
+from jaxllm.kv.plan import PoolPlan, check_fits, device_stats, per_device_bytes
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 log = logging.getLogger("jaxllm")
@@ -280,39 +280,92 @@ class Engine:
         return dt
 
     # -- the core's state on the mesh -----------------------------------------------------------
-    def core(self, num_slots: int, max_len: int) -> EngineCore:
-        """A KV cache of `num_slots` rows of `max_len` positions and its slot table, on the mesh."""
-        return EngineCore(self, num_slots, max_len)
+    def core(self, num_slots: int, max_len: int, budget: int | None = None, span: int | None = None,
+             prefix_caching: bool = False) -> EngineCore:
+        """`num_slots` rows of up to `max_len` positions and their slot table, on the mesh: each row
+        with blocks of its own for its whole run (a lockstep batch), or (`budget`: bytes) a pool
+        of that size from which the host hands rows blocks as they need them (`engine.blocks`;
+        `span`: positions a call may write past a row's lowest position: by default as many as
+        a prefill forward takes)."""
+        return EngineCore(self, num_slots, max_len, budget, span, prefix_caching)
 
-    def _make_state(self, batch: int, length: int) -> State:
-        """The one place a KV cache is made: the engine's KV policy (the draft model's cache too,
+    def kv_specs(self) -> list:
+        """The KV pools of the model and of the draft model, as `PoolPlan` takes them."""
+        models = [kind_specs(self.cfg, self.kv_layout, self.kv_options)]
+        if self.spec is not None and self.spec.draft_cfg is not None:
+            models.append(kind_specs(self.spec.draft_cfg, self.kv_layout, self.kv_options))
+        return models
+
+    def pool_plan(self, rows: int, max_len: int, budget: int | None = None, span: int | None = None) -> PoolPlan:
+        """The pools for `rows` sequences of up to `max_len` positions: every row its own blocks, or
+        as many as `budget` bytes hold; with their bytes on each device of the mesh. `span`: the
+        positions a call may write past a row's lowest position (a prefill piece's length; a
+        speculative cycle's tokens at least)."""
+        o = self.kv_options
+        span = max(span or 1, o.spec_tokens + 1)
+        itemsize = np.dtype(self.dtype).itemsize
+        if budget is None:
+            plan = PoolPlan.for_rows(self.kv_specs(), self.kv_layout, o.block_size, itemsize, rows, max_len, span)
+        else:
+            plan = PoolPlan.for_budget(self.kv_specs(), self.kv_layout, o.block_size, itemsize, rows, max_len,
+                                       span, budget)
+        if self.layout.mesh.size == 1:
+            return plan
+        return dataclasses.replace(plan, per_device=per_device_bytes(self.state_shapes(plan).cache.pools))
+
+    def kv_budget(self, rows: int, max_len: int, span: int, memory, batched_tokens: int) -> int:
+        """Bytes of a scheduler's KV pool (`memory.KVMemory`): its size where given; where the
+        device says what its allocator may use, `utilization` of that less what is in use and room
+        for the calls' own buffers (a prefill of `batched_tokens` tokens' activations, the decode
+        rows' logits), counted on the device that holds the most of the pool; elsewhere (a CPU) room
+        for every slot at its longest."""
+        if memory.size is not None:
+            return int(memory.size)
+        stats = device_stats(self.layout.mesh.devices.flat[0]) or {}
+        one = self.pool_plan(rows, max_len, span=span)
+        if "bytes_limit" not in stats:
+            return one.total
+        cfg = self.cfg
+        width = cfg.hidden_size * 8 + cfg.intermediate_size * 3
+        reserve = max(1 << 30, batched_tokens * width * 4 + 4 * rows * cfg.vocab_size * 4)
+        free = memory.utilization * stats["bytes_limit"] - stats.get("bytes_in_use", 0) - reserve
+        return max(0, int(free * one.total / one.device_bytes))
+
+    def _make_state(self, plan: PoolPlan, tables: dict) -> State:
+        """The one place KV pools are made: the engine's KV layout (the draft model's pools too,
         where there is one), and an empty slot table."""
-        def cache(cfg):
-            return make_cache(cfg, self.kv_layout, self.kv_options, batch, length, self.ops.kv_dtype(self.dtype))
-        draft = self.spec.draft_cfg if self.spec is not None else None
-        slots = Slots.empty(batch, length, self.spec is not None, self.cfg.vocab_size,
-                                 hidden=(self.cfg.hidden_size, self.dtype))
-        return State(cache(self.cfg), slots, None if draft is None else cache(draft))
+        o, kv_dtype = self.kv_options, self.ops.kv_dtype(self.dtype)
+        models = self.kv_specs()
+        pools = [make_pools(specs, plan.blocks, plan.block_size, kv_dtype, o.read) for specs in models]
+        slots = Slots.empty(plan.rows, plan.max_len, self.spec is not None, self.cfg.vocab_size,
+                            hidden=(self.cfg.hidden_size, self.dtype))
+        return State(PagedCache(pools[0], tables), slots, pools[1] if len(pools) > 1 else None)
 
-    def new_state(self, batch: int, length: int) -> State:
-        """A zeroed cache laid out on the mesh (batch over "data", KV heads over "model") and an
-        empty slot table."""
-        key = (batch, length)
-        if key not in self._state_makers:        # one compiled allocator per cache shape
-            make = partial(self._make_state, batch, length)
-            self._state_makers[key] = jax.jit(make, out_shardings=self.state_shardings(jax.eval_shape(make)))
-        return self._state_makers[key]()
+    def new_state(self, plan: PoolPlan, tables: dict | None = None) -> State:
+        """Zeroed pools laid out on the mesh (KV heads over "model"), the rows' block tables (each row
+        its own blocks where not given) and an empty slot table."""
+        tables = static_tables(plan.widths, plan.rows) if tables is None else tables
+        tables = {n: self.put_rows(t) for n, t in tables.items()}
+        key = (plan.rows, plan.max_len, tuple(sorted(plan.blocks.items())), tuple(sorted(plan.widths.items())))
+        if key not in self._state_makers:        # one compiled allocator per pool shape
+            def make(tables):
+                return self._make_state(plan, tables)
+            shapes = jax.eval_shape(make, tables)
+            self._state_makers[key] = jax.jit(make, out_shardings=self.state_shardings(shapes), donate_argnums=0)
+        return self._state_makers[key](tables)
 
-    def state_shapes(self, batch: int, length: int) -> State:
+    def state_shapes(self, plan: PoolPlan) -> State:
         """The state `new_state` makes, as shape structs with their shardings (nothing allocated)."""
-        shapes = jax.eval_shape(partial(self._make_state, batch, length))
+        tables = {n: jax.ShapeDtypeStruct((plan.rows, w), np.int32) for n, w in plan.widths.items()}
+        shapes = jax.eval_shape(partial(self._make_state, plan), tables)
         return jax.tree_util.tree_map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                                       shapes, self.state_shardings(shapes))
 
     def state_shardings(self, state: State) -> State:
         rows = jax.tree_util.tree_map(lambda a: self.layout.batch_sharding(a.shape), state.slots)
+        tables = {n: self.layout.batch_sharding(t.shape) for n, t in state.cache.tables.items()}
         draft = None if state.draft_cache is None else self.layout.cache_shardings(state.draft_cache)
-        return State(self.layout.cache_shardings(state.cache), rows, draft)
+        return State(PagedCache(self.layout.cache_shardings(state.cache.pools), tables), rows, draft)
 
     def put_rows(self, tree):
         """Per-row host data (a pytree of arrays with the row axis first) -> global arrays split over
@@ -332,22 +385,14 @@ class Engine:
         """A decode call's output buffer for n_tokens tokens a row (see `EngineCore.out_size`)."""
         return bucket(n_tokens + (0 if self.spec is None else self.spec.k + 1), 1)
 
-    def kv_plan(self, batch: int, length: int | None = None):
-        """What a cache of `batch` rows and `length` (default max_ctx) positions takes, in all and
-        on each device of the mesh (its shards as the cache's shardings cut them)."""
-        length = length or self.max_ctx
-        plan = plan_cache(self.cfg, self.kv_layout, self.kv_options, batch, length, self.dtype)
-        if self.layout.mesh.size == 1:
-            return plan
-        per_device = sum(math.prod(s.sharding.shard_shape(s.shape)) * np.dtype(s.dtype).itemsize
-                         for s in jax.tree_util.tree_leaves(self.state_shapes(batch, length).cache))
-        return dataclasses.replace(plan, per_device=per_device)
+    def kv_plan(self, batch: int, length: int | None = None) -> PoolPlan:
+        """What the pools of `batch` rows of `length` (default max_ctx) positions each take."""
+        return self.pool_plan(batch, length or self.max_ctx)
 
     def chunking(self, longest: int) -> tuple[int, int]:
         """(chunk size, padded length) of a lockstep prefill: short prompts use their power-of-two
         bucket as the chunk, so they compile one small shape; the padded length is whole chunks.
-        (Rings that other layers read hold window + prefill_chunk - 1 slots, so no chunk is too long
-        for them.)"""
+        """
         C = min(self.kv_options.prefill_chunk, bucket(longest))
         return C, -(-longest // C) * C
 
@@ -364,7 +409,7 @@ class Engine:
             raise RequestError(f"token ids must lie in [0, {self.cfg.vocab_size})")
         C, Tp = self.chunking(T)
         lens = np.full((B,), T, np.int32) if lengths is None else np.asarray(lengths, np.int32)
-        eng_core = self.core(B, min(Tp, max(self.max_ctx, T)))
+        eng_core = self.core(B, min(Tp, max(self.max_ctx, T)), span=C)
         return eng_core.logits(pad_rows(list(ids), Tp, self.cfg.pad_id), lens, C)[:, :T]
 
     # -- generation ------------------------------------------------------------------------------
@@ -415,7 +460,7 @@ class Engine:
         S = min(bucket(n + max_tokens), self.max_ctx)
         check_fits(self.kv_plan(B, S))
         params = SamplingParams.make(B, temperature, top_k, top_p, seed)
-        eng_core = self.core(B, S)
+        eng_core = self.core(B, S, span=self.chunking(n)[0])
         compile_s = eng_core.prepare(n, max_tokens - 1, n_lp)
         t0 = time.perf_counter()
         first = eng_core.prefill_prompts(ids, params, np.full(B, max_tokens, np.int32), logprobs=n_lp,

@@ -1,11 +1,13 @@
-"""The engine core's host side: `EngineCore` holds a KV cache of slots and its slot table on an
-engine's mesh and advances them through the core's compiled calls (`core.prefill`, `core.decode`,
-`core.fork`); `Engine.generate`, `Engine.logits`, perplexity and the server each drive one."""
+"""The engine core's host side: `EngineCore` holds the KV pools, the slots' block tables and the
+slot table on an engine's mesh and advances them through the core's compiled calls (`core.prefill`,
+`core.decode`, `core.fork`); `Engine.generate`, `Engine.logits`, perplexity and the scheduler each
+drive one."""
 from __future__ import annotations
 
 import jax
 import numpy as np
 
+from jaxllm.engine.blocks import BlockManager
 from jaxllm.engine.sampling import LogProbs, Penalties, SamplingParams, TokenRules
 from jaxllm.engine.slots import Forks, Pieces
 
@@ -16,33 +18,65 @@ def bucket(n: int, lo: int = 16) -> int:
 
 
 class EngineCore:
-    """A KV cache of `num_slots` rows of `max_len` positions and its slot table, on an engine's mesh
-    (`Engine.core`), and the calls that advance them. The server keeps one for its lifetime;
-    offline generation, logits and perplexity make one sized to the work."""
+    """KV pools for `num_slots` rows of up to `max_len` positions, the rows' block tables and the
+    slot table, on an engine's mesh (`Engine.core`), and the calls that advance them. Offline
+    generation, logits and perplexity make one sized to the work, each row with its own blocks for
+    its whole run; the scheduler keeps one with a pool of `budget` bytes for its lifetime, whose
+    blocks its `BlockManager` hands the rows as they need them (`prefix_caching`: and reuses
+    cached prefixes)."""
 
-    def __init__(self, engine, num_slots: int, max_len: int):
+    def __init__(self, engine, num_slots: int, max_len: int, budget: int | None = None, span: int | None = None,
+                 prefix_caching: bool = False):
         self.engine = engine
         self.num_slots, self.max_len = num_slots, max_len
-        self.state = engine.new_state(num_slots, max_len)
+        if span is None:                 # a piece of a prompt at most, as long as a prefill takes
+            span = min(max_len, engine.kv_options.prefill_chunk)
+        self.plan = engine.pool_plan(num_slots, max_len, budget, span)
+        self.blocks = None if budget is None else BlockManager(self.plan, num_slots, prefix_caching)
+        self.reset()
 
     def reset(self):
-        """A fresh state (also after a failed call left the donated one unusable)."""
-        self.state = self.engine.new_state(self.num_slots, self.max_len)
+        """A fresh state (also after a failed call left the donated one unusable): every block free."""
+        if self.blocks is not None:
+            self.blocks.reset()
+        self.uploaded = None if self.blocks is None else self.blocks.version
+        self.state = self.engine.new_state(self.plan, None if self.blocks is None else self.blocks.tables)
+
+    def _tables(self):
+        """The state with the block tables the host holds now (put on the device when they changed)."""
+        b = self.blocks
+        if b is not None and b.version != self.uploaded:
+            e = self.engine
+            # copies: a CPU device may keep using the host buffer it was given, which the host changes
+            tables = {n: e.put_rows(t.copy()) for n, t in b.tables.items()}
+            self.state = self.state.replace(cache=self.state.cache.replace(tables=tables))
+            self.uploaded = b.version
+        return self.state
+
+    def state_shapes(self):
+        return self.engine.state_shapes(self.plan)
 
     # -- device calls (results stay on the device until read) -------------------------------------
     def prefill(self, pieces: Pieces, out: str = "sample", targets=None, logprobs: int = 0):
+        assert pieces.tokens.shape[1] <= self.plan.span, "a piece longer than the pools' span"
         e = self.engine
         static = {"out": out, **({"logprobs": logprobs} if logprobs else {})}
-        self.state, res = e.run("prefill", self.state, e.put_rows(pieces),
+        self.state, res = e.run("prefill", self._tables(), e.put_rows(pieces),
                                 None if targets is None else e.put_rows(targets), **static)
         return res
 
-    def fork(self, forks: Forks, logprobs: int = 0):
+    def fork(self, forks: Forks, copies: dict | None = None, logprobs: int = 0):
         """-> the forked slots' first tokens [F] (with `logprobs`, and their LogProbs) on the device;
-        see `core.fork`."""
+        see `core.fork`. `copies` {kind: [(src block, dst block)]}: the blocks to copy."""
         e = self.engine
+        F = len(forks.src)
+        pad = {n: [(0, np.iinfo(np.int32).max)] * F for n in self.plan.blocks}
+        for n, pairs in (copies or {}).items():
+            pad[n] = (pairs + pad[n])[:F]
+        arrays = {n: (np.asarray([s for s, _ in p], np.int32), np.asarray([d for _, d in p], np.int32))
+                  for n, p in pad.items()}
         static = {"logprobs": logprobs} if logprobs else {}
-        self.state, res = e.run("fork", self.state, e.put_rows(forks), **static)
+        self.state, res = e.run("fork", self._tables(), e.put_rows(forks), e.put_rows(arrays), **static)
         return res
 
     def decode(self, n_steps: int | None, max_steps: int, stop=None, rows: int | None = None, logprobs: int = 0,
@@ -56,14 +90,14 @@ class EngineCore:
                   **({"fixed": True} if n_steps is None else {})}
         masks = () if allowed is None else (e.put_rows(np.asarray(allowed, np.uint32)),)
         n = None if n_steps is None else np.int32(n_steps)
-        self.state, toks, count, lp = e.run("decode", self.state, n, stop, *masks, **static)
+        self.state, toks, count, lp = e.run("decode", self._tables(), n, stop, *masks, **static)
         return toks, count, lp
 
     def decode_forward(self, rows: int | None = None):
         """The forward of a one-step decode block, apart from its sampling (`decode_sample`): ->
         the logits [rows, V] on the device, for `decode_sample`."""
         e = self.engine
-        self.state, logits = e.run("decode_forward", self.state, rows=rows)
+        self.state, logits = e.run("decode_forward", self._tables(), rows=rows)
         return logits
 
     def decode_sample(self, logits, stop=None, rows: int | None = None, logprobs: int = 0, allowed=None,
@@ -74,7 +108,7 @@ class EngineCore:
         stop = None if stop is None else e.put_rows(np.asarray(stop, bool))
         masks = None if allowed is None else e.put_rows(np.asarray(allowed, np.uint32))
         static = {"rows": rows, **({"logprobs": logprobs} if logprobs else {}), **({"greedy": True} if greedy else {})}
-        self.state, toks, count, lp = e.run("decode_sample", self.state, logits, stop, masks, **static)
+        self.state, toks, count, lp = e.run("decode_sample", self._tables(), logits, stop, masks, **static)
         return toks, count, lp
 
         # -- lockstep batches: every row a prompt, prefilled in chunks ----------------------------------
@@ -83,7 +117,7 @@ class EngineCore:
         n_steps)` call, if not compiled yet. -> seconds it took."""
         e, B = self.engine, self.num_slots
         C, _ = e.chunking(longest)
-        state = e.state_shapes(B, self.max_len)
+        state = self.state_shapes()
         lp = {"logprobs": logprobs} if logprobs else {}
         calls = [("prefill", (state, e.row_shapes(Pieces.shapes(B, C, rows=True)), None), {"out": "sample", **lp})]
         if n_steps >= 1:

@@ -107,7 +107,7 @@ def perplexity_ids(engine, ids, window: int = 2048, stride: int | None = None,
     heads = max(a.num_heads for a in cfg.attn if a is not None)
     B = max(1, min(len(wins), TOKENS_PER_FORWARD // T, SCORE_BYTES // (4 * heads * T * T)))
     C, Tp = engine.chunking(T)
-    scorer = engine.core(B, Tp)       # every window starts at 0, so rows need no clearing between batches
+    scorer = engine.core(B, Tp, span=C)       # every window starts at 0, so rows need no clearing between batches
     total, count = 0.0, 0
     for i in range(0, len(wins), B):
         tokens, scored = pack(wins[i:i + B], ids, B, Tp, bos, cfg.pad_id)

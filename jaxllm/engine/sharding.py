@@ -31,6 +31,7 @@ RULES: dict[str, str | None] = {
     "embed": None,
     "head_dim": None,
     "layers": None,
+    "blocks": None,
     "seq": None,
     "cache_seq": None,
 }
@@ -109,7 +110,7 @@ class Layout:
 
     # -- caches and activations -----------------------------------------------------------------
     def cache_shardings(self, cache_shapes) -> dict:
-        """Shardings for a cache pytree (arrays or ShapeDtypeStructs), its leaves named by `CACHE_AXES`."""
+        """Shardings for KV pools (arrays or ShapeDtypeStructs), their leaves named by `CACHE_AXES`."""
         return jax.tree_util.tree_map(lambda a: self.sharding(a.shape, cache_leaf_axes(len(a.shape))),
                                       cache_shapes)
 

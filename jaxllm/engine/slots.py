@@ -1,7 +1,7 @@
 """The engine core's data: the slot table (`Slots`) and the state the core's calls advance (`State`:
-the KV cache and that table), and what the host hands a call (`Pieces` of prompts to prefill,
-`Forks` of slots to copy). All are pytrees: the host makes them with numpy leaves, the engine puts
-them on the mesh (`Engine.put_rows`), the core's calls take and return them on the device."""
+the KV pools, the rows' block tables and the slot table), and what the host hands a call (`Pieces`
+of prompts to prefill, `Forks` of slots to copy). All are pytrees: the host makes them with numpy
+leaves, the engine puts them on the mesh (`Engine.put_rows`), the core's calls take and return them on the device."""
 from __future__ import annotations
 
 import jax
@@ -11,6 +11,7 @@ import numpy as np
 from jaxllm import pytree
 from jaxllm.engine.sampling import Penalties, SamplingParams, TokenRules
 from jaxllm.engine.speculative import SpecSlots
+from jaxllm.kv.paged import PagedCache
 
 
 @pytree.dataclass
@@ -51,9 +52,9 @@ class Slots:
 
 @pytree.dataclass
 class State:
-    cache: dict
+    cache: PagedCache                    # the KV pools and each slot's block tables (the host's to set)
     slots: Slots
-    draft_cache: dict | None = None      # the draft model's KV cache (speculation with one)
+    draft_cache: dict | None = None      # the draft model's pools (with one): the same tables name its blocks
 
 
 @pytree.dataclass
@@ -63,7 +64,10 @@ class Pieces:
     cache is padding). `final` rows end their prompt: their slot gets the sampling parameters, the
     token limit `max_new` and `ignore_eos`, samples its first token and goes live, among the tokens
     whose bits are set in its row of `allowed` where given (a structured-output request's grammar
-    mask, `sampling.mask_tokens`)."""
+    mask, `sampling.mask_tokens`). A `first` piece begins its request's prefill (its slot's counts
+    and drafting history start afresh; with a cached prefix it starts past position 0). A request
+    recomputed after preemption carries the tokens it had generated as prompt: from position
+    `out_start` on they count as generated, and it samples its next token as its `step0`-th."""
     tokens: jax.Array          # [P, C] int32
     start: jax.Array           # [P] int32
     length: jax.Array          # [P] int32
@@ -75,24 +79,30 @@ class Pieces:
     penalties: Penalties | None = None     # [P] (None: none)
     rules: TokenRules | None = None        # [P] (None: none)
     allowed: jax.Array | None = None       # [P, ceil(V / 32)] uint32 (None: every token)
+    first: jax.Array | None = None         # [P] bool
+    step0: jax.Array | None = None         # [P] int32
+    out_start: jax.Array | None = None     # [P] int32
 
     @staticmethod
     def make(tokens, start=None, length=None, final=None, rows=None, params: SamplingParams | None = None,
              max_new=None, ignore_eos=None, penalties: Penalties | None = None,
-             rules: TokenRules | None = None, allowed=None) -> "Pieces":
+             rules: TokenRules | None = None, allowed=None, first=None, step0=None, out_start=None) -> "Pieces":
         """Host arrays -> Pieces (numpy leaves; the engine puts them on the mesh)."""
         P = len(tokens)
 
         def col(v, dtype, default):
             return np.full((P,), default, dtype) if v is None else np.broadcast_to(np.asarray(v, dtype), (P,)).copy()
         params = params or SamplingParams.make(P)
-        return Pieces(np.asarray(tokens, np.int32), col(start, np.int32, 0), col(length, np.int32, 0),
+        start = col(start, np.int32, 0)
+        return Pieces(np.asarray(tokens, np.int32), start, col(length, np.int32, 0),
                       col(final, bool, False), col(max_new, np.int32, 1), col(ignore_eos, bool, False),
                       jax.tree_util.tree_map(np.asarray, params),
                       None if rows is None else np.asarray(rows, np.int32),
                       jax.tree_util.tree_map(np.asarray, penalties or Penalties.make(P)),
                       rules or TokenRules.make(P),
-                      None if allowed is None else np.asarray(allowed, np.uint32))
+                      None if allowed is None else np.asarray(allowed, np.uint32),
+                      start == 0 if first is None else col(first, bool, False), col(step0, np.int32, 0),
+                      col(out_start, np.int32, np.iinfo(np.int32).max))
 
     @staticmethod
     def shapes(P: int, C: int, rows: bool = True, mask_words: int = 0) -> "Pieces":

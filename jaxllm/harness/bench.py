@@ -31,7 +31,8 @@ from jaxllm.errors import JaxllmError, RequestError
 from jaxllm.harness import ceilings as ceil
 from jaxllm.harness.roofline import nbytes, prefill_flops, step_cost
 from jaxllm.harness.synthetic import random_engine
-from jaxllm.kv.split import KVOptions, RingKV, choose_layout
+from jaxllm.kv.options import KVOptions, choose_layout
+from jaxllm.kv.paged import PagedCache, static_tables
 from jaxllm.weights.random import random_like
 
 
@@ -89,9 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices on the model axis)")
     p.add_argument("--kv-quant", choices=("auto", "int8", "none"), default="auto",
-                   help="KV-cache format, as in jaxllm.infer (auto: split int8 cache above 32K)")
+                   help="KV-cache format, as in jaxllm.infer (auto: int8 global layers above 32K)")
     p.add_argument("--int8-rings", action="store_true",
-                   help="with an int8 split cache, keep the sliding layers' rings in int8 too")
+                   help="with int8 global layers, keep the sliding layers' blocks in int8 too")
     p.add_argument("--speculative", choices=("ngram", "draft"), default=None,
                    help="speculative decoding in the loop (random tokens: what free text finds to draft)")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
@@ -104,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows draft every cycle however little they accept (the cost of a cycle); "
                         "by default rows whose drafts fail stop drafting, as in serving")
     p.add_argument("--rebuild-keys", action="store_true",
-                   help="with a split cache, global layers whose V is their K store V alone and rebuild keys")
+                   help="global layers whose V is their K store V alone and rebuild keys")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0, help="decode sampling: 0 is greedy")
     p.add_argument("--top-k", type=int, default=None)
@@ -138,9 +139,7 @@ def check_args(a) -> None:
     a.kv_options = KVOptions(int8_rings=a.int8_rings, store_keys=not a.rebuild_keys)
     layout = choose_layout(a.kv_quant, a.ctx + a.steps, a.kv_options)
     if a.int8_rings and not layout.int8:
-        raise RequestError("--int8-rings needs an int8 split cache: add --kv-quant int8")
-    if a.rebuild_keys and not layout.split:
-        raise RequestError("--rebuild-keys applies to the split cache: add --kv-quant int8")
+        raise RequestError("--int8-rings needs int8 global layers: add --kv-quant int8")
 
 
 # -- model ----------------------------------------------------------------------------------------
@@ -177,25 +176,13 @@ def median_ms(times: list[float]) -> float:
     return float(np.median(times)) * 1e3
 
 
-def filled_ring_positions(pos: jax.Array, ctx: int) -> jax.Array:
-    """Slot positions of rings [n, B, W] that have been written up to position ctx - 1 (random ones
-    would mostly fall outside the window, and a kernel skips the reads of slots it cannot see)."""
-    W = pos.shape[-1]
-
-    def fill(p):
-        s = jnp.arange(W, dtype=jnp.int32)
-        held = (ctx - 1) - ((ctx - 1 - s) % W)
-        return jnp.broadcast_to(jnp.where(held >= 0, held, -1), p.shape)
-    return jax.jit(fill, out_shardings=getattr(pos, "sharding", None))(pos)
-
-
 def decode_state(eng, batch: int, ctx: int, steps: int, seed: int, params: SamplingParams) -> State:
     """The core's state as if every slot had just prefilled a prompt of ctx tokens: random KV in
-    positions [0, ctx), every slot live for `steps` tokens with EOS ignored."""
-    shapes = eng.state_shapes(batch, ctx + steps)
-    cache = random_like(shapes.cache, seed, jax.tree_util.tree_map(lambda s: s.sharding, shapes.cache))
-    cache = {name: c.replace(pos=filled_ring_positions(c.pos, ctx)) if isinstance(c, RingKV) else c
-             for name, c in cache.items()}
+    every block (each row its own, in order), every slot live for `steps` tokens with EOS ignored."""
+    plan = eng.pool_plan(batch, ctx + steps)
+    shapes = eng.state_shapes(plan)
+    pools = random_like(shapes.cache.pools, seed, jax.tree_util.tree_map(lambda s: s.sharding, shapes.cache.pools))
+    cache = PagedCache(pools, {n: eng.put_rows(t) for n, t in static_tables(plan.widths, batch).items()})
     last = np.asarray(jax.random.randint(jax.random.key(seed), (batch,), 0, eng.cfg.vocab_size, jnp.int32))
     full = np.full((batch,), 1, np.int32)
     spec = None
@@ -245,8 +232,10 @@ def time_prefill(eng, batch, prompt_len, a) -> tuple[float, float]:
                                            jnp.int32))
     pieces = eng.put_rows(Pieces.make(tokens, 0, prompt_len, True, np.arange(batch)))
 
+    plan = eng.pool_plan(batch, prompt_len + 1, span=prompt_len)
+
     def fresh():
-        return jax.block_until_ready(eng.new_state(batch, prompt_len + 1))
+        return jax.block_until_ready(eng.new_state(plan))
     t0 = time.perf_counter()
     fn = eng.executable("prefill", (fresh(), pieces, None), {"out": "sample"})
     compile_s = time.perf_counter() - t0
@@ -264,17 +253,16 @@ def time_prefill(eng, batch, prompt_len, a) -> tuple[float, float]:
 
 def kv_itemsizes(cfg, a, dtype) -> dict:
     """Bytes per cached K/V element of each layer kind under the run's KV format (int8 scales are
-    not counted): the split cache keeps global layers in int8, and rings too with --int8-rings."""
+    not counted): int8 global layers, and sliding ones too with --int8-rings."""
     layout = choose_layout(a.kv_quant, a.ctx + a.steps, a.kv_options)
     full = jnp.dtype(dtype).itemsize
-    ring = 1 if layout.int8 and a.kv_options.int8_rings else full
-    return {kind: (ring if cfg.attn[kind].window is not None else (1 if layout.int8 else full))
+    return {kind: 1 if (layout.int8_sliding if cfg.attn[kind].window is not None else layout.int8) else full
             for kind in cfg.kinds_used}
 
 
 def run_point(eng, fam, batch, a, ceilings, mem_limit) -> Point:
     cfg, weights, dtype = eng.cfg, eng.weights, DTYPES[a.dtype]
-    shared = choose_layout(a.kv_quant, a.ctx + a.steps, a.kv_options).split and a.rebuild_keys
+    shared = a.rebuild_keys
     cost = step_cost(cfg, weights, fam.abstract(cfg), batch, a.ctx, kv_itemsizes(cfg, a, dtype), shared)
     p = Point(batch, a.ctx, a.steps, weight_bytes_per_step=cost.weight_bytes, kv_bytes_per_step=cost.kv_bytes,
               bytes_per_step=cost.bytes, flops_per_step=cost.flops)

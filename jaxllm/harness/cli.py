@@ -123,8 +123,8 @@ def load_engine(args, quiet: bool = False):
     args.load_s = time.perf_counter() - t0
     from jaxllm.engine.compilation_cache import executables_folder
     eng.steps_cache = executables_folder(cache)
-    # on stderr, so --json output stays clean; always shown when the split long-context cache is used
-    if eng.kv_layout.split or (not quiet and sys.stderr.isatty()):
+    # on stderr, so --json output stays clean; always shown when the int8 long-context layout is used
+    if eng.kv_layout.int8 or (not quiet and sys.stderr.isatty()):
         from jaxllm.kv.plan import report
         report(eng.kv_plan(1))
     if not quiet and sys.stderr.isatty():

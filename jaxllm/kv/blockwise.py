@@ -2,10 +2,10 @@
 
 The loop runs only over the blocks that hold a position some query can see (up to the highest query
 position of the batch, from the lowest a sliding window still holds), so a decode step at 10K
-tokens of a 128K cache reads 10K tokens of KV.
-The cache is read through `load_block(start) -> (k, v, kv_pos)`, which dequantizes an int8 block or
-passes a compute-dtype block through: one loop serves both storage formats, and prefill (T > 1)
-as well as decode (T = 1).
+tokens of a 128K context reads 10K tokens of KV.
+The cache is read through `load_block(start) -> (k, v, kv_pos)` (positions start.. of every row,
+gathered from the row's KV blocks by `kv.paged`), which dequantizes int8 or passes the compute
+dtype through: one loop serves both storage formats, and prefill (T > 1) as well as decode (T = 1).
 """
 from __future__ import annotations
 
@@ -48,22 +48,9 @@ def dequantize_kv(q: jax.Array, scale: jax.Array | None, dtype) -> jax.Array:
     return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
 
-def linear_loader(k, v, k_scale=None, v_scale=None, *, block: int, dtype) -> BlockLoader:
-    """Blocks of a linear cache k/v [B, S, K, hd] (slot s holds position s), dequantized to `dtype`."""
-    B = k.shape[0]
-
-    def load(start):
-        def cut(x):
-            return None if x is None else jax.lax.dynamic_slice_in_dim(x, start, block, axis=1)
-        pos = jnp.broadcast_to(start + jnp.arange(block, dtype=jnp.int32), (B, block))
-        return dequantize_kv(cut(k), cut(k_scale), dtype), dequantize_kv(cut(v), cut(v_scale), dtype), pos
-    return load
-
-
-def blocks_needed(q_pos: jax.Array, block: int, n_slots: int) -> jax.Array:
+def blocks_needed(q_pos: jax.Array, block: int) -> jax.Array:
     """How many leading blocks hold a position that some query of the batch can see."""
-    n = (jnp.max(q_pos) + block) // block
-    return jnp.clip(n, 0, n_slots // block).astype(jnp.int32)
+    return jnp.clip((jnp.max(q_pos) + block) // block, 0, None).astype(jnp.int32)
 
 
 def first_block(q_pos: jax.Array, block: int, window: int | None) -> jax.Array:
@@ -75,11 +62,10 @@ def first_block(q_pos: jax.Array, block: int, window: int | None) -> jax.Array:
     return (jnp.clip(lo, 0, None) // block).astype(jnp.int32)
 
 
-def blockwise_attend(q: jax.Array, q_pos: jax.Array, load_block: BlockLoader, *, n_slots: int,
-                     block: int, scale: float, softcap: float | None = None,
-                     window: int | None = None) -> jax.Array:
+def blockwise_attend(q: jax.Array, q_pos: jax.Array, load_block: BlockLoader, *, block: int, scale: float,
+                     softcap: float | None = None, window: int | None = None) -> jax.Array:
     """Grouped-query attention of q [B, T, H, hd] at absolute positions q_pos [B, T] (-1 = padding)
-    over a cache of `n_slots` slots read `block` at a time -> [B, T, H, hd] in q's dtype.
+    over the positions `load_block` reads, `block` at a time -> [B, T, H, hd] in q's dtype.
 
     Equal to a plain softmax over all visible keys; queries that see no key (padding) give zeros.
     """
@@ -106,7 +92,7 @@ def blockwise_attend(q: jax.Array, q_pos: jax.Array, load_block: BlockLoader, *,
 
     init = (jnp.full((B, K, G, T), NEG_INF, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
             jnp.zeros((B, K, G, T, hd), jnp.float32))
-    n = blocks_needed(q_pos, block, n_slots)
+    n = blocks_needed(q_pos, block)
     _, l, acc = jax.lax.fori_loop(jnp.minimum(first_block(q_pos, block, window), n), n, body, init)
     o = acc / jnp.maximum(l, 1e-30)[..., None]                               # [B, K, G, T, hd]
     return o.transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd).astype(q.dtype)

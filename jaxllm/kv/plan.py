@@ -1,71 +1,133 @@
-"""What the KV cache will take, said before it is allocated, and a clear error when it cannot fit."""
+"""How many KV blocks each attention kind gets, said before they are allocated, and a clear error
+when they cannot fit.
+
+A lockstep batch gets exactly its rows' blocks (`PoolPlan.for_rows`). A server's pool is sized from
+a memory budget (`PoolPlan.for_budget`): sliding kinds get room for every slot's window twice over
+(the second for cached prefixes' windows), no more than the global kind has blocks, and global
+kinds the rest, so a pool holds as many tokens of global KV as the budget allows whatever the
+requests' lengths.
+"""
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 
 import jax
-import numpy as np
 
-from jaxllm.config.model import ModelConfig
 from jaxllm.errors import RequestError
-from jaxllm.kv.split import BlockKV, KVLayout, KVOptions, RingKV, cache_shapes
+from jaxllm.kv.options import KVLayout
+from jaxllm.kv.paged import KindSpec, table_width
 
 GiB = 1024 ** 3
 
 
 @dataclass(frozen=True)
-class CachePlan:
+class PoolPlan:
+    """The pools of a model (and its draft model, whose blocks the same tables name): per kind
+    name, its blocks (block 0, the null block, included), table width, window and bytes a block
+    takes over every layer of every model."""
     layout: KVLayout
-    batch: int
-    max_ctx: int
-    per_token: int        # bytes per position of one row that grow with the context
-    fixed: int            # bytes that do not grow (ring buffers, slot positions), all rows
-    total: int            # bytes of the whole cache as allocated
-    per_device: int | None = None   # bytes on the device that holds the most of it (None: one device)
+    block_size: int
+    rows: int                  # slots (sequences at once)
+    max_len: int               # positions a sequence may reach
+    span: int                  # positions a call may write past a row's lowest (sliding tables hold them)
+    blocks: dict
+    widths: dict
+    windows: dict
+    block_bytes: dict
+    per_device: int | None = None   # bytes on the device that holds the most (None: one device)
+
+    @staticmethod
+    def kinds(models: list[list[KindSpec]], block_size: int, itemsize: int, max_len: int, span: int):
+        """(widths, windows, block bytes) by kind name over the models' pools."""
+        windows, block_bytes = {}, {}
+        for specs in models:
+            for s in specs:
+                w = windows.get(s.name, s.window)
+                windows[s.name] = None if s.window is None else max(s.window, w or 0)
+                block_bytes[s.name] = block_bytes.get(s.name, 0) + s.block_bytes(block_size, itemsize)
+        widths = {n: table_width(w, block_size, max_len, span) for n, w in windows.items()}
+        return widths, windows, block_bytes
+
+    @classmethod
+    def for_rows(cls, models, layout: KVLayout, block_size: int, itemsize: int, rows: int, max_len: int,
+                 span: int) -> "PoolPlan":
+        """Every row its own blocks for `max_len` positions (a lockstep batch)."""
+        widths, windows, block_bytes = cls.kinds(models, block_size, itemsize, max_len, span)
+        blocks = {n: rows * w + 1 for n, w in widths.items()}
+        return cls(layout, block_size, rows, max_len, span, blocks, widths, windows, block_bytes)
+
+    @classmethod
+    def for_budget(cls, models, layout: KVLayout, block_size: int, itemsize: int, rows: int, max_len: int,
+                   span: int, budget: int) -> "PoolPlan":
+        """As many blocks as `budget` bytes hold: sliding kinds every row's window twice over (or
+        once) where global kinds keep at least as many blocks, global kinds the rest."""
+        widths, windows, block_bytes = cls.kinds(models, block_size, itemsize, max_len, span)
+        slid = [n for n, w in windows.items() if w is not None]
+        glob = [n for n, w in windows.items() if w is None]
+        g_bytes = sum(block_bytes[n] for n in glob)
+        s_bytes = sum(block_bytes[n] for n in slid)
+        blocks = None
+        for times in (2, 1):               # every slot's window twice over, else once
+            want = {n: times * rows * widths[n] + 1 for n in slid}
+            g = (budget - sum(want[n] * block_bytes[n] for n in slid)) // max(g_bytes, 1)
+            if not glob or g >= max(want.values(), default=0):
+                blocks = {**{n: int(g) for n in glob}, **want}
+                break
+        if blocks is None:                 # not room for that: as many sliding blocks as global ones
+            blocks = {n: budget // max(g_bytes + s_bytes, 1) for n in windows}
+        if not glob:
+            scale = min(1.0, budget / max(sum(blocks[n] * block_bytes[n] for n in slid), 1))
+            blocks = {n: int(blocks[n] * scale) for n in slid}
+        blocks = {n: max(2, int(c)) for n, c in blocks.items()}
+        return cls(layout, block_size, rows, max_len, span, blocks, widths, windows, block_bytes)
+
+    @property
+    def total(self) -> int:
+        return sum(self.blocks[n] * self.block_bytes[n] for n in self.blocks)
 
     @property
     def device_bytes(self) -> int:
-        """What one device must find free for its share of the cache."""
+        """What one device must find free for its share of the pools."""
         return self.total if self.per_device is None else self.per_device
+
+    def blocks_for(self, name: str, length: int) -> int:
+        """Blocks of kind `name` a sequence of `length` positions holds at once."""
+        n = -(-length // self.block_size)
+        return n if self.windows[name] is None else min(n, self.widths[name])
+
+    @property
+    def tokens(self) -> int:
+        """Positions of global KV the pool holds (of sliding KV where no kind is global)."""
+        glob = [n for n, w in self.windows.items() if w is None] or list(self.blocks)
+        return min((self.blocks[n] - 1) * self.block_size for n in glob)
+
+    def sequences(self, length: int) -> int:
+        """Sequences of `length` positions the pool holds at once."""
+        return min((self.blocks[n] - 1) // max(self.blocks_for(n, length), 1) for n in self.blocks)
 
     def where(self) -> str:
         return "" if self.device_bytes == self.total else f", {self.device_bytes / GiB:.2f} GiB a device"
 
     def describe(self) -> str:
-        ring = f" + {self.fixed / 2**20:.1f} MiB of sliding-window ring buffers" if self.fixed else ""
-        return (f"KV cache: {self.layout.name}, {self.per_token:,} bytes/token{ring}; "
-                f"{self.total / GiB:.2f} GiB for {self.batch} x {self.max_ctx:,} tokens{self.where()}")
+        kinds = ", ".join(f"{n} {self.blocks[n] - 1:,} blocks ({self.block_bytes[n]:,} bytes each)"
+                          for n in sorted(self.blocks))
+        return (f"KV pool: {self.layout.name}, {self.block_size}-token blocks: {kinds}; "
+                f"{self.total / GiB:.2f} GiB{self.where()}; holds {self.tokens:,} tokens, "
+                f"{self.sequences(self.max_len):,} sequences of {self.max_len:,}")
 
 
-def _nbytes(x) -> int:
-    return 0 if x is None else int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-
-
-def plan_cache(cfg: ModelConfig, layout: KVLayout, opts: KVOptions, batch: int, max_ctx: int, dtype,
-               n_layers=None) -> CachePlan:
-    shapes = cache_shapes(cfg, layout, opts, batch, max_ctx, dtype, n_layers)
-    per_token = fixed = total = 0
-    for c in shapes.values():
-        leaves = jax.tree_util.tree_leaves(c)
-        size = sum(_nbytes(x) for x in leaves)
-        total += size
-        if isinstance(c, RingKV):
-            fixed += size
-        else:
-            slots = (c.v if isinstance(c, BlockKV) else c["k"]).shape[2]
-            per_token += size // (batch * slots)
-    return CachePlan(layout, batch, max_ctx, per_token, fixed, total)
+def per_device_bytes(shapes) -> int:
+    """Bytes the device holding the most of a tree of sharded shape structs holds."""
+    return sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize for s in jax.tree_util.tree_leaves(shapes))
 
 
 def free_memory(device=None) -> int | None:
     """Bytes the device can still allocate: the allocator's limit less what is in use; on a CPU
     without allocator statistics, the host's available memory."""
     device = device or jax.local_devices()[0]
-    try:
-        stats = device.memory_stats()
-    except Exception:           # some backends do not implement memory statistics
-        stats = None
+    stats = device_stats(device)
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
     if device.platform == "cpu":
@@ -79,16 +141,22 @@ def free_memory(device=None) -> int | None:
     return None
 
 
-def check_fits(plan: CachePlan, device=None, free: int | None = None):
-    """A clear error where a device cannot hold its share of the cache (the whole cache on one
-    device; under a mesh, the largest shard)."""
+def device_stats(device) -> dict | None:
+    try:
+        return device.memory_stats()
+    except Exception:           # some backends do not implement memory statistics
+        return None
+
+
+def check_fits(plan: PoolPlan, device=None, free: int | None = None):
+    """A clear error where a device cannot hold its share of the pools."""
     free = free_memory(device) if free is None else free
     if free is not None and plan.device_bytes > free:
-        raise RequestError(f"the KV cache for {plan.batch} x {plan.max_ctx:,} tokens needs "
+        raise RequestError(f"the KV cache for {plan.rows} x {plan.max_len:,} tokens needs "
                            f"{plan.total / GiB:.2f} GiB ({plan.layout.name}{plan.where()}) but only "
                            f"{free / GiB:.2f} GiB of device memory is free; lower --max-ctx or --batch, "
                            f"or use --kv-quant int8")
 
 
-def report(plan: CachePlan, file=None):
+def report(plan: PoolPlan, file=None):
     print(plan.describe(), file=file or sys.stderr)

@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config.model import KIND_NAMES, ModelConfig
-from jaxllm.kv import linear as kv
-from jaxllm.kv import split
+from jaxllm.kv.paged import PagedCache
 from jaxllm.model.families import family_named
 from jaxllm.model.layers import decoder_layer
 from jaxllm.model.schedule import Branch, branches, counted_layers, layer_period, schedule
@@ -41,14 +40,6 @@ def logits_from_hidden(cfg: ModelConfig, weights: dict, h: jax.Array, ops) -> ja
     return out
 
 
-def put(tree, i, new, rows=None):
-    """Layer i of a cache stack tree set to `new`: cache rows `rows` of it where given, else its
-    leading rows (as many as `new` has)."""
-    if rows is None:
-        return jax.tree_util.tree_map(lambda a, n: a.at[i, :n.shape[0]].set(n), tree, new)
-    return jax.tree_util.tree_map(lambda a, n: a.at[i, rows].set(n, mode="drop"), tree, new)
-
-
 def next_input_norms(cfg: ModelConfig, weights: dict) -> dict:
     """Per layer group, a stack [layers in the group, D] of the input norm weight of the layer after
     each (the final norm's after the last layer), in the group's own order."""
@@ -64,19 +55,18 @@ def next_input_norms(cfg: ModelConfig, weights: dict) -> dict:
     return {g: jnp.stack(rows) for g, rows in groups.items()}
 
 
-def cache_positions(cache: dict) -> int:
-    """Rows x positions of a cache's largest stack (its leaves [layers, rows, positions, ...])."""
-    return max((a.shape[1] * a.shape[2] for a in jax.tree_util.tree_leaves(cache) if a.ndim >= 3), default=0)
+def cache_positions(cache: PagedCache) -> int:
+    """Positions the largest pool holds (blocks x block size)."""
+    return max((p.num_blocks * p.block_size for p in cache.pools.values()), default=0)
 
 
-def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.Array, cache: dict, ops,
-            dtype=jnp.bfloat16, rows: jax.Array | None = None):
+def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.Array, cache: PagedCache, ops,
+            dtype=jnp.bfloat16):
     """tokens/positions [B, T] -> hidden states [B, T, D] and the updated cache, on backend `ops`.
 
-    Each token is written into the cache at its position (a negative position is padding, never
-    written) and attends to everything its row of the cache holds at earlier positions. `rows` [B]
-    names the cache row of each batch row (a prefill into some of a cache's rows; a row past the
-    cache's end is padding); None: batch row b is cache row b (the cache may hold more rows).
+    Each token's keys and values are written into its row's KV blocks at its position (a negative
+    position is padding, never written), and it attends to everything its row holds at earlier
+    positions (`cache.tables` [B, ...]: the blocks of each batch row).
     """
     hooks = family_hooks(cfg)
     x = embed(cfg, weights, tokens, dtype, ops)
@@ -96,20 +86,12 @@ def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.A
 
         def run(xh, caches, s):
             w = ops.layer_weights(groups[b.group], s["idx"])
-            lc = caches[name]
-            if isinstance(lc, dict):
-                lc = kv.LayerKV(lc, s["cache_idx"], rows, tokens.shape[0])
-            else:
-                lc = split.layer_view(lc, s["cache_idx"], tokens.shape[1], ops, rows, tokens.shape[0])
+            lc = caches.layer(name, s["cache_idx"])
             if layer_fn is None:
                 xh, lc = decoder_layer(cfg, b.kind, w, *xh, positions, lc, ops)
             else:
                 xh, lc = layer_fn(cfg, b, w, *xh, positions, lc, s.get("inputs"), ops)
-            if not b.own_kv:
-                return xh, caches
-            in_place = isinstance(lc, (kv.LayerKV, split.StackedLayer))
-            new = lc.stack if in_place else put(caches[name], s["cache_idx"], lc, rows)
-            return xh, {**caches, name: new}
+            return xh, (caches.with_layer(name, lc) if b.own_kv else caches)
         return run
 
     def step(carry, s):

@@ -7,8 +7,7 @@ from __future__ import annotations
 import jax
 
 from jaxllm.config.model import ModelConfig
-from jaxllm.kv import linear as kv
-from jaxllm.ops.xla import HeadPrep, inv_frequencies
+from jaxllm.ops.xla import HeadPrep, KeysFromValues, inv_frequencies
 
 
 def head_prep(cfg: ModelConfig, w: dict, inv_freq) -> HeadPrep:
@@ -18,9 +17,10 @@ def head_prep(cfg: ModelConfig, w: dict, inv_freq) -> HeadPrep:
 
 def attention_block(cfg: ModelConfig, kind: int, w: dict, h, positions: jax.Array, layer_cache, ops,
                     own_kv: bool = True, partials: bool = False):
-    """Project, write this step's K/V into the layer's cache, attend over the cache, project out
-    (with `partials`, possibly in the backend's own form, for `add_norm`). With `own_kv=False` the
-    layer only projects Q and attends over a cache an earlier layer wrote."""
+    """Project, write this step's K/V into the layer's KV blocks (`kv.paged.LayerKV`), attend over
+    the row's blocks, project out (with `partials`, possibly in the backend's own form, for
+    `add_norm`). With `own_kv=False` the layer only projects Q and attends over what an earlier
+    layer wrote."""
     a = cfg.attn[kind]
     inv_freq = inv_frequencies(a.rope, a.head_dim)
     if own_kv:
@@ -30,13 +30,14 @@ def attention_block(cfg: ModelConfig, kind: int, w: dict, h, positions: jax.Arra
     else:
         q, k, v = ops.linear(h, w["q"], partials=True), None, None
     q, k, v, layer_cache = ops.head_prologue(q, k, v, head_prep(cfg, w, inv_freq), positions, layer_cache)
-    if not isinstance(layer_cache, kv.LayerKV):    # split cache (ring buffer / blockwise global)
-        k_norm = ops.weight(w["k_norm"]) if cfg.qk_norm and "k_norm" in w else None   # keys rebuilt from values
-        o, layer_cache = layer_cache.update_and_attend(cfg, a, k_norm, q, k, v, positions, ops)
-        return ops.linear(o, w["o"], 2, partials), layer_cache
-    if k is not None:
+    if k is not None:                               # not written by the backend's prologue
         layer_cache = layer_cache.write(k, v, positions)
-    o = layer_cache.attend(q, positions, ops, scale=cfg.query_scale, softcap=cfg.attn_softcap, window=a.window)
+    keys = None
+    if layer_cache.keys_from_values:                # a pool of values alone: keys rebuilt from them
+        k_norm = ops.weight(w["k_norm"]) if cfg.qk_norm and "k_norm" in w else None
+        keys = KeysFromValues(inv_freq, k_norm, cfg.norm_eps, cfg.norm_offset)
+    o = layer_cache.attend(q, positions, ops, scale=cfg.query_scale, softcap=cfg.attn_softcap, window=a.window,
+                           keys=keys)
     return ops.linear(o, w["o"], 2, partials), layer_cache
 
 

@@ -20,7 +20,6 @@ NEG_INF = -1e30
 # float32, converting the whole buffer there and back, so every token written into a bfloat16 cache
 # cost a pass over the cache; an integer buffer is updated in place.
 PACKED = jnp.uint16
-LINEAR_BLOCKS = (1024, 512, 256)     # positions a block of a long linear cache's attention reads, by preference
 CPU_COND_POSITIONS = 2048            # `XlaOps.layer_scan`: a CPU's smaller caches take a conditional per layer
 
 
@@ -327,27 +326,12 @@ class XlaOps:
         x = self.value(x)
         return x if w is None else rms_norm(x, w, prep.eps, prep.offset)
 
-    def cache_attention(self, q, layer_kv, positions, *, scale, softcap, window):
-        """Attention of q over a layer of the linear KV cache (`kv.linear.LayerKV`), or None where
-        the cache's own XLA attention (over every position of its rows) should run: a cache of at
-        least two blocks of `LINEAR_BLOCKS` positions is read a block at a time up to the highest
-        query position (a server's slots of 8192 positions, one request of 16 tokens: the embedded
-        model's decode steps took 210 ms each on this project's CPU machine reading every
-        position, against 115 ms by blocks)."""
-        S = layer_kv.stack["k"].shape[2]
-        block = next((b for b in LINEAR_BLOCKS if S >= 2 * b and S % b == 0), None)
-        if block is None:
-            return None
-        return layer_kv.attend_blocks(q, positions, block, scale=scale, softcap=softcap, window=window)
-
-    def stacked_attention(self, q, arrays: dict, idx, positions, *, scale, softcap, window, keys=None):
-        """Decode attention over layer `idx` of a split cache's stacked arrays read in place, or
-        None where the cache slices the layer and attends itself."""
+    def paged_attention(self, q, layer_kv, positions, *, scale, softcap, window, keys=None):
+        """Attention of q [B, T, H, hd] at positions [B, T] over a layer of a paged KV pool
+        (`kv.paged.LayerKV`: the pool, the layer, the rows' block tables), or None where the
+        cache's own XLA formulation (a blockwise loop over the rows' blocks) should run. `keys`:
+        how keys are rebuilt from stored values (`KeysFromValues`), for a pool that keeps none."""
         return None
-
-    def reads_in_place(self, tokens_per_row: int, rows) -> bool:
-        """Whether a split cache should hand its stacks to `stacked_attention` whole."""
-        return False
 
     def embed(self, table, ids, dtype):
         """Token embeddings. On a tensor-parallel mesh with the table's vocabulary sharded, each

@@ -26,8 +26,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from jaxllm.engine.jobs import Delta, Failed, Finished, Job, Prompt, QueueFull
+from jaxllm.engine.memory import KVMemory
+from jaxllm.engine.scheduler import Scheduler
 from jaxllm.serve.grammar import Grammars
-from jaxllm.serve.jobs import Delta, Failed, Finished, Job, Prompt, QueueFull
 from jaxllm.serve.metrics import CONTENT_TYPE, Metrics
 from jaxllm.serve.output import chat_features
 from jaxllm.serve.protocol import (
@@ -43,7 +45,6 @@ from jaxllm.serve.protocol import (
     tokenize,
     usage_chunk,
 )
-from jaxllm.serve.scheduler import Scheduler
 
 log = logging.getLogger("jaxllm.serve")
 
@@ -64,6 +65,7 @@ class ServeOptions:
     warmup: bool = True
     started: float | None = None        # process start (time.monotonic()), for the time to ready
     freeze_heap: bool = False           # for a process that serves for its lifetime: `Warmup.settle_heap`
+    kv_memory: KVMemory = KVMemory()    # the KV pool's size, and whether it caches prefixes
 
 
 class Wakeups:
@@ -139,7 +141,8 @@ class Server:
         self.grammars = Grammars.for_engine(engine)           # structured output (None: no tokenizer)
         self.scheduler = Scheduler(engine, opts.max_num_seqs, opts.max_model_len, opts.max_queue,
                                    opts.decode_steps, opts.max_num_batched_tokens,
-                                   structured=self.grammars is not None, freeze_heap=opts.freeze_heap)
+                                   structured=self.grammars is not None, freeze_heap=opts.freeze_heap,
+                                   kv_memory=opts.kv_memory)
         self.metrics = self.scheduler.observer = Metrics(self.scheduler, opts.served_name)
         self.features = chat_features(engine.cfg.family)      # reasoning and tool calls in chat answers
         self.started = time.time()
@@ -352,7 +355,8 @@ class Server:
                 parts.add(reader.finish())
             lp = None if req.logprobs is None else LogprobWriter(req, self.engine.tokenizer)(logprobs[i])
             choices.append(choice(req, i, text, finished[i].finish_reason, parts, lp))
-        body = full_response(req, choices, sum(f.completion_tokens for f in finished.values()))
+        body = full_response(req, choices, sum(f.completion_tokens for f in finished.values()),
+                             max(f.cached_tokens for f in finished.values()))
         self.metrics.finished(job, choices[0]["finish_reason"])
         return JSONResponse(body)
 
@@ -366,7 +370,7 @@ class Server:
             out.append(f"data: {json.dumps(obj, ensure_ascii=False)}\n\n")
         answers = [AnswerStream(req, i, self.engine.tokenizer) for i in range(req.n)]
         reasons: dict[int, str] = {}
-        n_completion = 0
+        n_completion = cached = 0
         ended = False
         try:
             if req.kind == "chat":
@@ -390,6 +394,7 @@ class Server:
                 elif isinstance(ev, Finished):
                     last, reasons[i] = answers[i].finish(ev.finish_reason)
                     n_completion += ev.completion_tokens
+                    cached = max(cached, ev.cached_tokens)
                     if len(reasons) == req.n:
                         ended = True
                         self.metrics.finished(job, reasons[0])
@@ -397,7 +402,7 @@ class Server:
                         sse(c)
                     if ended:
                         if req.include_usage:
-                            sse(usage_chunk(req, n_completion))
+                            sse(usage_chunk(req, n_completion, cached))
                         break
                 elif isinstance(ev, Failed):
                     ended = True
@@ -442,9 +447,11 @@ def build_app(engine, opts: ServeOptions) -> Starlette:
     async def lifespan(app):
         await run_in_threadpool(server.start)
         ready = "" if opts.started is None else f"; ready {time.monotonic() - opts.started:.1f} s after start"
-        log.info("serving %s: %d slots x %d positions, %s KV cache, prefill forwards of up to %d tokens%s",
-                 opts.served_name, opts.max_num_seqs, opts.max_model_len, engine.kv_layout.name,
-                 server.scheduler.shapes.budget, ready)
+        plan = server.scheduler.core.plan
+        log.info("serving %s: %d slots; a KV pool (%s) of %s tokens, %d sequences of --max-model-len %d; prefix "
+                 "caching %s; prefill forwards of up to %d tokens%s", opts.served_name, opts.max_num_seqs,
+                 engine.kv_layout.name, f"{plan.tokens:,}", plan.sequences(opts.max_model_len), opts.max_model_len,
+                 "on" if opts.kv_memory.prefix_caching else "off", server.scheduler.shapes.budget, ready)
         yield
         server.scheduler.shutdown()
         server.parser.shutdown(wait=False)

@@ -18,7 +18,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from jaxllm.serve.jobs import Job, Observer
+from jaxllm.engine.jobs import Job, Observer
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 SUCCESS = ("stop", "length", "tool_calls")
@@ -62,12 +62,22 @@ class Metrics(Observer):
                               "its first token, per later token", ITL_BUCKETS)
         self.e2e = histogram("jaxllm:e2e_request_latency_seconds", "From arrival to the last token of a finished "
                              "request", E2E_BUCKETS)
-        gauge("jaxllm:num_requests_running", "Requests holding a slot", lambda: scheduler.load()["running"])
-        gauge("jaxllm:num_requests_waiting", "Requests queued for a slot", lambda: scheduler.load()["waiting"])
         gauge("jaxllm:slot_usage_perc", "Fraction of the slots (--max-num-seqs) in use",
               lambda: scheduler.load()["running"] / len(scheduler.slots))
-        gauge("jaxllm:kv_cache_usage_perc", "Fraction of the KV cache's positions holding requests' tokens",
-              lambda: scheduler.kv_positions() / (len(scheduler.slots) * scheduler.core.max_len))
+        # The load a router reads to pick a replica (the Gateway API Inference Extension reads vLLM's
+        # names), under vLLM's names and ours.
+        blocks = scheduler.core.blocks
+        both = ("jaxllm", "vllm")
+        for p in both:
+            gauge(f"{p}:num_requests_running", "Requests holding a slot", lambda: scheduler.load()["running"])
+            gauge(f"{p}:num_requests_waiting", "Requests queued for a slot", lambda: scheduler.load()["waiting"])
+            gauge(f"{p}:kv_cache_usage_perc", "Fraction of the KV blocks held by requests", blocks.usage)
+        self.prefix_queries = [counter(f"{p}:prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                       "cache").labels(**name) for p in both]
+        self.prefix_hits = [counter(f"{p}:prefix_cache_hits", "Prompt tokens found in the prefix cache").labels(**name)
+                            for p in both]
+        self.preemptions = [counter(f"{p}:num_preemptions", "Running requests preempted for KV blocks (computed "
+                                    "again later)").labels(**name) for p in both]
         # Where the scheduler's two threads spend their time (`Scheduler` names the parts): with the
         # wall time, what keeps the device waiting (the engine thread's time outside device calls).
         self.thread_seconds = counter("jaxllm:scheduler_thread_seconds", "Seconds the scheduler's engine and "
@@ -95,6 +105,15 @@ class Metrics(Observer):
         else:
             self.itl.observe(now - job.last_token_at)
         self.generation_tokens.inc(n)
+
+    def prefix(self, queries: int, hits: int):
+        for q, h in zip(self.prefix_queries, self.prefix_hits):
+            q.inc(queries)
+            h.inc(hits)
+
+    def preempted(self):
+        for c in self.preemptions:
+            c.inc()
 
     def busy(self, thread: str, part: str, seconds: float):
         self.thread_seconds.labels(model_name=self.model_name, thread=thread, part=part).inc(seconds)

@@ -10,8 +10,9 @@ import re
 import secrets
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from jaxllm.engine.request import SEED_MOD, Request
 from jaxllm.engine.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from jaxllm.errors import JaxllmError
 from jaxllm.serve.chat import chat_prompt
@@ -23,48 +24,19 @@ from jaxllm.tokenizer import Tokenizer
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
 LOGPROB_FLOOR = -9999.0       # what -inf is written as (JSON has no infinity; OpenAI's value)
-SEED_MOD = 2 ** 32
 
 
 @dataclass
-class GenRequest:
-    """One validated generation request, ready for the scheduler."""
-    kind: str                          # "completion" | "chat"
-    model: str
-    prompt_ids: list[int]
-    max_tokens: int
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
+class GenRequest(Request):
+    """One validated generation request, ready for the scheduler, with what the HTTP answer needs."""
+    kind: str = "completion"           # "completion" | "chat"
+    model: str = ""
     stream: bool = False
     include_usage: bool = False
-    id: str = ""
     created: int = 0
-    skip_special: bool = True          # special tokens are left out of the text
     output: OutputPlan | None = None   # chat: how the answer is read (reasoning, tool calls)
-    logprobs: int | None = None        # alternatives listed per token (None: no log-probabilities)
-    echo: bool = False                 # completions: the answer starts with the prompt
     prompt_text: str = ""              # what `echo` writes back
     constraint: Constraint | None = None   # structured output: what the answer must match
-    n: int = 1                         # answers to the prompt (choice i samples with seed + i)
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    stop_token_ids: list[int] = field(default_factory=list)
-    min_tokens: int = 0
-
-    def choice_seed(self, i: int) -> int:
-        """The seed choice i samples with: the request's seed + i (modulo 2**32)."""
-        return (self.seed + i) % SEED_MOD
-
-    @property
-    def prompt_logprobs(self) -> bool:
-        """The prompt's own tokens are scored (an echo with log-probabilities)."""
-        return self.echo and self.logprobs is not None
 
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stream",
@@ -273,7 +245,7 @@ def parse_request(kind: str, body, engine, served_name: str, max_model_len: int,
         raise bad(f"'min_tokens' ({min_tokens}) must not be more than max_tokens ({max_tokens})", "min_tokens")
     rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
     special = plan is not None and any(p is not None and p.decode_special for p in (plan.tools, plan.reasoning))
-    return GenRequest(kind, served_name, ids, max_tokens, stop=stop, ignore_eos=ignore_eos, stream=stream,
+    return GenRequest(ids, max_tokens, kind=kind, model=served_name, stop=stop, ignore_eos=ignore_eos, stream=stream,
                       include_usage=include_usage, id=rid, created=int(time.time()), skip_special=not special,
                       output=plan, logprobs=logprobs, echo=echo, prompt_text=prompt_text, n=n, logit_bias=logit_bias,
                       stop_token_ids=stop_token_ids, min_tokens=min_tokens, constraint=constraint, **sampling)
@@ -359,9 +331,10 @@ def _fit_context(n_prompt: int, max_tokens: int | None, limit: int, default: int
 
 
 # -- responses ------------------------------------------------------------------------------------
-def usage(n_prompt: int, n_completion: int) -> dict:
+def usage(n_prompt: int, n_completion: int, cached: int = 0) -> dict:
+    """OpenAI's usage, with the prompt tokens whose KV came from the prefix cache."""
     return {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
-            "total_tokens": n_prompt + n_completion}
+            "total_tokens": n_prompt + n_completion, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def tool_call_json(c) -> dict:
@@ -391,12 +364,12 @@ def choice(req: GenRequest, index: int, text: str, finish_reason: str, parts: Pa
             "finish_reason": finish_reason}
 
 
-def full_response(req: GenRequest, choices: list[dict], n_completion: int) -> dict:
+def full_response(req: GenRequest, choices: list[dict], n_completion: int, cached: int = 0) -> dict:
     """The whole response: its `choice`s, in index order, and the usage (the prompt counted once,
     the tokens of every answer)."""
     obj = "text_completion" if req.kind == "completion" else "chat.completion"
     return {"id": req.id, "object": obj, "created": req.created, "model": req.model, "choices": choices,
-            "usage": usage(len(req.prompt_ids), n_completion)}
+            "usage": usage(len(req.prompt_ids), n_completion, cached)}
 
 
 def stream_chunk(req: GenRequest, text: str | None, finish_reason: str | None = None,
@@ -520,7 +493,7 @@ class AnswerStream:
                 for i, d in enumerate(ds)]
 
 
-def usage_chunk(req: GenRequest, n_completion: int) -> dict:
+def usage_chunk(req: GenRequest, n_completion: int, cached: int = 0) -> dict:
     obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
     return {"id": req.id, "object": obj, "created": req.created, "model": req.model, "choices": [],
-            "usage": usage(len(req.prompt_ids), n_completion)}
+            "usage": usage(len(req.prompt_ids), n_completion, cached)}

@@ -123,7 +123,7 @@ def test_warmup_reads_every_call_back(tmp_path, monkeypatch, without_jax_cache):
     """A second engine of the same model warms a server's scheduler from the executables the first
     one kept: every call is read back (on threads), none traced again."""
     import jaxllm
-    from jaxllm.serve.scheduler import Scheduler
+    from jaxllm.engine.scheduler import Scheduler
     tiny.make("qwen3", tmp_path / "m", seed=1)
 
     def scheduler():

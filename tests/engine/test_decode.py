@@ -13,16 +13,18 @@ from jaxllm.engine.slots import Pieces
 def eng(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(request.param)
     tiny.make(request.param, d, seed=3)
-    return jaxllm.load(str(d), quant="none", dtype="float32", max_ctx=64)
+    return jaxllm.load(str(d), quant="none", dtype="float32", max_ctx=64, kv_options=jaxllm.KVOptions(block_size=8))
 
 
 def test_step_decode_equals_full_forward(eng):
-    """Feeding tokens one at a time through the cache reproduces the full causal forward,
-    past several wraps of the tiny sliding window (8)."""
+    """Feeding tokens one at a time through the cache reproduces the full causal forward, past
+    several wraps of the sliding layers' blocks (a window of 8 in blocks of 8: two a row)."""
     rng = np.random.default_rng(0)
     ids = rng.integers(0, eng.cfg.vocab_size, (2, 30)).astype(np.int32)
     full = eng.logits(ids)
-    stepper = eng.core(2, 32)
+    stepper = eng.core(2, 32, span=1)
+    if "sliding" in stepper.plan.widths:
+        assert stepper.plan.widths["sliding"] == 2
     for t in range(ids.shape[1]):
         logits = stepper.step_logits(ids[:, t], np.full(2, t))
         assert tiny.rel_err(np.asarray(logits), full[:, t]) < 1e-4, t
@@ -104,10 +106,11 @@ def test_sampling_is_reproducible_and_seed_dependent(eng):
 
 @pytest.mark.parametrize("eng", ["gemma3"], indirect=True)     # its rings and global layers cover Qwen3's
 def test_forked_slots_decode_as_their_own_requests(eng):
-    """`fork` right after a prompt ends (prefilled in two pieces, past the sliding window): each
-    copy draws its own first token with its own seed and decodes what the request alone decodes
-    with that seed (penalties and token rules copied with the slot, counts restarted), and the
-    source decodes on as before."""
+    """`fork` right after a prompt ends (prefilled in two pieces, past the sliding window), in a
+    pool whose blocks the host hands out: each copy shares the prompt's full blocks, gets its own
+    copy of the partial last one, draws its own first token with its own seed and decodes what the
+    request alone decodes with that seed (penalties and token rules copied with the slot, counts
+    restarted), and the source decodes on as before."""
     from jaxllm.engine.sampling import Penalties, SamplingParams, TokenRules
     from jaxllm.engine.slots import Forks
     prompt = list(range(5, 25))
@@ -115,13 +118,20 @@ def test_forked_slots_decode_as_their_own_requests(eng):
               stop_token_ids=[11], min_tokens=2)
     params = SamplingParams.make(1, 0.9, 40, None, 7)
     pen, rules = Penalties.make(1, 0.5, 0.0, 1.2), TokenRules.make(1, [{9: 3.0}], [[11]], 2)
-    core = eng.core(4, 64)
+    core = eng.core(4, 64, budget=eng.pool_plan(4, 64, span=44).total, span=44)     # 44: the decode call's
+    blocks = core.blocks
+    blocks.admit(1)
+    assert blocks.allocate(1, 0, 20)
     for s in (0, 12):
         piece = np.zeros((1, 12), np.int32)
         piece[0, :len(prompt[s:s + 12])] = prompt[s:s + 12]
         first = core.prefill(Pieces.make(piece, s, min(12, 20 - s), s > 0, [1], params, 10, penalties=pen,
                                          rules=rules))
-    forked = core.fork(Forks.make(4, [1, 1], [0, 3], [8, 9]))
+    copies = [blocks.fork(1, dst, 20) for dst in (0, 3)]
+    assert all(len(c["global"]) == 1 for c in copies)         # 20 positions: the last of 3 blocks of 8
+    for row in (0, 1, 3):
+        assert blocks.allocate(row, 20, 64)
+    forked = core.fork(Forks.make(4, [1, 1], [0, 3], [8, 9]), {n: copies[0][n] + copies[1][n] for n in copies[0]})
     toks, count, _ = (np.asarray(x) for x in core.decode(20, 16))
     got = {7: [int(np.asarray(first)[0])] + toks[1, :count[1]].tolist(),
            8: [int(np.asarray(forked)[0])] + toks[0, :count[0]].tolist(),

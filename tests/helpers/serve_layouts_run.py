@@ -1,9 +1,12 @@
 """Run in a subprocess with 4 host devices (XLA_FLAGS must be set before jax is imported): the
-server (its HTTP app, scheduler and engine core, in process) against `Engine.generate` on the same
-prompts, for each KV layout and under tensor parallelism; requests alone, then 64 concurrent
-clients; and requests for n = 3 answers (the prompt prefilled once, its slot forked) against the
-requests alone: greedy, and sampled with each answer's seed. Prints one JSON object: per case, whether every
-answer matched and the cache's sharding."""
+server (its HTTP app, scheduler and engine core, in process, prefix caching on) against
+`Engine.generate` of each request alone, for each KV layout and under tensor parallelism: requests
+alone, then 64 concurrent clients; requests sharing prefixes of many lengths (ending inside a
+block, longer than the sliding window, the whole prompt); multi-turn conversations, each turn
+carrying the ones before; requests for n = 3 answers (the prompt prefilled once, its blocks shared
+with the forks) against the requests alone, greedy, and sampled with each answer's seed. Prints one
+JSON object: per case, whether every answer matched, the prefix cache's hits (from /metrics, and
+the answers' `cached_tokens`) and the pools' sharding."""
 import asyncio
 import json
 import os
@@ -27,10 +30,11 @@ from jaxllm.serve.app import ServeOptions, build_app  # noqa: E402
 MAX_LEN = 96
 NEW = 12
 CLIENTS = 64
-# (name, checkpoint, kv_quant, int8 rings, tp): the full-length cache, the split cache with int8
-# global layers (the threshold lowered by kv_quant="int8"), int8 rings too, and TP=4 over the split
-# cache; a Gemma 4 E2B-like model, whose shared-KV layers read other layers' rings, on the split
-# cache; a server that speculates, on the split cache.
+BLOCK = 8            # positions a KV block holds: prompts span several, the sliding window (8) one
+# (name, checkpoint, kv_quant, int8 rings, tp): compute-dtype KV, int8 global layers (the threshold
+# lowered by kv_quant="int8"), int8 sliding layers too, and TP=4 over int8 global layers; a Gemma 4
+# E2B-like model, whose shared-KV layers read other layers' blocks, on int8 global layers; a server
+# that speculates, on int8 global layers.
 CASES = [
     ("full", "gemma3", "none", False, 1),
     ("split-int8", "gemma3", "int8", False, 1),
@@ -40,6 +44,18 @@ CASES = [
     ("spec-ngram-split-int8", "gemma3", "int8", False, 1),   # the server speculates, the reference not
 ]
 WRITERS = {"gemma3": lambda p: make("gemma3", p), "e2b": lambda p: gemma4_refs.build("e2b").save_pretrained(p)}
+
+
+def shared_prompts() -> list[list[int]]:
+    """Prompts sharing a prefix of 5 (inside the first block), 16 (two whole blocks), 21 (ending
+    inside a block) and 40 tokens (five times the sliding window) with a first one, each with a tail
+    of its own; and the first one again, whole (every block but its last from the cache)."""
+    rng = np.random.default_rng(5)
+    base = rng.integers(3, 150, 48).tolist()
+    out = [base]
+    for k in (5, 16, 21, 40):
+        out.append(base[:k] + rng.integers(3, 150, 7).tolist())
+    return out + [base]
 
 
 def prompts(n: int = 12) -> list[list[int]]:
@@ -91,13 +107,54 @@ async def forks_match(http, ps, want, sampled: bool) -> bool:
     return True
 
 
-async def serve(app, ps, want, sampled: bool):
+async def ask_usage(http, ids) -> tuple[str, int]:
+    r = await http.post("/v1/completions", json={"prompt": ids, "max_tokens": NEW, "temperature": 0})
+    r.raise_for_status()
+    body = r.json()
+    return body["choices"][0]["text"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+async def conversation(http, eng, first: list[int], turns: int, rng) -> tuple[bool, list[int]]:
+    """A chat of `turns` turns, each prompt the ones before, their answers and new user tokens:
+    -> (whether every answer is `Engine.generate`'s of its whole prompt alone, the cached tokens of
+    each turn)."""
+    ids, ok, cached = list(first), True, []
+    for _ in range(turns):
+        text, c = await ask_usage(http, ids)
+        ok &= text == alone(eng, ids)
+        cached.append(c)
+        ids = ids + [int(t) for t in text.split()] + rng.integers(3, 150, 5).tolist()
+    return ok, cached
+
+
+def alone(eng, ids) -> str:
+    return eng.generate_ids([ids], max_tokens=NEW)[0].text
+
+
+async def serve(app, eng, ps, want, sampled: bool):
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=600) as http:
-        alone = [await ask(http, p, False) for p in ps]
+        out = {"alone": [await ask(http, p, False) for p in ps] == want}
         many = await asyncio.gather(*(ask(http, ps[i % len(ps)], i % 2 == 1) for i in range(CLIENTS)))
-        forks = await forks_match(http, ps, want, sampled)
-    return alone, many, forks
+        out["concurrent"] = all(t == want[i % len(ps)] for i, t in enumerate(many))
+        out["mismatch"] = [i for i, t in enumerate(many) if t != want[i % len(ps)]]
+        sp = shared_prompts()
+        got = [await ask_usage(http, p) for p in sp]
+        out["shared"] = all(t == alone(eng, p) for (t, _), p in zip(got, sp))
+        out["shared_cached"] = [c for _, c in got]
+        together = await asyncio.gather(*(ask(http, sp[i % len(sp)], False) for i in range(16)))
+        out["shared_concurrent"] = all(t == alone(eng, sp[i % len(sp)]) for i, t in enumerate(together))
+        rng = np.random.default_rng(9)
+        chats = await asyncio.gather(*(conversation(http, eng, rng.integers(3, 150, 9 + i).tolist(), 3,
+                                                    np.random.default_rng(i)) for i in range(3)))
+        out["turns"] = all(ok for ok, _ in chats)
+        out["turns_cached"] = [c for _, c in chats]
+        out["forks"] = await forks_match(http, ps, want, sampled)
+        out["forks_shared"] = await forks_match(http, [sp[3], sp[0]], [alone(eng, sp[3]), alone(eng, sp[0])], False)
+        metrics = (await http.get("/metrics")).text
+        out["metric_hits"] = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                                 if line.startswith("vllm:prefix_cache_hits_total"))
+    return out
 
 
 class Ids:
@@ -122,9 +179,9 @@ def reference(tmp, ckpt, kv_quant, rings, tp):
         if not os.path.exists(path):
             WRITERS[ckpt](path)
         eng = jaxllm.load(path, dtype="float32", quant="none", tp=tp, max_ctx=MAX_LEN, kv_quant=kv_quant,
-                          kv_options=jaxllm.KVOptions(int8_rings=rings, prefill_chunk=32))
+                          kv_options=jaxllm.KVOptions(int8_rings=rings, prefill_chunk=32, block_size=BLOCK))
         eng.tokenizer = Ids()
-        REFERENCES[key] = eng, [c.text for c in eng.generate_ids(prompts(), max_tokens=NEW)]
+        REFERENCES[key] = eng, [alone(eng, p) for p in prompts()]
     return REFERENCES[key]
 
 
@@ -142,16 +199,13 @@ def run_case(tmp, name, ckpt, kv_quant, rings, tp):
     sched.first_runs = tp > 1      # there, each call also runs once first as on GPUs, under the mesh
     sched.start(warmup=tp > 1)
     try:
-        alone, many, forks = asyncio.run(serve(app, ps, want, sampled=not name.startswith("spec")))
+        out = asyncio.run(serve(app, REFERENCES[(ckpt, kv_quant, rings, tp)][0], ps, want,
+                                sampled=not name.startswith("spec")))
     finally:
         sched.shutdown()
-    cache = sched.core.state.cache
-    k = cache["global"]["k"] if isinstance(cache["global"], dict) else cache["global"].v
-    return {"layout": eng.kv_layout.name, "alone": alone == want,
-            "concurrent": all(t == want[i % len(ps)] for i, t in enumerate(many)),
-            "mismatch": [i for i, t in enumerate(many) if t != want[i % len(ps)]], "forks": forks,
-            "cache_spec": [str(s) for s in k.sharding.spec], "devices": len(k.sharding.device_set),
-            "prefills": sum(r["kind"] == "prefill" for r in sched.record),
+    k = sched.core.state.cache.pools["global"].v
+    return {**out, "layout": eng.kv_layout.name, "cache_spec": [str(s) for s in k.sharding.spec],
+            "devices": len(k.sharding.device_set), "prefills": sum(r["kind"] == "prefill" for r in sched.record),
             "fixed_blocks": sum(r["kind"] == "decode" and r["fixed"] for r in sched.record),
             "speculation": sched.core.spec_stats()}
 

@@ -404,7 +404,7 @@ def test_stop_token_ids_end_the_answer(engine, client, model_name):
 
 
 def test_text_stream_never_splits_a_character(engine):
-    from jaxllm.serve.detok import TextStream
+    from jaxllm.engine.detok import TextStream
     text = "Unicode: café, 東京 🙂🚀 Привет"
     ids = engine.tokenizer.encode(text)
     assert len(ids) > len(text.split())            # multi-byte characters span several tokens here

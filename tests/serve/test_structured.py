@@ -183,8 +183,9 @@ def test_grammar_masks_allow_text_and_eos_only_where_the_grammar_ends():
 
     import tiny_chat
 
+    from jaxllm.engine.grammar import masks
     from jaxllm.serve.fields import ApiError
-    from jaxllm.serve.grammar import Constraint, Grammars, masks
+    from jaxllm.serve.grammar import Constraint, Grammars
     tok = tiny_chat.byte_tokenizer(tiny_chat.QWEN3_SPECIAL, tiny_chat.QWEN3_TAGS)
     eos = tok.token_to_id("<|im_end|>")
     g = Grammars(SimpleNamespace(tok=tok), 288, [eos])

@@ -1,6 +1,6 @@
-"""The server's scheduler on the engine core: every KV layout and tensor parallelism give the
-tokens `Engine.generate` gives, and a long prompt is prefilled in chunks between the decode blocks
-of the running requests."""
+"""The scheduler on the engine core: every KV layout and tensor parallelism give the tokens
+`Engine.generate` gives, with prefixes taken from the prefix cache, and a long prompt is prefilled
+in chunks between the decode blocks of the running requests."""
 import json
 import os
 import subprocess
@@ -13,10 +13,10 @@ import pytest
 import tiny
 
 import jaxllm
-from jaxllm.serve.jobs import Delta, Failed, Finished, Job
-from jaxllm.serve.protocol import GenRequest
-from jaxllm.serve.scheduler import Scheduler
-from jaxllm.serve.shapes import Shapes
+from jaxllm.engine.jobs import Delta, Failed, Finished, Job
+from jaxllm.engine.request import Request
+from jaxllm.engine.scheduler import Scheduler
+from jaxllm.engine.shapes import Shapes
 
 HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
 
@@ -34,21 +34,30 @@ def layouts(tmp_path_factory):
 @pytest.mark.parametrize("case", ["full", "split-int8", "int8-rings", "split-int8-tp4", "e2b-split-int8",
                                   "spec-ngram-split-int8"])
 def test_server_equals_engine_generate(layouts, case):
-    """Greedy answers alone and to 64 concurrent clients equal `Engine.generate`'s; a server that
-    speculates equals the plain engine; n answers of one request (its slot forked) are the request's
-    alone, greedy and (without speculation) sampled with each answer's seed."""
+    """Greedy answers alone and to 64 concurrent clients equal `Engine.generate`'s of each request
+    alone, also where prompts share prefixes with requests before them (of 16, 16 and 40 cached
+    tokens, the last one past the sliding window, and the whole prompt but its last block) and in
+    multi-turn conversations (from the second turn on, the earlier turns from the cache); a server
+    that speculates equals the plain engine; n answers of one request (its blocks shared with its
+    forks) are the request's alone, greedy and (without speculation) sampled with each answer's
+    seed; /metrics counts the hits."""
     r = layouts[case]
-    print(f"{case}: {r['layout']}, cache {r['cache_spec']} on {r['devices']} devices, {r['prefills']} prefills, "
-          f"{r['fixed_blocks']} fixed blocks, speculation {r['speculation']}")
+    print(f"{case}: {r['layout']}, pools {r['cache_spec']} on {r['devices']} devices, {r['prefills']} prefills, "
+          f"{r['fixed_blocks']} fixed blocks, cached {r['shared_cached']} {r['turns_cached']}, "
+          f"speculation {r['speculation']}")
     assert r["alone"], case
     assert r["concurrent"], (case, r["mismatch"])
-    assert r["forks"], case
-    assert ("split" in r["layout"]) == ("split" in case or "rings" in case)
+    assert r["shared"] and r["shared_concurrent"], case
+    assert r["shared_cached"] == [0, 0, 16, 16, 40, 40], r["shared_cached"]
+    assert r["turns"] and all(t[0] == 0 and min(t[1:]) > 0 for t in r["turns_cached"]), r["turns_cached"]
+    assert r["forks"] and r["forks_shared"], case
+    assert r["metric_hits"] >= 128, r["metric_hits"]
+    assert ("int8" in r["layout"]) == ("int8" in case)
     if case.startswith("spec"):
         assert r["speculation"]["accepted"] > 0
     elif not case.endswith("tp4"):       # greedy requests decode in fixed blocks (a server that warms
         assert r["fixed_blocks"] > 0     # up compiles them in the background: not asserted there)
-    if case.endswith("tp4"):             # KV heads over "model": the cache is sharded, not replicated
+    if case.endswith("tp4"):             # KV heads over "model": the pools are sharded, not replicated
         assert r["devices"] == 4 and r["cache_spec"][3] == "model", r["cache_spec"]
     else:
         assert r["devices"] == 1
@@ -102,7 +111,7 @@ class Client:
 
     def __init__(self, ids, max_tokens, **kw):
         self.events, self.done = [], threading.Event()
-        self.job = Job(GenRequest("completion", "m", ids, max_tokens, **kw), self.emit)
+        self.job = Job(Request(ids, max_tokens, **kw), self.emit)
 
     def emit(self, ev):
         self.events.append(ev)

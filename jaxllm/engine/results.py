@@ -18,9 +18,9 @@ import jax
 import numpy as np
 
 from jaxllm.engine.engine import TokenLogprob, token_logprobs
-from jaxllm.serve.jobs import Delta, Failed, Finished, Job, Prompt
+from jaxllm.engine.jobs import Delta, Failed, Finished, Job, Prompt
 
-log = logging.getLogger("jaxllm.serve")
+log = logging.getLogger("jaxllm.engine")
 
 
 @dataclass
@@ -109,7 +109,7 @@ class Results:
 
     def _score_prompt(self, job: Job, scores, at: int, start: int, length: int):
         """Fold in the log-probabilities of a prompt piece's next tokens (flat rows at.. of scores)."""
-        ids = job.req.prompt_ids
+        ids = job.prompt
         if start == 0:
             job.prompt_logprobs = [TokenLogprob(ids[0], None, [])]
         nxt = ids[start + 1:start + length + 1]
@@ -118,8 +118,9 @@ class Results:
 
     def _follow(self, job: Job, toks: list[int]) -> tuple[list[int], bool] | None:
         """`job`'s grammar takes its new tokens: -> (those it took, whether it is complete), or None
-        where it refused one (the request then fails)."""
+        where it refused one (the request then fails). What it took joins the job's tokens."""
         if job.matcher is None or not toks:
+            job.out_ids += toks
             return toks, False
         try:
             n, complete = job.matcher.follow(toks)
@@ -128,6 +129,7 @@ class Results:
             if self._end(job, Failed(500, f"structured output failed: {e}")):
                 self._ended(job)
             return None
+        job.out_ids += toks[:n]
         return toks[:n], complete
 
     def _hold(self, job: Job, toks: list[int], lp=None):
@@ -195,7 +197,8 @@ class Results:
         text.append(job.text.finish())     # held-back text is final now (empty after a stop string)
         if job.text.stopped:
             reason = "stop"
-        if self._end(job, Finished(reason, job.n_tokens), "".join(text), self._settled_logprobs(job, last=True)):
+        cached = (job.parent or job).cached or 0
+        if self._end(job, Finished(reason, job.n_tokens, cached), "".join(text), self._settled_logprobs(job, last=True)):
             first = job.parent or job
             first.answers_done += 1
             complete = first.answers_done == len(first.choices)

@@ -8,8 +8,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from jaxllm.serve.detok import TextStream
-from jaxllm.serve.protocol import GenRequest
+from jaxllm.engine.detok import TextStream
+from jaxllm.engine.request import Request
 
 
 @dataclass
@@ -29,6 +29,7 @@ class Prompt:
 class Finished:
     finish_reason: str           # "stop" | "length"
     completion_tokens: int
+    cached_tokens: int = 0       # prompt tokens whose keys and values came from the prefix cache
 
 
 @dataclass
@@ -52,13 +53,13 @@ RETURN_WAIT = 0.060
 class Job:
     """One answer of a request: the request's first (index 0), whose prompt is prefilled, holds the
     others' as `children`, which fork its slot."""
-    req: GenRequest
+    req: Request
     emit: Callable[[object], None]          # thread-safe: delivers an event to the request's handler
     cancelled: threading.Event = field(default_factory=threading.Event)
     text: TextStream | None = None
     n_tokens: int = 0
     slot: int = -1
-    prefilled: int = 0                      # prompt tokens sent to the device so far (a fork: all)
+    prefilled: int = 0                      # prompt tokens the device has (cached or sent so far; a fork: all)
     started: bool = False                   # its first token is being drawn: its slot may decode
     launched: int = 0                       # tokens the calls launched so far sample for it, unless it ends first
     done: bool = False                      # its last event went out
@@ -74,6 +75,11 @@ class Job:
     logprobs_sent: int = 0                           # how many of them went out
     prompt_logprobs: list = field(default_factory=list)   # an echo's, as its prefill reads them
     matcher: object | None = None           # structured output: its `grammar.Matcher`, freed with the slot
+    out_ids: list = field(default_factory=list)   # every token sampled for it, as the output thread reads them
+    resumed: int = 0                        # of them, those prefilled again after a preemption
+    cached: int | None = None               # prompt tokens its first admission found in the prefix cache
+    admitted: int = 0                       # when it took its slot (an order: the newest are preempted first)
+    start_at: int = 0                       # where its prefill starts: past the cached prefix it took
     held: list = field(default_factory=list)         # tokens read back, their text not out yet
     held_lp: list = field(default_factory=list)      # their host LogProbs pieces
 
@@ -81,11 +87,17 @@ class Job:
         self.cancelled.set()
 
     @property
+    def prompt(self) -> list[int]:
+        """What its slot prefills: the request's prompt, and after a preemption the tokens it had
+        sampled."""
+        return self.req.prompt_ids + self.out_ids[:self.resumed] if self.resumed else self.req.prompt_ids
+
+    @property
     def choices(self) -> list[Job]:
         return [self] + self.children
 
     @staticmethod
-    def for_request(req: GenRequest, emit: Callable[[int, object], None], matcher=None) -> Job:
+    def for_request(req: Request, emit: Callable[[int, object], None], matcher=None) -> Job:
         """The jobs of a request's `req.n` answers (the first, holding the others); emit(i, event)
         delivers answer i's events. Cancelling one cancels them all. `matcher`: a constrained
         request's (each answer follows a copy of its own)."""
@@ -110,6 +122,12 @@ class Observer:
 
     def calls(self, kind: str):
         """The engine thread launched a call of the core of this kind."""
+
+    def prefix(self, queries: int, hits: int):
+        """A request's prompt of `queries` tokens found `hits` of them in the prefix cache."""
+
+    def preempted(self):
+        """A running request was preempted for KV blocks (it will be computed again)."""
 
 
 class QueueFull(Exception):

@@ -59,39 +59,56 @@ import time
 import jax
 import numpy as np
 
+from jaxllm.engine.detok import TextStream
+from jaxllm.engine.grammar import masks
+from jaxllm.engine.memory import KVMemory, Memory
+from jaxllm.engine.jobs import ARRIVAL_GAP, ARRIVAL_WAIT, RETURN_GAP, RETURN_WAIT, Failed, Job, Observer, QueueFull
+from jaxllm.engine.results import Launched, Results
 from jaxllm.engine.sampling import Penalties, SamplingParams, TokenRules
+from jaxllm.engine.shapes import Shapes
 from jaxllm.engine.slots import Forks, Pieces
-from jaxllm.serve.detok import TextStream
-from jaxllm.serve.grammar import masks
-from jaxllm.serve.jobs import ARRIVAL_GAP, ARRIVAL_WAIT, RETURN_GAP, RETURN_WAIT, Failed, Job, Observer, QueueFull
-from jaxllm.serve.results import Launched, Results
-from jaxllm.serve.shapes import Shapes
-from jaxllm.serve.warmup import LOGPROBS, Warmup
+from jaxllm.engine.warmup import LOGPROBS, Warmup
+from jaxllm.errors import ModelError
 
-log = logging.getLogger("jaxllm.serve")
+log = logging.getLogger("jaxllm.engine")
 
 
 # -- the scheduler --------------------------------------------------------------------------------
-class Scheduler(Results, Warmup):
+class Scheduler(Results, Warmup, Memory):
     def __init__(self, engine, max_num_seqs: int, max_model_len: int, max_queue: int, decode_steps: int = 8,
                  max_num_batched_tokens: int | None = None, record: int = 10_000, structured: bool = False,
-                 first_runs: bool | None = None, freeze_heap: bool = False):
+                 first_runs: bool | None = None, freeze_heap: bool = False, kv_memory: KVMemory | None = None):
         """`max_num_batched_tokens`: prompt tokens a prefill forward takes (None: the backend's,
         `XlaOps.prefill_tokens`). `structured`: requests may be constrained (a grammar engine serves
         them), so the calls of constrained steps are compiled before ready too. `first_runs`: run
         each compiled call once before a request can wait on it (`Warmup.prime`; None: where the
-        backend's first runs cost more, `first_run_costs`). `freeze_heap`: `Warmup.settle_heap`."""
+        backend's first runs cost more, `first_run_costs`). `freeze_heap`: `Warmup.settle_heap`.
+        `kv_memory`: the size of the KV pool and whether it caches prefixes."""
         self.engine = engine
         self.structured = structured
         self.observer = Observer()
         self.eos = set(engine.cfg.eos_ids)
-        self.core = engine.core(max_num_seqs, max_model_len)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = engine.ops.prefill_tokens
         self.shapes = Shapes(max_num_batched_tokens, max_num_seqs,
                              min(max_num_batched_tokens, engine.kv_options.prefill_chunk, max_model_len))
         self.decode_steps = decode_steps          # steps (speculative cycles) a decode block
-        self.out_size = self.core.out_size(decode_steps * (1 if engine.spec is None else engine.spec.k + 1))
+        tokens = decode_steps * (1 if engine.spec is None else engine.spec.k + 1)
+        self.out_size = engine.core_out_size(tokens)
+        # A call writes at most a piece of a prompt, or a decode block, past its rows' lowest
+        # positions; the output thread's reading may lag two calls behind the engine thread's.
+        span = max(self.shapes.max_piece, 4 * tokens)
+        kv_memory = kv_memory or KVMemory()
+        budget = engine.kv_budget(max_num_seqs, max_model_len, span, kv_memory, max_num_batched_tokens)
+        self.core = engine.core(max_num_seqs, max_model_len, budget=budget, span=span,
+                                prefix_caching=kv_memory.prefix_caching)
+        plan = self.core.plan
+        if plan.sequences(max_model_len) < 1:
+            raise ModelError(f"the KV pool holds {plan.tokens:,} tokens, fewer than one sequence of --max-model-len "
+                             f"{max_model_len:,}: give it more memory (--kv-cache-memory, --gpu-memory-utilization) "
+                             f"or lower --max-model-len")
+        log.info("%s", plan.describe())
+        self.admissions = self.preemptions = 0
         self.slots: list[Job | None] = [None] * max_num_seqs      # the engine thread's
         self.to_stop = np.zeros(max_num_seqs, bool)        # slots to end on the device at the next decode
         self.prefilling: list[Job] = []                     # admitted, prompt not all sent
@@ -146,15 +163,12 @@ class Scheduler(Results, Warmup):
             self.cond.notify()
 
     def load(self) -> dict:
+        b = self.core.blocks
         with self.cond:
             return {"running": sum(j is not None for j in self.slots), "waiting": len(self.waiting),
                     "slots": len(self.slots), "finished": self.finished, "generated_tokens": self.generated,
-                    "compiling": self.compiling, "warming": len(self.unprimed)}
-
-    def kv_positions(self) -> int:
-        """KV-cache positions that hold the tokens of the requests in the slots."""
-        with self.cond:
-            return sum(j.prefilled + j.n_tokens for j in self.slots if j is not None)
+                    "compiling": self.compiling, "warming": len(self.unprimed), "kv_usage": round(b.usage(), 4),
+                    "preemptions": self.preemptions, "prefix_queries": b.queries, "prefix_hits": b.hits}
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self, warmup: bool = True):
@@ -267,34 +281,46 @@ class Scheduler(Results, Warmup):
 
     def _admit(self):
         """Give free slots (the lowest first, so live requests stay in the leading slots) to queued
-        requests, a slot for each of a request's answers; their prompts then wait for prefill. A
-        slot's earlier request, if still live on the device, is stopped there until the new one
-        starts (`to_stop`, cleared when the slot's first token is drawn)."""
+        requests whose prompts' KV blocks fit (`Memory._fits`), a slot for each of a request's
+        answers (one for an answer preempted, which no longer shares its request's prompt); their
+        prompts then wait for prefill, from the end of the prefix found cached. A slot's earlier
+        request, if still live on the device, is stopped there until the new one starts
+        (`to_stop`, cleared when the slot's first token is drawn)."""
         if self.stopping:
             return
         while True:
             free = [b for b, j in enumerate(self.slots) if j is None]
-            job = self._next_waiting(len(free))
-            if job is None:
+            got = self._next_waiting(len(free))
+            if got is None:
                 return
-            for c, b in zip(job.choices, free):
-                c.text = TextStream(self.engine.tokenizer, c.req.stop, c.req.skip_special)
-                c.slot, c.prefilled = b, 0
+            job, hit = got
+            for c, b in zip([job] if job.resumed else job.choices, free):
+                if c.text is None:
+                    c.text = TextStream(self.engine.tokenizer, c.req.stop, c.req.skip_special)
+                self._seat(c, b, hit if c is job else None)
                 with self.cond:
                     self.slots[b] = c
             self.prefilling.append(job)
 
-    def _next_waiting(self, free: int) -> Job | None:
-        """The first queued request, if its answers fit `free` slots (else it waits, and the
-        requests behind it with it)."""
+    def _next_waiting(self, free: int):
+        """The first queued request and its cached prefix, if its answers fit `free` slots and its
+        prompt the free KV blocks (else it waits, and the requests behind it with it)."""
         with self.cond:
             while self.waiting:
                 job = self.waiting[0]
                 if job.cancelled.is_set():
                     self.waiting.popleft()
                     continue
-                return self.waiting.popleft() if len(job.choices) <= free else None
-        return None
+                if (1 if job.resumed else len(job.choices)) > free:
+                    return None
+                break
+            else:
+                return None
+        hit = self._fits(job)
+        with self.cond:
+            if hit is None or not self.waiting or self.waiting[0] is not job:
+                return None
+            return self.waiting.popleft(), hit
 
     def _launch(self) -> bool:
         """Launch one prefill forward where prompts wait, then a decode block where slots are live."""
@@ -302,6 +328,9 @@ class Scheduler(Results, Warmup):
         if prefilled:
             self._launch_prefill()
         decoding = self._to_decode()
+        if decoding:                       # blocks for a block's worth of tokens a row
+            decoding = self._decode_blocks(decoding, self.decode_steps * (1 if self.engine.spec is None
+                                                                          else self.engine.spec.k + 1))
         constrained = any(j.matcher is not None for j in decoding)
         if constrained:                    # their matchers must have taken their last tokens
             if self.engine.spec is None and self.ahead is None and not self.prefilling:
@@ -403,7 +432,13 @@ class Scheduler(Results, Warmup):
                 self.cond.wait(1.0)
 
     def _launch_prefill(self):
-        P, C, lengths = self.shapes.choose([len(j.req.prompt_ids) - j.prefilled for j in self.prefilling],
+        for job in list(self.prefilling):         # blocks for each prompt's next piece at most
+            hi = job.prefilled + min(len(job.prompt) - job.prefilled, self.shapes.max_piece)
+            if not self._take_blocks(job, job.prefilled, hi):
+                self._unseat(job)
+        if not self.prefilling:
+            return
+        P, C, lengths = self.shapes.choose([len(j.prompt) - j.prefilled for j in self.prefilling],
                                            self._prefill_shapes())
         jobs = self.prefilling[:len(lengths)]
         B = self.core.num_slots
@@ -412,39 +447,44 @@ class Scheduler(Results, Warmup):
         final, max_new, ignore = np.zeros(P, bool), np.ones(P, np.int32), np.zeros(P, bool)
         temp, top_k, top_p, seed = np.zeros(P, np.float32), np.zeros(P, np.int32), np.ones(P, np.float32), \
             np.zeros(P, np.uint32)
+        first, step0, out_start = np.zeros(P, bool), np.zeros(P, np.int32), np.full(P, np.iinfo(np.int32).max, np.int32)
         for i, (job, n) in enumerate(zip(jobs, lengths)):
-            r = job.req
-            tokens[i, :n] = r.prompt_ids[job.prefilled:job.prefilled + n]
+            r, prompt = job.req, job.prompt
+            tokens[i, :n] = prompt[job.prefilled:job.prefilled + n]
             start[i], length[i], rows[i] = job.prefilled, n, job.slot
+            first[i] = job.prefilled == job.start_at
             job.prefilled += n
-            final[i] = job.prefilled == len(r.prompt_ids)
-            max_new[i], ignore[i] = max(r.max_tokens, 1), r.ignore_eos
-            temp[i], top_k[i], seed[i] = r.temperature, r.top_k or 0, r.seed
+            final[i] = job.prefilled == len(prompt)
+            max_new[i], ignore[i] = max(r.max_tokens - job.resumed, 1), r.ignore_eos
+            step0[i], out_start[i] = job.resumed, len(r.prompt_ids)
+            temp[i], top_k[i], seed[i] = r.temperature, r.top_k or 0, r.choice_seed(job.index)
             top_p[i] = 1.0 if r.top_p is None else r.top_p
+            self.core.blocks.commit(job.slot, prompt, job.prefilled)
         params = SamplingParams(temp, top_k, top_p, seed)
         pen = Penalties(*(np.asarray([getattr(j.req, k) for j in jobs] + [d] * (P - len(jobs)), np.float32)
                           for k, d in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                                        ("repetition_penalty", 1.0))))
         rules = TokenRules.make(P, [j.req.logit_bias for j in jobs], [j.req.stop_token_ids for j in jobs],
                                 [j.req.min_tokens for j in jobs] + [0] * (P - len(jobs)))
-        scored = [(int(s), int(n)) if j.req.prompt_logprobs else None for j, s, n in zip(jobs, start, length)]
+        scored = [(int(s), int(n)) if j.req.prompt_logprobs and not j.resumed else None
+                  for j, s, n in zip(jobs, start, length)]
         targets = self._prompt_targets(jobs, scored, P, C) if any(scored) else None
         masked = [j.matcher if f else None for j, f in zip(jobs, final)]
         # A server that constrains passes masks with every prefill (all ones for the free rows): one
         # compiled variant of each prefill shape, compiled before ready, whichever requests come.
         allowed = masks(masked + [None] * (P - len(jobs)), self.mask_words) if self.structured else None
         with self._device_call("prefill"):
-            first = self.core.prefill(Pieces.make(tokens, start, length, final, rows, params, max_new, ignore, pen,
-                                                  rules, allowed),
+            drawn = self.core.prefill(Pieces.make(tokens, start, length, final, rows, params, max_new, ignore, pen,
+                                                  rules, allowed, first, step0, out_start),
                                       targets=targets, logprobs=LOGPROBS)
-        self.prefilling = [j for j in self.prefilling if j.prefilled < len(j.req.prompt_ids)]
+        self.prefilling = [j for j in self.prefilling if j.prefilled < len(j.prompt)]
         self.record.append({"kind": "prefill", "pieces": [(j.id, int(s), int(n)) for j, s, n in
                                                           zip(jobs, start, length)]})
-        self._put(Launched("prefill", first, jobs, finals=list(final[:len(jobs)]), scored=scored))
+        self._put(Launched("prefill", drawn, jobs, finals=list(final[:len(jobs)]), scored=scored))
         started = [j for j, f in zip(jobs, final) if f]
         for job in started:
             self._start(job)
-        self._launch_forks([c for j in started for c in j.children])
+        self._launch_forks([c for j in started if not j.resumed for c in j.children])
 
     def _start(self, job: Job):
         """`job`'s first token is drawn by a call just launched: its slot decodes from now on."""
@@ -453,7 +493,18 @@ class Scheduler(Results, Warmup):
         self.to_stop[job.slot] = False
 
     def _launch_forks(self, children: list[Job]):
-        """Copy each child's parent slot (which has just ended its prompt) into the child's."""
+        """Fork each child's parent slot (which has just ended its prompt) into the child's: the
+        prompt's full KV blocks shared, its partial last one copied. A child with no block for
+        that prefills the prompt as a request of its own."""
+        copies = {}
+        for c in list(children):
+            got = self._fork_blocks(c)
+            if got is None:
+                children.remove(c)
+                self._unseat(c)
+                continue
+            for n, pairs in got.items():
+                copies.setdefault(n, []).extend(pairs)
         if not children:
             return
         F = self.core.num_slots
@@ -462,7 +513,7 @@ class Scheduler(Results, Warmup):
         forks = Forks.make(F, [c.parent.slot for c in children], [c.slot for c in children],
                            [c.req.choice_seed(c.index) for c in children], allowed)
         with self._device_call("fork"):
-            first = self.core.fork(forks, logprobs=LOGPROBS)
+            first = self.core.fork(forks, copies, logprobs=LOGPROBS)
         for c in children:
             c.prefilled = len(c.req.prompt_ids)
             self._start(c)
@@ -489,14 +540,17 @@ class Scheduler(Results, Warmup):
             self.observer.spec({k: v - self.spec_reported[k] for k, v in stats.items()})
             self.spec_reported = stats
 
-    def _free(self, job: Job):
-        """Give a request's slot back (the engine thread only)."""
+    def _free(self, job: Job, keep: bool = False):
+        """Give a request's slot and KV blocks back (the engine thread only); `keep`: its grammar
+        too, as it goes on later (preempted)."""
         if job.slot >= 0 and self.slots[job.slot] is job:
+            self._release(job)
             with self.cond:
                 self.slots[job.slot] = None
             self.to_stop[job.slot] = True
             self.spec_unread = self.engine.spec is not None
-        job.matcher = None
+        if not keep:
+            job.matcher = None
         if job in self.prefilling:
             self.prefilling.remove(job)
 

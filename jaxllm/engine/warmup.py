@@ -12,11 +12,11 @@ import time
 import jax
 import numpy as np
 
+from jaxllm.engine.jobs import Job
 from jaxllm.engine.sampling import MAX_LOGPROBS
 from jaxllm.engine.slots import Forks, Pieces
-from jaxllm.serve.jobs import Job
 
-log = logging.getLogger("jaxllm.serve")
+log = logging.getLogger("jaxllm.engine")
 
 # Every prefill, fork and constrained-step call of the server computes the top alternatives of each
 # token it samples, whether or not a request asks: one compiled variant of each, compiled before
@@ -35,7 +35,7 @@ class Warmup:
         """Every call a request can wait on, by the shape that picks it: {("prefill", P, C) or
         ("decode", rows) or ("fixed", rows) or ("fork",): [(name, args, static), ...]}."""
         e = self.engine
-        state = e.state_shapes(self.core.num_slots, self.core.max_len)
+        state = self.core.state_shapes()
         lp = {"logprobs": LOGPROBS}
         words = self.mask_words if self.structured else 0
         def pieces(P, C):
@@ -64,7 +64,8 @@ class Warmup:
         if self.core.num_slots > 1:
             F = self.core.num_slots
             forks = Forks.make(F, allowed=np.zeros((F, words), np.uint32) if words else None)
-            groups[("fork",)] = [("fork", (state, e.row_shapes(forks)), lp)]
+            copies = {n: (np.zeros(F, np.int32), np.zeros(F, np.int32)) for n in self.core.plan.blocks}
+            groups[("fork",)] = [("fork", (state, e.row_shapes(forks), e.row_shapes(copies)), lp)]
         return groups
 
     def warmup(self, background: bool = True) -> float:
