@@ -478,6 +478,17 @@ def decode_sample(cfg: ModelConfig, weights, state: State, logits, stop=None, al
     return _all_rows(full, s, ops.layout), jnp.where(live, tok, 0)[:, None], live.astype(jnp.int32), lp
 
 
+# -- drafting history ------------------------------------------------------------------------------
+def seed_history(cfg: ModelConfig, weights, state: State, rows, tokens, *, ops, spec: Speculation | None = None,
+                 dtype=jnp.bfloat16):
+    """The drafting history of slots rows [P] set to tokens [P, H]: the prompts of requests whose
+    first positions came from the prefix cache, which no prefill piece of theirs writes (n-gram
+    drafts look up the whole prompt)."""
+    sp = state.slots.spec
+    hist = sp.history.at[rows].set(tokens, mode="drop")
+    return state.replace(slots=_by_rows(state.slots.replace(spec=sp.replace(history=hist)), ops.layout))
+
+
 # -- fork ------------------------------------------------------------------------------------------
 def fork(cfg: ModelConfig, weights, state: State, forks: Forks, copies: dict, *, ops, logprobs: int = 0,
          spec: Speculation | None = None, dtype=jnp.bfloat16):

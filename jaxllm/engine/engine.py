@@ -19,6 +19,7 @@ from jaxllm.config.runtime import RuntimeConfig
 from jaxllm.engine import compilation_cache, core
 from jaxllm.engine.host import EngineCore, bucket, pad_rows
 from jaxllm.engine.perplexity import perplexity
+from jaxllm.engine.request import Request
 from jaxllm.engine.sampling import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -167,6 +168,8 @@ class Engine:
                                        donate_argnames=("state",)),
                      "fork": jax.jit(partial(core.fork, cfg, ops=o, spec=speculation, dtype=d),
                                      static_argnames=("logprobs",), donate_argnames=("state",)),
+                     "seed_history": jax.jit(partial(core.seed_history, cfg, ops=o, spec=speculation, dtype=d),
+                                             donate_argnames=("state",)),
                      "decode_forward": jax.jit(partial(core.decode_forward, cfg, ops=o, spec=speculation, dtype=d),
                                                static_argnames=("rows",), donate_argnames=("state",)),
                      "decode_sample": jax.jit(partial(core.decode_sample, cfg, ops=o, spec=speculation, dtype=d),
@@ -323,7 +326,7 @@ class Engine:
             return int(memory.size)
         stats = device_stats(self.layout.mesh.devices.flat[0]) or {}
         one = self.pool_plan(rows, max_len, span=span)
-        if "bytes_limit" not in stats:
+        if "bytes_limit" not in stats or memory.every_slot:
             return one.total
         cfg = self.cfg
         width = cfg.hidden_size * 8 + cfg.intermediate_size * 3
@@ -438,12 +441,14 @@ class Engine:
                      top_p=None, seed=0, stop=None, logprobs: int | None = None, presence_penalty=0.0,
                      frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None, stop_token_ids=None,
                      min_tokens=0) -> list[Completion]:
-        """The lockstep batch: every row admitted into a cache of its own size, prefilled in chunks,
-        then decoded to completion in one on-device loop. What it needs compiled is compiled first,
-        so `stats` times the run itself. `logprobs` n (0 to 20): each token's log-probability and
-        the n most likely tokens, computed in the loop. The penalties are vLLM's and OpenAI's
-        (`sampling.penalize`); `logit_bias` ({token id: bias}), `stop_token_ids` and `min_tokens`
-        as the server's (`sampling.apply_rules`)."""
+        """Prompts of one length: the lockstep batch, every row with blocks of its own, prefilled in
+        chunks, then decoded to completion in one on-device loop; what it needs compiled is
+        compiled first, so `stats` times the run itself. Prompts of mixed lengths: the scheduler's
+        continuous batching (`engine.batch`), each prompt prefilled as itself, a prefix they share
+        prefilled once. `logprobs` n (0 to 20): each token's log-probability and the n most likely
+        tokens, computed on the device. The penalties are vLLM's and OpenAI's (`sampling.penalize`);
+        `logit_bias` ({token id: bias}), `stop_token_ids` and `min_tokens` as the server's
+        (`sampling.apply_rules`)."""
         check_sampling(max_tokens, temperature, top_k, top_p)
         pen = check_penalties(presence_penalty, frequency_penalty, repetition_penalty)
         bias, stops = check_rules(logit_bias, stop_token_ids, min_tokens, max_tokens, self.cfg.vocab_size)
@@ -456,6 +461,16 @@ class Engine:
             raise RequestError(f"a prompt of {n} tokens and max_tokens {max_tokens} need {n + max_tokens} "
                                f"positions, more than max_ctx {self.max_ctx}: lower max_tokens to at most "
                                f"{max(self.max_ctx - n, 0)} or raise max_ctx")
+        if len(set(lens)) > 1:
+            from jaxllm.engine import batch
+            reqs = [Request(list(x), max_tokens, temperature, top_k, top_p, seed, *pen, logprobs=logprobs,
+                            logit_bias=bias, stop_token_ids=stops, min_tokens=min_tokens) for x in ids]
+            outs, (ttft, decode_s, compile_s, spec) = batch.generate(self, ids, reqs)
+            new = sum(len(t) for t, _ in outs)
+            self.stats = GenerateStats(len(ids), sum(lens), new, ttft, decode_s, max(len(t) for t, _ in outs),
+                                       compile_s, spec)
+            return [self._finish(x, toks, stop, lp if logprobs is not None else None, stops)
+                    for x, (toks, lp) in zip(ids, outs)]
         B = len(ids)
         S = min(bucket(n + max_tokens), self.max_ctx)
         check_fits(self.kv_plan(B, S))

@@ -79,6 +79,15 @@ class EngineCore:
         self.state, res = e.run("fork", self._tables(), e.put_rows(forks), e.put_rows(arrays), **static)
         return res
 
+    def seed_history(self, row: int, tokens: list[int]):
+        """Slot `row`'s drafting history holds `tokens` (see `core.seed_history`)."""
+        e = self.engine
+        hist = np.zeros((1, self.state.slots.spec.history.shape[1]), np.int32)
+        n = min(len(tokens), hist.shape[1])
+        hist[0, :n] = tokens[:n]
+        self.state = e.run("seed_history", self._tables(), e.put_rows(np.asarray([row], np.int32)),
+                           e.put_rows(hist))
+
     def decode(self, n_steps: int | None, max_steps: int, stop=None, rows: int | None = None, logprobs: int = 0,
                allowed=None):
         """-> (tokens [rows, max_steps], count [rows], LogProbs or None) on the device; see

@@ -35,6 +35,7 @@ class KVMemory:
     utilization: float = 0.9
     size: int | None = None
     prefix_caching: bool = True
+    every_slot: bool = False       # room for every slot at its longest, whatever the device has
 
 
 class Memory:
@@ -72,6 +73,9 @@ class Memory:
         self.admissions += 1
         job.admitted = self.admissions
         self.core.blocks.admit(slot, hit)
+        if hit is not None and hit.tokens and self.engine.spec is not None:      # n-gram drafts read it all
+            with self._device_call("history"):
+                self.core.seed_history(slot, job.prompt)
         if hit is not None:
             if job.cached is None:       # what its answer reports: the first admission's hit
                 job.cached = hit.tokens

@@ -197,9 +197,9 @@ class Results:
         text.append(job.text.finish())     # held-back text is final now (empty after a stop string)
         if job.text.stopped:
             reason = "stop"
-        cached = (job.parent or job).cached or 0
-        if self._end(job, Finished(reason, job.n_tokens, cached), "".join(text), self._settled_logprobs(job, last=True)):
-            first = job.parent or job
+        first = job.parent or job
+        if self._end(job, Finished(reason, job.n_tokens, first.cached or 0), "".join(text),
+                     self._settled_logprobs(job, last=True)):
             first.answers_done += 1
             complete = first.answers_done == len(first.choices)
             self.finished += complete

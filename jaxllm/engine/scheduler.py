@@ -61,8 +61,8 @@ import numpy as np
 
 from jaxllm.engine.detok import TextStream
 from jaxllm.engine.grammar import masks
-from jaxllm.engine.memory import KVMemory, Memory
 from jaxllm.engine.jobs import ARRIVAL_GAP, ARRIVAL_WAIT, RETURN_GAP, RETURN_WAIT, Failed, Job, Observer, QueueFull
+from jaxllm.engine.memory import KVMemory, Memory
 from jaxllm.engine.results import Launched, Results
 from jaxllm.engine.sampling import Penalties, SamplingParams, TokenRules
 from jaxllm.engine.shapes import Shapes
@@ -85,6 +85,7 @@ class Scheduler(Results, Warmup, Memory):
         backend's first runs cost more, `first_run_costs`). `freeze_heap`: `Warmup.settle_heap`.
         `kv_memory`: the size of the KV pool and whether it caches prefixes."""
         self.engine = engine
+        self.text_tokenizer = engine.tokenizer        # what turns the requests' tokens into text
         self.structured = structured
         self.observer = Observer()
         self.eos = set(engine.cfg.eos_ids)
@@ -296,7 +297,7 @@ class Scheduler(Results, Warmup, Memory):
             job, hit = got
             for c, b in zip([job] if job.resumed else job.choices, free):
                 if c.text is None:
-                    c.text = TextStream(self.engine.tokenizer, c.req.stop, c.req.skip_special)
+                    c.text = TextStream(self.text_tokenizer, c.req.stop, c.req.skip_special)
                 self._seat(c, b, hit if c is job else None)
                 with self.cond:
                     self.slots[b] = c

@@ -61,6 +61,10 @@ class Warmup:
                 groups[("fixed", n)] = [("decode", (state, None, e.row_shapes(np.zeros(n, bool))),
                                          {"max_steps": self.decode_steps, "rows": n, **asked, "fixed": True})
                                         for asked in (lp, {})]
+        if e.spec is not None:          # the drafting history of a request with a cached prefix
+            H = state.slots.spec.history.shape[1]
+            groups[("history",)] = [("seed_history", (state, e.row_shapes(np.zeros(1, np.int32)),
+                                                      e.row_shapes(np.zeros((1, H), np.int32))), {})]
         if self.core.num_slots > 1:
             F = self.core.num_slots
             forks = Forks.make(F, allowed=np.zeros((F, words), np.uint32) if words else None)
@@ -78,7 +82,7 @@ class Warmup:
         groups = self.warmup_calls()
         if self.engine.steps_cache is not None:        # what an earlier process kept: every shape at once
             self.engine.read_back([c for calls in groups.values() for c in calls])
-        largest = {k for k in groups if k[0] == "fork"} | {("decode", self.shapes.decodes()[-1])}
+        largest = {k for k in groups if k[0] in ("fork", "history")} | {("decode", self.shapes.decodes()[-1])}
         largest |= {("prefill", self.shapes.row_counts(C)[-1], C) for C in self.shapes.lengths()}
         first = largest | {k for k, calls in groups.items() if all(map(self.engine.compiled, calls))}
         def smallest_first(keys):          # a lone request's decode blocks and prefill first
@@ -146,7 +150,11 @@ class Warmup:
         core = self.core
         for key in keys:
             for name, args, static in self.groups[key]:
-                core.state, *_ = self.engine.run(name, core.state, *map(self._idle_arg, args[1:]), **static)
+                idle = [self._idle_arg(a) for a in args[1:]]
+                if name == "seed_history":         # a slot past the table: nothing written
+                    idle[0] = self.engine.put_rows(np.full(1, core.num_slots, np.int32))
+                out = self.engine.run(name, core.state, *idle, **static)
+                core.state = out if name == "seed_history" else out[0]
         jax.block_until_ready(core.state)
         return time.perf_counter() - t
 

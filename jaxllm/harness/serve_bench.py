@@ -17,6 +17,13 @@ With --logprobs or --json-fraction, each level runs on the same server once unti
 asked, then as the same requests (the same prompts, each asking for exactly the tokens its answer
 had) without log-probabilities or constraints, so that their cost is the ratio of two loads that
 generate the same tokens (JSON answers end where their object does, at lengths of their own).
+
+Loads that reuse what the server computed: --shared-prefix N puts the same N tokens (a system
+prompt) before every prompt of a level; --turns T makes each client hold a conversation of T turns,
+each request the conversation so far (the earlier prompts and answers) and --prompt-len new tokens.
+Each level reports the share of prompt tokens the prefix cache served (the answers' `usage`), and
+with --turns the TTFT and that share turn by turn; the fused loop is taken at the mean context of
+a decode step, the prefix and the earlier turns included.
 """
 from __future__ import annotations
 
@@ -60,6 +67,10 @@ class Level:
     # The fraction of the level's wall time each scheduler thread spent on each part of its work
     # ("other": the engine thread's own scheduling), from the server's /metrics.
     threads: dict | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0             # of them, served by the prefix cache (the answers' usage)
+    hit_rate: float | None = None
+    turns: list | None = None          # --turns: per turn, {"ttft_ms", "hit_rate", "prompt_tokens"}
 
 
 def length_range(s: str) -> tuple[int, int]:
@@ -93,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", choices=("int8", "none"), default="int8")
     p.add_argument("--kv-quant", choices=("auto", "int8", "none"), default="auto")
     p.add_argument("--compilation-cache", default=None, help="passed to the server (a folder, or 'off')")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="passed to the server")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, help="passed to the server")
+    p.add_argument("--kv-cache-memory", default=None, help="passed to the server")
+    p.add_argument("--block-size", type=int, default=None, help="passed to the server")
     p.add_argument("--speculative", choices=("ngram", "draft"), default=None,
                    help="the server speculates (the fused-loop reference stays plain decoding)")
     p.add_argument("--num-speculative-tokens", type=int, default=None)
@@ -108,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="once every client is streaming, one more request with an N-token prompt (and "
                         "--long-output new tokens): its TTFT and the other streams' gaps while it prefills")
     p.add_argument("--long-output", type=int, default=16)
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                   help="N token ids every prompt of a level starts with (a system prompt)")
+    p.add_argument("--turns", type=int, default=1, metavar="T",
+                   help="each client holds a conversation of T requests, each carrying the earlier ones and "
+                        "their answers (needs a server whose text is its token ids: --shape without --tokenizer)")
     p.add_argument("--no-reference", action="store_true", help="skip the fused-loop figures")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results/serve.json", help="JSON results path")
@@ -131,8 +152,10 @@ def server_args(a) -> list[str]:
            "--max-num-batched-tokens": a.max_num_batched_tokens, "--decode-steps": a.decode_steps,
            "--compilation-cache": a.compilation_cache, "--speculative": a.speculative,
            "--num-speculative-tokens": a.num_speculative_tokens, "--draft-model-dir": a.draft_model_dir,
-           "--speculative-max-batch": a.speculative_max_batch}
+           "--speculative-max-batch": a.speculative_max_batch, "--gpu-memory-utilization": a.gpu_memory_utilization,
+           "--kv-cache-memory": a.kv_cache_memory, "--block-size": a.block_size}
     flags = [x for k, v in opt.items() if v is not None for x in (k, str(v))]
+    flags += [] if a.enable_prefix_caching else ["--no-enable-prefix-caching"]
     return src + flags + ["--quant", a.quant, "--kv-quant", a.kv_quant, "--max-queue", str(4 * a.max_num_seqs),
                           "--disable-uvicorn-access-log", "--log-level", "info"]
 
@@ -233,15 +256,17 @@ async def one_request(conn: Connection, ids: list[int], max_tokens: int, logprob
             "stream_options": {"include_usage": True}, **({"logprobs": logprobs} if logprobs is not None else {}),
             **({"response_format": {"type": "json_object"}} if json_object else {})}
     t0 = time.perf_counter()
-    chunks, n, err = [], 0, None
+    chunks, n, cached, err, text = [], 0, 0, None, []
     try:
         async for d in conn.post_stream("/v1/completions", body):
             if "error" in d:
                 err = d["error"]["message"]
             if d.get("usage"):
                 n = d["usage"]["completion_tokens"]
+                cached = (d["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             if any(c.get("text") for c in d.get("choices", [])):
                 chunks.append(time.perf_counter() - t0)
+                text += [c["text"] for c in d["choices"]]
                 if len(chunks) == 1 and on_first is not None:
                     on_first()
     except (RuntimeError, OSError, ValueError) as e:
@@ -250,7 +275,8 @@ async def one_request(conn: Connection, ids: list[int], max_tokens: int, logprob
         return {"error": str(e)}
     if err or not chunks:
         return {"error": err or "no tokens streamed"}
-    return {"start": t0, "ttft": chunks[0], "end": chunks[-1], "chunks": chunks, "tokens": n}
+    return {"start": t0, "ttft": chunks[0], "end": chunks[-1], "chunks": chunks, "tokens": n, "prompt": len(ids),
+            "cached": cached, "text": "".join(text)}
 
 
 THREAD_METRIC, CALLS_METRIC = "jaxllm:scheduler_thread_seconds", "jaxllm:scheduler_calls"
@@ -316,26 +342,30 @@ def pct(xs, scale=1e3) -> dict:
 @dataclass
 class Load:
     """The requests of a level, in the order the clients send them (client i sends rounds i * R to
-    (i + 1) * R - 1)."""
+    (i + 1) * R - 1). With `turns`, each round is a conversation's next turn: its prompt is the
+    conversation so far followed by the round's own tokens."""
     prompts: list
     outs: list                  # max_tokens of each
     constrained: list           # each asks for a JSON object
     logprobs: int | None
     long_prompt: int | None
+    turns: bool = False
 
     @staticmethod
     def draw(c: int, a, rng) -> "Load":
         n = c * a.rounds
-        prompts = [rng.integers(0, a.vocab, rng.integers(a.prompt_len[0], a.prompt_len[1] + 1)).tolist()
-                   for _ in range(n)]
+        shared = rng.integers(0, a.vocab, a.shared_prefix).tolist()
+        prompts = [(shared if a.turns == 1 or i % a.rounds == 0 else [])
+                   + rng.integers(0, a.vocab, rng.integers(a.prompt_len[0], a.prompt_len[1] + 1)).tolist()
+                   for i in range(n)]
         outs = rng.integers(a.output_len[0], a.output_len[1] + 1, n).tolist()
         constrained = [int((i + 1) * a.json_fraction) > int(i * a.json_fraction) for i in range(n)]
-        return Load(prompts, outs, constrained, a.logprobs, a.long_prompt)
+        return Load(prompts, outs, constrained, a.logprobs, a.long_prompt, a.turns > 1)
 
     def plain(self, tokens: list) -> "Load":
         """The same prompts without log-probabilities or constraints, each asking for `tokens` of
         its own (EOS ignored)."""
-        return Load(self.prompts, tokens, [False] * len(self.prompts), None, None)
+        return Load(self.prompts, tokens, [False] * len(self.prompts), None, None, self.turns)
 
 
 async def run_level(url: str, c: int, a, load: Load, rng) -> tuple[Level, list]:
@@ -356,9 +386,15 @@ async def run_level(url: str, c: int, a, load: Load, rng) -> tuple[Level, list]:
             streaming.set()
 
     async def client(i):
-        return [await one_request(conns[i], prompts[j], outs[j], load.logprobs, constrained[j],
+        out, history = [], []
+        for j in range(i * a.rounds, (i + 1) * a.rounds):
+            ids = history + prompts[j] if load.turns else prompts[j]
+            r = await one_request(conns[i], ids, outs[j], load.logprobs, constrained[j],
                                   first if j == i * a.rounds else None)
-                for j in range(i * a.rounds, (i + 1) * a.rounds)]
+            out.append(r)
+            if load.turns and "error" not in r:          # the answer's text is its token ids
+                history = ids + [int(t) for t in r["text"].split()]
+        return out
 
     async def long_one():
         await streaming.wait()
@@ -382,6 +418,11 @@ async def run_level(url: str, c: int, a, load: Load, rng) -> tuple[Level, list]:
     lv.itl_ms = pct([b - x for r in ok for x, b in zip(r["chunks"], r["chunks"][1:])])
     if long_result is not None:
         lv.long_prompt = long_prompt_summary(load.long_prompt, long_result, ok)
+    lv.prompt_tokens, lv.cached_tokens = sum(r["prompt"] for r in ok), sum(r["cached"] for r in ok)
+    lv.hit_rate = lv.cached_tokens / max(lv.prompt_tokens, 1)
+    if load.turns:
+        lv.turns = [turn_summary([r for j, r in enumerate(results) if j % a.rounds == t and "error" not in r])
+                    for t in range(a.rounds)]
     if before is not None:
         await asyncio.sleep(0.2)         # the server reads its speculation counts once it is idle
     spec, threads = server_counts(url)
@@ -389,6 +430,14 @@ async def run_level(url: str, c: int, a, load: Load, rng) -> tuple[Level, list]:
         lv.speculation = {k: v - before[k] for k, v in spec.items()}
     lv.threads = thread_shares(threads_before, threads, duration) or None
     return lv, [None if "error" in r else r["tokens"] for r in results]
+
+
+def turn_summary(rs: list[dict]) -> dict:
+    """One turn of the level's conversations: its TTFT and the share of its prompts served by the
+    prefix cache."""
+    prompt = sum(r["prompt"] for r in rs)
+    return {"ttft_ms": pct([r["ttft"] for r in rs]), "prompt_tokens": prompt,
+            "hit_rate": sum(r["cached"] for r in rs) / max(prompt, 1)}
 
 
 def long_prompt_summary(n: int, long: dict, others: list[dict]) -> dict:
@@ -445,11 +494,13 @@ def table(rep: dict) -> str:
         ready += f", every shape compiled {rep['compiled_s']:.1f} s after start"
     def span(r):
         return str(r[0]) if r[0] == r[1] else f"{r[0]}-{r[1]}"
-    head = (f"serving {rep['subject']} on {rep.get('device', '?')}: prompts of {span(s['prompt_len'])} tokens, "
+    reuse = (f" after a shared prefix of {s['shared_prefix']}" if s.get("shared_prefix") else "") + \
+        (f", conversations of {s['turns']} turns" if s.get("turns", 1) > 1 else "")
+    head = (f"serving {rep['subject']} on {rep.get('device', '?')}: prompts of {span(s['prompt_len'])} tokens{reuse}, "
             f"{span(s['output_len'])} new, {s['rounds']} requests a client; fused loop at ctx {s['fused_ctx']}{ready}")
     spec = any(lv.get("speculation") for lv in rep["levels"])
     cols = ["clients", "requests", "tok/s", "fused tok/s", "ratio", "bound", "TTFT p50", "TTFT p99", "TPOT p50",
-            "TPOT p99", "ITL p50", "ITL p99", "failed"] + (["accepted"] if spec else [])
+            "TPOT p99", "ITL p50", "ITL p99", "cached", "failed"] + (["accepted"] if spec else [])
     rows = []
     for lv in rep["levels"]:
         def f(d, k):
@@ -459,12 +510,16 @@ def table(rep: dict) -> str:
                      "-" if lv["ratio"] is None else f"{lv['ratio']:.2f}",
                      "-" if lv.get("bound") is None else f"{lv['bound']:.2f}",
                      f(lv["ttft_ms"], "p50"), f(lv["ttft_ms"], "p99"), f(lv["tpot_ms"], "p50"),
-                     f(lv["tpot_ms"], "p99"), f(lv["itl_ms"], "p50"), f(lv["itl_ms"], "p99"), str(lv["failed"])]
+                     f(lv["tpot_ms"], "p99"), f(lv["itl_ms"], "p50"), f(lv["itl_ms"], "p99"),
+                     "-" if lv.get("hit_rate") is None else f"{lv['hit_rate']:.0%}", str(lv["failed"])]
                     + ([spec_summary(lv.get("speculation"))] if spec else []))
     width = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     fmt = lambda r: "  ".join(x.rjust(w) for x, w in zip(r, width))      # noqa: E731
     lines = [head, fmt(cols) + "   (ms)", *map(fmt, rows)]
     for lv in rep["levels"]:
+        if lv.get("turns"):
+            lines.append(f"{lv['concurrency']} clients, turn by turn (TTFT p50 ms, prompt tokens from the cache): "
+                         + ", ".join(f"{t['ttft_ms'].get('p50', 0):.0f} {t['hit_rate']:.0%}" for t in lv["turns"]))
         if lv.get("threads"):
             lines.append(f"{lv['concurrency']} clients, time of the wall: {thread_summary(lv['threads'])}")
         pl = lv.get("plain")
@@ -493,7 +548,14 @@ def main(argv=None) -> int:
     a.max_num_seqs = a.max_num_seqs or max(a.concurrency) + (a.long_prompt is not None)
     if a.long_prompt is not None and (a.long_prompt < 1 or a.long_output < 1):
         raise SystemExit("--long-prompt and --long-output must be >= 1")
-    longest = max(a.prompt_len[1] + a.output_len[1], (a.long_prompt or 0) + a.long_output)
+    if a.shared_prefix < 0 or a.turns < 1:
+        raise SystemExit("--shared-prefix must be >= 0 and --turns >= 1")
+    if a.turns > 1:
+        if not a.url and not (a.shape and not a.tokenizer):
+            raise SystemExit("--turns needs a server whose text is its token ids: --shape without --tokenizer")
+        a.rounds = a.turns             # a client's requests are its conversation's turns
+    turn = a.prompt_len[1] + a.output_len[1]
+    longest = max(a.shared_prefix + a.turns * turn, (a.long_prompt or 0) + a.long_output)
     a.max_model_len = a.max_model_len or -(-longest // 64) * 64
     if a.vocab is None:
         if a.url:
@@ -505,7 +567,10 @@ def main(argv=None) -> int:
             a.vocab = 1000            # ids every vocabulary holds
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    ctx = (sum(a.prompt_len) + sum(a.output_len) // 2) // 2        # a request's mean decode context
+    # a request's mean decode context: its prompt (after the shared prefix, or the earlier turns)
+    # and half its answer
+    ctx = (sum(a.prompt_len) + sum(a.output_len) // 2) // 2 + a.shared_prefix
+    ctx += (a.turns - 1) * (mean_len(a.prompt_len) + mean_len(a.output_len)) // 2
     ref, ref_rep = ({}, None) if a.url or a.no_reference else fused_reference(a, ctx)
     server = None
     ready = compiled = None
@@ -547,7 +612,8 @@ def main(argv=None) -> int:
                                                    "max_model_len", "max_num_batched_tokens", "decode_steps",
                                                    "tp", "quant", "kv_quant", "concurrency", "speculative",
                                                    "num_speculative_tokens", "draft_model_dir", "logprobs",
-                                                   "json_fraction", "long_prompt", "long_output")} | {"fused_ctx": ctx},
+                                                   "json_fraction", "long_prompt", "long_output",
+                                                   "shared_prefix", "turns")} | {"fused_ctx": ctx},
            "levels": [asdict(x) for x in levels]}
     if ref_rep is not None:
         rep.update(device=ref_rep["device"]["kind"], jax_version=ref_rep["jax_version"], fused_loop=ref_rep)

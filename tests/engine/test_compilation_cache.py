@@ -83,7 +83,7 @@ def test_executable_keys_cover_the_whole_package():
     model included, not only the engine's: a change to a kernel's tiles is a different program."""
     from jaxllm.engine import compilation_cache as cc
     names = {str(f.relative_to(cc.PACKAGE)) for f in cc.sources()}
-    for part in ("engine/core.py", "model/forward.py", "ops/xla.py", "ops/gpu/matmul.py", "kv/split.py"):
+    for part in ("engine/core.py", "model/forward.py", "ops/xla.py", "ops/gpu/matmul.py", "kv/paged.py"):
         assert part in names, part
 
 

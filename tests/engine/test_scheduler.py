@@ -170,7 +170,7 @@ def test_a_burst_gathers_while_the_device_has_nothing_left_to_run(engine, monkey
     """Requests that arrive together share one prefill forward: the first prefill waits while they
     keep coming, and while answers whose last tokens are launched are still being read back (slots
     such answers hold do not stop it), as long as no running request has steps left to launch."""
-    from jaxllm.serve import scheduler
+    from jaxllm.engine import scheduler
     monkeypatch.setattr(scheduler, "ARRIVAL_GAP", 0.5)       # a loaded CI machine's gaps stay well under
     monkeypatch.setattr(scheduler, "ARRIVAL_WAIT", 10.0)
     sched = Scheduler(engine, max_num_seqs=4, max_model_len=32, max_queue=8)
@@ -201,7 +201,7 @@ def test_clients_whose_answers_ended_are_waited_for(engine, monkeypatch):
     job's workers): the first prefill waits for as many requests as answers completed, past pauses
     longer than ARRIVAL_GAP, while they keep coming RETURN_GAP apart; a client that does not come
     back holds the next burst RETURN_GAP once."""
-    from jaxllm.serve import scheduler
+    from jaxllm.engine import scheduler
     monkeypatch.setattr(scheduler, "ARRIVAL_GAP", 0.05)
     monkeypatch.setattr(scheduler, "RETURN_GAP", 0.6)
     monkeypatch.setattr(scheduler, "RETURN_WAIT", 10.0)

@@ -38,12 +38,13 @@ def test_sharded_logits_match_single_device(sharded, case, layout):
     tp = int(layout[2])
     assert r["q"] == [None, None, "model", None]          # query heads split
     assert r["down"] == [None, "model", None]             # MLP width split
-    split_kv = r["kv_heads"] % tp == 0                               # else K/V weights and cache replicated
+    split_kv = r["kv_heads"] % tp == 0                               # else K/V weights and pools replicated
     assert ("model" in r["k"]) == split_kv and ("model" in r["cache"]) == split_kv
-    assert ("data" in r["cache"]) == (layout == "tp2dp2")  # batch rows over the data axis
-    # the plan that sizes the cache before it is made counts what one device then holds
+    assert "data" not in r["cache"]               # any row may use any block: the pools are not split by rows
+    assert r["tables"] == (["data", None] if layout == "tp2dp2" else [None, None])     # the rows' tables are
+    # the plan that sizes the pools before they are made counts what one device then holds
     assert r["plan"] == r["allocated"]
-    assert (r["plan"][1] < r["plan"][0]) == (split_kv or layout == "tp2dp2")
+    assert (r["plan"][1] < r["plan"][0]) == r["any_split"]
 
 
 def test_sharded_int8_greedy_matches(sharded):

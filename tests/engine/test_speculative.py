@@ -68,11 +68,11 @@ def plain_answers(kv_quant: str):
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_quant", ["none", "int8"])
 def test_greedy_speculation_is_plain_decoding(kv_quant):
-    """64 new tokens after a code prompt (on the split cache 1000 tokens: the 512-position sliding
-    window's ring wraps twice), in a batch with a row that finds little to look up, and on the
-    split cache alone too."""
+    """64 new tokens after a code prompt (with int8 global layers 1000 tokens: the sliding layers'
+    tables of the 512-position window are reused twice over), in a batch with a row that finds
+    little to look up, and with int8 global layers alone too."""
     base, spec = engines(kv_quant)
-    assert base.kv_layout.split == (kv_quant == "int8")
+    assert base.kv_layout.int8 == (kv_quant == "int8")
     batch = prompts(kv_quant)
     want, plain_tok_s = plain_answers(kv_quant)
     got = spec.generate(batch, max_tokens=NEW, chat=False)

@@ -180,7 +180,7 @@ def test_bad_flags_are_one_line_errors(tmp_path, capsys):
                       (["--shape", shape_file(tmp_path), "--ctx", "0"], "--ctx"),
                       (["--shape", shape_file(tmp_path), "--top-p", "1.5"], "top_p must be in (0, 1]"),
                       (["--shape", shape_file(tmp_path), "--temperature", "-1"], "temperature must be >= 0"),
-                      (["--shape", shape_file(tmp_path), "--int8-rings"], "--int8-rings needs an int8 split"),
+                      (["--shape", shape_file(tmp_path), "--int8-rings"], "--int8-rings needs int8 global layers"),
                       (["--shape", shape_file(tmp_path), "--rebuild-keys"], "--rebuild-keys applies to the split")]:
         assert bench.main(argv + ["--out", str(tmp_path / "x.json")]) == 2
         err = capsys.readouterr().err.strip()
@@ -220,36 +220,38 @@ def test_sweep_on_a_model_directory(tmp_path, capsys):
     assert rep["model"]["model_dir"] == str(tmp_path / "m")
 
 
-def test_bench_rings_hold_the_last_window_of_positions():
-    """The bench's filled cache: random K/V, but ring slots hold the positions a prefill of ctx
-    tokens leaves there (random positions would fall outside the window, and the decode kernel
-    skips reading what no query can see, which would flatter the timing)."""
+def test_bench_rows_hold_their_own_blocks():
+    """The bench's filled cache: random K/V in blocks each row holds alone, a sliding kind's table
+    as wide as its window and a global kind's as the context, so that every step reads ctx
+    positions of global KV and a window of sliding KV per row, as a served request's would."""
     from jaxllm.engine.engine import Engine
     from jaxllm.engine.sampling import SamplingParams
     from jaxllm.harness.bench import decode_state
-    from jaxllm.kv.split import RingKV
     from jaxllm.model.presets import load_preset
     cfg, fam = load_preset("gemma3-270m")
     ctx = 700
     eng = Engine(cfg, None, None, dtype="float32", max_ctx=ctx + 4, kv_quant="int8")
     state = decode_state(eng, 2, ctx, 4, 0, SamplingParams.make(2))
-    rings = [c for c in state.cache.values() if isinstance(c, RingKV)]
-    assert rings
-    W = rings[0].pos.shape[-1]
-    for row in np.asarray(rings[0].pos).reshape(-1, W):
-        assert sorted(row.tolist()) == list(range(ctx - W, ctx))
-        assert all(p % W == s for s, p in enumerate(row.tolist()))
+    tables = {n: np.asarray(t) for n, t in state.cache.tables.items()}
+    P = eng.kv_options.block_size
+    assert tables["global"].shape == (2, -(-(ctx + 4) // P))
+    assert tables["sliding"].shape == (2, -(-(cfg.attn[0].window - 1 + 1) // P) + 1)
+    blocks = np.concatenate([t.ravel() for t in tables.values()])
+    assert 0 not in blocks and all(len(set(t.ravel())) == t.size for t in tables.values())
+    assert np.asarray(state.slots.pos).tolist() == [ctx, ctx]
 
 
 def test_serving_bench_on_a_tiny_shape(tmp_path):
     """`--serve` starts a server on random weights, drives it with concurrent streaming clients and
     reports every request's tokens, beside the fused loop at the same batch; a long prompt sent
     once every client streams is served beside them. With log-probabilities asked, the same requests
-    run again without them, for the same tokens."""
+    run again without them, for the same tokens. The clients hold conversations of two turns after
+    a shared prefix: the second turn's prompts come mostly from the prefix cache."""
     out = tmp_path / "serve.json"
     assert bench.main(["--serve", "--shape", shape_file(tmp_path), "--concurrency", "3", "--rounds", "2",
                        "--prompt-len", "4:12", "--output-len", "6", "--compilation-cache", "off",
-                       "--long-prompt", "90", "--long-output", "3", "--logprobs", "2", "--out", str(out)]) == 0
+                       "--long-prompt", "90", "--long-output", "3", "--logprobs", "2", "--shared-prefix", "20",
+                       "--turns", "2", "--out", str(out)]) == 0
     rep = json.loads(out.read_text())
     assert [lv["concurrency"] for lv in rep["levels"]] == [3]
     for lv in rep["levels"]:
@@ -264,5 +266,7 @@ def test_serving_bench_on_a_tiny_shape(tmp_path):
         assert lp["tokens"] == 3 and lp["ttft_ms"] > 0 and lp["prompt_tokens"] == 90
         plain = lv["plain"]
         assert plain["output_tokens"] == lv["output_tokens"] and plain["failed"] == 0
+        first, second = lv["turns"]
+        assert second["prompt_tokens"] > first["prompt_tokens"] and second["hit_rate"] > 0.5, lv["turns"]
         assert plain["of_plain"] == lv["output_tok_s"] / plain["output_tok_s"]
     assert rep["ready_s"] > 0 and rep["settings"]["max_num_seqs"] == 4

@@ -23,7 +23,7 @@ def assert_one_line_error(r, *needles):
     KV-cache size may precede it)."""
     assert r.returncode != 0, r.stdout
     assert "Traceback" not in r.stderr, r.stderr
-    errors = [ln for ln in r.stderr.strip().splitlines() if not ln.startswith(("KV cache", "warning"))]
+    errors = [ln for ln in r.stderr.strip().splitlines() if not ln.startswith(("KV pool", "warning"))]
     assert len(errors) == 1, r.stderr
     for n in needles:
         assert n in errors[0], r.stderr

@@ -101,12 +101,12 @@ def test_chat_template_applied_by_default(eng32):
 
 
 def test_cli_long_context_prompt_file(tmp_path):
-    """The design's own example: --max-ctx 131072 takes the split int8-KV cache; a prompt of a few
-    thousand tokens from a file is answered."""
+    """The design's own example: --max-ctx 131072 takes int8 global layers (the sliding ones keep
+    their window); a prompt of a few thousand tokens from a file is answered."""
     f = tmp_path / "prompt.txt"
     f.write_text(open(GPL).read()[:9000] + "\n\nThe title of this license is")
     r = run_cli("--raw-prompt", "--prompt-file", str(f), "--max-ctx", "131072", "--max-tokens", "8", "--json")
     assert r.returncode == 0, r.stderr
     rec = json.loads(r.stdout.strip().splitlines()[-1])
     assert rec["num_prompt_tokens"] > 1500 and rec["num_new_tokens"] > 0 and rec["text"].strip()
-    assert "131072" in r.stderr and "KV cache" in r.stderr      # trained-context warning and cache size
+    assert "131072" in r.stderr and "KV pool" in r.stderr       # trained-context warning and the pool's size

@@ -45,16 +45,18 @@ def main(tmp):
         for tp, dp in LAYOUTS:
             eng = jaxllm.load(path, dtype="float32", quant="none", tp=tp, dp=dp, max_ctx=32)
             layers = eng.weights["layers"]["global"]
-            cache = eng.core(2, 8).state.cache
-            plan = eng.kv_plan(2, 8)
+            core = eng.core(2, 8)
+            cache, plan = core.state.cache, core.plan
             res[f"tp{tp}dp{dp}"] = {
                 "plan": [plan.total, plan.device_bytes],
-                "allocated": [sum(x.nbytes for x in jax.tree_util.tree_leaves(cache)),
-                              sum(x.addressable_shards[0].data.nbytes for x in jax.tree_util.tree_leaves(cache))],
+                "allocated": [sum(x.nbytes for x in jax.tree_util.tree_leaves(cache.pools)),
+                              sum(x.addressable_shards[0].data.nbytes for x in jax.tree_util.tree_leaves(cache.pools))],
                 "err": float(np.abs(eng.logits(ids) - ref).max()),
                 "q": spec_of(layers["q"]), "k": spec_of(layers["k"]), "down": spec_of(layers["down"]),
                 "kv_heads": eng.cfg.attn[1].num_kv_heads,
-                "cache": list(cache["global"]["k"].sharding.spec),
+                "cache": list(cache.pools["global"].k.sharding.spec),
+                "tables": (list(cache.tables["global"].sharding.spec) + [None] * 2)[:2],
+                "any_split": any("model" in x.sharding.spec for x in jax.tree_util.tree_leaves(cache.pools)),
             }
         out[name] = res
     # the int8 path shards the same way and decodes the same greedy tokens under TP=4

@@ -75,15 +75,20 @@ def make_gemma4(path: Path, seed: int = 0) -> Path:
 class ScriptedCore:
     """The engine core's interface (prefill pieces into slots, decode the live slots in blocks),
     answering each prompt with `reply(prompt_ids) -> token ids` (an EOS ends it early, the request's
-    token limit cuts it). The prompts it was sent are kept in `prompts`."""
+    token limit cuts it). The prompts it was sent are kept in `prompts`. Its KV blocks are handed
+    out as a real core's (`plan`), without a prefix cache: every prompt is sent whole."""
 
-    def __init__(self, reply, num_slots: int, max_len: int, eos_ids, step_s: float = 0.0):
+    def __init__(self, reply, num_slots: int, max_len: int, eos_ids, plan, step_s: float = 0.0):
+        from jaxllm.engine.blocks import BlockManager
         self.reply, self.num_slots, self.max_len, self.eos = reply, num_slots, max_len, set(eos_ids)
         self.step_s = step_s                # seconds a decode step takes (a slow device)
         self.prompts: list[list[int]] = []
+        self.plan = plan
+        self.blocks = BlockManager(plan, num_slots, prefix_caching=False)
         self.reset()
 
     def reset(self):
+        self.blocks.reset()
         self.filling = [[] for _ in range(self.num_slots)]
         self.queue = [[] for _ in range(self.num_slots)]
 
@@ -140,8 +145,9 @@ class ScriptedEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def core(self, num_slots: int, max_len: int) -> ScriptedCore:
-        self.cores.append(ScriptedCore(self.reply, num_slots, max_len, self._engine.cfg.eos_ids, self.step_s))
+    def core(self, num_slots: int, max_len: int, budget=None, span=None, prefix_caching=False) -> ScriptedCore:
+        plan = self._engine.pool_plan(num_slots, max_len, budget, span)
+        self.cores.append(ScriptedCore(self.reply, num_slots, max_len, self._engine.cfg.eos_ids, plan, self.step_s))
         return self.cores[-1]
 
 
