@@ -99,9 +99,16 @@ class Kind:
 
 @dataclass
 class Seq:
-    """What a slot holds: per kind, logical block -> block; the tokens whose blocks are hashed."""
+    """What a slot holds: per kind, logical block -> block (logical blocks [first, end) of the kind,
+    `held`); the tokens whose blocks are hashed."""
     blocks: dict                        # kind name -> {logical block: block}
+    held: dict = field(default_factory=dict)      # kind name -> [first, end)
     hashes: list = field(default_factory=list)    # chained hashes of its full, registered blocks
+
+    def hold(self, name: str, j: int, b: int):
+        self.blocks[name][j] = b
+        first, end = self.held.get(name, (j, j))
+        self.held[name] = (min(first, j), max(end, j + 1))
 
 
 @dataclass
@@ -175,7 +182,7 @@ class BlockManager:
             k = self.kinds[n]
             for j, b in blocks.items():
                 k.hold(b)
-                seq.blocks[n][j] = b
+                seq.hold(n, j, b)
                 self.tables[n][row, j % k.width] = b
         seq.hashes = list(hit.hashes)
         self.version += 1
@@ -185,27 +192,28 @@ class BlockManager:
         sliding kinds' blocks behind the window are released, missing blocks taken. -> False where
         a kind ran out of blocks (what was taken is kept; nothing else changes)."""
         seq, P = self.seqs[row], self.block_size
-        ok = True
+        top = -(-hi // P)
         for n, k in self.kinds.items():
             have, table = seq.blocks[n], self.tables[n][row]
             floor = k.floor(lo, P)
-            for j in [j for j in have if j < floor]:
-                k.release(have.pop(j))
-                if table[j % k.width] != NULL and j % k.width not in {i % k.width for i in have}:
-                    table[j % k.width] = NULL
+            first, end = seq.held.get(n, (floor, floor))
+            if first < floor:                             # behind the window: released
+                for j in range(first, min(floor, end)):
+                    k.release(have.pop(j))
+                    if j + k.width >= end:                # no newer block of the row took its column
+                        table[j % k.width] = NULL
+                first, end = (floor, end) if floor < end else (floor, floor)
+                seq.held[n] = (first, end)
                 self.version += 1
-            for j in range(floor, -(-hi // P)):
-                if j in have:
-                    continue
+            for j in range(max(end, floor), top):
                 assert j - k.width not in have, f"{n} blocks {j - k.width} and {j} share a column: a span too short"
                 b = k.take()
                 if b is None:
-                    ok = False
-                    break
-                have[j] = b
+                    return False
+                seq.hold(n, j, b)
                 table[j % k.width] = b
                 self.version += 1
-        return ok
+        return True
 
     def commit(self, row: int, tokens, written: int):
         """Register in the prefix cache the full blocks of slot `row` whose positions below
@@ -238,14 +246,14 @@ class BlockManager:
         copies = {}
         for n, k in self.kinds.items():
             copies[n] = []
-            for j, b in s.blocks[n].items():
+            for j, b in sorted(s.blocks[n].items()):
                 if (j + 1) * P <= length:
                     k.hold(b)
-                    d.blocks[n][j] = b
+                    d.hold(n, j, b)
                 elif j * P < length:
                     nb = k.take()
                     copies[n].append((b, nb))
-                    d.blocks[n][j] = nb
+                    d.hold(n, j, nb)
                 else:
                     continue
                 self.tables[n][dst, j % k.width] = d.blocks[n][j]

@@ -102,12 +102,14 @@ class Memory:
     def _decode_blocks(self, jobs: list[Job], tokens: int) -> list[Job]:
         """Blocks for a decode call of `tokens` positions a row over `jobs` (the oldest first, the
         newest preempted where blocks run out). -> the jobs still decoding."""
-        span = self.core.plan.span
+        plan = self.core.plan
+        # a sliding kind's table holds the window and `span` positions past it
+        span = plan.span if any(w is not None for w in plan.windows.values()) else None
         for job in sorted(jobs, key=lambda j: j.admitted):
             if job.slot < 0:                      # preempted for an older one
                 continue
             lo, hi = self._positions(job, tokens)
-            if hi - lo > span:                    # the calls in flight ran ahead: their tokens first
+            if span is not None and hi - lo > span:       # the calls in flight ran ahead: their tokens first
                 self._await_results()
                 lo, hi = self._positions(job, tokens)
             if job.done or job.slot < 0:

@@ -97,8 +97,8 @@ class Scheduler(Results, Warmup, Memory):
         tokens = decode_steps * (1 if engine.spec is None else engine.spec.k + 1)
         self.out_size = engine.core_out_size(tokens)
         # A call writes at most a piece of a prompt, or a decode block, past its rows' lowest
-        # positions; the output thread's reading may lag two calls behind the engine thread's.
-        span = max(self.shapes.max_piece, 4 * tokens)
+        # positions; the output thread's reading may lag three calls behind the engine thread's.
+        span = max(self.shapes.max_piece, 8 * tokens)
         kv_memory = kv_memory or KVMemory()
         budget = engine.kv_budget(max_num_seqs, max_model_len, span, kv_memory, max_num_batched_tokens)
         self.core = engine.core(max_num_seqs, max_model_len, budget=budget, span=span,

@@ -50,7 +50,7 @@ def alone(eng, body) -> str:
 
 
 def test_a_pool_of_four_requests_serves_sixteen_clients(eng):
-    span = 32                                        # the scheduler's: a prompt's piece, or 4 decode blocks
+    span = 32                                        # the scheduler's: a prompt's piece, or 8 steps of 4
     pool = eng.pool_plan(4, MAX_LEN, span=span)
     app = build_app(eng, ServeOptions(served_name="m", max_model_len=MAX_LEN, max_num_seqs=16,
                                       max_num_batched_tokens=32, max_queue=32, decode_steps=4,
