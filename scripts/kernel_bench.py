@@ -11,7 +11,9 @@ tiles of a tensor-parallel run can be tuned on a single GPU.
 For each matmul it reports GB/s of weight bytes moved (int8 weights plus scales) next to the
 device's measured bandwidth, for each tile configuration tried, with the weights input-major and
 output-major (`--layouts`), and for XLA (slice, widen, dot), with the cost of the bare layer loop
-subtracted, and each kernel's largest error against a float32 product.
+subtracted, and each kernel's largest error against a float32 product. Then decode attention over
+a paged bf16 pool of ctx positions a row (pages of 32, each row's blocks in order), the kernel
+against XLA's blockwise attention over the same blocks (`kv.paged.LayerKV.attend`).
 """
 from __future__ import annotations
 
@@ -29,12 +31,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxllm.harness import ceilings as ceil
-from jaxllm.kv.linear import slot_positions  # noqa: E402
+from jaxllm.kv.paged import KVPool, LayerKV, static_tables  # noqa: E402
 from jaxllm.model.presets import load_preset  # noqa: E402
-from jaxllm.ops.gpu.attention import Cache, decode_attention  # noqa: E402
+from jaxllm.ops.gpu.attention import decode_attention  # noqa: E402
 from jaxllm.ops.gpu.matmul import choose_tiles, stacked_gated, stacked_matmul  # noqa: E402
 from jaxllm.ops.gpu.widen import WAYS  # noqa: E402
-from jaxllm.ops.xla import attend, attention_mask  # noqa: E402
+from jaxllm.ops.xla import XlaOps  # noqa: E402
 
 
 def timed(fn, *args, reps=100):
@@ -215,22 +217,26 @@ def main():
                   f"{row['auto_GBps'] or 0:7.0f}  auto out-major {row['auto_out_major_GBps'] or 0:7.0f}  "
                   f"best {row['best_GBps'] or 0:7.0f} GB/s  ({best})", flush=True)
     H, Kh, hd = a_spec.num_heads // a.tp, a_spec.num_kv_heads // a.tp, a_spec.head_dim
+    P = 32                                              # KVOptions.block_size
     att = []
     for B in [int(r) for r in a.rows.split(",")]:
         S = a.ctx
-        k = jax.random.normal(key, (L, B, S, Kh, hd), jnp.bfloat16)
-        v = jax.random.normal(key, (L, B, S, Kh, hd), jnp.bfloat16)
+        M = -(-S // P)
+        table = jnp.asarray(static_tables({"global": M}, B)["global"])      # each row its own blocks
+        k = jax.random.normal(key, (L, B * M + 1, P, Kh, hd), jnp.bfloat16)
+        v = jax.random.normal(key, (L, B * M + 1, P, Kh, hd), jnp.bfloat16)
         q = jax.random.normal(key, (B, H, hd), jnp.bfloat16)
         pos = jnp.full((B,), S - 1, jnp.int32)
-        nbytes = 2 * k.size * 2
-        kern = over_layers(lambda l, q, k, v, pos: decode_attention(q, Cache(k, v), l, pos, scale=0.1), L)
-        mask = attention_mask(pos[:, None], slot_positions(B, S), None)
-        xla = over_layers(lambda l, q, k, v, pos: attend(q[:, None], k[l], v[l], mask, 0.1, None), L)
+        nbytes = 2 * B * S * Kh * hd * 2 * L
+        kern = over_layers(lambda l, q, k, v, pos: decode_attention(q, {"k": k, "v": v}, l, table, pos, scale=0.1),
+                           L)
+        xla = over_layers(lambda l, q, k, v, pos: LayerKV(KVPool(k, v), l, table).attend(
+            q[:, None], pos[:, None], XlaOps(), scale=0.1, softcap=None, window=None), L)
         got = {}
         for path, f in (("pallas", kern), ("xla", xla)):
             try:
                 got[path] = nbytes / timed(f, q, k, v, pos) / 1e9
-            except jax.errors.JaxRuntimeError as e:     # e.g. XLA's scores not fitting: note it, go on
+            except jax.errors.JaxRuntimeError as e:     # e.g. XLA's buffers not fitting: note it, go on
                 got[path] = str(e).splitlines()[0][:120]
         att.append({"B": B, "S": S, "bytes": nbytes, **{f"{p}_GBps": g for p, g in got.items()}})
         shown = [f"{p} {g:7.0f}" if isinstance(g, float) else f"{p} ({g})" for p, g in got.items()]

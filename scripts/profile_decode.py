@@ -28,7 +28,7 @@ from jaxllm.engine.sampling import SamplingParams  # noqa: E402
 from jaxllm.engine.sharding import layout_for  # noqa: E402
 from jaxllm.engine.slots import Pieces
 from jaxllm.harness.bench import build_parser, decode_state, load_subject  # noqa: E402
-from jaxllm.kv.split import KVOptions  # noqa: E402
+from jaxllm.kv.options import KVOptions  # noqa: E402
 
 KINDS = [("matmul", r"gemm|cutlass|cublas|dot|matmul|xmma|sm90"),
          ("collective", r"nccl|all_reduce|all-reduce|allreduce|all_gather"),
@@ -77,14 +77,15 @@ def main():
         n = a.prefill
         tokens = np.asarray(jax.random.randint(jax.random.key(0), (a.batch, n), 0, cfg.vocab_size, jnp.int32))
         pieces = eng.put_rows(Pieces.make(tokens, 0, n, True, np.arange(a.batch)))
-        fn = eng.executable("prefill", (eng.new_state(a.batch, n + 1), pieces, None), {"out": "sample"})
+        plan = eng.pool_plan(a.batch, n + 1, span=n)
+        fn = eng.executable("prefill", (eng.new_state(plan), pieces, None), {"out": "sample"})
 
         def run():
-            s = jax.block_until_ready(eng.new_state(a.batch, n + 1))
+            s = jax.block_until_ready(eng.new_state(plan))
             return lambda: fn(weights, s, pieces, None)[1].block_until_ready()
         a.steps, what = 1, f"prefill of {n} tokens"
     else:
-        loop = eng.executable("decode", (state(), np.int32(a.steps), None), {"max_steps": a.steps})
+        loop = eng.executable("decode", (state(), np.int32(a.steps), None), {"max_steps": a.steps, "rows": None})
 
         def run():
             s = state()

@@ -21,8 +21,8 @@ from jaxllm.ops import gpu as kernels
 CASES = [      # name, checkpoint writer, (weight format, KV format, k_eq_v layers store keys)
     ("qwen3-kv4", lambda p: make("qwen3", p, num_key_value_heads=4), (("none", "none", True),)),  # int8: Gemma 4
     ("qwen3-kv2", lambda p: make("qwen3", p, num_key_value_heads=2), (("none", "none", True),)),  # XLA attention
-    # 1 global KV head; with int8 KV the split cache: rings, keys rebuilt from int8 global values
-    # (stored keys read as any int8 cache: test_long_context, the kernel tests)
+    # 1 global KV head (replicated); with int8 KV, keys rebuilt from the int8 global values
+    # (stored int8 keys read as any int8 pool: the kernel tests)
     ("gemma4-31b", lambda p: gemma4_refs.build("31b").save_pretrained(p),
      (("int8", "none", True), ("int8", "int8", False))),
 ]

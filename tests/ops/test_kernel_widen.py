@@ -7,14 +7,14 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import paged_pools
 import pytest
 
 from jaxllm import RuntimeConfig, ops
 from jaxllm.errors import ModelError
-from jaxllm.kv.blockwise import quantize_kv
 from jaxllm.ops import gpu as kernels
 from jaxllm.ops.gpu import widen as widening
-from jaxllm.ops.gpu.attention import Cache, decode_attention
+from jaxllm.ops.gpu.attention import decode_attention
 from jaxllm.ops.gpu.matmul import Tiles, choose_tiles, stacked_gated, stacked_matmul
 from jaxllm.ops.xla import KeysFromValues
 
@@ -89,28 +89,29 @@ def test_tensor_core_matmuls_identical():
         np.testing.assert_array_equal(np.asarray(got_g), np.asarray(ref_g))
 
 
-def _int8_caches(B=2, H=8, K=2, S=40, hd=32):
-    """(q, {name: Cache}) for the int8 kinds: linear, ring, keys rebuilt from values."""
+def _int8_pools(B=2, H=8, K=2, hd=32, P=8, M=10):
+    """(q, table, {name: (pool arrays, KeysFromValues or None, window)}) for the int8 kinds: global,
+    sliding (a ring of blocks), keys rebuilt from values; pages of 8 over shuffled blocks."""
     rng = np.random.default_rng(9)
     q = jnp.asarray(rng.standard_normal((B, H, hd)), jnp.bfloat16)
-    (kq, ks), (vq, vs) = (quantize_kv(jnp.asarray(rng.standard_normal((L, B, S, K, hd)), jnp.float32))
-                          for _ in range(2))
-    ring = jnp.asarray(np.broadcast_to((np.arange(S) + 7) % S + 30, (L, B, S)).astype(np.int32))
+    arrays, _ = paged_pools.pool(rng, L, B * M + 1, P, K, hd, int8=True)
     inv = (1.0 / 100.0 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
     inv[hd // 8:] = 0.0                              # partial rotary, as Gemma 4's global layers
     keys = KeysFromValues(inv, jnp.asarray(rng.standard_normal(hd) * 0.3, jnp.bfloat16), 1e-6, 1.0)
-    return q, {"linear": Cache(kq, vq, ks, vs), "ring": Cache(kq, vq, ks, vs, slot_pos=ring),
-               "keys from values": Cache(None, vq, None, vs, keys=keys)}
+    values = {n: arrays[n] for n in ("v", "v_scale")}
+    return q, paged_pools.table(rng, B, M, B * M + 1), {
+        "global": (arrays, None, None), "sliding": (arrays, None, 24), "keys from values": (values, keys, None)}
 
 
 def test_decode_attention_identical():
-    """Int8 K and V into bf16 dots (ring), and values into float32 for the rebuilt keys (whose
-    code path the linear int8 cache shares, but for slot positions)."""
-    q, caches = _int8_caches()
+    """Int8 K and V into bf16 dots (sliding), and values into float32 for the rebuilt keys (whose
+    code path the global int8 pool shares, but for the window)."""
+    q, table, pools = _int8_pools()
     pos = jnp.asarray([35, 69], jnp.int32)
-    for name, ways in (("ring", ("magic", "bits")), ("keys from values", ("bits",))):
-        run = functools.partial(decode_attention, q, caches[name], jnp.int32(1), pos, scale=0.2, block=16,
-                                splits=2, window=24 if name == "ring" else None)
+    for name, ways in (("sliding", ("magic", "bits")), ("keys from values", ("bits",))):
+        pool, keys, window = pools[name]
+        run = functools.partial(decode_attention, q, pool, jnp.int32(1), table, pos, scale=0.2, block=16,
+                                splits=2, window=window, keys=keys)
         ref = run(widen="convert")
         assert jnp.all(jnp.isfinite(ref.astype(jnp.float32))) and float(jnp.max(jnp.abs(ref))) > 0, name
         for way in ways:
@@ -120,14 +121,15 @@ def test_decode_attention_identical():
 @pytest.mark.parametrize("way", widening.WAYS)
 def test_lowers_for_cuda(lower_for_cuda, way):
     """Each way's operations (integer widening, bit casts between int16 and bf16, bf16 arithmetic)
-    are ones the Triton lowering takes, in the matmul and in every int8 attention kind."""
+    are ones the Triton lowering takes, in the matmul and in every int8 attention kind (its tiles
+    gathered from pages of 32 positions, tiles of 16 to 64: within a page and across pages)."""
     x, w, s = _matmul_inputs(M=16, K=256, N=128)
     t = Tiles(bm=16, bn=32, bk=64, out_major=True, widen=way)
     lowered = lower_for_cuda(lambda x, w, s: stacked_matmul(x, w, s, 1, t, True), x, w, s)
     assert "triton" in lowered.as_text().lower()
-    q, caches = _int8_caches(hd=64)
+    q, table, pools = _int8_pools(hd=64, P=32, M=4)
     pos = jnp.asarray([35, 69], jnp.int32)
-    for cache in caches.values():
+    for pool, keys, window in pools.values():
         for prefetch in (False, True):
-            lower_for_cuda(lambda q, c=cache: decode_attention(q, c, 1, pos, scale=0.2, widen=way,
-                                                               prefetch=prefetch), q)
+            lower_for_cuda(lambda q, pool=pool: decode_attention(q, pool, 1, table, pos, scale=0.2, window=window,
+                                                                 keys=keys, widen=way, prefetch=prefetch), q)

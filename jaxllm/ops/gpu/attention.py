@@ -1,18 +1,23 @@
-"""Decode attention over one layer of a stacked KV cache, GQA-grouped and split over the sequence.
+"""Decode attention over one layer of a paged KV pool, GQA-grouped and split over the sequence.
 
-One query token per row, at absolute position `pos[b]`, attends over the cache of layer `layer` in
-`[layers, B, S, K, hd]` stacks, read in place. A program takes one (row, KV head, sequence chunk):
-it loads the query heads that share that KV head once, streams the chunk's K/V blocks through an
-online softmax, and writes an unnormalised partial with its running max and sum; a second kernel
-merges the chunks by log-sum-exp.
+One query token per row, at absolute position `pos[b]`, attends over the positions its row holds
+in layer `layer` of a kind's pool (`kv.paged`), read in place through the row's block table. A
+program takes one (row, KV head, sequence chunk): it loads the query heads that share that KV head
+once, streams the chunk's K/V tiles through an online softmax, and writes an unnormalised partial
+with its running max and sum; a second kernel merges the chunks by log-sum-exp.
 
-One kernel serves every cache the engine keeps (`Cache` below says which):
-- linear slots (slot s holds position s): chunks past the row's position, or before its window,
-  load nothing;
-- ring slots (sliding layers of the split cache), whose positions are read from `slot_pos`;
-- int8 K/V with a float32 scale per slot and head, folded into the scores and the probabilities
-  (no dequantized block is formed);
-- keys rebuilt from the stored values (Gemma 4's k_eq_v layers): RMS-normed and rotated per block.
+The chunks split the tiles a row can see: from position 0 for a global kind, from the first
+position of the window for a sliding one, so the programs of a sliding kind all fall inside the
+window. A tile is `bs` logical positions, gathered from the pages that hold them (`pages`: the
+page and tile sizes are independent), and masked by those positions alone: causal, in the window,
+never negative. A table column read for a position outside that range may hold a newer block (a
+ring of blocks) or none: nothing there is loaded.
+
+One kernel serves every pool:
+- compute-dtype K/V;
+- int8 K/V with a float32 scale per position and head, folded into the scores and the
+  probabilities (no dequantized tile is formed);
+- keys rebuilt from the stored values (Gemma 4's k_eq_v layers): RMS-normed and rotated per tile.
 
 The head dimension is read as pieces (static (start, width) ranges, each loaded at a power-of-two
 width, its dots summed): one piece, or where keys are rebuilt, the dimensions RoPE rotates in each
@@ -22,7 +27,6 @@ half and, apart, those it leaves as they are. Gemma 4's global layers rotate a q
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -30,23 +34,12 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxllm.ops.gpu import note, pallas_call
+from jaxllm.ops.gpu import note, pages, pallas_call
 from jaxllm.ops.gpu import widen as widening
 from jaxllm.ops.gpu.matmul import SMS, _pow2
 from jaxllm.ops.xla import KeysFromValues
 
 NEG = -1e30
-
-
-@dataclass(frozen=True)
-class Cache:
-    """One kind's stacked cache as the kernel reads it. `k` is None when keys come from values."""
-    k: jax.Array | None                   # [L, B, S, K, hd]
-    v: jax.Array
-    k_scale: jax.Array | None = None      # [L, B, S, K] float32, int8 K/V only
-    v_scale: jax.Array | None = None
-    slot_pos: jax.Array | None = None     # [L, B, S] int32 (ring slots, -1 = empty); None: linear
-    keys: KeysFromValues | None = None
 
 
 def _pieces(width: int, start: int) -> list[tuple[int, int]]:
@@ -74,7 +67,7 @@ def head_pieces(hd: int, inv_freq: np.ndarray | None) -> tuple[int, tuple[tuple[
     return rot, (((0, rot), (w, rot)) + tuple(_pieces(w - rot, rot)) + tuple(_pieces(w - rot, w + rot)))
 
 
-def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision, keys, way, kway, pieces,
+def _kernel(*refs, names, G, hd, P, M, bs, chunk, scale, softcap, window, precision, keys, way, kway, pieces,
             prefetch):
     r = dict(zip(names, refs))
     o_ref, m_ref, l_ref = refs[len(names):]
@@ -85,32 +78,27 @@ def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision
     pw = [max(16, _pow2(w)) for _, w in pieces]                 # each piece's load width
     pm = [jnp.arange(p) < w for p, (_, w) in zip(pw, pieces)]
     pds = [pl.ds(jnp.int32(st), p) for p, (st, _) in zip(pw, pieces)]
+    cols = [(st + jnp.arange(p))[None, :] for p, (st, _) in zip(pw, pieces)]
     qs = [plgpu.load(r["q"].at[b, h, pl.ds(0, gp), d], mask=gmask[:, None] & m[None, :], other=0.0)
           for d, m in zip(pds, pm)]
     dt = qs[0].dtype
-    ring = "slot_pos" in r
-    lo = sp * chunk
-    hi = jnp.minimum(lo + chunk, S)
-    if not ring:                          # linear slots: only those at or before the position count
-        hi = jnp.minimum(hi, pos + 1)
-        if window is not None:
-            lo = jnp.maximum(lo, pos - window + 1)
-    t_lo = lo // bs
-    t_hi = jnp.maximum(pl.cdiv(hi, bs), t_lo)
+    # The positions the query sees, [lo, hi) (none for a negative position), and this chunk's tiles
+    # of them, counted from the tile of the first.
+    lo = jnp.int32(0) if window is None else jnp.maximum(pos - window + 1, 0)
+    hi = pos + 1
+    t_lo = lo // bs + sp * chunk
+    t_hi = jnp.maximum(jnp.minimum(t_lo + chunk, pl.cdiv(hi, bs)), t_lo)
 
     # A piece as wide as its load is masked by rows alone, which keeps the loads vectorized along
     # the head (measured on one H200: int8 rings 8-11% faster).
     full = [p == w for p, (_, w) in zip(pw, pieces)]
 
-    def load_kv(name, t, valid):
-        return [plgpu.load(r[name].at[layer, b, pl.ds(t * bs, bs), h, d],
+    def load_kv(name, rows, valid):
+        return [plgpu.load(r[name].at[layer, rows[:, None], h, c],
                            mask=valid[:, None] if f else valid[:, None] & m[None, :], other=0)
-                for d, m, f in zip(pds, pm, full)]
+                for c, m, f in zip(cols, pm, full)]
 
-    def load_scale(name, t, valid):
-        return plgpu.load(r[name].at[layer, b, pl.ds(t * bs, bs), h], mask=valid, other=0.0)
-
-    def rebuilt_keys(vals, vscale, kv_pos, t):
+    def rebuilt_keys(vals, vscale, t):
         x = [widening.widen(a, jnp.float32, kway) * (1.0 if vscale is None else vscale[:, None]) for a in vals]
         x = [a.astype(dt).astype(jnp.float32) for a in x]          # the values as the model holds them
         eps, offset, has_norm = keys
@@ -119,59 +107,41 @@ def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision
             inv = jax.lax.rsqrt(ms + eps)[:, None]
             ws = [plgpu.load(r["norm_w"].at[d], mask=m, other=0.0).astype(jnp.float32) for d, m in zip(pds, pm)]
             x = [(a * inv * (offset + wv[None, :])).astype(dt).astype(jnp.float32) for a, wv in zip(x, ws)]
-        # pieces 0 and 1 rotate together (their widths are equal); the others pass through
+        # pieces 0 and 1 rotate together (their widths are equal); the others pass through. Positions
+        # t*bs + j: sine and cosine of the tile's angle (one per frequency) combined with those of the
+        # in-tile angles j*f, a small table read from cache. Sine and cosine of every position's
+        # angle cost 5x the rest of the kernel.
         rp, rm = pw[0], pm[0]
         freq = plgpu.load(r["inv_freq"].at[pl.ds(0, rp)], mask=rm, other=0.0)
-        if ring:
-            ang = kv_pos[:, None].astype(jnp.float32) * freq[None, :]
-            c, s = jnp.cos(ang), jnp.sin(ang)
-        else:
-            # Slots t*bs + j: sine and cosine of the block's angle (one per frequency) combined with
-            # those of the in-block angles j*f, a small table read from cache. Sine and cosine of
-            # every slot's angle cost 5x the rest of the kernel.
-            base = (t * bs).astype(jnp.float32) * freq
-            cb, sb = jnp.cos(base)[None, :], jnp.sin(base)[None, :]
-            cj = plgpu.load(r["rope_j"].at[jnp.int32(0), pl.ds(0, bs), pl.ds(0, rp)], mask=rm[None, :], other=1.0)
-            sj = plgpu.load(r["rope_j"].at[jnp.int32(1), pl.ds(0, bs), pl.ds(0, rp)], mask=rm[None, :], other=0.0)
-            c, s = cb * cj - sb * sj, sb * cj + cb * sj
+        base = (t * bs).astype(jnp.float32) * freq
+        cb, sb = jnp.cos(base)[None, :], jnp.sin(base)[None, :]
+        cj = plgpu.load(r["rope_j"].at[jnp.int32(0), pl.ds(0, bs), pl.ds(0, rp)], mask=rm[None, :], other=1.0)
+        sj = plgpu.load(r["rope_j"].at[jnp.int32(1), pl.ds(0, bs), pl.ds(0, rp)], mask=rm[None, :], other=0.0)
+        c, s = cb * cj - sb * sj, sb * cj + cb * sj
         return [(x[0] * c - x[1] * s).astype(dt), (x[1] * c + x[0] * s).astype(dt)] + [a.astype(dt) for a in x[2:]]
 
-    def in_range(t):
+    def visible(t):
         si = t * bs + jnp.arange(bs)
-        return si, (si >= lo) & (si < hi)
+        return (si >= lo) & (si < hi)
 
-    def visible(si, kv_pos, rng):
-        """The slots of a block in this chunk that the query sees."""
-        if not ring:                      # lo and hi already hold the position and the window
-            return rng
-        v = rng & (kv_pos >= 0) & (kv_pos <= pos)
-        return v if window is None else v & (kv_pos > pos - window)
-
-    def fetch(t):
-        """Block t as stored: slot positions (ring), values, keys, scales. Fetched a block ahead,
-        the K/V loads are masked by the slot range alone, so they need not wait for the slot
-        positions; the scores mask the rest (a slot loaded but not seen gets probability 0)."""
-        si, rng = in_range(t)
-        tiles = {}
-        if ring:
-            tiles["kv_pos"] = plgpu.load(r["slot_pos"].at[layer, b, pl.ds(t * bs, bs)], mask=rng, other=-1)
-        mask = rng if prefetch else visible(si, tiles.get("kv_pos", si), rng)
-        tiles["v"] = load_kv("v", t, mask)
+    def fetch(t, blocks):
+        """Tile t as stored (values, keys, scales) from the pages `blocks`; positions the query does
+        not see are not loaded."""
+        rows, valid = pages.tile_rows(blocks, t, bs=bs, P=P), visible(t)
+        tiles = {"v": load_kv("v", rows, valid)}
         if "k" in r:
-            tiles["k"] = load_kv("k", t, mask)
+            tiles["k"] = load_kv("k", rows, valid)
         for name in ("k_scale", "v_scale"):
             if name in r:
-                tiles[name] = load_scale(name, t, mask)
+                tiles[name] = plgpu.load(r[name].at[layer, rows, h], mask=valid, other=0.0)
         return tiles
 
-    def attend_block(t, tiles, carry):
+    def attend_tile(t, tiles, carry):
         accs, m, l = carry
-        si, rng = in_range(t)
-        kv_pos = tiles.get("kv_pos", si)
-        valid = visible(si, kv_pos, rng)
+        valid = visible(t)
         vals, vscale = tiles["v"], tiles.get("v_scale")
         if keys is not None:
-            ks, kscale = rebuilt_keys(vals, vscale, kv_pos, t), None
+            ks, kscale = rebuilt_keys(vals, vscale, t), None
         else:
             ks, kscale = [widening.widen(a, dt, way) for a in tiles["k"]], tiles.get("k_scale")
         s = sum(jax.lax.dot_general(qa, ka, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
@@ -195,11 +165,15 @@ def _kernel(*refs, names, G, hd, S, bs, chunk, scale, softcap, window, precision
 
     init = ([jnp.zeros((gp, p), jnp.float32) for p in pw], jnp.full((gp,), NEG, jnp.float32),
             jnp.zeros((gp,), jnp.float32))
-    if prefetch:                  # block t + 1's loads in flight while block t is computed
-        accs, m, l, _ = jax.lax.fori_loop(
-            t_lo, t_hi, lambda t, c: (*attend_block(t, c[3], c[:3]), fetch(t + 1)), (*init, fetch(t_lo)))
+    ids = functools.partial(pages.tile_pages, r["table"], b, bs=bs, P=P, M=M)
+    if prefetch:
+        # Tile t + 1's loads in flight while tile t is computed; its block ids loaded a tile before.
+        def body(t, blocks, c):
+            return (*attend_tile(t, c[3], c[:3]), fetch(t + 1, blocks))
+        accs, m, l, _ = pages.fori(t_lo, t_hi, lambda t: ids(t + 1), 1, body, (*init, fetch(t_lo, ids(t_lo))))
     else:
-        accs, m, l = jax.lax.fori_loop(t_lo, t_hi, lambda t, c: attend_block(t, fetch(t), c), init)
+        # Triton's pipelining issues tile t + 1's loads during tile t: their block ids two tiles ahead.
+        accs, m, l = pages.fori(t_lo, t_hi, ids, 2, lambda t, blocks, c: attend_tile(t, fetch(t, blocks), c), init)
     for acc, d, dmask in zip(accs, pds, pm):
         plgpu.store(o_ref.at[sp, b, h, pl.ds(0, gp), d], acc, mask=gmask[:, None] & dmask[None, :])
     plgpu.store(m_ref.at[sp, b, h, pl.ds(0, gp)], m, mask=gmask)
@@ -239,35 +213,39 @@ def merge_chunks(o, m, l, dtype):
         o.reshape(n, B, K * G, hd), m.reshape(n, B, K * G), l.reshape(n, B, K * G))
 
 
-def choose_split(B: int, K: int, S: int, bs: int) -> int:
+def choose_split(B: int, K: int, tiles: int) -> int:
     """Sequence chunks per (row, KV head): enough programs for about two per multiprocessor."""
     want = -(-2 * SMS // (B * K))
-    return max(1, min(want, -(-S // bs)))
+    return max(1, min(want, tiles))
 
 
-def decode_attention(q, cache: Cache, layer, pos, *, scale: float, softcap=None, window=None,
-                     block: int | None = None, splits: int | None = None, warps: int | None = None,
-                     widen: str | None = None, prefetch: bool | None = None):
-    """q [B, H, hd], a layer `layer` [] of `cache`, positions pos [B] -> [B, H, hd] in q's dtype.
-    `widen`: how int8 K/V reach the dots and, for keys rebuilt from values, float32 (`kernels.widen`;
-    by default `JAXLLM_INT8_WIDEN`, else `convert` for the dots and `magic` for the rebuild).
-    `prefetch`: each block's loads are issued while the block before it is computed, by the
-    kernel's own loop rather than Triton's pipelining; by default for int8 caches, whose loads
-    Triton does not pipeline past the widening (measured on one H200: 7% faster on int8 rings,
-    the bf16 ring 15% slower with it)."""
+def decode_attention(q, pool: dict, layer, table, pos, *, scale: float, softcap=None, window=None,
+                     keys: KeysFromValues | None = None, block: int | None = None, splits: int | None = None,
+                     warps: int | None = None, widen: str | None = None, prefetch: bool | None = None):
+    """q [B, H, hd] at positions pos [B] over layer `layer` [] of a kind's pool, `pool` its arrays
+    (`kv.paged.LayerKV.arrays`: v [L, N, P, K, hd], k unless `keys` says how to rebuild keys from
+    the values, k_scale and v_scale [L, N, P, K] where int8), through the rows' block table
+    table [B, M] -> [B, H, hd] in q's dtype.
+    `block`: positions a tile (a power of two; any page size). `widen`: how int8 K/V reach the
+    dots and, for keys rebuilt from values, float32 (`kernels.widen`; by default
+    `JAXLLM_INT8_WIDEN`, else `convert` for the dots and `magic` for the rebuild).
+    `prefetch`: each tile's loads are issued while the tile before it is computed, by the kernel's
+    own loop rather than Triton's pipelining; by default for int8 pools, whose loads Triton does
+    not pipeline past the widening (measured on one H200: 7% faster on int8 rings, the bf16 ring
+    15% slower with it)."""
     B, H, hd = q.shape
-    _, _, S, K, _ = cache.v.shape
+    _, _, P, K, _ = pool["v"].shape
+    M = table.shape[1]
     G = H // K
-    keys = cache.keys
     if keys is not None and hd % 2:
         raise ValueError(f"keys rebuilt from values need an even head_dim, got {hd}")
-    int8 = cache.v.dtype == jnp.int8
+    int8 = pool["v"].dtype == jnp.int8
     if prefetch is None:
         prefetch = int8
-    # Block and warps measured on one H100 at batch 64: keys rebuilt from int8 values take 338 us a
-    # layer at head_dim 512 in blocks of 32 with 8 warps (7.4 ms in blocks of 64 with 4, which spill
-    # registers) and 177 us at head_dim 256 in blocks of 16 with 4. On one H200 at batches 64 and 128
-    # (Gemma 4's layers), int8 caches loaded a block ahead and bf16 rings of head_dim 256 ran 15-30%
+    # Tile and warps measured on one H100 at batch 64: keys rebuilt from int8 values take 338 us a
+    # layer at head_dim 512 in tiles of 32 with 8 warps (7.4 ms in tiles of 64 with 4, which spill
+    # registers) and 177 us at head_dim 256 in tiles of 16 with 4. On one H200 at batches 64 and 128
+    # (Gemma 4's layers), int8 caches loaded a tile ahead and bf16 rings of head_dim 256 ran 15-30%
     # faster with 2 warps a program (4 at head_dim 512) than with 8.
     if keys is not None:
         bs, warps = block or (16 if hd <= 256 else 32), warps or (4 if hd <= 256 else 8)
@@ -278,28 +256,35 @@ def decode_attention(q, cache: Cache, layer, pos, *, scale: float, softcap=None,
     else:
         bs = block or (64 if hd <= 256 else 32)
         warps = warps or (8 if bs * hd >= 16384 else 4)
-    n = splits or choose_split(B, K, S, bs)
-    chunk = -(-S // n)
-    chunk = -(-chunk // bs) * bs
-    n = -(-S // chunk)
-    kind = ("ring" if cache.slot_pos is not None else "linear") + (" keys-from-values" if keys else "")
+    if bs & (bs - 1):
+        raise ValueError(f"a tile of positions must be a power of two, got {bs}")
+    # The tiles one row may see: every one of the table for a global kind; for a sliding one, those
+    # its window spans from any first position (no more positions than the table holds).
+    tiles = -(-M * P // bs) if window is None else -(-(min(window, M * P) - 1) // bs) + 1
+    n = splits or choose_split(B, K, tiles)
+    chunk = -(-tiles // n)
+    n = -(-tiles // chunk)
+    kind = ("sliding" if window is not None else "global") + (" keys-from-values" if keys else "")
     way, kway = widen or widening.default(), widen or widening.default("magic")
-    note("decode attention", (B, H, K, S, hd, str(cache.v.dtype), kind), f"pallas block={bs} warps={warps} splits={n}"
+    note("decode attention", (B, H, K, M * P, hd, str(pool["v"].dtype), kind),
+         f"pallas block={bs} page={P} warps={warps} splits={n}"
          + (f" widen={way}" if int8 and way != "convert" else "")
          + (f" keys-widen={kway}" if keys is not None and int8 else "")
          + (" prefetch" if prefetch else ""))
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     rot, pieces = head_pieces(hd, None if keys is None else keys.inv_freq)
     ins = {"layer": jnp.reshape(layer, (1,)).astype(jnp.int32), "pos": pos.astype(jnp.int32),
-           "q": q.reshape(B, K, G, hd), "k": cache.k, "v": cache.v,
-           "k_scale": cache.k_scale, "v_scale": cache.v_scale, "slot_pos": cache.slot_pos}
+           "table": table.astype(jnp.int32), "q": q.reshape(B, K, G, hd)}
+    ins.update({name: pages.flat(a) for name, a in pool.items() if a is not None})
     if keys is not None:
         inv_freq = np.asarray(keys.inv_freq, np.float32)[:rot]          # the rotated dimensions' only
         ang = np.arange(bs, dtype=np.float32)[:, None] * inv_freq[None, :]
-        ins.update(k=None, k_scale=None, inv_freq=jnp.asarray(inv_freq), norm_w=keys.norm_w,
+        ins.update(inv_freq=jnp.asarray(inv_freq), norm_w=keys.norm_w,
                    rope_j=jnp.asarray(np.stack([np.cos(ang), np.sin(ang)]), jnp.float32))
+        ins.pop("k", None)
+        ins.pop("k_scale", None)
     ins = {k: v for k, v in ins.items() if v is not None}
-    kernel = functools.partial(_kernel, names=tuple(ins), G=G, hd=hd, S=S, bs=bs, chunk=chunk, scale=scale,
+    kernel = functools.partial(_kernel, names=tuple(ins), G=G, hd=hd, P=P, M=M, bs=bs, chunk=chunk, scale=scale,
                                softcap=softcap, window=window, precision=precision,
                                keys=None if keys is None else (keys.eps, keys.offset, keys.norm_w is not None),
                                way=way, kway=kway, pieces=pieces, prefetch=prefetch)

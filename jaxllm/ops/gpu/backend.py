@@ -65,7 +65,7 @@ class PallasOps(XlaOps):
 
     # --- weights
     def kv_dtype(self, dtype):
-        """The kernels read and write caches of the compute dtype itself."""
+        """The kernels read and write pools of the compute dtype itself."""
         return dtype
 
     def prepare_weights(self, weights: dict, donate: bool = False) -> dict:
@@ -184,17 +184,10 @@ class PallasOps(XlaOps):
         prep = dataclasses.replace(prep, q_norm=layer_of(prep.q_norm), k_norm=layer_of(prep.k_norm))
         return super().head_prologue(q, k_, v, prep, positions, layer_cache)
 
-    def cache_attention(self, q, layer_kv, positions, *, scale, softcap, window):
+    def paged_attention(self, q, layer_kv, positions, *, scale, softcap, window, keys=None):
         with self._scope():
-            return k.cached_attention(q, layer_kv, positions, scale=scale, softcap=softcap, window=window)
-
-    def stacked_attention(self, q, arrays: dict, idx, positions, *, scale, softcap, window, keys=None):
-        with self._scope():
-            return k.stacked_attention(q, arrays, idx, positions, scale=scale, softcap=softcap, window=window,
-                                       keys=keys)
-
-    def reads_in_place(self, tokens_per_row: int, rows) -> bool:
-        return tokens_per_row == 1 and rows is None
+            return k.paged_attention(q, layer_kv, positions, scale=scale, softcap=softcap, window=window,
+                                     keys=keys)
 
     def output_head(self, h, table, tied: bool):
         with self._scope():

@@ -1,11 +1,12 @@
 """The model-facing side of the kernels: take the model's own operands (a `Stacked` weight of any
-rank, a layer's view of the stacked KV cache), decide whether a kernel takes them, and reshape in
+rank, a layer's view of a paged KV pool), decide whether a kernel takes them, and reshape in
 and out. Each function returns None where the XLA path should run instead.
 
 On a tensor-parallel mesh (`kernels.use_layout`) a kernel runs per device inside `shard_map`, on the
 shards the layout's rules give each operand: column-parallel weights (Q, K, V, gate, up) produce
 their output sharded like their output axis; row-parallel ones (O, down) contract a sharded axis
-and sum the partial products over the "model" axis; attention runs on each device's heads.
+and sum the partial products over the "model" axis; attention runs on each device's heads, over
+its KV heads of the pools (whose blocks every device holds) through the rows' block tables.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.config.axes import cache_leaf_axes
 from jaxllm.ops.gpu import current_layout, note
-from jaxllm.ops.gpu.attention import Cache, decode_attention
+from jaxllm.ops.gpu.attention import decode_attention
 from jaxllm.ops.gpu.matmul import RowNorm, stack_dims, stacked_gated, stacked_matmuls
 from jaxllm.ops.gpu.norm import residual_norm
 from jaxllm.ops.gpu.prefill import prefill_attention
@@ -208,75 +209,41 @@ def gated(x, gate, up, act):
     return _local(body, layout, in_specs, outs[0])(*args)
 
 
-
-
-def cached_attention(q, layer_kv, positions, *, scale, softcap, window):
-    """Attention of q [B, T, H, hd] over a layer of the stacked linear cache: the decode kernel for
-    one query token per row of every cache row, the prefill kernel for more (of any cache rows).
-    None where XLA should run it."""
-    if q.shape[1] > 1:
-        return stacked_prefill(q, dict(layer_kv.stack), layer_kv.idx, positions, layer_kv.rows, scale=scale,
-                               softcap=softcap, window=window)
-    if layer_kv.rows is not None:
-        return None
-    return stacked_attention(q, dict(layer_kv.stack), layer_kv.idx, positions, scale=scale,
-                             softcap=softcap, window=window)
-
-
-def stacked_prefill(q, stacks: dict, idx, positions, rows, *, scale, softcap, window):
-    """Prefill attention of q [B, T, H, hd] at positions [B, T] over layer idx of a linear cache's
-    stacks {"k", "v"}, cache row rows[b] for batch row b (b where rows is None), read in place
-    (`prefill.prefill_attention`). None where XLA should run it."""
+def paged_attention(q, layer_kv, positions, *, scale, softcap, window, keys=None):
+    """Attention of q [B, T, H, hd] at positions [B, T] over a layer of a paged pool
+    (`kv.paged.LayerKV`), read in place through the rows' block table: the decode kernel for one
+    query token a row, the prefill kernel for more (a prompt's chunk, a speculative verify). None
+    where XLA should run it: more than one token a row over keys rebuilt from values, or query
+    and KV heads split differently over the devices."""
     B, T, H, hd = q.shape
-    k, v = stacks["k"], stacks["v"]
-    rows = jax.numpy.arange(B, dtype=jax.numpy.int32) if rows is None else rows
-
-    def run(q, idx, pos, rows, k, v):
-        return prefill_attention(q, {"k": k, "v": v}, idx, pos, rows=rows, scale=scale, softcap=softcap,
-                                 window=window)
-    layout = current_layout()
-    if layout is None or layout.mesh.size == 1:
-        return run(q, idx, positions, rows, k, v)
-    qspec = layout.spec(q.shape, ("batch", "seq", "q_heads", "head_dim"))
-    kvspec = layout.spec(v.shape, cache_leaf_axes(v.ndim))
+    arrays = layer_kv.arrays()
+    v = arrays["v"]
     K = v.shape[3]
-    if not _kv_split_ok(qspec[2], kvspec[3], K, "prefill attention", (B, T, H, K, str(v.dtype))):
-        return None
-    if qspec[0] is not None or kvspec[1] is not None:
-        note("prefill attention", (B, T, H, K, str(v.dtype)), "xla (rows split over devices)")
-        return None
-    pspec = layout.spec(positions.shape, ("batch", "seq"))
-    return _local(run, layout, (qspec, P(), pspec, P(), kvspec, kvspec), qspec)(q, idx, positions, rows, k, v)
-
-
-def stacked_attention(q, arrays: dict, idx, positions, *, scale, softcap, window, keys=None):
-    """Decode attention of q [B, 1, H, hd] over layer idx of a kind's stacked cache, given as its
-    arrays (k, v, and where the cache has them k_scale, v_scale, slot_pos; see `attention.Cache`),
-    in place. None where XLA should run it (no kernels, or more than one query per row)."""
-    B, T, H, hd = q.shape
-    if T != 1:
-        return None
-    arrays = {k: v for k, v in arrays.items() if v is not None}
-    norm_w = None if keys is None else keys.norm_w
-    K = arrays["v"].shape[3]
-
-    def run(q, idx, pos, norm_w, **arrs):
-        ks = None if keys is None else dataclasses.replace(keys, norm_w=norm_w)
-        return decode_attention(q, Cache(**{"k": None, **arrs}, keys=ks), idx, pos, scale=scale,
-                                softcap=softcap, window=window)
-    layout = current_layout()
-    if layout is None or layout.mesh.size == 1:
-        return run(q[:, 0], idx, positions[:, 0], norm_w, **arrays)[:, None]
-    qspec = layout.spec(q[:, 0].shape, ("batch", "q_heads", "head_dim"))
-    specs = {k: layout.spec(a.shape, cache_leaf_axes(a.ndim)) for k, a in arrays.items()}
-    if not _kv_split_ok(qspec[1], specs["v"][3], K, "decode attention", (B, H, K, str(arrays["v"].dtype))):
+    decode = T == 1
+    what = "decode attention" if decode else "prefill attention"
+    desc = (B, T, H, K, str(v.dtype))
+    if not decode and keys is not None:
+        note(what, desc, "xla (keys rebuilt from values)")
         return None
     names = tuple(arrays)
 
-    def body(q, idx, pos, norm_w, *arrs):
-        return run(q, idx, pos, norm_w, **dict(zip(names, arrs)))
-    fn = _local(body, layout, (qspec, P(), P(), P()) + tuple(specs[k] for k in names), qspec)
-    return fn(q[:, 0], idx, positions[:, 0], norm_w, *arrays.values())[:, None]
+    def run(q, idx, pos, table, norm_w, *arrs):
+        pool = dict(zip(names, arrs))
+        if not decode:
+            return prefill_attention(q, pool, idx, table, pos, scale=scale, softcap=softcap, window=window)
+        ks = None if keys is None else dataclasses.replace(keys, norm_w=norm_w)
+        return decode_attention(q[:, 0], pool, idx, table, pos[:, 0], scale=scale, softcap=softcap,
+                                window=window, keys=ks)[:, None]
+    args = (q, layer_kv.idx, positions, layer_kv.table, None if keys is None else keys.norm_w) + tuple(arrays.values())
+    layout = current_layout()
+    if layout is None or layout.mesh.size == 1:
+        return run(*args)
+    qspec = layout.spec(q.shape, ("batch", "seq", "q_heads", "head_dim"))
+    specs = tuple(layout.spec(a.shape, cache_leaf_axes(a.ndim)) for a in arrays.values())
+    if not _kv_split_ok(qspec[2], specs[names.index("v")][3], K, what, desc):
+        return None
+    rows = P(qspec[0], None)             # positions and block tables follow the batch rows
+    return _local(run, layout, (qspec, P(), rows, rows, P()) + specs, qspec)(*args)
 
 
 def _kv_split_ok(q_heads_spec, kv_spec, K: int, what: str, desc: tuple) -> bool:
@@ -290,9 +257,10 @@ def _kv_split_ok(q_heads_spec, kv_spec, K: int, what: str, desc: tuple) -> bool:
 
 
 def prologue(q, k, v, prep: HeadPrep, positions, layer_cache):
-    """Rotated queries [B, 1, H, hd] and `layer_cache` with this step's K/V written, from raw
-    projections of one token per row (k, v None: queries alone, for a layer reading another's
-    cache), by `prologue.decode_prologue`. None where XLA should do it."""
+    """Rotated queries [B, 1, H, hd] and `layer_cache` (`kv.paged.LayerKV`) with this step's K/V
+    written into its blocks, from raw projections of one token per row (k, v None: queries alone,
+    for a layer reading another's cache), by `prologue.decode_prologue`. None where XLA should do
+    it."""
     layout = current_layout()
     parts = [y for y in (q, k, v) if isinstance(y, Partials)]
     if parts and (len(parts) != len([y for y in (q, k, v) if y is not None])
@@ -301,18 +269,15 @@ def prologue(q, k, v, prep: HeadPrep, positions, layer_cache):
     B, T, H, hd = q.shape if not parts else q.parts.shape[1:]
     if T != 1 or hd % 2:
         return None
-    if k is not None and (getattr(layer_cache, "rows", None) is not None or not hasattr(layer_cache, "kernel_stacks")):
-        return None                   # a forward over some of the cache rows: written by XLA
-    stacks, slots = layer_cache.kernel_stacks() if k is not None else ({}, "drop")
-    stacks = {n: a for n, a in stacks.items() if a is not None}
-    idx = layer_cache.idx if k is not None else 0
+    pool = layer_cache.arrays() if k is not None else {}
+    idx, table = (layer_cache.idx, layer_cache.table) if k is not None else (0, None)
     norms = [n for n in (prep.q_norm, prep.k_norm) if n is not None]
     widx = next((n.idx for n in norms if isinstance(n, Stacked)), 0)
     if len({isinstance(n, Stacked) for n in norms}) > 1:
         note("decode prologue", (B, H, hd), "xla (head norms not all in their layer stacks)")
         return None
     qn, kn = (n.stack if isinstance(n, Stacked) else n for n in (prep.q_norm, prep.k_norm))
-    names = tuple(stacks)
+    names = tuple(pool)
 
     split = None
     if parts:                       # K-split projections, summed in the kernel
@@ -323,28 +288,32 @@ def prologue(q, k, v, prep: HeadPrep, positions, layer_cache):
     else:
         q, k, v = (None if y is None else y[:, 0] for y in (q, k, v))
 
-    def run(q, k, v, pos, idx, widx, qn, kn, *arrs):
+    def run(q, k, v, pos, idx, table, widx, qn, kn, *arrs):
         p = dataclasses.replace(prep, q_norm=qn, k_norm=kn, norm_layer=widx)
-        qo, out = decode_prologue(q, k, v, p, pos, dict(zip(names, arrs)), idx, slots=slots, split=split)
+        qo, out = decode_prologue(q, k, v, p, pos, dict(zip(names, arrs)), idx, table, split=split)
         return (qo[:, None],) + tuple(out[n] for n in names)
 
-    args = (q, k, v, positions[:, 0], idx, widx, qn, kn) + tuple(stacks.values())
+    args = (q, k, v, positions[:, 0], idx, table, widx, qn, kn) + tuple(pool.values())
     if layout is None or layout.mesh.size == 1:
         got = run(*args)
     else:
         qspec = layout.spec(q.shape, ("batch", "q_heads", "head_dim"))
-        specs = [layout.spec(a.shape, cache_leaf_axes(a.ndim)) for a in stacks.values()]
+        specs = [layout.spec(a.shape, cache_leaf_axes(a.ndim)) for a in pool.values()]
         if k is not None:
-            K = stacks["v"].shape[3]
+            if qspec[0] is not None:      # each device would write its rows' blocks into its copy alone
+                note("decode prologue", (B, H, hd), "xla (rows split over devices, the pool's blocks not)")
+                return None
+            K = pool["v"].shape[3]
             kvspec = layout.spec(k.shape, ("batch", "kv_heads", "head_dim"))
             if not _kv_split_ok(qspec[1], kvspec[1], K, "decode prologue", (B, H, K, hd)):
                 return None
         else:
             kvspec = P()
-        fn = _local(run, layout, (qspec, kvspec, kvspec, P(), P(), P(), P(), P()) + tuple(specs),
+        rows = P(qspec[0])               # positions and block tables follow the batch rows
+        fn = _local(run, layout, (qspec, kvspec, kvspec, rows, P(), P(*rows, None), P(), P(), P()) + tuple(specs),
                     (P(qspec[0], None, *qspec[1:]),) + tuple(specs))
         got = fn(*args)
-    new = layer_cache.with_stacks(dict(zip(names, got[1:]))) if k is not None else layer_cache
+    new = layer_cache.with_arrays(dict(zip(names, got[1:]))) if k is not None else layer_cache
     return got[0], new
 
 

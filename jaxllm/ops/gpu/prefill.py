@@ -1,21 +1,18 @@
-"""Prefill attention: many query tokens per row over one layer of the stacked linear KV cache, in one
-pass with an online softmax, so the scores are never written to memory.
+"""Prefill attention: many query tokens a row over one layer of a paged KV pool, in one kernel.
 
-XLA's formulation (`layers.attend`) forms every head's float32 scores against the whole cache
-length, masks them, and reads them back for the softmax and again for the values: for a 2048-token
-prompt of Qwen3-4B that is 0.5 GB a layer written and read several times, and a longer prompt (or
-a longer cache) grows it with the square. Here a program takes one (row, query head, block of
-queries): it loads the block's queries once, streams the K/V blocks they can see through an
-online softmax in float32, and writes the normalised output.
+A program takes one (row, query head, block of queries): it loads its queries once and streams the
+K/V tiles any of them can see (from the first position of the earliest query's window to the
+latest query's position) through an online softmax, reading the pool in place through the row's
+block table (`pages`: a tile of `bk` positions gathered from the pages that hold it). Scores are
+masked by logical position, causal and within the window, per query; a padding query (a negative
+position) sees nothing and gives zeros. int8 pools fold their scales into the scores and the
+probabilities, as the decode kernel does.
 
-Slot s of a linear cache holds position s, so a block visits only the K/V blocks between its first
-query's window start and its last query's position: the causal upper triangle, the slots past the
-prompt and, for sliding layers, those before the window are not read. Masks come from the query
-positions, so any positions work (a prompt continued at an offset, right-padded rows). The
-programs of the query blocks that see the most keys are started first.
+The same kernel serves a prompt's chunks (the XLA path materializes [B, H, T, S] scores, or loops
+over the pool's blocks a read at a time) and a speculative verify's few tokens a row.
 
-    prefill_attention(q [B, T, H, hd], stacks {k, v: [L, R, S, K, hd]}, layer, positions [B, T],
-                      rows=, scale=, softcap=, window=) -> [B, T, H, hd]
+    prefill_attention(q [B, T, H, hd], pool {"k", "v"[, "k_scale", "v_scale"]}, layer, table [B, M],
+                      positions [B, T]) -> [B, T, H, hd]
 """
 from __future__ import annotations
 
@@ -27,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxllm.ops.gpu import note, pallas_call
+from jaxllm.ops.gpu import note, pages, pallas_call
 from jaxllm.ops.gpu.matmul import _pow2
 
 NEG = -1e30
@@ -36,7 +33,7 @@ NEG = -1e30
 @dataclass(frozen=True)
 class Blocks:
     bq: int           # queries a program
-    bk: int           # keys a step
+    bk: int           # keys a step (a power of two; any page size)
     warps: int
     stages: int = 2
 
@@ -63,40 +60,47 @@ def choose_blocks(hd: int, T: int) -> Blocks:
     return Blocks(bq=max(16, min(b.bq, _pow2(T))), bk=b.bk, warps=b.warps, stages=b.stages)
 
 
-def _kernel(layer_ref, pos_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, *, G, T, S, R, hd, blk: Blocks, n_q,
-            scale, softcap, window, precision):
+def _kernel(*refs, names, G, T, P, M, hd, blk: Blocks, n_q, scale, softcap, window, precision):
+    r = dict(zip(names, refs))
+    o_ref = refs[len(names)]
     b, h = pl.program_id(0), pl.program_id(1)
-    row = jnp.clip(rows_ref[b], 0, R - 1)      # the cache row this batch row reads
     i = n_q - 1 - pl.program_id(2)            # the blocks that see the most keys first
     bq, bk = blk.bq, blk.bk
     hdp = _pow2(max(hd, 16))
-    layer, kvh = layer_ref[0], h // G
+    layer, kvh = r["layer"][0], h // G
     rows = i * bq + jnp.arange(bq)
     rmask = rows < T
     dmask = jnp.arange(hdp) < hd
-    qp = plgpu.load(pos_ref.at[b, pl.ds(i * bq, bq)], mask=rmask, other=-1)
-    q = plgpu.load(q_ref.at[b, pl.ds(i * bq, bq), h, pl.ds(0, hdp)], mask=rmask[:, None] & dmask[None, :],
+    cols = jnp.arange(hdp)[None, :]
+    qp = plgpu.load(r["pos"].at[b, pl.ds(i * bq, bq)], mask=rmask, other=-1)
+    q = plgpu.load(r["q"].at[b, pl.ds(i * bq, bq), h, pl.ds(0, hdp)], mask=rmask[:, None] & dmask[None, :],
                    other=0.0)
     dt = q.dtype
-    # the K/V blocks any of this block's queries can see
-    hi = jnp.minimum(pl.cdiv(jnp.max(qp) + 1, bk), pl.cdiv(S, bk))
-    lo = jnp.int32(0)
+    # the positions any of this block's queries can see, [first, last], and their tiles
+    last = jnp.max(qp)
+    hi = pl.cdiv(last + 1, bk)
+    first = jnp.int32(0)
     if window is not None:
-        first = jnp.min(jnp.where(qp >= 0, qp, jnp.iinfo(jnp.int32).max))
-        lo = jnp.minimum(jnp.maximum(first - window + 1, 0) // bk, hi)
+        first = jnp.maximum(jnp.min(jnp.where(qp >= 0, qp, jnp.iinfo(jnp.int32).max)) - window + 1, 0)
+    lo = jnp.minimum(first // bk, jnp.maximum(hi, 0))
+    int8 = "k_scale" in r
 
-    def step(t, carry):
+    def step(t, blocks, carry):
         acc, m, l = carry
         si = t * bk + jnp.arange(bk)
-        smask = si < S
-        kvmask = smask[:, None] & dmask[None, :]
-        kb = plgpu.load(k_ref.at[layer, row, pl.ds(t * bk, bk), kvh, pl.ds(0, hdp)], mask=kvmask, other=0.0)
-        vb = plgpu.load(v_ref.at[layer, row, pl.ds(t * bk, bk), kvh, pl.ds(0, hdp)], mask=kvmask, other=0.0)
+        seen = (si >= first) & (si <= last)              # no query of the block sees the others
+        at = pages.tile_rows(blocks, t, bs=bk, P=P)
+        kvmask = seen[:, None] & dmask[None, :]
+        kb = plgpu.load(r["k"].at[layer, at[:, None], kvh, cols], mask=kvmask, other=0)
+        vb = plgpu.load(r["v"].at[layer, at[:, None], kvh, cols], mask=kvmask, other=0)
         s = jax.lax.dot_general(q, kb.astype(dt), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                                precision=precision) * scale
+                                precision=precision)
+        if int8:
+            s = s * plgpu.load(r["k_scale"].at[layer, at, kvh], mask=seen, other=0.0)[None, :]
+        s = s * scale
         if softcap is not None:
             s = jnp.tanh(s / softcap) * softcap
-        valid = smask[None, :] & (si[None, :] <= qp[:, None])
+        valid = seen[None, :] & (si[None, :] <= qp[:, None])
         if window is not None:
             valid &= si[None, :] > qp[:, None] - window
         s = jnp.where(valid, s, NEG)
@@ -104,34 +108,40 @@ def _kernel(layer_ref, pos_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, *, G, T, S
         corr = jnp.exp(m - m_new)
         p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)
         l = l * corr + jnp.sum(p, axis=1)
+        if int8:                                          # V's scales folded into the probabilities
+            p = p * plgpu.load(r["v_scale"].at[layer, at, kvh], mask=seen, other=0.0)[None, :]
         acc = acc * corr[:, None] + jax.lax.dot_general(
             p.astype(dt), vb.astype(dt), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
             precision=precision)
         return acc, m_new, l
 
     init = (jnp.zeros((bq, hdp), jnp.float32), jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32))
-    acc, _, l = jax.lax.fori_loop(lo, hi, step, init)
+    ids = functools.partial(pages.tile_pages, r["table"], b, bs=bk, P=P, M=M)
+    acc, _, l = pages.fori(lo, jnp.maximum(hi, lo), ids, 2, step, init)
     out = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)   # 0: no key to read
     plgpu.store(o_ref.at[b, pl.ds(i * bq, bq), h, pl.ds(0, hdp)], out.astype(o_ref.dtype),
                 mask=rmask[:, None] & dmask[None, :])
 
 
-def prefill_attention(q, stacks: dict, layer, positions, *, rows=None, scale: float, softcap=None, window=None,
+def prefill_attention(q, pool: dict, layer, table, positions, *, scale: float, softcap=None, window=None,
                       blocks: Blocks | None = None):
-    """q [B, T, H, hd] at `positions` [B, T] over layer `layer` of a linear cache's stacks {"k", "v":
-    [L, R, S, K, hd]}, cache row rows[b] for batch row b (b where None), read in place ->
-    [B, T, H, hd] in q's dtype."""
+    """q [B, T, H, hd] at `positions` [B, T] over layer `layer` of a kind's pool, `pool` its arrays
+    (k, v [L, N, P, K, hd]; k_scale, v_scale [L, N, P, K] where int8), through the rows' block
+    table table [B, M], read in place -> [B, T, H, hd] in q's dtype."""
     B, T, H, hd = q.shape
-    k, v = stacks["k"], stacks["v"]
-    R, S, K = v.shape[1], v.shape[2], v.shape[3]
-    rows = jnp.arange(B, dtype=jnp.int32) if rows is None else rows
+    _, _, P, K, _ = pool["v"].shape
+    M = table.shape[1]
     blk = blocks or choose_blocks(hd, T)
+    if blk.bk & (blk.bk - 1):
+        raise ValueError(f"a step of keys must be a power of two, got {blk.bk}")
     n_q = pl.cdiv(T, blk.bq)
-    note("prefill attention", (B, T, H, K, S, hd, str(v.dtype)), blk.label())
+    note("prefill attention", (B, T, H, K, M * P, hd, str(pool["v"].dtype)), blk.label() + f" page={P}")
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    kernel = functools.partial(_kernel, G=H // K, T=T, S=S, R=R, hd=hd, blk=blk, n_q=n_q, scale=scale,
-                               softcap=softcap, window=window, precision=precision)
+    ins = {"layer": jnp.reshape(layer, (1,)).astype(jnp.int32), "pos": positions.astype(jnp.int32),
+           "table": table.astype(jnp.int32), "q": q}
+    ins.update({name: pages.flat(pool[name]) for name in ("k", "v", "k_scale", "v_scale") if name in pool})
+    kernel = functools.partial(_kernel, names=tuple(ins), G=H // K, T=T, P=P, M=M, hd=hd, blk=blk, n_q=n_q,
+                               scale=scale, softcap=softcap, window=window, precision=precision)
     return pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(B, H, n_q),
                        compiler_params=plgpu.CompilerParams(num_warps=blk.warps, num_stages=blk.stages),
-                       name="prefill_attention")(
-        jnp.reshape(layer, (1,)).astype(jnp.int32), positions.astype(jnp.int32), rows.astype(jnp.int32), q, k, v)
+                       name="prefill_attention")(*ins.values())
