@@ -80,6 +80,8 @@ class Job:
     cached: int | None = None               # prompt tokens its first admission found in the prefix cache
     admitted: int = 0                       # when it took its slot (an order: the newest are preempted first)
     start_at: int = 0                       # where its prefill starts: past the cached prefix it took
+    sent: bool = False                      # its prefill's first piece was launched
+    hashes: list = field(default_factory=list)    # its prompt's full blocks' chained hashes (`blocks.block_hashes`)
     held: list = field(default_factory=list)         # tokens read back, their text not out yet
     held_lp: list = field(default_factory=list)      # their host LogProbs pieces
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from jaxllm.engine.blocks import Hit
+from jaxllm.engine.blocks import Hit, block_hashes
 from jaxllm.engine.jobs import Job
 
 log = logging.getLogger("jaxllm.engine")
@@ -68,19 +68,56 @@ class Memory:
 
     def _seat(self, job: Job, slot: int, hit: Hit | None):
         """`job` takes `slot`, holding the blocks of its cached prefix (its other answers fork it)."""
-        job.slot, job.started, job.launched = slot, False, 0
-        job.prefilled = job.start_at = 0 if hit is None else hit.tokens
+        job.slot, job.started, job.launched, job.sent = slot, False, 0, False
         self.admissions += 1
         job.admitted = self.admissions
-        self.core.blocks.admit(slot, hit)
-        if hit is not None and hit.tokens and self.engine.spec is not None:      # n-gram drafts read it all
-            with self._device_call("history"):
-                self.core.seed_history(slot, job.prompt)
+        self._take_prefix(job, hit)
         if hit is not None:
-            if job.cached is None:       # what its answer reports: the first admission's hit
-                job.cached = hit.tokens
-                self.core.blocks.count_lookup(len(job.prompt), hit.tokens)
-                self.observer.prefix(len(job.prompt), hit.tokens)
+            b = self.core.blocks
+            job.hashes = block_hashes(job.prompt, b.block_size, len(job.prompt) // b.block_size)
+
+    def _take_prefix(self, job: Job, hit: Hit | None):
+        b = self.core.blocks
+        if b.seqs[job.slot] is not None:
+            b.release(job.slot)
+        b.admit(job.slot, hit)
+        job.prefilled = job.start_at = 0 if hit is None else hit.tokens
+        if job.start_at and self.engine.spec is not None:      # n-gram drafts read the whole prompt
+            with self._device_call("history"):
+                self.core.seed_history(job.slot, job.prompt)
+
+    def _held_back(self) -> set:
+        """Prompts that have sent nothing and whose next block an earlier prompt waiting for its
+        prefill will compute (the same tokens, and the same before them): they wait for it, then
+        take it from the prefix cache (`_refresh`), so a burst of requests with one system prompt
+        computes it once."""
+        P = self.core.blocks.block_size
+        pending, held = {}, set()
+        for job in self.prefilling:
+            if not job.sent:
+                b = job.start_at // P
+                if b < len(job.hashes) and (b + 1) * P <= self._reusable(job) and \
+                        pending.get(job.hashes[b], job) is not job:
+                    held.add(job)
+                    continue
+            for h in job.hashes[job.prefilled // P:]:
+                pending.setdefault(h, job)
+        return held
+
+    def _refresh(self, job: Job):
+        """A prompt about to send its first piece takes the longest cached prefix there is now:
+        other prompts' blocks may have joined the cache since it took its slot. Its lookup counts
+        then (what its answer reports as cached)."""
+        b = self.core.blocks
+        if b.prefix_caching:
+            hit = b.lookup(job.prompt[:self._reusable(job) + 1])
+            if hit.tokens > job.start_at:
+                self._take_prefix(job, hit)
+        job.sent = True
+        if job.cached is None:
+            job.cached = job.start_at
+            b.count_lookup(len(job.prompt), job.start_at)
+            self.observer.prefix(len(job.prompt), job.start_at)
 
     # -- blocks for a call ---------------------------------------------------------------------------
     def _take_blocks(self, job: Job, lo: int, hi: int) -> bool:
@@ -173,7 +210,7 @@ class Memory:
         self._requeue(job)
 
     def _requeue(self, job: Job):
-        job.slot, job.prefilled, job.started, job.launched = -1, 0, False, 0
+        job.slot, job.prefilled, job.started, job.launched, job.sent = -1, 0, False, 0, False
         with self.cond:
             self.waiting.appendleft(job)
             self.cond.notify()

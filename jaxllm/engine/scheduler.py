@@ -433,15 +433,18 @@ class Scheduler(Results, Warmup, Memory):
                 self.cond.wait(1.0)
 
     def _launch_prefill(self):
-        for job in list(self.prefilling):         # blocks for each prompt's next piece at most
+        held = self._held_back()
+        for job in [j for j in self.prefilling if j not in held]:
+            if not job.sent:
+                self._refresh(job)
             hi = job.prefilled + min(len(job.prompt) - job.prefilled, self.shapes.max_piece)
-            if not self._take_blocks(job, job.prefilled, hi):
+            if not self._take_blocks(job, job.prefilled, hi):       # blocks for its next piece at most
                 self._unseat(job)
-        if not self.prefilling:
+        ready = [j for j in self.prefilling if j not in held]
+        if not ready:
             return
-        P, C, lengths = self.shapes.choose([len(j.prompt) - j.prefilled for j in self.prefilling],
-                                           self._prefill_shapes())
-        jobs = self.prefilling[:len(lengths)]
+        P, C, lengths = self.shapes.choose([len(j.prompt) - j.prefilled for j in ready], self._prefill_shapes())
+        jobs = ready[:len(lengths)]
         B = self.core.num_slots
         tokens = np.full((P, C), self.engine.cfg.pad_id, np.int32)
         start, length, rows = np.zeros(P, np.int32), np.zeros(P, np.int32), np.full(P, B, np.int32)

@@ -70,6 +70,7 @@ class Level:
     prompt_tokens: int = 0
     cached_tokens: int = 0             # of them, served by the prefix cache (the answers' usage)
     hit_rate: float | None = None
+    preemptions: int = 0               # running requests the server preempted for KV blocks (from /metrics)
     turns: list | None = None          # --turns: per turn, {"ttft_ms", "hit_rate", "prompt_tokens"}
 
 
@@ -280,18 +281,22 @@ async def one_request(conn: Connection, ids: list[int], max_tokens: int, logprob
 
 
 THREAD_METRIC, CALLS_METRIC = "jaxllm:scheduler_thread_seconds", "jaxllm:scheduler_calls"
+PREEMPTIONS = "jaxllm:num_preemptions"
 SPEC_METRICS = {"jaxllm:spec_decode_num_drafts": "cycles", "jaxllm:spec_decode_num_draft_tokens": "drafted",
                 "jaxllm:spec_decode_num_accepted_tokens": "accepted"}
 
 
 def server_counts(url: str) -> tuple[dict | None, dict]:
     """The server's speculation counters (verify cycles, drafted, accepted; None where it does not
-    speculate) and its scheduler threads' seconds by (thread, part)."""
+    speculate) and its scheduler threads' seconds by (thread, part), with its preemptions so far
+    under ("preemptions", "")."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
     spec, threads = {}, {}
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
-        if fam.name in SPEC_METRICS:
+        if fam.name == PREEMPTIONS:
+            threads["preemptions", ""] = sum(s.value for s in fam.samples if s.name.endswith("_total"))
+        elif fam.name in SPEC_METRICS:
             spec[SPEC_METRICS[fam.name]] = sum(s.value for s in fam.samples if s.name.endswith("_total"))
         elif fam.name == THREAD_METRIC:
             for s in fam.samples:
@@ -309,6 +314,8 @@ def thread_shares(before: dict, after: dict, wall: float) -> dict:
     engine thread's time outside every counted part is its "other" (its own scheduling)."""
     out: dict = {}
     for (thread, part), v in after.items():
+        if thread == "preemptions":
+            continue
         d = v - before.get((thread, part), 0.0)
         out.setdefault(thread, {})[part] = int(d) if thread == "calls" else round(d / wall, 4)
     if "engine" in out:
@@ -429,6 +436,7 @@ async def run_level(url: str, c: int, a, load: Load, rng) -> tuple[Level, list]:
     if before is not None:
         lv.speculation = {k: v - before[k] for k, v in spec.items()}
     lv.threads = thread_shares(threads_before, threads, duration) or None
+    lv.preemptions = int(threads.get(("preemptions", ""), 0) - threads_before.get(("preemptions", ""), 0))
     return lv, [None if "error" in r else r["tokens"] for r in results]
 
 
@@ -500,7 +508,7 @@ def table(rep: dict) -> str:
             f"{span(s['output_len'])} new, {s['rounds']} requests a client; fused loop at ctx {s['fused_ctx']}{ready}")
     spec = any(lv.get("speculation") for lv in rep["levels"])
     cols = ["clients", "requests", "tok/s", "fused tok/s", "ratio", "bound", "TTFT p50", "TTFT p99", "TPOT p50",
-            "TPOT p99", "ITL p50", "ITL p99", "cached", "failed"] + (["accepted"] if spec else [])
+            "TPOT p99", "ITL p50", "ITL p99", "cached", "preempted", "failed"] + (["accepted"] if spec else [])
     rows = []
     for lv in rep["levels"]:
         def f(d, k):
@@ -511,11 +519,13 @@ def table(rep: dict) -> str:
                      "-" if lv.get("bound") is None else f"{lv['bound']:.2f}",
                      f(lv["ttft_ms"], "p50"), f(lv["ttft_ms"], "p99"), f(lv["tpot_ms"], "p50"),
                      f(lv["tpot_ms"], "p99"), f(lv["itl_ms"], "p50"), f(lv["itl_ms"], "p99"),
-                     "-" if lv.get("hit_rate") is None else f"{lv['hit_rate']:.0%}", str(lv["failed"])]
+                     "-" if lv.get("hit_rate") is None else f"{lv['hit_rate']:.0%}", str(lv.get("preemptions", 0)),
+                     str(lv["failed"])]
                     + ([spec_summary(lv.get("speculation"))] if spec else []))
     width = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     fmt = lambda r: "  ".join(x.rjust(w) for x, w in zip(r, width))      # noqa: E731
-    lines = [head, fmt(cols) + "   (ms)", *map(fmt, rows)]
+    lines = [head] + ([f"the server's KV pool: {rep['kv_pool']}"] if rep.get("kv_pool") else []) + \
+        [fmt(cols) + "   (ms)", *map(fmt, rows)]
     for lv in rep["levels"]:
         if lv.get("turns"):
             lines.append(f"{lv['concurrency']} clients, turn by turn (TTFT p50 ms, prompt tokens from the cache): "
@@ -573,12 +583,15 @@ def main(argv=None) -> int:
     ctx += (a.turns - 1) * (mean_len(a.prompt_len) + mean_len(a.output_len)) // 2
     ref, ref_rep = ({}, None) if a.url or a.no_reference else fused_reference(a, ctx)
     server = None
-    ready = compiled = None
+    ready = compiled = pool = None
     if not a.url:
         server = Server(server_args(a), out.with_suffix(".server.log"))
         ready = server.wait_ready()
         compiled = server.wait_compiled()
         print(f"server ready in {ready:.1f} s, every shape compiled in {compiled:.1f} s", file=sys.stderr)
+        server.log.flush()
+        pool = next((line.split("KV pool: ", 1)[1].strip() for line in open(server.log.name) if "KV pool: " in line),
+                    None)
     url = a.url or server.url
     rng = np.random.default_rng(a.seed)
     levels = []
@@ -607,7 +620,7 @@ def main(argv=None) -> int:
     rep = {"subject": a.shape or a.model_dir or a.url or "the embedded model",
            "date": datetime.datetime.now(datetime.timezone.utc)
            .isoformat(timespec="seconds"), "git_commit": git_commit(), "ready_s": ready,
-           "compiled_s": compiled,
+           "compiled_s": compiled, "kv_pool": pool,
            "settings": {k: getattr(a, k) for k in ("prompt_len", "output_len", "rounds", "max_num_seqs",
                                                    "max_model_len", "max_num_batched_tokens", "decode_steps",
                                                    "tp", "quant", "kv_quant", "concurrency", "speculative",

@@ -166,6 +166,31 @@ def test_long_prompt_runs_one_chunk_between_tokens(engine):
     assert text == want.text
 
 
+def test_a_burst_with_one_prefix_computes_it_once(engine):
+    """Eight requests that arrive together with one 100-token system prompt: the first prefills it,
+    the others wait for its blocks and take 96 of its tokens from the prefix cache (three blocks of
+    32), prefilling their own 10 tokens and the prefix's last 4; every answer is its own alone."""
+    engine.tokenizer = type("Ids", (), {"decode": lambda self, ids: "".join(f" {i}" for i in ids)})()
+    rng = np.random.default_rng(3)
+    system = rng.integers(3, 150, 100).tolist()
+    clients = [Client(system + rng.integers(3, 150, 10).tolist(), 6, temperature=0) for _ in range(8)]
+    sched = Scheduler(engine, max_num_seqs=8, max_model_len=128, max_queue=8, max_num_batched_tokens=128)
+    for c in clients:
+        sched.submit(c.job)
+    sched.start(warmup=False)
+    try:
+        for c in clients:
+            assert c.done.wait(300)
+    finally:
+        sched.shutdown()
+    sent = sum(n for r in sched.record if r["kind"] == "prefill" for _, _, n in r["pieces"])
+    assert sent == 110 + 7 * 14, sent
+    assert [c.job.cached for c in clients].count(96) == 7
+    for c in clients:
+        text = "".join(e.text for e in c.events if isinstance(e, Delta))
+        assert text == engine.generate_ids([c.job.req.prompt_ids], max_tokens=6)[0].text
+
+
 def test_a_burst_gathers_while_the_device_has_nothing_left_to_run(engine, monkeypatch):
     """Requests that arrive together share one prefill forward: the first prefill waits while they
     keep coming, and while answers whose last tokens are launched are still being read back (slots
