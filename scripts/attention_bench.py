@@ -77,7 +77,7 @@ def main():
     p.add_argument("--cases", default=",".join(CASES), help="comma-separated, of: " + ", ".join(CASES))
     p.add_argument("--shuffle", action="store_true", help="time each case over shuffled blocks as well as "
                    "contiguous ones")
-    p.add_argument("--pages", default="32", help="positions a KV block holds (KVOptions.block_size), comma-separated")
+    p.add_argument("--pages", default="64", help="positions a KV block holds (KVOptions.block_size), comma-separated")
     p.add_argument("--blocks", default="", help="tiles of positions to time besides the default, comma-separated")
     p.add_argument("--warps", default="", help="warps a program to time besides the default, comma-separated")
     p.add_argument("--widen", default="", help="ways of widening int8 K/V to time besides the default "

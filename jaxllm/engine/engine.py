@@ -284,13 +284,13 @@ class Engine:
 
     # -- the core's state on the mesh -----------------------------------------------------------
     def core(self, num_slots: int, max_len: int, budget: int | None = None, span: int | None = None,
-             prefix_caching: bool = False) -> EngineCore:
+             prefix_caching: bool = False, steady: int | None = None) -> EngineCore:
         """`num_slots` rows of up to `max_len` positions and their slot table, on the mesh: each row
         with blocks of its own for its whole run (a lockstep batch), or (`budget`: bytes) a pool
         of that size from which the host hands rows blocks as they need them (`engine.blocks`;
         `span`: positions a call may write past a row's lowest position: by default as many as
         a prefill forward takes)."""
-        return EngineCore(self, num_slots, max_len, budget, span, prefix_caching)
+        return EngineCore(self, num_slots, max_len, budget, span, prefix_caching, steady)
 
     def kv_specs(self) -> list:
         """The KV pools of the model and of the draft model, as `PoolPlan` takes them."""
@@ -299,11 +299,12 @@ class Engine:
             models.append(kind_specs(self.spec.draft_cfg, self.kv_layout, self.kv_options))
         return models
 
-    def pool_plan(self, rows: int, max_len: int, budget: int | None = None, span: int | None = None) -> PoolPlan:
+    def pool_plan(self, rows: int, max_len: int, budget: int | None = None, span: int | None = None,
+                  steady: int | None = None) -> PoolPlan:
         """The pools for `rows` sequences of up to `max_len` positions: every row its own blocks, or
         as many as `budget` bytes hold; with their bytes on each device of the mesh. `span`: the
         positions a call may write past a row's lowest position (a prefill piece's length; a
-        speculative cycle's tokens at least)."""
+        speculative cycle's tokens at least); `steady`: those a decode call may write past them."""
         o = self.kv_options
         span = max(span or 1, o.spec_tokens + 1)
         itemsize = np.dtype(self.dtype).itemsize
@@ -311,12 +312,13 @@ class Engine:
             plan = PoolPlan.for_rows(self.kv_specs(), self.kv_layout, o.block_size, itemsize, rows, max_len, span)
         else:
             plan = PoolPlan.for_budget(self.kv_specs(), self.kv_layout, o.block_size, itemsize, rows, max_len,
-                                       span, budget)
+                                       span, budget, steady)
         if self.layout.mesh.size == 1:
             return plan
         return dataclasses.replace(plan, per_device=per_device_bytes(self.state_shapes(plan).cache.pools))
 
-    def kv_budget(self, rows: int, max_len: int, span: int, memory, batched_tokens: int) -> int:
+    def kv_budget(self, rows: int, max_len: int, span: int, memory, batched_tokens: int,
+                  steady: int | None = None) -> int:
         """Bytes of a scheduler's KV pool (`memory.KVMemory`): its size where given; where the
         device says what its allocator may use, `utilization` of that less what is in use and room
         for the calls' own buffers (a prefill of `batched_tokens` tokens' activations, the decode
@@ -325,7 +327,7 @@ class Engine:
         if memory.size is not None:
             return int(memory.size)
         stats = device_stats(self.layout.mesh.devices.flat[0]) or {}
-        one = self.pool_plan(rows, max_len, span=span)
+        one = self.pool_plan(rows, max_len, span=span, steady=steady)
         if "bytes_limit" not in stats or memory.every_slot:
             return one.total
         cfg = self.cfg

@@ -26,12 +26,12 @@ class EngineCore:
     cached prefixes)."""
 
     def __init__(self, engine, num_slots: int, max_len: int, budget: int | None = None, span: int | None = None,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, steady: int | None = None):
         self.engine = engine
         self.num_slots, self.max_len = num_slots, max_len
         if span is None:                 # a piece of a prompt at most, as long as a prefill takes
             span = min(max_len, engine.kv_options.prefill_chunk)
-        self.plan = engine.pool_plan(num_slots, max_len, budget, span)
+        self.plan = engine.pool_plan(num_slots, max_len, budget, span, steady)
         self.blocks = None if budget is None else BlockManager(self.plan, num_slots, prefix_caching)
         self.reset()
 

@@ -100,9 +100,9 @@ class Scheduler(Results, Warmup, Memory):
         # positions; the output thread's reading may lag three calls behind the engine thread's.
         span = max(self.shapes.max_piece, 8 * tokens)
         kv_memory = kv_memory or KVMemory()
-        budget = engine.kv_budget(max_num_seqs, max_model_len, span, kv_memory, max_num_batched_tokens)
+        budget = engine.kv_budget(max_num_seqs, max_model_len, span, kv_memory, max_num_batched_tokens, 8 * tokens)
         self.core = engine.core(max_num_seqs, max_model_len, budget=budget, span=span,
-                                prefix_caching=kv_memory.prefix_caching)
+                                prefix_caching=kv_memory.prefix_caching, steady=8 * tokens)
         plan = self.core.plan
         if plan.sequences(max_model_len) < 1:
             raise ModelError(f"the KV pool holds {plan.tokens:,} tokens, fewer than one sequence of --max-model-len "

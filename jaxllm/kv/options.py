@@ -25,7 +25,7 @@ class KVOptions:
     tok/s against 1798 at batch 64 (as fast at batch 1). `spec_tokens`: tokens a speculative cycle
     may write past a row's position."""
     threshold: int = 32768
-    block_size: int = 32
+    block_size: int = 64
     read_block: int = 1024
     prefill_chunk: int = 4096
     int8_rings: bool = False

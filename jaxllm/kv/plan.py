@@ -2,10 +2,10 @@
 when they cannot fit.
 
 A lockstep batch gets exactly its rows' blocks (`PoolPlan.for_rows`). A server's pool is sized from
-a memory budget (`PoolPlan.for_budget`): sliding kinds get room for every slot's window twice over
-(the second for cached prefixes' windows), no more than the global kind has blocks, and global
-kinds the rest, so a pool holds as many tokens of global KV as the budget allows whatever the
-requests' lengths.
+a memory budget (`PoolPlan.for_budget`): sliding kinds get room for every slot's window, twice over
+(the second for cached prefixes' windows) where the rest still holds every slot at its longest,
+and global kinds the rest, so a pool holds as many tokens of global KV as the budget allows
+whatever the requests' lengths.
 """
 from __future__ import annotations
 
@@ -60,27 +60,34 @@ class PoolPlan:
 
     @classmethod
     def for_budget(cls, models, layout: KVLayout, block_size: int, itemsize: int, rows: int, max_len: int,
-                   span: int, budget: int) -> "PoolPlan":
-        """As many blocks as `budget` bytes hold: sliding kinds every row's window twice over (or
-        once) where global kinds keep at least as many blocks, global kinds the rest."""
+                   span: int, budget: int, steady: int | None = None) -> "PoolPlan":
+        """As many blocks as `budget` bytes hold: sliding kinds the windows of the slots, global
+        kinds the rest."""
         widths, windows, block_bytes = cls.kinds(models, block_size, itemsize, max_len, span)
         slid = [n for n, w in windows.items() if w is not None]
         glob = [n for n, w in windows.items() if w is None]
         g_bytes = sum(block_bytes[n] for n in glob)
-        s_bytes = sum(block_bytes[n] for n in slid)
-        blocks = None
-        for times in (2, 1):               # every slot's window twice over, else once
-            want = {n: times * rows * widths[n] + 1 for n in slid}
-            g = (budget - sum(want[n] * block_bytes[n] for n in slid)) // max(g_bytes, 1)
-            if not glob or g >= max(want.values(), default=0):
-                blocks = {**{n: int(g) for n in glob}, **want}
-                break
-        if blocks is None:                 # not room for that: as many sliding blocks as global ones
-            blocks = {n: budget // max(g_bytes + s_bytes, 1) for n in windows}
+        seq_g = -(-max_len // block_size) * g_bytes                          # a sequence's global KV
+        # A decoding sequence's window (and the `steady` positions a call writes past it); a prefill
+        # piece holds up to `span` more of its prompt's positions while it is written.
+        held = {n: table_width(windows[n], block_size, max_len, steady or span) for n in slid}
+        burst = {n: widths[n] - held[n] for n in slid}
+        seq_s = sum(held[n] * block_bytes[n] for n in slid)
+        extra = sum(burst[n] * block_bytes[n] for n in slid)
         if not glob:
-            scale = min(1.0, budget / max(sum(blocks[n] * block_bytes[n] for n in slid), 1))
-            blocks = {n: int(blocks[n] * scale) for n in slid}
-        blocks = {n: max(2, int(c)) for n, c in blocks.items()}
+            n = max(1, (budget - extra) // max(seq_s, 1))
+            blocks = {k: n * held[k] + burst[k] + 1 for k in slid}
+        else:
+            # Sliding kinds: every slot's window twice over where the rest still holds every slot at
+            # its longest, else once where it holds one sequence, else as many windows as there
+            # are sequences the budget holds at their longest. Global kinds: the rest.
+            full = max(1, (budget - extra) // max(seq_g + seq_s, 1))
+            for windows_for in (2 * rows, rows, min(rows, full)):
+                g = (budget - extra - windows_for * seq_s) // max(g_bytes, 1)
+                if g * g_bytes >= seq_g * (rows if windows_for == 2 * rows else 1):
+                    break
+            blocks = {**{k: int(g) for k in glob}, **{k: windows_for * held[k] + burst[k] + 1 for k in slid}}
+        blocks = {k: max(2, int(c)) for k, c in blocks.items()}
         return cls(layout, block_size, rows, max_len, span, blocks, widths, windows, block_bytes)
 
     @property
@@ -93,9 +100,10 @@ class PoolPlan:
         return self.total if self.per_device is None else self.per_device
 
     def blocks_for(self, name: str, length: int) -> int:
-        """Blocks of kind `name` a sequence of `length` positions holds at once."""
+        """Blocks of kind `name` a decoding sequence of `length` positions holds at once."""
         n = -(-length // self.block_size)
-        return n if self.windows[name] is None else min(n, self.widths[name])
+        w = self.windows[name]
+        return n if w is None else min(n, table_width(w, self.block_size, length, 1))
 
     @property
     def tokens(self) -> int:

@@ -2,9 +2,10 @@
 residual add and norm, the decode prologue, attention over a cache, the output head, the
 embedding), behind one interface chosen once at the edge.
 
-`XlaOps` (ops/xla.py) is the reference and the TPU/CPU path. `ops.gpu` holds the Pallas kernels
-for GPUs with their own weight layout, wrapper types, tile tables and the Triton-lowering patch; it
-is imported only when `select` chooses it, so a CPU or TPU process never loads Pallas.
+`XlaOps` (ops/xla.py) is the reference and the CPU path. `ops.gpu` holds the Pallas kernels for
+GPUs with their own weight layout, wrapper types, tile tables and the Triton-lowering patch;
+`ops.tpu` the Pallas (Mosaic) kernels for TPUs, over XLA's operations elsewhere. Each is imported
+only when `select` chooses it, so a process loads Pallas only for the backend it runs.
 """
 from __future__ import annotations
 
@@ -19,21 +20,32 @@ __all__ = ["HeadPrep", "KeysFromValues", "XlaOps", "memory_limit", "select", "us
 log = logging.getLogger("jaxllm.ops")
 
 
+def _platform(layout) -> str:
+    return jax.default_backend() if layout is None else layout.mesh.devices.flat[0].platform
+
+
 def uses_kernels(runtime: RuntimeConfig, layout=None) -> bool:
-    """Whether the Pallas kernels run for `layout` (None: the default device): one GPU, or a
+    """Whether the GPU's Pallas kernels run for `layout` (None: the default device): one GPU, or a
     tensor-parallel mesh of GPUs with no data-parallel axis, under `kernels="auto"`; always under
-    "pallas"; never under "xla"."""
-    if runtime.kernels != "auto":
-        return runtime.kernels == "pallas"
-    platform = jax.default_backend() if layout is None else layout.mesh.devices.flat[0].platform
+    "pallas" (interpreted off a GPU) except on TPUs, which have kernels of their own; never under
+    "xla"."""
+    if runtime.kernels == "xla":
+        return False
+    platform = _platform(layout)
+    if runtime.kernels == "pallas":
+        return platform != "tpu"
     if platform != "gpu":
         return False
     return jax.device_count() == 1 if layout is None else layout.dp == 1
 
 
 def select(runtime: RuntimeConfig | None = None, layout=None) -> XlaOps:
-    """The backend for `layout` under `runtime` (None: `RuntimeConfig.from_env()`)."""
+    """The backend for `layout` under `runtime` (None: `RuntimeConfig.from_env()`): on TPUs the
+    TPU kernels unless `kernels="xla"`, on GPUs the GPU kernels where `uses_kernels`, else XLA."""
     runtime = RuntimeConfig.from_env() if runtime is None else runtime
+    if runtime.kernels != "xla" and _platform(layout) == "tpu":
+        from jaxllm.ops.tpu.backend import TpuOps
+        return TpuOps(runtime, layout)
     if uses_kernels(runtime, layout):
         from jaxllm.ops.gpu.backend import PallasOps
         return PallasOps(runtime, layout)
@@ -41,7 +53,7 @@ def select(runtime: RuntimeConfig | None = None, layout=None) -> XlaOps:
 
 
 def selections() -> list[dict]:
-    """Every GPU kernel choice made so far in this process (none where the GPU backend never ran)."""
+    """Every kernel choice made so far in this process (none where no kernel backend ran)."""
     import sys
-    gpu = sys.modules.get("jaxllm.ops.gpu")
-    return [] if gpu is None else gpu.selections()
+    return [s for name in ("jaxllm.ops.gpu", "jaxllm.ops.tpu") if (m := sys.modules.get(name)) is not None
+            for s in m.selections()]

@@ -72,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-cache-memory", type=size, default=None,
                    help="bytes of the KV pool (e.g. 20GiB), instead of --gpu-memory-utilization")
     p.add_argument("--block-size", type=positive(), default=None,
-                   help="positions a KV block holds (a power of two, default 32): the unit of allocation "
+                   help="positions a KV block holds (a power of two, default 64): the unit of allocation "
                         "and of prefix reuse")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of prompts' common prefixes across requests (default on)")

@@ -168,8 +168,8 @@ def test_long_prompt_runs_one_chunk_between_tokens(engine):
 
 def test_a_burst_with_one_prefix_computes_it_once(engine):
     """Eight requests that arrive together with one 100-token system prompt: the first prefills it,
-    the others wait for its blocks and take 96 of its tokens from the prefix cache (three blocks of
-    32), prefilling their own 10 tokens and the prefix's last 4; every answer is its own alone."""
+    the others wait for its blocks and take 64 of its tokens from the prefix cache (a block),
+    prefilling their own 10 tokens and the prefix's last 36; every answer is its own alone."""
     engine.tokenizer = type("Ids", (), {"decode": lambda self, ids: "".join(f" {i}" for i in ids)})()
     rng = np.random.default_rng(3)
     system = rng.integers(3, 150, 100).tolist()
@@ -184,8 +184,8 @@ def test_a_burst_with_one_prefix_computes_it_once(engine):
     finally:
         sched.shutdown()
     sent = sum(n for r in sched.record if r["kind"] == "prefill" for _, _, n in r["pieces"])
-    assert sent == 110 + 7 * 14, sent
-    assert [c.job.cached for c in clients].count(96) == 7
+    assert sent == 110 + 7 * 46, sent
+    assert [c.job.cached for c in clients].count(64) == 7
     for c in clients:
         text = "".join(e.text for e in c.events if isinstance(e, Delta))
         assert text == engine.generate_ids([c.job.req.prompt_ids], max_tokens=6)[0].text

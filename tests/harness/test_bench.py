@@ -251,7 +251,7 @@ def test_serving_bench_on_a_tiny_shape(tmp_path):
     assert bench.main(["--serve", "--shape", shape_file(tmp_path), "--concurrency", "3", "--rounds", "2",
                        "--prompt-len", "4:12", "--output-len", "6", "--compilation-cache", "off",
                        "--long-prompt", "90", "--long-output", "3", "--logprobs", "2", "--shared-prefix", "20",
-                       "--turns", "2", "--out", str(out)]) == 0
+                       "--turns", "2", "--block-size", "16", "--out", str(out)]) == 0
     rep = json.loads(out.read_text())
     assert [lv["concurrency"] for lv in rep["levels"]] == [3]
     for lv in rep["levels"]:

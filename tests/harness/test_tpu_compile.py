@@ -1,24 +1,22 @@
-"""The TPU path, proved by the TPU compiler without a TPU: the fused decode loop of real 30B-class
-shapes compiles for a v6e:2x2 slice (TP=4, int8 weights) and fits a v6e chip's 32 GiB.
+"""The TPU path, proved by the TPU compiler without a TPU: the fused decode loop and a server's mixed
+prefill chunk of real 30B-class shapes compile for a v6e:2x2 slice (TP=4, int8 weights) over the
+paged KV pool, with the TPU backend's attention kernel in them, and fit a v6e chip's 32 GiB.
 
 Needs libtpu (`pip install "jax[tpu]"`); the topology API works beside the CPU backend that the
 rest of the suite uses."""
 import pytest
 
 from jaxllm.harness.tpu_compile import GiB, compile_shape, format_report
-from jaxllm.model.families import FAMILIES
-
-SHAPES = ["qwen3-32b"]
-if any("gemma4" in t for f in FAMILIES for t in f.MODEL_TYPES):
-    SHAPES.append("gemma4-31b")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", SHAPES)
-def test_decode_loop_compiles_for_v6e_tp4(shape):
-    r = compile_shape(shape, tp=4, max_ctx=2048, batch=1, topology="v6e:2x2", quant="int8",
+def test_qwen3_32b_decode_loop_compiles_for_v6e_tp4():
+    r = compile_shape("qwen3-32b", tp=4, max_ctx=2048, batch=1, topology="v6e:2x2", quant="int8",
                       programs=("decode_loop",))
     print("\n" + format_report(r))
+    assert r["backend"] == "tpu" and r["decode_loop"]["kernel_calls"] >= 1
+    bs = r["kv_pool"]["block_size"]
+    assert r["kv_pool"]["tokens"] == 2048 and r["kv_pool"]["blocks"] == {"global": 2048 // bs + 1}
     m = r["decode_loop"]["memory"]
     assert m["argument"] + m["temp"] + m["output"] < 32 * GiB
     # the weights are split four ways, not replicated: a device holds about a quarter of them
@@ -32,17 +30,27 @@ def test_decode_loop_compiles_for_v6e_tp4(shape):
 
 
 @pytest.mark.slow
-def test_gemma4_31b_at_128k_fits_v6e_with_the_split_cache():
-    """Above 32K the engine keeps sliding layers in window-sized rings and global layers in int8:
-    Gemma 4 31B at 131072 positions, batch 1, TP=4 still fits a v6e chip's 32 GiB."""
+def test_gemma4_31b_decode_and_mixed_chunk_at_128k_fit_v6e():
+    """Gemma 4 31B at 131072 positions: global layers in int8 blocks (the kernel's int8 path, one
+    KV head a device), sliding layers in bfloat16 blocks that hold only the window and a chunk
+    (four KV heads a device); the decode loop and a prefill forward of two pieces for any slots at
+    any positions both run the kernel, and fit a v6e chip at TP=4."""
     r = compile_shape("gemma4-31b", tp=4, max_ctx=131072, batch=1, topology="v6e:2x2", quant="int8",
-                      programs=("decode_loop",))
+                      programs=("prefill_chunk", "decode_loop"), pieces=2, chunk=64)
     print("\n" + format_report(r))
-    assert r["kv_cache"] == "split"
-    m = r["decode_loop"]["memory"]
-    assert m["argument"] + m["temp"] + m["output"] < 32 * GiB
-    # the int8 global cache of 131072 positions is the bulk of the cache, split over the 4 chips
+    assert r["kv_cache"].startswith("int8 global KV")
+    pool = r["kv_pool"]
+    bs = pool["block_size"]             # sliding tables: the window and the chunk's 64 positions
+    assert pool["tokens"] == 131072
+    assert pool["table_widths"] == {"global": 131072 // bs, "sliding": -(-(1023 + 64) // bs) + 1}
+    for name in ("prefill_chunk", "decode_loop"):
+        m = r[name]["memory"]
+        assert r[name]["kernel_calls"] >= 2, name                 # sliding and global layers
+        assert m["argument"] + m["temp"] + m["output"] < 32 * GiB, name
+    assert r["decode_loop"]["memory"]["temp"] < 2 * GiB
+    # the int8 global blocks of 131072 positions are the bulk of the pool, split over the 4 chips
     assert r["cache_bytes_per_device"] < 4 * GiB
+    assert r["weight_bytes_per_device"] < 0.3 * r["weight_bytes_total"]
 
 
 def test_bad_requests_are_one_line():
@@ -51,3 +59,5 @@ def test_bad_requests_are_one_line():
         compile_shape("qwen3-99b")
     with pytest.raises(ModelError, match=r"^--tp 2 x --dp 1 must use all 4 chips of v6e:2x2$"):
         compile_shape("qwen3-32b", tp=2)
+    with pytest.raises(ModelError, match=r"^--chunk must lie in \(0, 2048\)"):
+        compile_shape("qwen3-32b", chunk=4096)

@@ -145,8 +145,9 @@ class ScriptedEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def core(self, num_slots: int, max_len: int, budget=None, span=None, prefix_caching=False) -> ScriptedCore:
-        plan = self._engine.pool_plan(num_slots, max_len, budget, span)
+    def core(self, num_slots: int, max_len: int, budget=None, span=None, prefix_caching=False,
+             steady=None) -> ScriptedCore:
+        plan = self._engine.pool_plan(num_slots, max_len, budget, span, steady)
         self.cores.append(ScriptedCore(self.reply, num_slots, max_len, self._engine.cfg.eos_ids, plan, self.step_s))
         return self.cores[-1]
 

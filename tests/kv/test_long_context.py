@@ -233,10 +233,11 @@ def test_pool_sizes_and_axes():
     rebuilt = kind_specs(cfg, layout, KVOptions(store_keys=False))
     assert next(s for s in rebuilt if s.name == "global").block_bytes(32, 2) * 2 == glob.block_bytes(32, 2)
     budget = PoolPlan.for_budget([specs], layout, 32, 2, rows=3, max_len=1000, span=24, budget=plan.total * 4)
-    # the sliding blocks hold every slot's window twice over (the slots bind before they do),
-    # the global kind the rest: four times the blocks of the slots at their longest, and more
+    # the sliding blocks hold every slot's table twice over (the slots bind before they do), the
+    # global kind the rest: four times the blocks of the slots at their longest, and more; a
+    # decoding sequence holds two sliding blocks (its window's 15 positions and its next)
     assert budget.blocks["sliding"] == 2 * 3 * 3 + 1 and budget.blocks["global"] > 4 * 3 * 32
-    assert budget.sequences(1000) == 2 * 3
+    assert budget.sequences(1000) == (2 * 3 * 3) // 2
 
 
 def test_kv_options_and_context_checks():

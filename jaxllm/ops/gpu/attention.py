@@ -68,7 +68,7 @@ def head_pieces(hd: int, inv_freq: np.ndarray | None) -> tuple[int, tuple[tuple[
 
 
 def _kernel(*refs, names, G, hd, P, M, bs, chunk, scale, softcap, window, precision, keys, way, kway, pieces,
-            prefetch):
+            prefetch, ahead):
     r = dict(zip(names, refs))
     o_ref, m_ref, l_ref = refs[len(names):]
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -93,7 +93,16 @@ def _kernel(*refs, names, G, hd, P, M, bs, chunk, scale, softcap, window, precis
     # the head (measured on one H200: int8 rings 8-11% faster).
     full = [p == w for p, (_, w) in zip(pw, pieces)]
 
+    # A tile within one page is a slice of consecutive pool rows, loaded as a contiguous cache's
+    # tile is (Triton vectorizes it along the head); a tile over several pages gathers their rows.
+    # On one H200 (Qwen3-4B's layers, 32K positions) gathered tiles took 1.65x the time at batch 64.
+    sliced = bs <= P
+
     def load_kv(name, rows, valid):
+        if sliced:
+            return [plgpu.load(r[name].at[layer, rows, h, d],
+                               mask=valid[:, None] if f else valid[:, None] & m[None, :], other=0)
+                    for d, m, f in zip(pds, pm, full)]
         return [plgpu.load(r[name].at[layer, rows[:, None], h, c],
                            mask=valid[:, None] if f else valid[:, None] & m[None, :], other=0)
                 for c, m, f in zip(cols, pm, full)]
@@ -127,7 +136,8 @@ def _kernel(*refs, names, G, hd, P, M, bs, chunk, scale, softcap, window, precis
     def fetch(t, blocks):
         """Tile t as stored (values, keys, scales) from the pages `blocks`; positions the query does
         not see are not loaded."""
-        rows, valid = pages.tile_rows(blocks, t, bs=bs, P=P), visible(t)
+        valid = visible(t)
+        rows = pl.ds(blocks[0] * P + (t * bs) % P, bs) if sliced else pages.tile_rows(blocks, t, bs=bs, P=P)
         tiles = {"v": load_kv("v", rows, valid)}
         if "k" in r:
             tiles["k"] = load_kv("k", rows, valid)
@@ -167,13 +177,14 @@ def _kernel(*refs, names, G, hd, P, M, bs, chunk, scale, softcap, window, precis
             jnp.zeros((gp,), jnp.float32))
     ids = functools.partial(pages.tile_pages, r["table"], b, bs=bs, P=P, M=M)
     if prefetch:
-        # Tile t + 1's loads in flight while tile t is computed; its block ids loaded a tile before.
+        # Tile t + 1's loads in flight while tile t is computed; its block ids loaded `ahead` tiles before.
         def body(t, blocks, c):
             return (*attend_tile(t, c[3], c[:3]), fetch(t + 1, blocks))
-        accs, m, l, _ = pages.fori(t_lo, t_hi, lambda t: ids(t + 1), 1, body, (*init, fetch(t_lo, ids(t_lo))))
+        accs, m, l, _ = pages.fori(t_lo, t_hi, lambda t: ids(t + 1), ahead, body, (*init, fetch(t_lo, ids(t_lo))))
     else:
-        # Triton's pipelining issues tile t + 1's loads during tile t: their block ids two tiles ahead.
-        accs, m, l = pages.fori(t_lo, t_hi, ids, 2, lambda t, blocks, c: attend_tile(t, fetch(t, blocks), c), init)
+        # Triton's pipelining issues tile t + 1's loads during tile t: their block ids `ahead` tiles before.
+        accs, m, l = pages.fori(t_lo, t_hi, ids, ahead, lambda t, blocks, c: attend_tile(t, fetch(t, blocks), c),
+                                init)
     for acc, d, dmask in zip(accs, pds, pm):
         plgpu.store(o_ref.at[sp, b, h, pl.ds(0, gp), d], acc, mask=gmask[:, None] & dmask[None, :])
     plgpu.store(m_ref.at[sp, b, h, pl.ds(0, gp)], m, mask=gmask)
@@ -221,7 +232,8 @@ def choose_split(B: int, K: int, tiles: int) -> int:
 
 def decode_attention(q, pool: dict, layer, table, pos, *, scale: float, softcap=None, window=None,
                      keys: KeysFromValues | None = None, block: int | None = None, splits: int | None = None,
-                     warps: int | None = None, widen: str | None = None, prefetch: bool | None = None):
+                     warps: int | None = None, widen: str | None = None, prefetch: bool | None = None,
+                     ahead: int | None = None):
     """q [B, H, hd] at positions pos [B] over layer `layer` [] of a kind's pool, `pool` its arrays
     (`kv.paged.LayerKV.arrays`: v [L, N, P, K, hd], k unless `keys` says how to rebuild keys from
     the values, k_scale and v_scale [L, N, P, K] where int8), through the rows' block table
@@ -232,7 +244,8 @@ def decode_attention(q, pool: dict, layer, table, pos, *, scale: float, softcap=
     `prefetch`: each tile's loads are issued while the tile before it is computed, by the kernel's
     own loop rather than Triton's pipelining; by default for int8 pools, whose loads Triton does
     not pipeline past the widening (measured on one H200: 7% faster on int8 rings, the bf16 ring
-    15% slower with it)."""
+    15% slower with it). `ahead`: tiles before its own that a tile's block ids are loaded (0: in
+    its own iteration)."""
     B, H, hd = q.shape
     _, _, P, K, _ = pool["v"].shape
     M = table.shape[1]
@@ -242,6 +255,11 @@ def decode_attention(q, pool: dict, layer, table, pos, *, scale: float, softcap=
     int8 = pool["v"].dtype == jnp.int8
     if prefetch is None:
         prefetch = int8
+    if ahead is None:
+        # A tile's block ids loaded a tile ahead: on one H200 at 32K positions (Qwen3-4B's layers)
+        # 128 us at batch 1 and 2272 at 64, against 152 and 2495 two tiles ahead, about the
+        # contiguous cache's 130 and 2323.
+        ahead = 1
     # Tile and warps measured on one H100 at batch 64: keys rebuilt from int8 values take 338 us a
     # layer at head_dim 512 in tiles of 32 with 8 warps (7.4 ms in tiles of 64 with 4, which spill
     # registers) and 177 us at head_dim 256 in tiles of 16 with 4. On one H200 at batches 64 and 128
@@ -287,7 +305,7 @@ def decode_attention(q, pool: dict, layer, table, pos, *, scale: float, softcap=
     kernel = functools.partial(_kernel, names=tuple(ins), G=G, hd=hd, P=P, M=M, bs=bs, chunk=chunk, scale=scale,
                                softcap=softcap, window=window, precision=precision,
                                keys=None if keys is None else (keys.eps, keys.offset, keys.norm_w is not None),
-                               way=way, kway=kway, pieces=pieces, prefetch=prefetch)
+                               way=way, kway=kway, pieces=pieces, prefetch=prefetch, ahead=ahead)
     out_shape = (jax.ShapeDtypeStruct((n, B, K, G, hd), jnp.float32),
                  jax.ShapeDtypeStruct((n, B, K, G), jnp.float32),
                  jax.ShapeDtypeStruct((n, B, K, G), jnp.float32))

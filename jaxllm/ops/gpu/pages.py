@@ -46,7 +46,10 @@ def tile_rows(pages: tuple, t, *, bs: int, P: int) -> jax.Array:
 
 def fori(lo, hi, ids, ahead: int, body, init):
     """`fori_loop(lo, hi)` of body(t, pages, carry), where pages = ids(t) was loaded `ahead`
-    iterations earlier (carried in a queue; the first `ahead` before the loop)."""
+    iterations earlier (carried in a queue; the first `ahead` before the loop; 0: in its own)."""
+    if ahead == 0:
+        return jax.lax.fori_loop(lo, hi, lambda t, c: body(t, ids(t), c), init)
+
     def step(t, c):
         carry, queue = c
         return body(t, queue[0], carry), queue[1:] + (ids(t + ahead),)

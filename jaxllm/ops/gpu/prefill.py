@@ -89,10 +89,16 @@ def _kernel(*refs, names, G, T, P, M, hd, blk: Blocks, n_q, scale, softcap, wind
         acc, m, l = carry
         si = t * bk + jnp.arange(bk)
         seen = (si >= first) & (si <= last)              # no query of the block sees the others
-        at = pages.tile_rows(blocks, t, bs=bk, P=P)
+        # a tile within one page is a slice of consecutive pool rows (loads vectorized along the
+        # head, as a contiguous cache's); over several pages, a gather of their rows
+        at = pl.ds(blocks[0] * P + (t * bk) % P, bk) if bk <= P else pages.tile_rows(blocks, t, bs=bk, P=P)
         kvmask = seen[:, None] & dmask[None, :]
-        kb = plgpu.load(r["k"].at[layer, at[:, None], kvh, cols], mask=kvmask, other=0)
-        vb = plgpu.load(r["v"].at[layer, at[:, None], kvh, cols], mask=kvmask, other=0)
+        if bk <= P:
+            kb = plgpu.load(r["k"].at[layer, at, kvh, pl.ds(0, hdp)], mask=kvmask, other=0)
+            vb = plgpu.load(r["v"].at[layer, at, kvh, pl.ds(0, hdp)], mask=kvmask, other=0)
+        else:
+            kb = plgpu.load(r["k"].at[layer, at[:, None], kvh, cols], mask=kvmask, other=0)
+            vb = plgpu.load(r["v"].at[layer, at[:, None], kvh, cols], mask=kvmask, other=0)
         s = jax.lax.dot_general(q, kb.astype(dt), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                                 precision=precision)
         if int8:
