@@ -19,9 +19,9 @@ def load(model_dir=None, max_ctx=8192, quant="int8", kv_quant="auto", tp=None, d
     default when None), sharded over `tp` devices ("model" axis; None = every device) times `dp`
     ("data" axis, splitting the batch).
 
-    kv_quant: "auto" keeps a full-length compute-dtype KV cache up to `kv_options.threshold`
-    (32768) positions and switches above it to the split cache (sliding layers in a ring buffer,
-    global layers int8); "int8" always uses the split int8 cache; "none" never quantizes KV.
+    kv_quant: "auto" keeps KV in the compute dtype up to `kv_options.threshold` (32768) positions and
+    global layers' KV in int8 above it; "int8" always keeps them in int8; "none" never quantizes KV.
+    Sliding layers hold only their window's KV blocks in every case.
 
     speculative: None, "ngram" (drafts looked up in the sequence itself) or "draft" (drafts from the
     model at `draft_model_dir`, which must share the tokenizer); `num_speculative_tokens` a cycle;

@@ -18,8 +18,8 @@ from pathlib import Path
 from jaxllm.errors import ModelError
 
 VARIABLES = {
-    "JAXLLM_KERNELS": "auto | xla | pallas: the Pallas kernels on GPUs (auto), nowhere, or everywhere "
-                      "(interpreted on a CPU)",
+    "JAXLLM_KERNELS": "auto | xla | pallas: the Pallas kernels on GPUs and TPUs (auto), nowhere, or "
+                      "everywhere (the GPU's interpreted on a CPU)",
     "JAXLLM_LAYER_SCAN": "auto | cond | period: how the layer scan reaches sliding and global layers",
     "JAXLLM_SCAN_UNROLL": "layers per iteration of the layer scan: a count, or full (unset: chosen per step)",
     "JAXLLM_INT8_WIDEN": "convert | magic | bits: how GPU kernels widen int8 (unset: each kernel's own)",
@@ -75,9 +75,9 @@ SWITCH = {"on": True, "1": True, "true": True, "off": False, "0": False, "false"
 class RuntimeConfig:
     """What picks the code a model runs, as opposed to what the model is (`ModelConfig`).
 
-    kernels: `auto` uses the Pallas kernels on GPUs (one, or a tensor-parallel mesh) and XLA
-      elsewhere; `xla` the pure-XLA reference everywhere; `pallas` the kernels everywhere,
-      interpreted on a CPU (how the tests check them).
+    kernels: `auto` uses the Pallas kernels on GPUs (one, or a tensor-parallel mesh) and TPUs
+      and XLA elsewhere; `xla` the pure-XLA reference everywhere; `pallas` the kernels everywhere,
+      the GPU's interpreted on a CPU (how the tests check them).
     layer_scan: how the layer scan reaches a layer's sliding or global branch: `cond` (a
       `lax.cond` per layer) or `period` (a scan over whole periods of the pattern); `auto` takes
       periods (see `XlaOps.layer_scan`).

@@ -12,9 +12,9 @@ a point-mass proposal). A row whose drafts keep failing stops drafting for a whi
 no row drafts runs the plain one-token step instead, so text with nothing to look up decodes at
 the plain speed.
 
-Rejected drafts leave K/V at positions past the row's new position: a linear cache never shows them
-(causal mask) and overwrites them next; a sliding ring holds `spec_tokens` more slots than the
-window (`KVOptions.spec_tokens`), so they never displace keys a later query still sees.
+Rejected drafts leave K/V at positions past the row's new position: the causal mask never shows
+them and the row overwrites them next; a sliding layer's table holds `spec_tokens` more positions
+than the window (`KVOptions.spec_tokens`), so they never displace keys a later query still sees.
 """
 from __future__ import annotations
 

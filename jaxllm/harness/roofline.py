@@ -5,8 +5,8 @@ bf16/f32 arrays, exactly as the pytree holds them), except that lookup tables (a
 embedding, per-layer input embeddings: a leading "vocab" axis and no matmul use) are only gathered,
 batch rows of them, while a tied embedding is read whole as the output projection; plus each layer's
 K and V over the positions it attends at that context: global layers over ctx, sliding layers over
-min(ctx, window), and a layer whose V is its K (k_eq_v) reads one tensor where the split cache
-rebuilds its keys from the values. Mixture-of-experts weights (a spec axis named "expert") count
+min(ctx, window), and a layer whose V is its K (k_eq_v) reads one tensor where the pool keeps
+values alone and rebuilds the keys from them. Mixture-of-experts weights (a spec axis named "expert") count
 only the experts a batch can be expected to touch.
 
 FLOPs per step (the compute roofline): 2 per multiply-add of every matmul weight (the tied
@@ -105,8 +105,8 @@ def attended(cfg: ModelConfig, kind: int, ctx: int) -> int:
 def kv_bytes_per_step(cfg: ModelConfig, batch: int, ctx: int, kv_itemsize: float | dict = 2,
                       shared: bool = True) -> int:
     """K/V bytes every layer reads at context ctx (kv_itemsize: bytes per cached element, or a dict
-    of them per layer kind). `shared`: k_eq_v layers store one tensor (the split cache, unless it
-    stores their keys too)."""
+    of them per layer kind). `shared`: k_eq_v layers store one tensor (values alone, keys rebuilt
+    from them)."""
     total = 0.0
     for kind in cfg.layer_kinds:
         a = cfg.attn[kind]

@@ -1,6 +1,6 @@
-"""The XLA backend: the reference implementation of every operation the model calls, and the path
-on TPUs and CPUs. The math here is plain `jax.numpy`; XLA fuses it (the int8 dequantization into
-the dot's epilogue, the norms into their neighbours)."""
+"""The XLA backend: the reference implementation of every operation the model calls, the path on
+CPUs, and what the GPU and TPU backends fall back to. The math here is plain `jax.numpy`; XLA fuses
+it (the int8 dequantization into the dot's epilogue, the norms into their neighbours)."""
 from __future__ import annotations
 
 import dataclasses
@@ -66,8 +66,8 @@ def activation(name: str, x: jax.Array) -> jax.Array:
 def attention_mask(q_pos: jax.Array, kv_pos: jax.Array, window: int | None) -> jax.Array:
     """[B, T, S] bool: causal, within the sliding window, and only slots that hold a written key.
 
-    `kv_pos[b, s]` is the absolute position held in cache slot s (or -1 for an empty slot); a ring
-    buffer stores positions out of order, which is why the mask reads them instead of assuming s.
+    `kv_pos[b, s]` is the absolute position of key s (or -1 for none): the positions a block of a
+    row's KV stands for, which a sliding layer's table reuses, so the mask reads them.
     """
     qp, kp = q_pos[:, :, None], kv_pos[:, None, :]
     m = (kp <= qp) & (kp >= 0)
