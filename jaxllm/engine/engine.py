@@ -89,7 +89,8 @@ def check_logprobs(logprobs) -> int:
 def token_logprobs(lp, row: int, ids: list[int], top: int) -> list[TokenLogprob]:
     """Tokens `ids` of row `row` of host LogProbs [B, S], with `top` alternatives each."""
     return [TokenLogprob(t, float(lp.token[row, i]),
-                         list(zip(lp.top_ids[row, i, :top].tolist(), lp.top[row, i, :top].tolist())))
+                         [(a, v) for a, v in zip(lp.top_ids[row, i, :top].tolist(), lp.top[row, i, :top].tolist())
+                          if v != float("-inf")])
             for i, t in enumerate(ids)]
 
 

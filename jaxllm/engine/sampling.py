@@ -316,8 +316,13 @@ def top_k(x: jax.Array, n: int, width: int = 128) -> tuple[jax.Array, jax.Array]
 
 
 def logprobs(logits: jax.Array, tokens: jax.Array, n: int) -> LogProbs:
-    """logits [..., V] float32, tokens [...] -> LogProbs [...] with the top n."""
+    """logits [..., V] float32, tokens [...] -> LogProbs [...] with the top n (a vocabulary smaller
+    than n: its V tokens, then entries of logprob -inf)."""
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0]
-    top, ids = top_k(logits, n)
+    V = logits.shape[-1]
+    top, ids = top_k(logits, min(n, V))
+    if n > V:
+        pad = [(0, 0)] * (top.ndim - 1) + [(0, n - V)]
+        top, ids = jnp.pad(top, pad, constant_values=-jnp.inf), jnp.pad(ids, pad)
     return LogProbs(picked - lse, ids.astype(jnp.int32), top - lse[..., None])
