@@ -163,6 +163,10 @@ def load_subject(a):
                           num_speculative_tokens=a.num_speculative_tokens, draft_model_dir=a.draft_model_dir,
                           speculative_max_batch=a.speculative_max_batch, runtime=runtime_from(a))
         subject = {"model_dir": str(a.model_dir)}
+    cfg = eng.cfg
+    if a.rebuild_keys and not any(cfg.attn[k].k_eq_v and cfg.attn[k].window is None for k in cfg.kinds_used):
+        raise RequestError("--rebuild-keys applies to global layers whose V is their K (Gemma 4's k_eq_v); "
+                           "this model has none")
     return eng, family_for({"model_type": eng.cfg.family}), subject
 
 
