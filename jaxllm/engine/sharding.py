@@ -64,6 +64,11 @@ class Layout:
     rules: tuple[tuple[str, str | None], ...] = tuple(RULES.items())
 
     @property
+    def platform(self) -> str:
+        """"cpu", "gpu" or "tpu": the devices' (one kind to a mesh)."""
+        return self.mesh.devices.flat[0].platform
+
+    @property
     def tp(self) -> int:
         return self.mesh.shape["model"]
 

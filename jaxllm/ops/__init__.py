@@ -2,8 +2,9 @@
 residual add and norm, the decode prologue, attention over a cache, the output head, the
 embedding), behind one interface chosen once at the edge.
 
-`XlaOps` (ops/xla.py) is the reference and the CPU path. `ops.gpu` holds the Pallas kernels for
-GPUs with their own weight layout, wrapper types, tile tables and the Triton-lowering patch;
+`XlaOps` (ops/xla.py) is the reference; `ops.cpu` changes what XLA's CPU backend does slowly.
+`ops.gpu` holds the Pallas kernels for GPUs with their own weight layout, wrapper types, tile
+tables and the Triton-lowering patch;
 `ops.tpu` the Pallas (Mosaic) kernels for TPUs, over XLA's operations elsewhere. Each is imported
 only when `select` chooses it, so a process loads Pallas only for the backend it runs.
 """
@@ -41,7 +42,8 @@ def uses_kernels(runtime: RuntimeConfig, layout=None) -> bool:
 
 def select(runtime: RuntimeConfig | None = None, layout=None) -> XlaOps:
     """The backend for `layout` under `runtime` (None: `RuntimeConfig.from_env()`): on TPUs the
-    TPU kernels unless `kernels="xla"`, on GPUs the GPU kernels where `uses_kernels`, else XLA."""
+    TPU kernels unless `kernels="xla"`, on GPUs the GPU kernels where `uses_kernels`, on one CPU
+    device under `kernels="auto"` XLA with the CPU's output head (`ops.cpu`), else XLA."""
     runtime = RuntimeConfig.from_env() if runtime is None else runtime
     if runtime.kernels != "xla" and _platform(layout) == "tpu":
         from jaxllm.ops.tpu.backend import TpuOps
@@ -49,6 +51,9 @@ def select(runtime: RuntimeConfig | None = None, layout=None) -> XlaOps:
     if uses_kernels(runtime, layout):
         from jaxllm.ops.gpu.backend import PallasOps
         return PallasOps(runtime, layout)
+    if runtime.kernels == "auto" and _platform(layout) == "cpu" and (layout is None or layout.mesh.size == 1):
+        from jaxllm.ops.cpu import CpuOps
+        return CpuOps(runtime, layout)
     return XlaOps(runtime, layout)
 
 
