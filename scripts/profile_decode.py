@@ -27,7 +27,8 @@ import numpy as np  # noqa: E402
 from jaxllm.engine.sampling import SamplingParams  # noqa: E402
 from jaxllm.engine.sharding import layout_for  # noqa: E402
 from jaxllm.engine.slots import Pieces
-from jaxllm.harness.bench import build_parser, decode_state, load_subject  # noqa: E402
+from jaxllm.harness.bench import build_parser  # noqa: E402
+from jaxllm.harness.sweep import decode_state, load_subject  # noqa: E402
 from jaxllm.kv.options import KVOptions  # noqa: E402
 
 KINDS = [("matmul", r"gemm|cutlass|cublas|dot|matmul|xmma|sm90"),

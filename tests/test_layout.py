@@ -38,15 +38,24 @@ def test_the_filter_sees_the_gpu_backend():
 
 
 def test_importing_jaxllm_loads_no_kernels():
-    mods = loaded("import json, jaxllm, sys")
-    assert "jaxllm" in mods and "jax" in mods
+    mods = loaded("import json, jaxllm, sys\njaxllm.Engine")
+    assert "jaxllm.engine.engine" in mods and "jax" in mods
     assert gpu_modules(mods) == []
+
+
+def test_importing_jaxllm_or_its_front_ends_loads_no_jax():
+    """The package and the command-line front ends check their flags before JAX loads: importing
+    them imports none of it (`jaxllm.Engine` and `jaxllm.load` import the engine when used)."""
+    mods = loaded("import json, sys\nimport jaxllm, jaxllm.infer, jaxllm.bench, jaxllm.convert, jaxllm.serve.__main__")
+    front_ends = {"jaxllm.harness.infer", "jaxllm.harness.bench", "jaxllm.harness.convert", "jaxllm.serve.__main__"}
+    assert front_ends <= set(mods)
+    assert not [m for m in mods if m == "jax" or m.startswith(("jax.", "jaxlib"))]
 
 
 @pytest.mark.parametrize("kernels", ["xla", "auto"])
 def test_a_model_on_the_xla_backend_loads_no_kernels(kernels, tmp_path):
-    """A model loaded and run on XLA (kernels="xla", or "auto" on a CPU); "pallas" for contrast
-    loads the backend."""
+    """A model loaded and run on XLA (kernels="xla", or "auto" on a CPU, XLA with the CPU's output
+    head); "pallas" for contrast loads the backend."""
     import tiny
     tiny.make("gemma3", tmp_path / "m", seed=1)          # torch, here: not in the process looked at
     code = ("import json, sys\nimport jaxllm\n"
@@ -54,7 +63,7 @@ def test_a_model_on_the_xla_backend_loads_no_kernels(kernels, tmp_path):
             " runtime=jaxllm.RuntimeConfig(kernels=sys.argv[2]))\n"
             "assert eng.ops.name == sys.argv[3], eng.ops\n"
             "assert 1 <= len(eng.generate_ids([[1, 2, 3]], max_tokens=3)[0].token_ids) <= 3")
-    mods = loaded(code, str(tmp_path / "m"), kernels, "xla")
+    mods = loaded(code, str(tmp_path / "m"), kernels, {"xla": "xla", "auto": "cpu"}[kernels])
     assert "jaxllm.ops.xla" in mods and "jaxllm.engine.engine" in mods
     assert gpu_modules(mods) == []
     if kernels == "xla":

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 SLIDING, GLOBAL = 0, 1
 KIND_NAMES = ("sliding", "global")
+CTX_CAP = 8192          # the longest KV length a run gets where none is asked
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,11 @@ class ModelConfig:
     kv_sources: tuple[int, ...] = ()        # layer whose KV cache each layer attends over; () = itself
 
     # -- derived -------------------------------------------------------------------------------
+    @property
+    def default_ctx(self) -> int:
+        """The KV length a run gets where none is asked: the model's maximum, capped at CTX_CAP."""
+        return min(self.max_position, CTX_CAP)
+
     @property
     def kinds_used(self) -> tuple[int, ...]:
         return tuple(k for k in (SLIDING, GLOBAL) if k in self.layer_kinds)

@@ -64,6 +64,13 @@ def cache_home() -> Path:
     return Path(base).expanduser() if base else Path.home() / ".cache"
 
 
+def cache_dir() -> Path:
+    """jaxllm's per-user folder (the weight cache, the bench's results): `$JAXLLM_CACHE`, else
+    `$XDG_CACHE_HOME/jaxllm`, else `~/.cache/jaxllm`."""
+    own = env("JAXLLM_CACHE")
+    return Path(own).expanduser() if own else cache_home() / "jaxllm"
+
+
 KERNELS = ("auto", "xla", "pallas")
 LAYER_SCANS = ("auto", "cond", "period")
 WIDENINGS = ("convert", "magic", "bits")

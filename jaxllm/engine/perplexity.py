@@ -22,7 +22,6 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from jaxllm.engine.slots import Pieces
 from jaxllm.errors import RequestError
 
 TOKENS_PER_FORWARD = 8192       # windows are batched up to this many tokens per forward
@@ -124,6 +123,7 @@ def window_batch_nll(engine, scorer, tokens: np.ndarray, scored: np.ndarray, len
                      chunk: int) -> float:
     """Summed NLL of the scored tokens of a [B, T] window batch (token t predicted at t-1), chunk by
     chunk through the scorer's cache."""
+    from jaxllm.engine.slots import Pieces  # JAX, only here: `check_window` serves front ends before it loads
     total = 0.0
     for s in range(0, tokens.shape[1], chunk):
         # token t is scored from the hidden state at t - 1, which may lie in the chunk before

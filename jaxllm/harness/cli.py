@@ -87,10 +87,8 @@ def load_engine(args, quiet: bool = False):
     import time
 
     import jaxllm
-    from jaxllm.engine.compilation_cache import enable
     from jaxllm.harness import distributed
     t0 = time.perf_counter()
-    cache = enable(args.compilation_cache)
     if distributed.init_from_args(args) and not distributed.is_main_process():
         sys.stdout = open(os.devnull, "w")     # every process computes; process 0 prints
         quiet = True
@@ -114,15 +112,13 @@ def load_engine(args, quiet: bool = False):
                               num_speculative_tokens=getattr(args, "num_speculative_tokens", 4),
                               draft_model_dir=getattr(args, "draft_model_dir", None),
                               speculative_max_batch=getattr(args, "speculative_max_batch", 4),
-                              runtime=runtime_from(args))
+                              runtime=runtime_from(args), compilation_cache=args.compilation_cache)
     finally:
         if bar is not None:
             bar.close()
         for w in caught:
             sys.stderr.write(f"warning: {w.message}\n")
     args.load_s = time.perf_counter() - t0
-    from jaxllm.engine.compilation_cache import executables_folder
-    eng.steps_cache = executables_folder(cache)
     # on stderr, so --json output stays clean; always shown when the int8 long-context layout is used
     if eng.kv_layout.int8 or (not quiet and sys.stderr.isatty()):
         from jaxllm.kv.plan import report

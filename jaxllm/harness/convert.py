@@ -7,32 +7,43 @@ into device shards. Nothing is written into SRC.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 from jaxllm.errors import JaxllmError, ModelError
+from jaxllm.harness.cli import Parser, positive_int
+from jaxllm.weights import locate
+
+DTYPES = ("bfloat16", "float32")        # the engine's (`engine.DTYPES`), named before JAX loads
+
+
+def check(model_dir, out, quant: str, dtype: str):
+    """-> (the model's files, the new directory): refused before JAX loads where they cannot be."""
+    if quant not in ("int8", "none"):
+        raise ModelError(f"quant must be 'int8' or 'none', got {quant!r}")
+    if dtype not in DTYPES:
+        raise ModelError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    dst = Path(out).expanduser()
+    files = locate(model_dir)
+    if dst.exists() and not dst.is_dir():
+        raise ModelError(f"{dst} is a file; choose a new --out directory")
+    if dst.exists() and any(dst.iterdir()):
+        raise ModelError(f"{dst} exists and is not empty; choose a new --out directory")
+    if isinstance(files.path, Path) and files.path.resolve() == dst.resolve():
+        raise ModelError("--out must differ from --model-dir (nothing is written into the model directory)")
+    return files, dst
 
 
 def convert(model_dir, out, quant: str = "int8", dtype: str = "bfloat16", progress=None, tp=None) -> Path:
     """Write the saved directory `out`; the layout used while converting does not bind later loads
     (a restore reshards to whatever mesh it is given)."""
-    from jaxllm.engine.engine import DTYPES
+    files, dst = check(model_dir, out, quant, dtype)
+    from jaxllm.engine import engine
     from jaxllm.engine.sharding import layout_for
-    from jaxllm.weights import load_model, locate
+    from jaxllm.weights import load_model
     from jaxllm.weights.saved import save_weights, write_source_files
-    if quant not in ("int8", "none"):
-        raise ModelError(f"quant must be 'int8' or 'none', got {quant!r}")
-    if dtype not in DTYPES:
-        raise ModelError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    dst = Path(out).expanduser()
-    files = locate(model_dir)
-    if dst.exists() and any(dst.iterdir()):
-        raise ModelError(f"{dst} exists and is not empty; choose a new --out directory")
-    if files.path.resolve() == dst.resolve():
-        raise ModelError("--out must differ from --model-dir (nothing is written into the model directory)")
-    cfg, fam, weights, tok, _ = load_model(model_dir, DTYPES[dtype], quant, progress, layout_for(tp))
+    cfg, fam, weights, tok, _ = load_model(model_dir, engine.DTYPES[dtype], quant, progress, layout_for(tp))
     dst.mkdir(parents=True, exist_ok=True)
     write_source_files(files, dst, tok)
     save_weights(dst, weights, {"family": cfg.family, "quant": quant, "dtype": dtype,
@@ -41,13 +52,13 @@ def convert(model_dir, out, quant: str = "int8", dtype: str = "bfloat16", progre
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jaxllm.convert", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m jaxllm.convert", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", default=None, help="HF directory or .gguf file (default: the embedded model)")
     p.add_argument("--out", required=True, help="new directory to write")
     p.add_argument("--quant", choices=("int8", "none"), default="int8")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                    help="storage dtype of the weights that stay unquantized")
-    p.add_argument("--tp", type=int, default=None,
+    p.add_argument("--tp", type=positive_int, default=None,
                    help="devices to spread the weights over while converting (default: all local)")
     args = p.parse_args(argv)
     try:

@@ -24,24 +24,36 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--process-id", type=int, default=None, help="this process's index, 0-based")
 
 
+def _flags(args) -> tuple:
+    return (getattr(args, "coordinator_address", None), getattr(args, "num_processes", None),
+            getattr(args, "process_id", None))
+
+
+def check_args(args) -> None:
+    """The multi-host flags' own consistency (no JAX: front ends check it before JAX loads)."""
+    check(*_flags(args))
+
+
 def init_from_args(args) -> bool:
     """Start the distributed runtime when the flags or the environment ask for it.
 
     Returns True when this is a multi-process run. Must run before anything touches a device."""
-    addr, n, pid = (getattr(args, "coordinator_address", None), getattr(args, "num_processes", None),
-                    getattr(args, "process_id", None))
-    return initialize(addr, n, pid)
+    return initialize(*_flags(args))
 
 
-def initialize(coordinator_address=None, num_processes=None, process_id=None) -> bool:
+def check(coordinator_address=None, num_processes=None, process_id=None) -> None:
     given = [v is not None for v in (coordinator_address, num_processes, process_id)]
     if any(given) and not all(given):
         raise ModelError("--coordinator-address, --num-processes and --process-id go together")
-    from_env = any(env(v) for v in ENV_VARS) or env("JAXLLM_DISTRIBUTED") == "1"
-    if not any(given) and not from_env:
-        return False
     if num_processes is not None and not 0 <= process_id < num_processes:
         raise ModelError(f"--process-id {process_id} is not in [0, {num_processes})")
+
+
+def initialize(coordinator_address=None, num_processes=None, process_id=None) -> bool:
+    check(coordinator_address, num_processes, process_id)
+    from_env = any(env(v) for v in ENV_VARS) or env("JAXLLM_DISTRIBUTED") == "1"
+    if coordinator_address is None and not from_env:
+        return False
     import jax
     # Only the CPU client reads this: CPU processes exchange collectives through gloo.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

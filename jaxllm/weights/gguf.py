@@ -10,12 +10,14 @@ it is only the test-time reference. Deliberate differences are marked "Unlike tr
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from jaxllm.errors import ModelError
+from jaxllm.weights.gguf_file import GGUFFile, SplitFile
 
 SUPPORTED_ARCHITECTURES = ("gemma3",)
 
@@ -61,27 +63,30 @@ _reader_cache: dict = {}
 _READER_CACHE_SIZE = 4
 
 
-def _reader(path):
-    """A parsed `GGUFFile` for `path`, or ModelError with a one-line reason."""
-    from jaxllm.weights.gguf_file import GGUFFile
+def _name(path) -> str:
+    """A GGUF file's name (a `SplitFile` is named as its parts joined)."""
+    return path.name if isinstance(path, SplitFile) else Path(path).name
 
-    path = Path(path)
+
+def _reader(path):
+    """A parsed `GGUFFile` for `path` (a file, or a `SplitFile`), or ModelError with a one-line reason."""
+    parts = path.parts if isinstance(path, SplitFile) else (Path(path),)
+    shown = path.name if isinstance(path, SplitFile) else parts[0]
     try:
-        stat = path.stat()
-        key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+        key = tuple((str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in parts)
         if key in _reader_cache:
             return _reader_cache[key]
-        with open(path, "rb") as f:
+        with open(parts[0], "rb") as f:
             magic = f.read(4)
     except OSError as err:
-        raise ModelError(f"cannot read GGUF file {path}: {err.strerror or err}") from None
+        raise ModelError(f"cannot read GGUF file {shown}: {err.strerror or err}") from None
     if magic != b"GGUF":
-        raise ModelError(f"{path}: not a GGUF file (it does not start with the GGUF magic)")
+        raise ModelError(f"{shown}: not a GGUF file (it does not start with the GGUF magic)")
     try:
         reader = GGUFFile(path)
     except Exception as err:  # damaged files surface as ValueError/IndexError/struct errors
         reason = " ".join(str(err).split())[:120] or type(err).__name__  # one line, bounded
-        raise ModelError(f"{path}: truncated or corrupt GGUF file ({reason})") from None
+        raise ModelError(f"{shown}: truncated or corrupt GGUF file ({reason})") from None
     while len(_reader_cache) >= _READER_CACHE_SIZE:
         del _reader_cache[next(iter(_reader_cache))]  # oldest first (dicts keep insertion order)
     _reader_cache[key] = reader
@@ -99,7 +104,7 @@ def _checked_metadata(path) -> tuple[object, dict]:
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelError(
-            f"unsupported GGUF architecture {arch!r} in {Path(path).name} "
+            f"unsupported GGUF architecture {arch!r} in {_name(path)} "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
     return reader, meta
@@ -108,13 +113,13 @@ def _checked_metadata(path) -> tuple[object, dict]:
 def _token_field(reader, path) -> list[str]:
     tokens = reader.meta.get("tokenizer.ggml.tokens")
     if tokens is None:
-        raise ModelError(f"{Path(path).name}: GGUF file has no tokenizer.ggml.tokens")
+        raise ModelError(f"{_name(path)}: GGUF file has no tokenizer.ggml.tokens")
     return tokens
 
 
 def _required(meta: dict, key: str, path):
     if meta.get(key) is None:
-        raise ModelError(f"{Path(path).name}: GGUF metadata key {key!r} is missing")
+        raise ModelError(f"{_name(path)}: GGUF metadata key {key!r} is missing")
     return meta[key]
 
 
@@ -142,7 +147,7 @@ def read_gguf_config(path) -> dict:
     if isinstance(pattern, list):
         sliding = [bool(s) for s in pattern]
         if len(sliding) != n_layers:
-            raise ModelError(f"{Path(path).name}: sliding_window_pattern has {len(sliding)} entries, not {n_layers}")
+            raise ModelError(f"{_name(path)}: sliding_window_pattern has {len(sliding)} entries, not {n_layers}")
     else:
         n = int(pattern)
         sliding = [n == 0 or i % n < n - 1 for i in range(n_layers)]
@@ -251,12 +256,12 @@ def iter_gguf_tensors(path) -> Iterator[tuple[str, np.ndarray]]:
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
         if name is None:
-            raise ModelError(f"{Path(path).name}: unexpected tensor {tensor.name!r} for gemma3")
+            raise ModelError(f"{_name(path)}: unexpected tensor {tensor.name!r} for gemma3")
         try:
             weights = _dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError:
             raise ModelError(
-                f"{Path(path).name}: tensor {tensor.name!r} uses quantization "
+                f"{_name(path)}: tensor {tensor.name!r} uses quantization "
                 f"{tensor.tensor_type.name}, which gguf cannot dequantize"
             ) from None
         # copy: F32 comes back as a view of the read-only memmap
@@ -282,6 +287,21 @@ class GGUFTokenizerInfo:
     pad_id: int | None
     add_bos: bool
     chat_template: str | None
+    chat_tuned: bool
+
+
+# How llama.cpp's converter names an instruction tune (general.finetune "it" of gemma-3-270m-it,
+# "Instruct" of Qwen2.5-7B-Instruct), as a word of the finetune, name or basename.
+_CHAT_TUNE_WORDS = {"it", "instruct", "chat"}
+
+
+def _chat_tuned(meta: dict) -> bool:
+    """Whether a GGUF's model is chat-tuned: the file carries a chat template, or its name says so."""
+    if meta.get("tokenizer.chat_template"):
+        return True
+    words = {w for key in ("general.finetune", "general.name", "general.basename")
+             for w in re.split(r"[^a-z0-9]+", str(meta.get(key) or "").lower())}
+    return bool(words & _CHAT_TUNE_WORDS)
 
 
 def _merges_from_vocab(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
@@ -314,7 +334,7 @@ def load_gguf_tokenizer(path) -> GGUFTokenizerInfo:
     reader, meta = _checked_metadata(path)
     model = meta.get("tokenizer.ggml.model")
     if model != "llama":
-        raise ModelError(f"{Path(path).name}: unsupported GGUF tokenizer model {model!r} for gemma3 (expected 'llama')")
+        raise ModelError(f"{_name(path)}: unsupported GGUF tokenizer model {model!r} for gemma3 (expected 'llama')")
     file_tokens = _token_strings(reader, path)
     token_types = meta.get("tokenizer.ggml.token_type") or []
 
@@ -384,4 +404,5 @@ def load_gguf_tokenizer(path) -> GGUFTokenizerInfo:
         pad_id=meta.get("tokenizer.ggml.padding_token_id"),
         add_bos=add_bos,
         chat_template=meta.get("tokenizer.chat_template"),
+        chat_tuned=_chat_tuned(meta),
     )

@@ -1,13 +1,17 @@
-"""A GGUF header parser: metadata and tensor table, with tensor data as views of one memmap.
+"""A GGUF header parser: metadata and tensor table, with tensor data as views of memmaps.
 
 gguf's own GGUFReader builds a numpy view per field part, which costs ~10 s on a 262k-entry
 vocabulary; reading the header with plain bytes takes a fraction of a second. Dequantization is
 still the gguf package's.
+
+A file may come in consecutive parts (`SplitFile`: the embedded model, as its wheels install it);
+they are mapped where they lie, so the model is never copied whole onto the disk.
 """
 from __future__ import annotations
 
+import bisect
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +26,40 @@ class GGUFFormatError(ValueError):
     pass
 
 
+@dataclass(frozen=True)
+class SplitFile:
+    """A file stored as consecutive parts, read as one where the parts lie."""
+    name: str                   # the whole file's name
+    parts: tuple[Path, ...]
+
+
+class Parts:
+    """Byte arrays read as one: a range inside one array is a view of it, a range across arrays a
+    copy (the one tensor that crosses, when it is read)."""
+
+    def __init__(self, arrays: list[np.ndarray]):
+        self.arrays = arrays
+        self.starts = [0]
+        for a in arrays:
+            self.starts.append(self.starts[-1] + len(a))
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def read(self, begin: int, end: int) -> np.ndarray:
+        if begin >= end:
+            return self.arrays[0][:0]
+        i = bisect.bisect_right(self.starts, begin) - 1
+        if end <= self.starts[i + 1]:
+            return self.arrays[i][begin - self.starts[i]:end - self.starts[i]]
+        pieces = []
+        while begin < end:
+            stop = min(end, self.starts[i + 1])
+            pieces.append(self.arrays[i][begin - self.starts[i]:stop - self.starts[i]])
+            begin, i = stop, i + 1
+        return np.concatenate(pieces)
+
+
 @dataclass
 class TensorInfo:
     name: str
@@ -29,19 +67,24 @@ class TensorInfo:
     tensor_type: object         # gguf.GGMLQuantizationType
     data_offset: int
     n_bytes: int
-    data: np.ndarray            # raw: float/int dtype for plain types, uint8 rows for quantized
+    file: GGUFFile = field(repr=False)
+
+    @property
+    def data(self) -> np.ndarray:
+        """Raw: float/int dtype for plain types, uint8 rows for quantized ones."""
+        return self.file.tensor_data(self)
 
 
 class GGUFFile:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path | SplitFile):
         import gguf
-        self.path = Path(path)
-        self.buf = np.memmap(self.path, dtype=np.uint8, mode="r")
-        self.mv = memoryview(self.buf)
+        self.path = path if isinstance(path, SplitFile) else Path(path)
+        parts = self.path.parts if isinstance(path, SplitFile) else (self.path,)
+        self.buf = Parts([np.memmap(p, dtype=np.uint8, mode="r") for p in parts])
+        self.mv = memoryview(self.buf.arrays[0])     # the header, as long as it lies in the first part
         self.pos = 0
-        if bytes(self.mv[:4]) != b"GGUF":
+        if bytes(self._take(4)) != b"GGUF":
             raise GGUFFormatError("not a GGUF file")
-        self.pos = 4
         version, n_tensors, n_kv = self._u32(), self._u64(), self._u64()
         if version not in (2, 3):
             raise GGUFFormatError(f"unsupported GGUF version {version}")
@@ -66,21 +109,24 @@ class GGUFFile:
             begin = start + off
             if begin + n_bytes > len(self.buf):
                 raise GGUFFormatError(f"truncated GGUF file (tensor {name!r} runs past its end)")
-            raw = self.buf[begin:begin + n_bytes]
-            shape = tuple(reversed(dims))
-            if qt in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-                data = raw.view(np.float32 if qt == gguf.GGMLQuantizationType.F32 else np.float16).reshape(shape)
-            else:
-                rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-                data = raw.reshape(rows, -1) if len(shape) > 1 else raw
-            self.tensors.append(TensorInfo(name, dims, qt, begin, n_bytes, data))
+            self.tensors.append(TensorInfo(name, dims, qt, begin, n_bytes, self))
+
+    def tensor_data(self, t: TensorInfo) -> np.ndarray:
+        import gguf
+        raw = self.buf.read(t.data_offset, t.data_offset + t.n_bytes)
+        shape = tuple(reversed(t.shape))
+        if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            return raw.view(np.float32 if t.tensor_type == gguf.GGMLQuantizationType.F32 else np.float16).reshape(shape)
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        return raw.reshape(rows, -1) if len(shape) > 1 else raw
 
     # -- primitive reads -------------------------------------------------------------------------
     def _take(self, n: int) -> memoryview:
-        if self.pos + n > len(self.buf):
+        end = self.pos + n
+        if end > len(self.buf):
             raise GGUFFormatError("truncated GGUF header")
-        out = self.mv[self.pos:self.pos + n]
-        self.pos += n
+        out = self.mv[self.pos:end] if end <= len(self.mv) else memoryview(self.buf.read(self.pos, end))
+        self.pos = end
         return out
 
     def _u32(self) -> int:

@@ -23,14 +23,10 @@ import jax
 from jaxllm.errors import ModelError
 from jaxllm.model.params import map_specs
 from jaxllm.quant import QuantArray
+from jaxllm.weights import SAVED_META as META
 
-META = "jaxllm.json"
 WEIGHTS = "weights"
 VERSION = 1
-
-
-def is_saved(d: Path) -> bool:
-    return (d / META).exists()
 
 
 def read_meta(d: Path) -> dict:
@@ -189,7 +185,9 @@ def write_source_files(files, dst: Path, tok) -> None:
     from jaxllm.weights.gguf import read_gguf_config
     (dst / "config.json").write_text(json.dumps(read_gguf_config(files.path), indent=1, default=str))
     tok.tok.save(str(dst / "tokenizer.json"))
+    # A template here marks the model chat-tuned when read back (`Tokenizer.from_hf_dir`), so a base
+    # model's is left out: the family's fallback is supplied again.
     (dst / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": tok.bos_token, "eos_token": tok.eos_token, "add_bos_token": tok.add_bos,
-        "chat_template": tok.chat_template}, indent=1))
+        "chat_template": tok.chat_template if tok.chat_tuned else None}, indent=1))
     (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": list(tok.eos_ids)}))

@@ -13,9 +13,9 @@ GGUF file itself is not read then. The layout is not part of the key, since a re
 whatever layout it is given.
 
 - sha256 names the source's content. For the embedded model it is the digest its package
-  publishes (and checks when it assembles the file), so a hit neither assembles nor hashes the
-  file. Any other file is hashed once, and the digest kept in `weights/digests/` under a name made
-  of the file's resolved path, size, mtime_ns and ctime_ns: a file changed in any way is hashed again.
+  publishes, so a hit neither reads nor hashes its parts. Any other file is hashed once, and the
+  digest kept in `weights/digests/` under a name made of the file's resolved path, size, mtime_ns
+  and ctime_ns: a file changed in any way is hashed again.
 - code is a short hash of the source of the modules that turn GGUF bytes into the saved model, so
   an entry is never read by code that would have built something else; FORMAT is bumped when what
   an entry holds changes in a way those sources do not show.
@@ -39,7 +39,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from jaxllm.config.runtime import env
+from jaxllm.config.runtime import cache_dir, env
 from jaxllm.errors import ModelError
 
 ENV = "JAXLLM_WEIGHT_CACHE"
@@ -86,7 +86,6 @@ def entry_for(model_dir, quant: str, dtype, flag: bool | None = None) -> Entry |
         return None
     name, digest = source
     dtype = jnp.dtype(dtype).name
-    from jaxllm.weights.default import cache_dir
     path = cache_dir() / "weights" / f"{_stem(digest, quant, dtype)}-v{FORMAT}-{code_fingerprint()}"
     return Entry(path, name, digest, quant, dtype)
 
@@ -126,7 +125,6 @@ def code_fingerprint() -> str:
 def file_digest(p: Path) -> str | None:
     """The sha256 of `p`, read from its memo when the file has not changed since; None when the
     file cannot be read or changes while it is hashed."""
-    from jaxllm.weights.default import cache_dir
     try:
         version = _version(p)
         memo = cache_dir() / "weights" / "digests" / version

@@ -126,8 +126,8 @@ def run_bench(argv, capsys):
 
 def test_sweep_on_tiny_shape_writes_json_png_and_table(tmp_path, capsys):
     out = tmp_path / "r" / "tiny.json"
-    text = run_bench(["--shape", shape_file(tmp_path), "--batches", "1,2", "--ctx", "24", "--steps", "3",
-                      "--repeats", "2", "--prompt-lens", "8", "--out", str(out), "--probe-mib", "8",
+    text = run_bench(["--shape", shape_file(tmp_path), "--dtype", "bfloat16", "--batches", "1,2", "--ctx", "24",
+                      "--steps", "3", "--repeats", "2", "--prompt-lens", "8", "--out", str(out), "--probe-mib", "8",
                       "--matmul-n", "128"], capsys)
     rep = json.loads(out.read_text())
     check_report(rep, [1, 2], 24)
@@ -150,10 +150,38 @@ def test_sweep_on_tiny_shape_writes_json_png_and_table(tmp_path, capsys):
     assert "TTFT@8 ms" in lines[-3] and "MFU@8" in lines[-3]
     assert lines[-2].split()[0] == "1" and lines[-2].split()[-1].endswith("%") and lines[-1].split()[0] == "2"
     assert lines[-4].endswith("; greedy")
-    run_bench(["--shape", shape_file(tmp_path), "--batches", "1,2", "--ctx", "24", "--steps", "1", "--warmup", "0",
-               "--repeats", "1", "--prompt-lens", "8", "--ttft-every-batch", "--out", str(out), "--probe-mib", "8",
-               "--matmul-n", "128"], capsys)
+
+
+def test_results_go_under_the_user_cache_and_progress_shows_from_the_start(tmp_path, capsys, monkeypatch):
+    """Without --out the JSON and the plot land in a new file under the user's cache (the weight
+    cache's root, $JAXLLM_CACHE here), named on stderr; progress lines come before JAX loads and
+    at every stage."""
+    monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    assert bench.main(["--shape", shape_file(tmp_path), "--batches", "1,2", "--ctx", "24", "--steps", "1",
+                       "--warmup", "0", "--repeats", "1", "--prompt-lens", "8", "--ttft-every-batch",
+                       "--probe-mib", "8", "--matmul-n", "128"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    (out,) = (tmp_path / "cache" / "bench").glob("tiny-*.json")
+    assert f"wrote {out} and {out.with_suffix('.png')}" in err and out.with_suffix(".png").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "tiny.json"]     # nothing in the working folder
     assert all(set(p["ttft_ms"]) == {"8"} for p in json.loads(out.read_text())["points"])
+    notes = [line for line in err if line.startswith("bench: ")]
+    assert notes[0] == "bench: tiny: loading JAX"
+    assert any("model ready" in n for n in notes)
+    assert any(n.startswith("bench: batch 2: ") and "ms/step" in n for n in notes)
+
+
+def test_defaults_are_sized_for_the_platform():
+    """--batches, --ctx and --steps left unset take a CPU's small sweep there, the recorded
+    results' points on GPUs and TPUs; flags given stay."""
+    a = bench.build_parser().parse_args(["--shape", "qwen3-4b", "--ctx", "2048"])
+    bench.size_for(a, "cpu")
+    assert (a.batches, a.ctx, a.steps) == ([1, 8], 2048, 16)
+    for platform in ("gpu", "tpu"):
+        a = bench.build_parser().parse_args(["--shape", "qwen3-4b", "--batches", "4"])
+        bench.size_for(a, platform)
+        assert (a.batches, a.ctx, a.steps) == ([4], 1024, 64)
 
 
 def test_sweep_on_gemma3_270m_shape(tmp_path, capsys):
@@ -183,8 +211,8 @@ def test_bad_flags_are_one_line_errors(tmp_path, capsys):
                       (["--shape", shape_file(tmp_path), "--int8-rings"], "--int8-rings needs int8 global layers"),
                       (["--shape", shape_file(tmp_path), "--rebuild-keys"], "--rebuild-keys applies to global layers whose V is their K")]:
         assert bench.main(argv + ["--out", str(tmp_path / "x.json")]) == 2
-        err = capsys.readouterr().err.strip()
-        assert err.startswith("error:") and msg in err and "\n" not in err
+        err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("bench: ")]
+        assert len(err) == 1 and err[0].startswith("error:") and msg in err[0]
     assert not (tmp_path / "x.json").exists()
 
 
@@ -211,7 +239,8 @@ def test_sweep_on_a_model_directory(tmp_path, capsys):
     Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "m")
     out = tmp_path / "m.json"
     run_bench(["--model-dir", str(tmp_path / "m"), "--batches", "2", "--ctx", "8", "--steps", "2",
-               "--quant", "none", "--out", str(out), "--probe-mib", "8", "--matmul-n", "128"], capsys)
+               "--quant", "none", "--dtype", "bfloat16", "--out", str(out), "--probe-mib", "8", "--matmul-n", "128"],
+              capsys)
     rep = json.loads(out.read_text())
     check_report(rep, [2], 8)
     p = rep["points"][0]
@@ -226,7 +255,7 @@ def test_bench_rows_hold_their_own_blocks():
     positions of global KV and a window of sliding KV per row, as a served request's would."""
     from jaxllm.engine.engine import Engine
     from jaxllm.engine.sampling import SamplingParams
-    from jaxllm.harness.bench import decode_state
+    from jaxllm.harness.sweep import decode_state
     from jaxllm.model.presets import load_preset
     cfg, fam = load_preset("gemma3-270m")
     ctx = 700

@@ -99,29 +99,86 @@ def test_nothing_written_into_model_dir(good, tmp_path):
     assert sorted((p.name, p.stat().st_size) for p in d.iterdir()) == before
 
 
-@pytest.mark.parametrize("flags,needle", [
-    (["--max-tokens", "0"], "max_tokens"),
-    (["--max-tokens", "-3"], "max_tokens"),
-    (["--temperature", "-0.5"], "temperature"),
-    (["--top-p", "0"], "top_p"),
-    (["--top-p", "1.5"], "top_p"),
-    (["--top-k", "-1"], "top_k"),
-    (["--max-ctx", "0"], "--max-ctx"),
-    (["--bogus-flag"], "--bogus-flag"),
-    (["--prompt-file", "/nonexistent/prompt.txt"], "prompt-file"),
+# Runs a front end as `python -m` does, then prints whether JAX had been imported when it ended: a
+# refusal that comes before JAX loads comes at once (importing JAX alone takes seconds).
+PROBE = ("import atexit, runpy, sys\n"
+         "atexit.register(lambda: print('jax imported:', 'jax' in sys.modules))\n"
+         "sys.argv = sys.argv[1:]\n"
+         "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n")
+# Loading a model's weights, made to fail loudly: a refusal that must come before any weight is read.
+NO_WEIGHTS = ("import jaxllm.weights\n"
+              "def load_model(*a, **k):\n"
+              "    raise SystemExit('a weight was read')\n"
+              "jaxllm.weights.load_model = load_model\n")
+
+
+def front_end(module, *args, prelude="", cache):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, "JAXLLM_CACHE": str(cache)}
+    env.pop("JAXLLM_DEBUG", None)
+    return subprocess.run([sys.executable, "-c", prelude + PROBE, module, *args], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=ROOT)
+
+
+def jax_imported(r) -> bool:
+    return r.stdout.strip().splitlines()[-1] == "jax imported: True"
+
+
+@pytest.mark.parametrize("module,flags,needle", [
+    ("jaxllm.infer", ["--max-tokens", "0"], "max_tokens"),
+    ("jaxllm.infer", ["--max-tokens", "-3"], "max_tokens"),
+    ("jaxllm.infer", ["--temperature", "-0.5"], "temperature"),
+    ("jaxllm.infer", ["--top-p", "0"], "top_p"),
+    ("jaxllm.infer", ["--top-p", "1.5"], "top_p"),
+    ("jaxllm.infer", ["--top-k", "-1"], "top_k"),
+    ("jaxllm.infer", ["--max-ctx", "0"], "--max-ctx"),
+    ("jaxllm.infer", ["--batch", "0"], "--batch"),
+    ("jaxllm.infer", ["--bogus-flag"], "--bogus-flag"),
+    ("jaxllm.infer", ["--chat", "--raw-prompt"], "not allowed with"),
+    ("jaxllm.infer", ["--prompt-file", "/nonexistent/prompt.txt"], "prompt-file"),
+    ("jaxllm.infer", ["--model-dir", "/nonexistent/model"], "does not exist"),
+    ("jaxllm.infer", ["--num-processes", "2"], "go together"),
+    ("jaxllm.infer", ["--perplexity", "--ppl-file", "/nonexistent/text.txt"], "no such file"),
+    ("jaxllm.infer", ["--perplexity", "--ppl-file", "README.md", "--ppl-window", "1"], "window"),
+    ("jaxllm.bench", ["--shape", "no-such-model"], "unknown shape"),
+    ("jaxllm.bench", ["--shape", "qwen3-0.6b", "--model-dir", "/m"], "not allowed with"),
+    ("jaxllm.bench", ["--shape", "qwen3-0.6b", "--ctx", "0"], "--ctx"),
+    ("jaxllm.bench", ["--shape", "qwen3-0.6b", "--top-p", "1.5"], "top_p"),
+    ("jaxllm.bench", ["--model-dir", "/nonexistent/model"], "does not exist"),
+    ("jaxllm.serve", ["--port", "99999"], "--port"),
+    ("jaxllm.serve", ["--max-num-seqs", "0"], "--max-num-seqs"),
+    ("jaxllm.serve", ["--request-timeout", "-1"], "--request-timeout"),
+    ("jaxllm.serve", ["--tokenizer", "/tmp"], "--shape"),
+    ("jaxllm.serve", ["--shape", "no-such-model"], "unknown shape"),
+    ("jaxllm.serve", ["--model-dir", "/nonexistent/model"], "does not exist"),
+    ("jaxllm.convert", [], "--out"),
+    ("jaxllm.convert", ["--out", "/tmp/x", "--tp", "0"], "--tp"),
+    ("jaxllm.convert", ["--out", ROOT], "not empty"),
+    ("jaxllm.convert", ["--out", "/tmp/x", "--model-dir", "/nonexistent/model"], "does not exist"),
 ])
-def test_bad_flags(flags, needle):
-    assert_one_line_error(infer(*flags), needle)
+def test_bad_flags_are_refused_before_jax_loads(module, flags, needle, tmp_path):
+    r = front_end(module, *flags, cache=tmp_path / "cache")
+    assert_one_line_error(r, needle)
+    assert not jax_imported(r), r.stdout
+
+
+@pytest.mark.parametrize("module,flags,needle", [
+    ("jaxllm.infer", ["--raw-prompt", "--prompt", "The capital of France is", "--max-tokens", "10000000"],
+     ["max_tokens 10000000", "max_ctx 8192"]),
+    ("jaxllm.infer", ["--model-dir", "GOOD", "--max-ctx", "16", "--max-tokens", "16"], ["max_tokens 16", "max_ctx 16"]),
+    ("jaxllm.serve", ["--model-dir", "GOOD", "--max-model-len", "1000"], ["--max-model-len 1000", "512"]),
+])
+def test_limits_of_the_model_are_checked_before_any_weight_is_read(module, flags, needle, good, tmp_path):
+    """New tokens that cannot fit the context (the embedded model's default of 8192, or --max-ctx)
+    and a server's --max-model-len past the model's maximum are refused from the model's config
+    alone: its weights are never read, and nothing lands in the cache."""
+    flags = [str(good) if f == "GOOD" else f for f in flags]
+    r = front_end(module, *flags, prelude=NO_WEIGHTS, cache=tmp_path / "cache")
+    assert "a weight was read" not in r.stderr
+    assert_one_line_error(r, *needle)
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
 
 
 @pytest.mark.slow
 def test_prompt_longer_than_max_ctx():
     r = infer("--raw-prompt", "--prompt", "word " * 200, "--max-ctx", "64", "--max-tokens", "4")
     assert_one_line_error(r, "max_ctx", "64")
-
-
-def test_max_tokens_beyond_the_context():
-    """A prompt and --max-tokens that need more positions than the context (the embedded model's
-    default of 8192) are refused with both numbers, not run until killed."""
-    r = infer("--raw-prompt", "--prompt", "The capital of France is", "--max-tokens", "10000000")
-    assert_one_line_error(r, "max_tokens 10000000", "max_ctx 8192")

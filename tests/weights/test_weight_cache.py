@@ -76,6 +76,11 @@ def load(path, quant="int8", dtype=jnp.float32, **kw):
     return out, [str(w.message) for w in caught]
 
 
+def magic(path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(4)
+
+
 def entries(cache):
     return sorted(p.name for p in cache.glob("*") if p.name != "digests") if cache.exists() else []
 
@@ -90,7 +95,7 @@ def assert_same_model(a, b):
     for x, y in zip(leaves_a, leaves_b):
         assert x.dtype == y.dtype and x.shape == y.shape
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    for field in ("bos_id", "eos_ids", "add_bos", "chat_template", "bos_token"):
+    for field in ("bos_id", "eos_ids", "add_bos", "chat_template", "chat_tuned", "bos_token"):
         assert getattr(tok_a, field) == getattr(tok_b, field), field
     assert tok_a.tok.get_vocab() == tok_b.tok.get_vocab()
 
@@ -215,13 +220,16 @@ def test_concurrent_writer_keeps_the_first_entry(tiny, cache):
 
 def test_embedded_model_second_load(tmp_path, monkeypatch, builds):
     """The embedded model's entry is found by the package's published sha256: a warm load neither
-    assembles nor hashes the 240 MB file, nor dequantizes it."""
+    reads nor hashes the 240 MB file, nor dequantizes it. The cache holds no copy of the file: a
+    first load reads the installed parts in place."""
     from jaxllm.weights import default
     monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path))
     monkeypatch.delenv(wcache.ENV, raising=False)
     first, warned = load(None, "int8", jnp.bfloat16)
     assert not warned and len(builds) == 1
-    monkeypatch.setattr(default, "default_model_path", lambda: pytest.fail("assembled the file again"))
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert files and not [p for p in files if magic(p) == b"GGUF"]
+    monkeypatch.setattr(default, "default_model_file", lambda: pytest.fail("read the file again"))
     second, warned = load(None, "int8", jnp.bfloat16)
     assert not warned and len(builds) == 1
     assert_same_model(first, second)

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from jaxllm.config.model import ModelConfig
 from jaxllm.errors import ModelError
-from jaxllm.model.families import family_for
 
 PRESET_DIR = Path(__file__).parent
 
@@ -50,6 +49,7 @@ def preset_hf_config(name: str, **overrides) -> dict:
 
 def load_preset(name: str, **overrides) -> tuple[ModelConfig, object]:
     """-> (ModelConfig, family module) of a preset name or a config.json path."""
+    from jaxllm.model.families import family_for  # JAX: `read` checks a name before it loads
     hf = preset_hf_config(name, **overrides)
     try:
         fam = family_for(hf)
