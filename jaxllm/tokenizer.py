@@ -19,14 +19,20 @@ def _token_text(v) -> str | None:
 
 
 class Tokenizer:
+    """`chat_tuned`: the model answers chat turns, so a prompt takes the chat template by default.
+    Its files say so (a template of their own, or a GGUF named as an instruction tune); a template
+    the family supplies for a model that has none (`fallback_template`) serves chat requests but
+    does not make the model chat-tuned."""
+
     def __init__(self, tok, *, bos_id=None, eos_ids=(), add_bos=False, chat_template=None,
-                 bos_token=None, eos_token=None):
+                 bos_token=None, eos_token=None, chat_tuned=False):
         self.tok = tok
         self._pieces: dict[int, str] = {}
         self.bos_id = bos_id
         self.eos_ids = tuple(eos_ids)
         self.add_bos = add_bos
         self.chat_template = chat_template
+        self.chat_tuned = chat_tuned
         self.bos_token = bos_token
         self.eos_token = eos_token
         self._template = None
@@ -59,7 +65,7 @@ class Tokenizer:
                     eos_ids.append(i)
         return cls(tok, bos_id=tok.token_to_id(bos) if bos else None, eos_ids=eos_ids,
                    add_bos=bool(tc.get("add_bos_token", False)), chat_template=template or fallback_template,
-                   bos_token=bos, eos_token=eos)
+                   bos_token=bos, eos_token=eos, chat_tuned=bool(template))
 
     # -- use -------------------------------------------------------------------------------------
     def encode(self, text: str, add_special: bool = True) -> list[int]:

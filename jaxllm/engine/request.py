@@ -2,9 +2,32 @@
 when to stop and what to report. The server's requests extend it with what only HTTP needs."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+from jaxllm.errors import RequestError
+
 SEED_MOD = 2 ** 32
+
+
+def check_sampling(max_tokens, temperature, top_k, top_p):
+    """Sampling values a request may ask for (no JAX here: front ends check their flags with it
+    before JAX loads)."""
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise RequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    if temperature is None or not math.isfinite(temperature) or temperature < 0:
+        raise RequestError(f"temperature must be >= 0, got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 0):
+        raise RequestError(f"top_k must be a non-negative integer, got {top_k!r}")
+    if top_p is not None and not (0 < top_p <= 1):
+        raise RequestError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
+def nth_seed(seed: int, i: int) -> int:
+    """The seed the i-th answer drawn under `seed` samples with: seed + i (modulo 2**32). Choice i
+    of a request and row i of an `Engine.generate` call both take it, so one seed reproduces every
+    answer and no two answers of one call draw the same noise."""
+    return (seed + i) % SEED_MOD
 
 
 @dataclass
@@ -30,8 +53,8 @@ class Request:
     min_tokens: int = 0
 
     def choice_seed(self, i: int) -> int:
-        """The seed choice i samples with: the request's seed + i (modulo 2**32)."""
-        return (self.seed + i) % SEED_MOD
+        """The seed choice i samples with: the request's seed + i (`nth_seed`)."""
+        return nth_seed(self.seed, i)
 
     @property
     def prompt_logprobs(self) -> bool:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm import pytree
+from jaxllm.engine.request import nth_seed
 
 
 @pytree.dataclass
@@ -21,10 +22,13 @@ class SamplingParams:
 
     @staticmethod
     def make(batch: int, temperature=0.0, top_k=None, top_p=None, seed=0) -> "SamplingParams":
+        """One setting for `batch` rows; row b samples with seed + b (`nth_seed`, as choice b of a
+        request does), so the rows draw apart and one seed reproduces them all."""
         def arr(v, dtype):
             return jnp.broadcast_to(jnp.asarray(v, dtype), (batch,))
+        seeds = jnp.asarray(np.array([nth_seed(seed, b) for b in range(batch)], np.uint32))
         return SamplingParams(arr(temperature, jnp.float32), arr(top_k or 0, jnp.int32),
-                              arr(1.0 if top_p is None else top_p, jnp.float32), arr(seed, jnp.uint32))
+                              arr(1.0 if top_p is None else top_p, jnp.float32), seeds)
 
 
 def _order_keys(x: jax.Array) -> jax.Array:

@@ -4,8 +4,11 @@ from __future__ import annotations
 import json
 import sys
 
+from jaxllm.engine.request import check_sampling
 from jaxllm.errors import RequestError
+from jaxllm.harness import distributed
 from jaxllm.harness.cli import Parser, add_model_args, load_engine, one_line_errors, positive_int
+from jaxllm.harness.perplexity import add_perplexity_args, check_perplexity_args, run_perplexity
 
 DEFAULT_PROMPT = "Write a haiku about the sea."
 PROG = "jaxllm.infer"
@@ -21,15 +24,15 @@ def build_parser() -> Parser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="row b of the batch samples with seed + b")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--raw-prompt", action="store_true", help="no chat template")
+    template = p.add_mutually_exclusive_group()
+    template.add_argument("--chat", action="store_true",
+                          help="apply the chat template (default: only where the model is chat-tuned)")
+    template.add_argument("--raw-prompt", action="store_true",
+                          help="no chat template (default where the model is not chat-tuned)")
     p.add_argument("--json", action="store_true", help="one JSON object per line on stdout")
-    try:
-        from jaxllm.harness.perplexity import add_perplexity_args
-        add_perplexity_args(p)
-    except ImportError:
-        pass
+    add_perplexity_args(p)
     return p
 
 
@@ -52,15 +55,35 @@ def prompts_from(args) -> list[str]:
 
 
 def check_args(args):
-    from jaxllm.engine.engine import check_sampling
-    check_sampling(args.max_tokens, args.temperature, args.top_k, args.top_p)
+    """Every flag, and the files they name, before JAX loads."""
+    distributed.check_args(args)
+    if args.perplexity:
+        check_perplexity_args(args)
+    else:
+        check_sampling(args.max_tokens, args.temperature, args.top_k, args.top_p)
+        prompts_from(args)
+
+
+def check_context(args):
+    """The model's limits, from its config alone (JAX loads, no weight is read): the new tokens and
+    a prompt of at least one token must fit the context, --max-ctx or the model's default."""
+    from jaxllm.weights import read_config
+    cfg = read_config(args.model_dir)
+    ctx = args.max_ctx or cfg.default_ctx
+    if not args.perplexity and args.max_tokens + 1 > ctx:
+        raise RequestError(f"max_tokens {args.max_tokens} and a prompt of at least one token need more "
+                           f"positions than max_ctx {ctx}: lower --max-tokens to at most {ctx - 1} or "
+                           f"raise --max-ctx")
 
 
 def run_generate(args, eng):
     prompts = prompts_from(args)
+    chat = True if args.chat else False if args.raw_prompt else None       # None: as the model is
+    tok = eng.tokenizer
+    if args.chat and tok is not None and tok.chat_template and not tok.chat_tuned:
+        sys.stderr.write(f"{PROG}: note: {eng.name} is not chat-tuned; --chat applies its family's chat template\n")
     outs = eng.generate(prompts, max_tokens=args.max_tokens, temperature=args.temperature,
-                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
-                        chat=not args.raw_prompt)
+                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop, chat=chat)
     st = eng.stats
     ttft_ms = st.ttft_s * 1000
     # tokens after each row's first, over the loop's time (rows that stopped early count what they made)
@@ -85,14 +108,13 @@ def run_generate(args, eng):
 def main(argv=None):
     args = build_parser().parse_args(argv)
     with one_line_errors(PROG):
-        if getattr(args, "perplexity", False):
-            from jaxllm.harness.perplexity import check_perplexity_args, run_perplexity
-            check_perplexity_args(args)
-            run_perplexity(args, load_engine(args, quiet=args.json))
-            return
         check_args(args)
-        prompts_from(args)                 # a bad --prompt-file fails before the model loads
-        run_generate(args, load_engine(args, quiet=args.json))
+        check_context(args)
+        eng = load_engine(args, quiet=args.json)
+        if args.perplexity:
+            run_perplexity(args, eng)
+        else:
+            run_generate(args, eng)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ class IdsTokenizer:
     """What a random-weight model has for a tokenizer: prompts come as token ids, and generated ids
     read back as text, each as a space and its number (so a streamed text counts its tokens)."""
     chat_template = None
+    chat_tuned = False
     bos_id = None
     eos_ids = ()
 
@@ -46,7 +47,8 @@ def random_engine(shape: str, *, dtype: str = "bfloat16", quant: str = "int8", m
                   kv_quant: str = "auto", kv_options=None, seed: int = 0, speculative=None,
                   num_speculative_tokens: int = 4, draft_shape: str | None = None,
                   draft_model_dir: str | None = None, draft_always: bool = False,
-                  speculative_max_batch: int | None = 4, tokenizer: str | None = None, runtime=None, **overrides):
+                  speculative_max_batch: int | None = 4, tokenizer: str | None = None, runtime=None,
+                  compilation_cache=None, **overrides):
     """An Engine of a named architecture (a preset name or a config.json path) with random weights
     made in their shardings on `layout` (default: one device), and no tokenizer (`IdsTokenizer`), or
     the one in the directory `tokenizer` (its tokenizer.json; the model's vocabulary must hold its
@@ -54,13 +56,14 @@ def random_engine(shape: str, *, dtype: str = "bfloat16", quant: str = "int8", m
     `speculative` as in `jaxllm.load`; a draft model is a random `draft_shape` or the real model at
     `draft_model_dir` (the cost of a cycle is the same; what it accepts of random logits is not
     meaningful either way); `draft_always` keeps every row drafting whatever it accepts, for the cost
-    of a cycle."""
+    of a cycle. `compilation_cache` as in `jaxllm.load`."""
     from jaxllm import ops
     from jaxllm.config.runtime import RuntimeConfig
     from jaxllm.engine.engine import DTYPES, Engine
     from jaxllm.engine.sharding import check_divisible, single_device_layout
     from jaxllm.errors import ModelError
     from jaxllm.model.presets import load_preset
+    layout = layout or single_device_layout()
     if dtype not in DTYPES:
         raise ModelError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if quant not in ("int8", "none"):
@@ -69,8 +72,9 @@ def random_engine(shape: str, *, dtype: str = "bfloat16", quant: str = "int8", m
     if draft_shape is not None and draft_model_dir is not None:
         raise ModelError("a draft model is a random shape or a model directory, not both")
     check_args(speculative, num_speculative_tokens, draft_shape or draft_model_dir)
-    layout = layout or single_device_layout()
     runtime = RuntimeConfig.from_env() if runtime is None else runtime
+    from jaxllm.engine.compilation_cache import enable
+    enable(compilation_cache)            # before the random weights compile
     prepare = ops.select(runtime, layout).prepare_weights
 
     def build(name, seed, **kw):
@@ -93,4 +97,4 @@ def random_engine(shape: str, *, dtype: str = "bfloat16", quant: str = "int8", m
     tok = IdsTokenizer() if tokenizer is None else shape_tokenizer(tokenizer, cfg)
     return Engine(cfg, weights, tok, dtype=dtype, max_ctx=max_ctx, name=f"{shape} (random weights)",
                   quant=quant, layout=layout, kv_quant=kv_quant, kv_options=kv_options, speculation=spec,
-                  draft_weights=draft, runtime=runtime)
+                  draft_weights=draft, runtime=runtime, compilation_cache=compilation_cache)

@@ -99,9 +99,13 @@ def test_sampling_is_reproducible_and_seed_dependent(eng):
     c = eng.generate_ids(prompts, seed=8, **kw)
     assert [x.token_ids for x in a] == [x.token_ids for x in b]
     assert [x.token_ids for x in a] != [x.token_ids for x in c]
-    # a row samples the same tokens alone as inside a batch
-    alone = eng.generate_ids(prompts[1:], seed=7, **kw)
+    # row b samples with seed + b: row 1 of the scheduler's call (prompts of mixed lengths) is its
+    # prompt alone with seed 8, and row 1 of a lockstep call (one length) with seed 7, whose row 0
+    # draws apart from it
+    alone = eng.generate_ids(prompts[1:], seed=8, **kw)
     assert alone[0].token_ids == a[1].token_ids
+    lockstep = eng.generate_ids([prompts[1]] * 2, seed=7, **kw)
+    assert lockstep[1].token_ids == a[1].token_ids != lockstep[0].token_ids
 
 
 @pytest.mark.parametrize("eng", ["gemma3"], indirect=True)     # its rings and global layers cover Qwen3's

@@ -93,11 +93,31 @@ def test_cli_continuation_and_json():
         assert rec["finish_reason"] in ("stop", "length")
 
 
-def test_chat_template_applied_by_default(eng32):
-    ids = eng32.encode_prompt("Hello", chat=True)
-    text = eng32.tokenizer.decode(ids, skip_special=False)
+def infer_json(eng, capsys, *args):
+    """`python -m jaxllm.infer --json ARGS` past loading, on a loaded engine -> (records, stderr)."""
+    from jaxllm.harness import infer
+    infer.run_generate(infer.build_parser().parse_args(["--json", *args]), eng)
+    out = capsys.readouterr()
+    return [json.loads(line) for line in out.out.splitlines()], out.err
+
+
+def test_base_model_prompt_goes_in_raw_unless_chat_is_asked(eng32, capsys):
+    """The embedded model is a base model (its GGUF has no chat template and no instruction-tuned
+    name): a prompt goes in as written and the answer has no turn markers; `--chat` applies Gemma
+    3's template, with a note."""
+    tok, prompt = eng32.tokenizer, "Why is the sky blue?"
+    assert not tok.chat_tuned and tok.chat_template          # the family's template, for chat requests
+    assert eng32.encode_prompt(prompt) == tok.encode(prompt)
+    (rec,), err = infer_json(eng32, capsys, "--prompt", prompt, "--max-tokens", "8")
+    assert rec["num_prompt_tokens"] == len(tok.encode(prompt)) and "note" not in err
+    answer = tok.decode(rec["token_ids"], skip_special=False)
+    assert rec["token_ids"] and "<start_of_turn>" not in answer and "<end_of_turn>" not in answer
+    assert not {"user", "model"} & {line.strip() for line in rec["text"].splitlines()}
+    templated = eng32.encode_prompt(prompt, chat=True)
+    text = tok.decode(templated, skip_special=False)
     assert "<start_of_turn>user" in text and text.rstrip().endswith("<start_of_turn>model")
-    assert eng32.encode_prompt("Hello", chat=False) != ids
+    (rec,), err = infer_json(eng32, capsys, "--chat", "--prompt", prompt, "--max-tokens", "2")
+    assert rec["num_prompt_tokens"] == len(templated) and "not chat-tuned" in err
 
 
 def test_cli_long_context_prompt_file(tmp_path):

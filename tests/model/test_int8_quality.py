@@ -32,7 +32,8 @@ def test_int8_perplexity_within_3_percent(engines):
 @pytest.mark.slow
 def test_int8_greedy_mostly_agrees(engines):
     agree = []
-    outs = {q: [c.token_ids for c in e.generate(PROMPTS, max_tokens=16)] for q, e in engines.items()}
+    # the prompts in Gemma 3's chat template, as the 60% below was set on (raw, they agree less)
+    outs = {q: [c.token_ids for c in e.generate(PROMPTS, max_tokens=16, chat=True)] for q, e in engines.items()}
     for p, a, b in zip(PROMPTS, outs["none"], outs["int8"]):
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         agree.append(same)
