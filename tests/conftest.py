@@ -8,8 +8,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # TF32 (errors near 1e-3), which the kernel tests' tolerances would otherwise measure when they run
 # compiled there. CPUs compute float32 dots in full either way.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
-# The front ends turn JAX's persistent compilation cache on; the suite's processes (both workers,
-# the servers and CLIs they start) share one folder of their own, so each step compiles once a run.
+# `jaxllm.load` turns the persistent compilation cache on; the suite's processes (both workers, the
+# servers and CLIs they start) share one folder of their own, so each step compiles once a run.
 os.environ.setdefault("JAXLLM_COMPILATION_CACHE", os.path.join(__import__("tempfile").gettempdir(),
                                                                f"jaxllm-test-xla-{os.getuid()}"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))       # the shared test helpers
@@ -18,6 +18,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))       # t
 import xla_env  # noqa: E402
 
 os.environ["XLA_FLAGS"] = xla_env.with_fast_compile(os.environ.get("XLA_FLAGS", ""))
+# The engines the tests make in their own process keep no executables in it (JAX's cache, keyed by
+# the program itself, they use): tests patch the functions a step traces, and read what tracing
+# records (the kernels chosen), which a step read back whole would skip.
+import jaxllm.engine.compilation_cache  # noqa: E402
+
+jaxllm.engine.compilation_cache.KEEP_STEPS = False
 
 import pytest  # noqa: E402
 

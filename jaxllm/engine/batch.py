@@ -27,7 +27,8 @@ def run(engine, ids: list[list[int]], requests: list[Request]) -> tuple[list[Job
     each token's TokenLogprob, where asked), in order, and the speculation of their slots (None
     without). A pool with room for every slot at its longest: none is preempted."""
     rows = min(len(ids), MAX_SLOTS)
-    longest = max(len(p) + r.max_tokens for p, r in zip(ids, requests))
+    # the pools' and the calls' shapes follow the longest sequence's bucket, not its length
+    longest = engine.padded_len(max(len(p) + r.max_tokens for p, r in zip(ids, requests)))
     sched = Scheduler(engine, rows, longest, max_queue=len(ids), kv_memory=KVMemory(every_slot=True))
     if engine.tokenizer is None:
         sched.text_tokenizer = _NoText()

@@ -1,17 +1,20 @@
-"""Compiled steps kept on disk, on by default for every front end, in two layers:
+"""Compiled steps kept on disk, on by default for `jaxllm.load`, the engines it makes and every
+front end (which pass their `--compilation-cache` flag through), in two layers:
 
 - JAX's persistent compilation cache: a process that compiles a program another process compiled
   already (same program, same devices, same JAX) reads the executable instead of running XLA.
-- The engine's own executables (`executables/` beside it, for the engines the front ends make):
-  the core's prefill and decode calls, serialized whole, under a key of everything that shapes them
-  (this package's source, JAX's version, the devices and mesh, the model's configuration and weight
-  layout, the call's arguments, the runtime configuration). A hit skips tracing and
-  lowering too, which for a model with Pallas kernels is most of a warm start. A library user who
-  changes code paths inside a process (tests patching functions) must not have it on.
+- The engine's own executables (`executables/` beside it): the core's prefill and decode calls,
+  serialized whole, under a key of everything that shapes them (this package's source, JAX's
+  version, the devices and mesh, the model's configuration and weight layout, the call's
+  arguments, the runtime configuration). A hit skips tracing and lowering too, which for a model
+  with Pallas kernels is most of a warm start. The key does not see a function patched inside a
+  process, nor does a call read back record what its tracing would (the kernels chosen): a
+  process that patches the code its steps trace, or reads those records (the test suite), sets
+  `KEEP_STEPS` off or passes `compilation_cache="off"`.
 
 The folder is `$JAXLLM_COMPILATION_CACHE`, else `$XDG_CACHE_HOME/jaxllm/xla` (`~/.cache/jaxllm/xla`);
-`--compilation-cache DIR` moves it and `--compilation-cache off` (or the variable set to `off`) turns
-it off.
+`jaxllm.load(compilation_cache=DIR)` or `--compilation-cache DIR` moves it and `off` (or the
+variable set to `off`) turns it off.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import logging
 import os
 import pickle
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from jaxllm.config.runtime import cache_home, env
@@ -31,6 +35,7 @@ MIN_COMPILE_SECONDS = 0.5           # compiles quicker than this are not worth a
 # Environment that changes how XLA compiles (what picks the engine's code paths is its
 # `RuntimeConfig`, part of each key).
 KEY_ENV = ("XLA_FLAGS", "JAX_DEFAULT_MATMUL_PRECISION")
+KEEP_STEPS = True                   # whether engines keep and read back their executables (see above)
 
 
 def default_dir() -> Path:
@@ -45,10 +50,11 @@ def resolve(flag: str | None = None) -> Path | None:
     return Path(value).expanduser() if value else default_dir()
 
 
-def enable(flag: str | None = None) -> Path | None:
-    """Point JAX's persistent compilation cache at the folder `resolve(flag)` names (before
-    anything compiles); -> the folder, or None when off or when it cannot be created."""
-    path = resolve(flag)
+def enable(flag=None) -> Path | None:
+    """Point JAX's persistent compilation cache at the folder `resolve(flag)` names (`flag`: a
+    folder, "off", or None for the environment's); -> the folder, or None when off or when it
+    cannot be created. Programs compiled before it is called are not kept."""
+    path = resolve(None if flag is None else str(flag))
     if path is None:
         return None
     try:
@@ -64,8 +70,30 @@ def enable(flag: str | None = None) -> Path | None:
 
 
 def executables_folder(path: Path | None) -> Path | None:
-    """Where a front end's engine keeps its executables, for the folder `enable` returned."""
-    return None if path is None else path / "executables"
+    """Where an engine keeps its executables, for the folder `enable` returned (None: none kept)."""
+    return None if path is None or not KEEP_STEPS else path / "executables"
+
+
+@dataclass
+class Compiles:
+    """The programs an engine has made ready so far, by where each came from: its core's calls
+    compiled in this process (`compiled`; of them, `from_jax_cache` answered by JAX's persistent
+    cache, traced and lowered but not compiled), or read back whole from the compiled-steps cache
+    (`read`); and its KV pools' allocators, one a pool shape (`allocators`)."""
+    compiled: int = 0
+    from_jax_cache: int = 0
+    read: int = 0
+    allocators: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    @property
+    def programs(self) -> int:
+        """Every program the engine has: a run that needs no new one leaves it as it was."""
+        return self.compiled + self.read + self.allocators
+
+    def add(self, kind: str, n: int = 1) -> None:
+        with self.lock:                  # calls compile on threads of their own
+            setattr(self, kind, getattr(self, kind) + n)
 
 
 # -- the engine's executables ------------------------------------------------------------------------
@@ -155,19 +183,18 @@ def compile_and_keep(folder: Path | None, key: str, lowered, options: dict | Non
     """`lowered.compile(options)`, kept under `key` in `folder` unless JAX's persistent cache answered
     the compile: an executable read from that cache serializes without its code on some backends
     (the CPU's: loading it back fails at its first call with "Function ... not found"), so only
-    what XLA itself compiled is kept."""
+    what XLA itself compiled is kept. -> (the executable, whether JAX's cache answered)."""
     global _listening
-    if folder is None:
-        return lowered.compile(options or None)
     if not _listening:
         import jax
         jax.monitoring.register_event_listener(_on_event)
         _listening = True
     before = getattr(_seen, "hits", 0)
     exe = lowered.compile(options or None)
-    if getattr(_seen, "hits", 0) == before:
+    answered = getattr(_seen, "hits", 0) != before
+    if not answered:
         store_executable(folder, key, exe)
-    return exe
+    return exe, answered
 
 
 def add_flag(parser) -> None:

@@ -17,9 +17,10 @@ from jaxllm.compiling import compile_all, map_threads
 from jaxllm.config.model import ModelConfig
 from jaxllm.config.runtime import RuntimeConfig
 from jaxllm.engine import compilation_cache, core
+from jaxllm.engine.compilation_cache import Compiles, enable, executables_folder
 from jaxllm.engine.host import EngineCore, bucket, pad_rows
 from jaxllm.engine.perplexity import perplexity
-from jaxllm.engine.request import Request
+from jaxllm.engine.request import Request, check_sampling, nth_seed
 from jaxllm.engine.sampling import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -94,15 +95,10 @@ def token_logprobs(lp, row: int, ids: list[int], top: int) -> list[TokenLogprob]
             for i, t in enumerate(ids)]
 
 
-def check_sampling(max_tokens, temperature, top_k, top_p):
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise RequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    if temperature is None or not np.isfinite(temperature) or temperature < 0:
-        raise RequestError(f"temperature must be >= 0, got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 0):
-        raise RequestError(f"top_k must be a non-negative integer, got {top_k!r}")
-    if top_p is not None and not (0 < top_p <= 1):
-        raise RequestError(f"top_p must be in (0, 1], got {top_p!r}")
+def check_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise RequestError(f"seed must be an integer, got {seed!r}")
+    return int(seed)
 
 
 def check_penalties(presence, frequency, repetition) -> tuple[float, float, float]:
@@ -139,7 +135,10 @@ class Engine:
     def __init__(self, cfg: ModelConfig, weights, tokenizer, *, dtype="bfloat16", max_ctx=8192,
                  name="model", quant="none", layout=None, kv_quant="auto",
                  kv_options: KVOptions | None = None, speculation: Speculation | None = None,
-                 draft_weights=None, runtime: RuntimeConfig | None = None):
+                 draft_weights=None, runtime: RuntimeConfig | None = None, compilation_cache=None):
+        """`compilation_cache`: the persistent compilation cache's folder, "off", or None for the
+        environment's (`compilation_cache.resolve`): JAX's cache is pointed there, and the core's
+        calls are kept there whole and read back."""
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
         self.layout = layout or single_device_layout()   # weights must already lie on its mesh
         # The backend, chosen once: weights must be laid out for it (`ops.prepare_weights`).
@@ -178,8 +177,9 @@ class Engine:
                                               donate_argnames=("state",))}
         self._executables: dict = {}
         self.compile_s = 0.0          # seconds spent compiling the core's calls so far
+        self.compiles = Compiles()    # the programs made so far, by where each came from
         self.on_compile = None        # on_compile(n_calls) -> a callable to call when they are done
-        self.steps_cache = None       # a folder to keep the compiled calls in (`compilation_cache`)
+        self.steps_cache = executables_folder(enable(compilation_cache))   # where calls are kept, or None
 
     # -- the core's compiled calls ----------------------------------------------------------------
     @property
@@ -206,9 +206,17 @@ class Engine:
         key = self._disk_key(name, args, static)
         exe = compilation_cache.load_executable(self.steps_cache, key)
         if exe is None:
-            exe = compilation_cache.compile_and_keep(self.steps_cache, key, self._lower(name, args, static),
-                                                     self.ops.compiler_options())
+            exe = self._compile_lowered(key, self._lower(name, args, static))
+        else:
+            self.compiles.add("read")
         self.compile_s += time.perf_counter() - t0
+        return exe
+
+    def _compile_lowered(self, key: str | None, lowered):
+        exe, answered = compilation_cache.compile_and_keep(self.steps_cache, key, lowered, self.ops.compiler_options())
+        self.compiles.add("compiled")
+        if answered:
+            self.compiles.add("from_jax_cache")
         return exe
 
     def _lower(self, name: str, args, static: dict):
@@ -235,6 +243,7 @@ class Engine:
                             keys)
         loaded = {k: exe for k, exe in zip(keys, found) if exe is not None}
         self._executables.update(loaded)
+        self.compiles.add("read", len(loaded))
         return len(loaded)
 
     def compiled(self, call: tuple[str, tuple, dict]) -> bool:
@@ -264,8 +273,7 @@ class Engine:
 
         def compile_and_keep(key, lowered):
             t = time.perf_counter()
-            exe = compilation_cache.compile_and_keep(self.steps_cache, self._disk_key(*todo[key]), lowered,
-                                                     self.ops.compiler_options())
+            exe = self._compile_lowered(self._disk_key(*todo[key]), lowered)
             name, args, static = todo[key]
             shape = [tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(args[1:])[:1]]    # a prefill's [P, C]
             log.debug("compiled %s %s %s in %.1f s", name, static, shape, time.perf_counter() - t)
@@ -358,6 +366,7 @@ class Engine:
                 return self._make_state(plan, tables)
             shapes = jax.eval_shape(make, tables)
             self._state_makers[key] = jax.jit(make, out_shardings=self.state_shardings(shapes), donate_argnums=0)
+            self.compiles.add("allocators")
         return self._state_makers[key](tables)
 
     def state_shapes(self, plan: PoolPlan) -> State:
@@ -387,9 +396,16 @@ class Engine:
             return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=self.layout.batch_sharding(np.shape(a)))
         return jax.tree_util.tree_map(shape, tree)
 
-    def core_out_size(self, n_tokens: int) -> int:
-        """A decode call's output buffer for n_tokens tokens a row (see `EngineCore.out_size`)."""
-        return bucket(n_tokens + (0 if self.spec is None else self.spec.k + 1), 1)
+    def core_out_size(self, n_tokens: int, lo: int = 1) -> int:
+        """A decode call's output buffer for n_tokens tokens a row, a power of two of at least
+        `lo` (see `EngineCore.out_size`)."""
+        return bucket(n_tokens + (0 if self.spec is None else self.spec.k + 1), lo)
+
+    def padded_len(self, positions: int) -> int:
+        """The positions sequences of up to `positions` are given KV blocks and compiled for: a
+        power of two of whole blocks (64, 128, 256, ... positions by default), at most max_ctx. A
+        prompt length or max_tokens that lands in the same one compiles nothing new."""
+        return min(bucket(positions, self.kv_options.block_size), self.max_ctx)
 
     def kv_plan(self, batch: int, length: int | None = None) -> PoolPlan:
         """What the pools of `batch` rows of `length` (default max_ctx) positions each take."""
@@ -419,19 +435,24 @@ class Engine:
         return eng_core.logits(pad_rows(list(ids), Tp, self.cfg.pad_id), lens, C)[:, :T]
 
     # -- generation ------------------------------------------------------------------------------
-    def encode_prompt(self, prompt, chat: bool) -> list[int]:
+    def encode_prompt(self, prompt, chat: bool | None = None) -> list[int]:
+        """A prompt's ids: a list of chat messages through the chat template; a string through it
+        where `chat` is true, as written where false, and by default (None) as the model is: the
+        template where the model is chat-tuned (`Tokenizer.chat_tuned`), raw on a base model."""
         if self.tokenizer is None:
             raise RequestError("this model directory has no tokenizer.json; pass token ids instead")
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
             return self.tokenizer.encode_chat(list(prompt))
         if not isinstance(prompt, str):
             raise RequestError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
-        if chat and self.tokenizer.chat_template:
+        if self.tokenizer.chat_tuned if chat is None else chat:
             return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)
 
     def generate(self, prompts, max_tokens=64, temperature=0.0, top_k=None, top_p=None, seed=0,
-                 stop=None, chat=True, logprobs: int | None = None, **penalties) -> list[Completion]:
+                 stop=None, chat: bool | None = None, logprobs: int | None = None, **penalties) -> list[Completion]:
+        """Strings (or lists of chat messages) -> a Completion each; `chat` as in `encode_prompt`,
+        the rest as in `generate_ids`."""
         check_sampling(max_tokens, temperature, top_k, top_p)
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -451,8 +472,11 @@ class Engine:
         prefilled once. `logprobs` n (0 to 20): each token's log-probability and the n most likely
         tokens, computed on the device. The penalties are vLLM's and OpenAI's (`sampling.penalize`);
         `logit_bias` ({token id: bias}), `stop_token_ids` and `min_tokens` as the server's
-        (`sampling.apply_rules`)."""
+        (`sampling.apply_rules`). Row b samples with seed + b (`request.nth_seed`, as choice b of a
+        server request): the rows draw apart, one seed reproduces the call, and a row's tokens are
+        those of its prompt alone with seed + b, whichever path runs it."""
         check_sampling(max_tokens, temperature, top_k, top_p)
+        seed = check_seed(seed)
         pen = check_penalties(presence_penalty, frequency_penalty, repetition_penalty)
         bias, stops = check_rules(logit_bias, stop_token_ids, min_tokens, max_tokens, self.cfg.vocab_size)
         n_lp = check_logprobs(logprobs)
@@ -466,8 +490,9 @@ class Engine:
                                f"{max(self.max_ctx - n, 0)} or raise max_ctx")
         if len(set(lens)) > 1:
             from jaxllm.engine import batch
-            reqs = [Request(list(x), max_tokens, temperature, top_k, top_p, seed, *pen, logprobs=logprobs,
-                            logit_bias=bias, stop_token_ids=stops, min_tokens=min_tokens) for x in ids]
+            reqs = [Request(list(x), max_tokens, temperature, top_k, top_p, nth_seed(seed, b), *pen,
+                            logprobs=logprobs, logit_bias=bias, stop_token_ids=stops, min_tokens=min_tokens)
+                    for b, x in enumerate(ids)]
             outs, (ttft, decode_s, compile_s, spec) = batch.generate(self, ids, reqs)
             new = sum(len(t) for t, _ in outs)
             self.stats = GenerateStats(len(ids), sum(lens), new, ttft, decode_s, max(len(t) for t, _ in outs),
@@ -475,7 +500,7 @@ class Engine:
             return [self._finish(x, toks, stop, lp if logprobs is not None else None, stops)
                     for x, (toks, lp) in zip(ids, outs)]
         B = len(ids)
-        S = min(bucket(n + max_tokens), self.max_ctx)
+        S = self.padded_len(n + max_tokens)
         check_fits(self.kv_plan(B, S))
         params = SamplingParams.make(B, temperature, top_k, top_p, seed)
         eng_core = self.core(B, S, span=self.chunking(n)[0])

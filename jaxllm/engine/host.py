@@ -135,9 +135,10 @@ class EngineCore:
         return e.precompile(calls)
 
     def out_size(self, n_tokens: int) -> int:
-        """A decode call's output buffer for up to n_tokens tokens a row (room for a last
-        speculative cycle's tokens past them), bucketed."""
-        return self.engine.core_out_size(n_tokens)
+        """A lockstep run's decode buffer for up to n_tokens tokens a row (room for a last
+        speculative cycle's tokens past them): a power of two of at least 16, so that short runs
+        share one program (the loop runs as many steps as asked, whatever its buffer)."""
+        return self.engine.core_out_size(n_tokens, 16)
 
     def _chunks(self, tokens: np.ndarray, lens: np.ndarray, chunk: int):
         """(start, tokens [B, chunk], lengths [B]) of each chunk of right-padded rows."""

@@ -1,11 +1,13 @@
-"""Compiled steps kept on disk, as every front end turns them on: a second process compiling the
+"""Compiled steps kept on disk, as `jaxllm.load` turns them on: a second process compiling the
 same steps reads them (JAX's compilation cache for any program, the engine's executables for its
-prefill and decode calls), and a damaged executable is compiled again."""
+prefill and decode calls), and a damaged executable is compiled again. Within a process, a new
+prompt length or max_tokens in the same bucket compiles nothing."""
 import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import tiny
 
@@ -13,25 +15,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = """
 import json, sys
 import jax
-from jaxllm.engine import compilation_cache as cc
 hits = []
 jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name) if name.endswith("cache_hits") else None)
-path = cc.enable(sys.argv[2])
 import jaxllm
-runtime = jaxllm.RuntimeConfig(**json.loads(sys.argv[4]))
+runtime = jaxllm.RuntimeConfig(**json.loads(sys.argv[3]))
 eng = jaxllm.load(sys.argv[1], quant="none", dtype="float32", max_ctx=64, runtime=runtime)
 assert eng.runtime == runtime
-if sys.argv[3] == "steps":
-    eng.steps_cache = cc.executables_folder(path)
+if sys.argv[2] == "xla":
+    eng.steps_cache = None                  # JAX's cache alone
 out = eng.generate_ids([[1, 2, 3]], max_tokens=6)[0].token_ids
-print(json.dumps({"hits": len(hits), "compile_s": eng.stats.compile_s, "tokens": out}))
+c = eng.compiles
+print(json.dumps({"hits": len(hits), "tokens": out, "compiled": c.compiled, "from_jax_cache": c.from_jax_cache,
+                  "read": c.read}))
 """
 
 
 def run(model, cache, mode, **runtime):
-    """One process generating with the model; `runtime`: its `RuntimeConfig` (default: the defaults)."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(model), str(cache), mode, json.dumps(runtime)],
+    """One process loading the model with `jaxllm.load` as a user does, the compilation cache's
+    folder `cache` named by the environment alone, and generating; `runtime`: its `RuntimeConfig`
+    (default: the defaults)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, "JAXLLM_COMPILATION_CACHE": str(cache)}
+    r = subprocess.run([sys.executable, "-c", SCRIPT, str(model), mode, json.dumps(runtime)],
                        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
@@ -43,28 +47,50 @@ def test_second_process_reads_the_compiled_steps(tmp_path):
     first, _ = run(tmp_path / "m", xla, "xla")              # JAX's cache alone
     second, _ = run(tmp_path / "m", xla, "xla")
     assert any(xla.iterdir()) and second["hits"] >= 2      # the prefill and the decode loop, at least
-    cold, _ = run(tmp_path / "m", steps, "steps")           # the engine's executables too
+    cold, _ = run(tmp_path / "m", steps, "steps")           # the engine's executables too, by default
     files = sorted((steps / "executables").glob("*.bin"))
-    assert len(files) == 2
+    assert len(files) == 2 and (cold["compiled"], cold["read"]) == (2, 0)
     warm, _ = run(tmp_path / "m", steps, "steps")
     print(first, second, cold, warm)
-    assert warm["hits"] == 0 and warm["compile_s"] < cold["compile_s"] / 4     # not even traced
+    # the engine's record: both calls read back whole, none compiled (not even traced)
+    assert warm["hits"] == 0 and (warm["compiled"], warm["read"]) == (0, 2)
     assert first["tokens"] == second["tokens"] == cold["tokens"] == warm["tokens"]
     # another runtime configuration (another layer scan) is another key: compiled and kept anew,
     # nothing read from the first configuration's executables
     other, _ = run(tmp_path / "m", steps, "steps", layer_scan="period")
     assert len(set((steps / "executables").glob("*.bin")) - set(files)) == 2 and all(f.exists() for f in files)
-    assert other["compile_s"] > warm["compile_s"]
+    assert (other["compiled"], other["read"]) == (2, 0)
     for f in set((steps / "executables").glob("*.bin")) - set(files):
         f.unlink()                                          # the rest below counts the first two alone
     files[0].write_bytes(files[0].read_bytes()[:100])      # damaged: compiled again, with a warning
     again, err = run(tmp_path / "m", steps, "steps")
     assert again["tokens"] == cold["tokens"] and "unreadable" in err and "Traceback" not in err
+    assert (again["read"], again["compiled"], again["from_jax_cache"]) == (1, 1, 1)
     # compiled again from JAX's cache, which a CPU executable cannot be serialized back from whole:
     # not kept, so the next process runs (from JAX's cache) rather than failing at its first call
     assert not files[0].exists() and files[1].exists()
     last, err = run(tmp_path / "m", steps, "steps")
     assert last["tokens"] == cold["tokens"] and "Traceback" not in err
+
+
+def test_lengths_in_one_bucket_compile_nothing_new(tmp_path):
+    """A prompt of 5 tokens with max_tokens 20, then one of 9 with 27 (two `jaxllm.infer` runs'
+    shapes): the second makes no new program, by the engine's own record; nor do two prompts of
+    mixed lengths (the scheduler's path) after two others of other lengths."""
+    import jaxllm
+    tiny.make("qwen3", tmp_path / "m", seed=2)
+    eng = jaxllm.load(str(tmp_path / "m"), quant="none", dtype="float32", max_ctx=256, compilation_cache="off")
+    assert not eng.cfg.eos_ids            # every answer runs to max_tokens: the same calls, whatever it samples
+    a, b = (np.random.default_rng(n).integers(1, 160, n).tolist() for n in (5, 9))
+    eng.generate_ids([a], max_tokens=20)
+    made = eng.compiles.programs
+    assert (eng.compiles.compiled, eng.compiles.allocators) == (2, 1)     # the prefill and the decode loop
+    assert len(eng.generate_ids([b], max_tokens=27)[0].token_ids) == 27
+    assert eng.compiles.programs == made
+    eng.generate_ids([a, b], max_tokens=20)
+    made = eng.compiles.programs
+    assert [len(c.token_ids) for c in eng.generate_ids([b + a, a[:3]], max_tokens=27)] == [27, 27]
+    assert eng.compiles.programs == made
 
 
 def test_off_and_folder_resolution(tmp_path, monkeypatch):

@@ -83,6 +83,18 @@ def test_shapes():
     assert big.choose([100] * 33) == (32, 128, [100] * 32)       # then 1, rather than 31 rows of padding
     assert big.choose([100] * 33, lambda P, C: P == big.row_counts(C)[-1]) == (64, 128, [100] * 33)
     assert big.choose([100_000, 100]) == (1, 4096, [4096])
+    # while some shapes compile, a forward that holds a prompt whose tokens are scored takes a
+    # compiled scoring shape, and one without takes a compiled plain shape
+    from types import SimpleNamespace
+
+    from jaxllm.engine.warmup import Warmup
+    small = Shapes(budget=64, slots=4, max_piece=32)
+    plain = SimpleNamespace(ready={("prefill", 1, 32), ("prefill", 2, 32)})
+    both = SimpleNamespace(ready=plain.ready | {("score", 2, 32)})
+    assert small.choose([7], Warmup._prefill_shapes(both, [False]))[:2] == (1, 32)
+    assert small.choose([7], Warmup._prefill_shapes(both, [True]))[:2] == (2, 32)
+    assert small.choose([7, 5], Warmup._prefill_shapes(both, [False, True]))[:2] == (2, 32)
+    assert small.choose([7, 5], Warmup._prefill_shapes(plain, [False, True]))[:2] == (1, 32)
 
 
 def test_the_backend_picks_the_prefill_budget(monkeypatch):
@@ -107,11 +119,12 @@ def engine(tmp_path_factory):
 
 
 class Client:
-    """A request as the HTTP handler sees it: events collected until it finishes."""
+    """A request as the HTTP handler sees it: events collected until it finishes (one of its
+    answers, where it asks for `n`)."""
 
     def __init__(self, ids, max_tokens, **kw):
         self.events, self.done = [], threading.Event()
-        self.job = Job(Request(ids, max_tokens, **kw), self.emit)
+        self.job = Job.for_request(Request(ids, max_tokens, **kw), lambda i, ev: self.emit(ev))
 
     def emit(self, ev):
         self.events.append(ev)
@@ -257,9 +270,13 @@ def test_clients_whose_answers_ended_are_waited_for(engine, monkeypatch):
 
 
 def test_no_request_waits_for_a_compile(engine, monkeypatch):
-    """The scheduler serves once each kind's largest shape is compiled: a request meanwhile runs on
-    those (padding rows) with `Engine.generate`'s tokens; the smaller shapes compile on a thread of
-    their own and are taken up once compiled; the engine thread itself never compiles."""
+    """The scheduler serves once each kind's largest shape is compiled (and one prefill that
+    scores its prompts' tokens): a request meanwhile runs on those (padding rows) with
+    `Engine.generate`'s tokens, one whose prompt is scored (`echo`) too; the smaller shapes compile
+    on a thread of their own and are taken up once compiled; the engine thread itself never
+    compiles, nor does any program compile for requests of every kind once the warm-up is done
+    (the engine's own record): log-probabilities, a prompt's own scores, n answers, penalties and
+    rules."""
     engine.tokenizer = type("Ids", (), {"decode": lambda self, ids: "".join(f" {i}" for i in ids)})()
     gate, orig = threading.Event(), engine.precompile
 
@@ -285,22 +302,39 @@ def test_no_request_waits_for_a_compile(engine, monkeypatch):
     sched.prime = lambda keys: primed.extend(keys) or prime(keys)
     sched.start(warmup=True)
     try:
-        assert sched.load()["compiling"] == 4        # and the fixed blocks over 1 and 4 slots
+        assert sched.load()["compiling"] == 5        # the fixed blocks over 1 and 4 slots, the scoring prefill of 1
         assert set(primed) == sched.ready            # what serves first has run once
-        assert sched.ready == {("prefill", 2, 32), ("decode", 4), ("fork",)}
-        assert (sched.shapes.choose([7], sched._prefill_shapes())[:2], sched._decode_rows(1)) == ((2, 32), 4)
+        assert sched.ready == {("prefill", 2, 32), ("score", 2, 32), ("decode", 4), ("fork",)}
+        assert (sched.shapes.choose([7], sched._prefill_shapes([False]))[:2], sched._decode_rows(1)) == ((2, 32), 4)
         early, early_rows = answer()
+        echo = Client(prompt, 3, echo=True, logprobs=1)
+        sched.submit(echo.job)
+        assert echo.done.wait(300) and isinstance(echo.events[-1], Finished)
         gate.set()
         t0 = time.time()
         while sched.load()["compiling"]:
             assert time.time() - t0 < 300
             time.sleep(0.05)
-        assert sched.ready is None and sched._prefill_shapes() is None and sched._decode_rows(1) == 1
+        assert sched.ready is None and sched._prefill_shapes([True]) is None and sched._decode_rows(1) == 1
         while set(primed) != set(sched.groups):      # the others run once as the engine thread idles
             assert time.time() - t0 < 300
             time.sleep(0.05)
         assert len(primed) == len(sched.groups)
         late, late_rows = answer()
+        made, rng = engine.compiles.programs, np.random.default_rng(5)
+        varied = [Client(rng.integers(3, 150, 12).tolist(), 6, logprobs=2),
+                  Client(rng.integers(3, 150, 9).tolist(), 4, echo=True, logprobs=1),
+                  Client(prompt, 5, n=2, temperature=0.9, seed=5),
+                  Client(rng.integers(3, 150, 20).tolist(), 8, repetition_penalty=1.2, logit_bias={7: 2.0},
+                         stop_token_ids=[9], min_tokens=1)]
+        for c in varied:
+            sched.submit(c.job)
+        for c in varied:
+            assert c.done.wait(300)
+        while sched.load()["running"]:                 # the other answer of the request for two
+            assert time.time() - t0 < 300
+            time.sleep(0.05)
+        assert engine.compiles.programs == made
     finally:
         sched.shutdown()
     want = engine.generate_ids([prompt], max_tokens=6)[0].text
@@ -324,10 +358,10 @@ def test_a_warm_start_runs_the_largest_shapes_before_serving(engine):
     sched.settle_heap = lambda what: settled.append((what, len(primed), gc.get_freeze_count())) or settle(what)
     sched.start(warmup=True)
     try:
-        assert settled == [("warm", 3, 0)] and gc.get_freeze_count() > 0
+        assert settled == [("warm", 4, 0)] and gc.get_freeze_count() > 0
         load = sched.load()
-        assert sched.ready is None and load["compiling"] == 0 and load["warming"] <= len(sched.groups) - 3
-        assert set(primed[:3]) == {("decode", 4), ("prefill", 2, 32), ("fork",)}
+        assert sched.ready is None and load["compiling"] == 0 and load["warming"] <= len(sched.groups) - 4
+        assert set(primed[:4]) == {("decode", 4), ("prefill", 2, 32), ("score", 2, 32), ("fork",)}
         t0 = time.time()
         while len(primed) < len(sched.groups):
             assert time.time() - t0 < 300
@@ -346,6 +380,8 @@ def test_warmup_runs_each_call_once_and_changes_nothing(engine, monkeypatch):
     """Warming up runs every call it compiled once where first runs cost more (a GPU loads a call's
     kernels at its first run), on the slot table with nothing to do: after a request has ended in a slot, running every call
     again leaves the cache and the slot table bit for bit as they were."""
+    from collections import Counter
+
     import jax
 
     from jaxllm.engine.engine import _signature
@@ -358,7 +394,7 @@ def test_warmup_runs_each_call_once_and_changes_nothing(engine, monkeypatch):
                         or run(name, *args, **static))
     sched.warmup(background=False)
     calls = [c for cs in sched.groups.values() for c in cs]
-    assert len(calls) == 11 and sorted(ran) == sorted(_signature(*c) for c in calls)
+    assert len(calls) == 13 and Counter(ran) == Counter(_signature(*c) for c in calls)
     core = sched.core
     tokens = np.zeros((1, 32), np.int32)
     tokens[0, :5] = [5, 9, 23, 7, 11]

@@ -29,9 +29,10 @@ CASES = [      # name, checkpoint writer, (weight format, KV format, k_eq_v laye
 
 
 def run(path, tp, mode, quant, kv, store_keys):
+    # every step traced here (no compiled steps read back), so that the kernels it chose are recorded
     eng = jaxllm.load(path, dtype="float32", quant=quant, tp=tp, max_ctx=32, kv_quant=kv,
                       kv_options=jaxllm.KVOptions(store_keys=store_keys),
-                      runtime=jaxllm.RuntimeConfig(kernels=mode))
+                      runtime=jaxllm.RuntimeConfig(kernels=mode), compilation_cache="off")
     assert eng.ops.name == mode, (eng.ops, mode)
     ids = np.random.default_rng(0).integers(0, 160, (2, 9)).astype(np.int32)
     full = eng.logits(ids)

@@ -134,9 +134,9 @@ def write_hf_tokenizer(tok, d) -> None:
 # -- fixtures -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def started(tmp_path_factory):
-    """The server starts while the reference engine loads. It compiles only the calls lm-eval's
-    requests meet (most of them log-probability variants, which warmup does not compile), and 4
-    slots keep them few: 2 CPU cores gain nothing from more requests at once."""
+    """The server starts while the reference engine loads. Without warm-up it compiles only the
+    calls lm-eval's requests meet (most of them prefills that score the prompts), each at its first
+    use, and 4 slots keep them few: 2 CPU cores gain nothing from more requests at once."""
     log = tmp_path_factory.mktemp("lm_eval_server") / "server.log"
     proc = ServerProcess(None, log, "--served-model-name", NAME, "--max-num-seqs", "4",
                          "--max-model-len", str(MAX_LEN), "--api-key", API_KEY, "--no-warmup",
