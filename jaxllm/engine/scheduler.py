@@ -443,7 +443,8 @@ class Scheduler(Results, Warmup, Memory):
         ready = [j for j in self.prefilling if j not in held]
         if not ready:
             return
-        P, C, lengths = self.shapes.choose([len(j.prompt) - j.prefilled for j in ready], self._prefill_shapes())
+        P, C, lengths = self.shapes.choose([len(j.prompt) - j.prefilled for j in ready],
+                                           self._prefill_shapes([self._scored(j) for j in ready]))
         jobs = ready[:len(lengths)]
         B = self.core.num_slots
         tokens = np.full((P, C), self.engine.cfg.pad_id, np.int32)
@@ -470,8 +471,7 @@ class Scheduler(Results, Warmup, Memory):
                                        ("repetition_penalty", 1.0))))
         rules = TokenRules.make(P, [j.req.logit_bias for j in jobs], [j.req.stop_token_ids for j in jobs],
                                 [j.req.min_tokens for j in jobs] + [0] * (P - len(jobs)))
-        scored = [(int(s), int(n)) if j.req.prompt_logprobs and not j.resumed else None
-                  for j, s, n in zip(jobs, start, length)]
+        scored = [(int(s), int(n)) if self._scored(j) else None for j, s, n in zip(jobs, start, length)]
         targets = self._prompt_targets(jobs, scored, P, C) if any(scored) else None
         masked = [j.matcher if f else None for j, f in zip(jobs, final)]
         # A server that constrains passes masks with every prefill (all ones for the free rows): one
@@ -523,6 +523,11 @@ class Scheduler(Results, Warmup, Memory):
             self._start(c)
         self.record.append({"kind": "fork", "forks": [(c.id, c.slot, c.parent.slot) for c in children]})
         self._put(Launched("fork", first, children))
+
+    @staticmethod
+    def _scored(job: Job) -> bool:
+        """Whether `job`'s prefill scores its prompt's tokens (a preempted answer's were already)."""
+        return job.req.prompt_logprobs and not job.resumed
 
     @staticmethod
     def _prompt_targets(jobs, scored, P: int, C: int):

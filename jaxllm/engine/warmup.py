@@ -26,22 +26,30 @@ log = logging.getLogger("jaxllm.engine")
 # vocabulary. Decode blocks, which run most tokens, have both variants compiled before ready and
 # compute the alternatives only while a request asks: in every step they cost 0.4 ms a token of
 # Qwen3-4B at batch 1 (2.7 ms against 2.3, one H100) and up to two fifths of the embedded model's
-# throughput. They are read back only for a call that holds a request asking for them.
+# throughput. They are read back only for a call that holds a request asking for them. A prefill
+# that also scores its prompts' own tokens (a request's `echo` with log-probabilities) is a shape of
+# its own, as costly to compile as the plain one: one of them is compiled before serving and the
+# others in the background (`Warmup._prefill_shapes`).
 LOGPROBS = MAX_LOGPROBS
 
 
 class Warmup:
     def warmup_calls(self) -> dict:
         """Every call a request can wait on, by the shape that picks it: {("prefill", P, C) or
-        ("decode", rows) or ("fixed", rows) or ("fork",): [(name, args, static), ...]}."""
+        ("score", P, C) (the prefill that also scores its prompts' tokens) or ("decode", rows) or
+        ("fixed", rows) or ("fork",): [(name, args, static), ...]}."""
         e = self.engine
         state = self.core.state_shapes()
         lp = {"logprobs": LOGPROBS}
         words = self.mask_words if self.structured else 0
         def pieces(P, C):
             return e.row_shapes(Pieces.shapes(P, C, rows=True, mask_words=words))
-        groups = {("prefill", P, C): [("prefill", (state, pieces(P, C), None), {"out": "sample", **lp})]
-                  for P, C in self.shapes.prefills()}
+
+        def scored(P, C):           # `Scheduler._prompt_targets`: every token's flat index and target
+            return e.row_shapes((np.zeros(P * C, np.int32), np.zeros(P * C, np.int32)))
+        groups = {(kind, P, C): [("prefill", (state, pieces(P, C), targets), {"out": "sample", **lp})]
+                  for P, C in self.shapes.prefills()
+                  for kind, targets in (("prefill", None), ("score", scored(P, C)))}
         for n in self.shapes.decodes():
             calls = [("decode", (state, np.int32(1), e.row_shapes(np.zeros(n, bool))),
                       {"max_steps": self.out_size, "rows": n, **asked}) for asked in (lp, {})]
@@ -75,15 +83,17 @@ class Warmup:
     def warmup(self, background: bool = True) -> float:
         """Compile what a request can wait on before serving: with `background`, the largest shape
         of each kind first (the largest prefill rows of each piece length, the decode blocks over
-        every slot, the fork), after which any request can be served, on the compiled shapes
-        (a decode block over more rows, a prefill forward of those shapes); the others compile on a thread
-        of their own while the server serves, each taken up as soon as it is compiled. Without,
-        everything before. -> seconds taken before serving."""
+        every slot, the fork, and the scoring variant of the prefill shape of fewest tokens among
+        them), after which any request can be served, on the compiled shapes (a decode block over
+        more rows, a prefill forward of those shapes); the others compile on a thread of their own
+        while the server serves, each taken up as soon as it is compiled. Without, everything
+        before. -> seconds taken before serving."""
         groups = self.warmup_calls()
         if self.engine.steps_cache is not None:        # what an earlier process kept: every shape at once
             self.engine.read_back([c for calls in groups.values() for c in calls])
         largest = {k for k in groups if k[0] in ("fork", "history")} | {("decode", self.shapes.decodes()[-1])}
-        largest |= {("prefill", self.shapes.row_counts(C)[-1], C) for C in self.shapes.lengths()}
+        most = [(self.shapes.row_counts(C)[-1], C) for C in self.shapes.lengths()]
+        largest |= {("prefill", P, C) for P, C in most} | {("score", *min(most, key=lambda s: s[0] * s[1]))}
         first = largest | {k for k, calls in groups.items() if all(map(self.engine.compiled, calls))}
         def smallest_first(keys):          # a lone request's decode blocks and prefill first
             return sorted(keys, key=lambda k: (k[0] not in ("decode", "fixed"), k[1:], k[0]))
@@ -221,9 +231,14 @@ class Warmup:
         ready = self.ready
         return ready is None or ("fixed", rows) in ready
 
-    def _prefill_shapes(self):
-        """Which prefill shapes a forward may take now: any, or while some compile, the compiled
-        ones (the most rows of each piece length are compiled before serving). -> a predicate of
-        (rows, piece length), or None for any."""
+    def _prefill_shapes(self, scored: list[bool]):
+        """Which prefill shapes a forward may take now, for the prompts waiting in order, `scored`
+        where their own tokens are scored: any, or while some compile, the compiled ones (the most
+        rows of each piece length are compiled before serving); a forward that holds a scored
+        prompt takes a compiled scoring shape (one is before serving). -> a predicate of (rows,
+        piece length), or None for any."""
         ready = self.ready
-        return None if ready is None else lambda P, C: ("prefill", P, C) in ready
+        if ready is None:
+            return None
+        plain = next((i for i, s in enumerate(scored) if s), len(scored))    # prompts before the first scored
+        return lambda P, C: ("prefill" if P <= plain else "score", P, C) in ready
