@@ -446,7 +446,8 @@ def test_slots_joining_mid_decode_match_engine(engine):
     from jaxllm.engine.sampling import SamplingParams
     from jaxllm.engine.slots import Pieces
     prompts = [engine.tokenizer.encode(p) for p in ("Hello world", "Once upon a time there was a", "café 東京")]
-    jobs = [(p, 0.0) for p in prompts[:2]] + [(p, 0.8) for p in prompts[1:]]    # (ids, temperature)
+    # (ids, temperature, seed): row r of a generate call with seed 3 samples with seed 3 + r
+    jobs = [(p, 0.0, 3) for p in prompts[:2]] + [(p, 0.8, 3 + r) for r, p in enumerate(prompts[1:])]
     refs = {0.0: engine.generate_ids(prompts[:2], max_tokens=12),
             0.8: engine.generate_ids(prompts[1:], max_tokens=12, temperature=0.8, top_k=20, seed=3)}
     expected = [refs[0.0][0], refs[0.0][1], refs[0.8][0], refs[0.8][1]]
@@ -456,8 +457,8 @@ def test_slots_joining_mid_decode_match_engine(engine):
         free = [b for b in range(3) if b not in slot_of.values()]
         if waiting and free:                             # one joins per block, its prompt in pieces of 4
             j, b = waiting.pop(0), free[0]
-            ids, temp = jobs[j]
-            params = SamplingParams.make(1, temp, 20, None, 3)
+            ids, temp, seed = jobs[j]
+            params = SamplingParams.make(1, temp, 20, None, seed)
             for s in range(0, len(ids), 4):
                 n = min(4, len(ids) - s)
                 tok = np.zeros((1, 4), np.int32)
