@@ -17,9 +17,11 @@ REPLACEMENT = "\ufffd"
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: list[str] | None = None, skip_special: bool = True):
+    def __init__(self, tokenizer, stop: list[str] | None = None, skip_special: bool = True,
+                 include_stop: bool = False):
         self.tokenizer = tokenizer
         self.stop = list(stop or [])
+        self.include_stop = include_stop  # the text ends after the stop string found, not before it
         self.skip_special = skip_special   # False: special tokens (a family's tool-call markers) are text
         self.ids: list[int] = []
         self.ends: list[int] = []      # for ids[:len(ends)]: the length of the text up to each one
@@ -31,7 +33,8 @@ class TextStream:
 
     def push(self, token: int) -> str:
         """Add one generated token; returns the text that is now safe to emit (maybe empty).
-        After a stop string is found, `stopped` is set and the text ends just before it."""
+        After a stop string is found, `stopped` is set and the text ends just before it (after it
+        with `include_stop`)."""
         if self.stopped:
             return ""
         self.ids.append(token)
@@ -104,8 +107,11 @@ class TextStream:
             return None
         # a stop string can only begin inside the unsent tail (the sent text was checked already)
         start = max(0, self.sent - max(map(len, self.stop)))
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-        return min(hits) if hits else None
+        hits = [(i, len(s)) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
+        if not hits:
+            return None
+        at, n = min(hits, key=lambda h: (h[0], -h[1]))       # the first to start (the longest of those)
+        return at + n if self.include_stop else at
 
     def _partial_stop(self, text: str) -> int:
         """Length of the longest tail of `text` that is a proper prefix of some stop string."""

@@ -204,13 +204,25 @@ class Engine:
         """The call read from the compiled-steps cache, or lowered, compiled and kept there."""
         t0 = time.perf_counter()
         key = self._disk_key(name, args, static)
-        exe = compilation_cache.load_executable(self.steps_cache, key)
+        exe = self._on_mesh(compilation_cache.load_executable(self.steps_cache, key), key)
         if exe is None:
             exe = self._compile_lowered(key, self._lower(name, args, static))
         else:
             self.compiles.add("read")
         self.compile_s += time.perf_counter() - t0
         return exe
+
+    def _on_mesh(self, exe, key: str):
+        """A stored executable, unless it was compiled for other devices than this engine's mesh
+        (then None: it is compiled again). Its key names the mesh, so this only guards against a
+        stored file that is not what its name says."""
+        if exe is None:
+            return None
+        mesh = set(self.layout.mesh.devices.flat)
+        if all(s.device_set == mesh for s in jax.tree_util.tree_leaves(exe.input_shardings)):
+            return exe
+        log.warning("compiled step %s is for other devices than this engine's; compiling it again", key)
+        return None
 
     def _compile_lowered(self, key: str | None, lowered):
         exe, answered = compilation_cache.compile_and_keep(self.steps_cache, key, lowered, self.ops.compiler_options())
@@ -239,8 +251,10 @@ class Engine:
         onto the devices runs without the GIL). -> how many were read."""
         todo = {k: c for c in calls for k in [_signature(*c)] if k not in self._executables}
         keys = list(todo)
-        found = map_threads(lambda k: compilation_cache.load_executable(self.steps_cache, self._disk_key(*todo[k])),
-                            keys)
+        def load(k):
+            key = self._disk_key(*todo[k])
+            return self._on_mesh(compilation_cache.load_executable(self.steps_cache, key), key)
+        found = map_threads(load, keys)
         loaded = {k: exe for k, exe in zip(keys, found) if exe is not None}
         self._executables.update(loaded)
         self.compiles.add("read", len(loaded))
@@ -464,18 +478,19 @@ class Engine:
     def generate_ids(self, ids: list[list[int]], max_tokens=64, temperature=0.0, top_k=None,
                      top_p=None, seed=0, stop=None, logprobs: int | None = None, presence_penalty=0.0,
                      frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None, stop_token_ids=None,
-                     min_tokens=0) -> list[Completion]:
+                     min_tokens=0, min_p=0.0) -> list[Completion]:
         """Prompts of one length: the lockstep batch, every row with blocks of its own, prefilled in
         chunks, then decoded to completion in one on-device loop; what it needs compiled is
         compiled first, so `stats` times the run itself. Prompts of mixed lengths: the scheduler's
         continuous batching (`engine.batch`), each prompt prefilled as itself, a prefix they share
         prefilled once. `logprobs` n (0 to 20): each token's log-probability and the n most likely
-        tokens, computed on the device. The penalties are vLLM's and OpenAI's (`sampling.penalize`);
+        tokens, computed on the device. `min_p`: vLLM's min-p (`sampling.filtered`). The penalties
+        are vLLM's and OpenAI's (`sampling.penalize`);
         `logit_bias` ({token id: bias}), `stop_token_ids` and `min_tokens` as the server's
         (`sampling.apply_rules`). Row b samples with seed + b (`request.nth_seed`, as choice b of a
         server request): the rows draw apart, one seed reproduces the call, and a row's tokens are
         those of its prompt alone with seed + b, whichever path runs it."""
-        check_sampling(max_tokens, temperature, top_k, top_p)
+        check_sampling(max_tokens, temperature, top_k, top_p, min_p)
         seed = check_seed(seed)
         pen = check_penalties(presence_penalty, frequency_penalty, repetition_penalty)
         bias, stops = check_rules(logit_bias, stop_token_ids, min_tokens, max_tokens, self.cfg.vocab_size)
@@ -491,7 +506,8 @@ class Engine:
         if len(set(lens)) > 1:
             from jaxllm.engine import batch
             reqs = [Request(list(x), max_tokens, temperature, top_k, top_p, nth_seed(seed, b), *pen,
-                            logprobs=logprobs, logit_bias=bias, stop_token_ids=stops, min_tokens=min_tokens)
+                            logprobs=logprobs, logit_bias=bias, stop_token_ids=stops, min_tokens=min_tokens,
+                            min_p=min_p)
                     for b, x in enumerate(ids)]
             outs, (ttft, decode_s, compile_s, spec) = batch.generate(self, ids, reqs)
             new = sum(len(t) for t, _ in outs)
@@ -502,7 +518,7 @@ class Engine:
         B = len(ids)
         S = self.padded_len(n + max_tokens)
         check_fits(self.kv_plan(B, S))
-        params = SamplingParams.make(B, temperature, top_k, top_p, seed)
+        params = SamplingParams.make(B, temperature, top_k, top_p, seed, min_p)
         eng_core = self.core(B, S, span=self.chunking(n)[0])
         compile_s = eng_core.prepare(n, max_tokens - 1, n_lp)
         t0 = time.perf_counter()

@@ -20,8 +20,8 @@ class Delta:
 
 @dataclass
 class Prompt:
-    """An `echo` request's prompt was read: the answer starts with it (and its tokens' TokenLogprob,
-    the first without a value, when asked)."""
+    """The prompt was read, sent to a request that echoes it (its answer starts with it) or scores it:
+    its tokens' TokenLogprob (the first without a value) where scored."""
     logprobs: list | None = None
 
 

@@ -46,7 +46,7 @@ class Memory:
         preemption with presence or frequency penalties, not the tokens it had sampled (the
         penalties count those as its prefill reads them)."""
         r = job.req
-        if r.prompt_logprobs or r.repetition_penalty != 1.0:
+        if r.scores_prompt or r.repetition_penalty != 1.0:
             return 0
         if r.presence_penalty or r.frequency_penalty:
             return len(r.prompt_ids)

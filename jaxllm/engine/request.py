@@ -10,7 +10,7 @@ from jaxllm.errors import RequestError
 SEED_MOD = 2 ** 32
 
 
-def check_sampling(max_tokens, temperature, top_k, top_p):
+def check_sampling(max_tokens, temperature, top_k, top_p, min_p=0.0):
     """Sampling values a request may ask for (no JAX here: front ends check their flags with it
     before JAX loads)."""
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
@@ -21,6 +21,8 @@ def check_sampling(max_tokens, temperature, top_k, top_p):
         raise RequestError(f"top_k must be a non-negative integer, got {top_k!r}")
     if top_p is not None and not (0 < top_p <= 1):
         raise RequestError(f"top_p must be in (0, 1], got {top_p!r}")
+    if not isinstance(min_p, (int, float)) or isinstance(min_p, bool) or not 0 <= min_p <= 1:
+        raise RequestError(f"min_p must be in [0, 1], got {min_p!r}")
 
 
 def nth_seed(seed: int, i: int) -> int:
@@ -51,12 +53,19 @@ class Request:
     logit_bias: dict[int, float] = field(default_factory=dict)
     stop_token_ids: list[int] = field(default_factory=list)
     min_tokens: int = 0
+    min_p: float = 0.0                 # tokens below min_p times the likeliest one's probability are dropped
+    prompt_logprobs: int | None = None     # the prompt's tokens scored, with this many alternatives each
+    include_stop: bool = False         # a stop string that ends the text stays in it
+
+    def __post_init__(self):
+        if self.echo and self.logprobs is not None:       # an echo with log-probabilities scores its prompt
+            self.prompt_logprobs = max(self.logprobs, self.prompt_logprobs or 0)
 
     def choice_seed(self, i: int) -> int:
         """The seed choice i samples with: the request's seed + i (`nth_seed`)."""
         return nth_seed(self.seed, i)
 
     @property
-    def prompt_logprobs(self) -> bool:
-        """The prompt's own tokens are scored (an echo with log-probabilities)."""
-        return self.echo and self.logprobs is not None
+    def scores_prompt(self) -> bool:
+        """The prompt's own tokens are scored (`prompt_logprobs`, or an echo with log-probabilities)."""
+        return self.prompt_logprobs is not None

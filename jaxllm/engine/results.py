@@ -83,8 +83,8 @@ class Results:
             for f, job in enumerate(call.jobs):
                 if job.done:
                     continue
-                if job.req.echo:           # the prompt and its scores, as its parent read them
-                    job.emit(Prompt(job.parent.prompt_logprobs if job.req.prompt_logprobs else None))
+                if job.req.echo or job.req.scores_prompt:       # the prompt's scores, as its parent read them
+                    job.emit(Prompt(job.parent.prompt_logprobs if job.req.scores_prompt else None))
                 self._take(job, [int(first[f])], _row(lp, f, None))
             return
         if call.kind == "prefill":
@@ -97,8 +97,8 @@ class Results:
                 if call.scored[i] is not None:
                     self._score_prompt(job, scores, i * C, *call.scored[i])
                 if call.finals[i]:
-                    if job.req.echo:
-                        job.emit(Prompt(job.prompt_logprobs if job.req.prompt_logprobs else None))
+                    if job.req.echo or job.req.scores_prompt:
+                        job.emit(Prompt(job.prompt_logprobs if job.req.scores_prompt else None))
                     self._take(job, [int(first[i])], _row(lp, i, None))
             return
         toks, count, lp = (None if x is None else jax.tree_util.tree_map(get, x) for x in call.result)
@@ -114,7 +114,7 @@ class Results:
             job.prompt_logprobs = [TokenLogprob(ids[0], None, [])]
         nxt = ids[start + 1:start + length + 1]
         piece = jax.tree_util.tree_map(lambda a: a[at:at + len(nxt)][None], scores)
-        job.prompt_logprobs += token_logprobs(piece, 0, nxt, job.req.logprobs)
+        job.prompt_logprobs += token_logprobs(piece, 0, nxt, job.req.prompt_logprobs)
 
     def _follow(self, job: Job, toks: list[int]) -> tuple[list[int], bool] | None:
         """`job`'s grammar takes its new tokens: -> (those it took, whether it is complete), or None

@@ -19,16 +19,24 @@ class SamplingParams:
     top_k: jax.Array         # [B] int32; 0 = off
     top_p: jax.Array         # [B] float32; 1 = off
     seed: jax.Array          # [B] uint32
+    min_p: jax.Array         # [B] float32; 0 = off
 
     @staticmethod
-    def make(batch: int, temperature=0.0, top_k=None, top_p=None, seed=0) -> "SamplingParams":
+    def make(batch: int, temperature=0.0, top_k=None, top_p=None, seed=0, min_p=0.0) -> "SamplingParams":
         """One setting for `batch` rows; row b samples with seed + b (`nth_seed`, as choice b of a
         request does), so the rows draw apart and one seed reproduces them all."""
         def arr(v, dtype):
             return jnp.broadcast_to(jnp.asarray(v, dtype), (batch,))
         seeds = jnp.asarray(np.array([nth_seed(seed, b) for b in range(batch)], np.uint32))
         return SamplingParams(arr(temperature, jnp.float32), arr(top_k or 0, jnp.int32),
-                              arr(1.0 if top_p is None else top_p, jnp.float32), seeds)
+                              arr(1.0 if top_p is None else top_p, jnp.float32), seeds, arr(min_p, jnp.float32))
+
+
+def _keep_min_p(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Tokens whose probability (after temperature) is at least min_p times the likeliest one's,
+    vLLM's min-p: logit >= max + log(min_p); min_p = 0 keeps every token."""
+    floor = jnp.max(scaled, -1) + jnp.log(min_p)
+    return jnp.where(scaled >= floor[:, None], scaled, -jnp.inf)
 
 
 def _order_keys(x: jax.Array) -> jax.Array:
@@ -85,15 +93,15 @@ def _keep_by_sorting(scaled, k, top_p):
 
 
 def filtered(logits: jax.Array, p: SamplingParams, by: str = "bisection") -> jax.Array:
-    """logits / temperature, with every token outside the top-k set to -inf, then every token
-    outside the top-p of what is left (renormalized). The cut-off is the largest value whose tokens
+    """logits / temperature, with every token below min-p and outside the top-k set to -inf, then
+    every token outside the top-p of what is left (renormalized). The cut-off is the largest value whose tokens
     and those above it hold at least top_p of the mass; tokens tied with a cut-off stay.
 
     `by`: "sort" sorts the values, "bisection" finds the cut-off by bisection; the backend says
     which suits its device (`XlaOps.top_p_by`)."""
     V = logits.shape[-1]
     t = jnp.where(p.temperature > 0, p.temperature, 1.0)[:, None]
-    scaled = logits / t
+    scaled = _keep_min_p(logits / t, p.min_p)
     k = jnp.where(p.top_k > 0, jnp.minimum(p.top_k, V), V)
     keep = {"sort": _keep_by_sorting, "bisection": _keep_by_bisection}[by](scaled, k, p.top_p)
     return jnp.where(keep, scaled, -jnp.inf)
@@ -169,7 +177,7 @@ def sample(logits: jax.Array, p: SamplingParams, step: jax.Array, by: str = "bis
 
     A row with a temperature draws what `jax.random.categorical` draws from `filtered`'s logits
     with the row's key, whichever other rows share its batch, without a sort of the vocabulary
-    for top-k up to 128: the top-k cut-off (`_keep_top_k`, only where some row of the batch has
+    for top-k up to 128: the min-p floor, the top-k cut-off (`_keep_top_k`, only where some row of the batch has
     one), then `_draw_top_p`. When no row samples, the batch takes the argmax alone: on GPUs that
     choice is made on the host, which waits for the logits first, so a caller that knows no row
     samples says so (`greedy`)."""
@@ -179,7 +187,7 @@ def sample(logits: jax.Array, p: SamplingParams, step: jax.Array, by: str = "bis
     sampling = p.temperature > 0
 
     def draw(top_k: bool):
-        scaled = logits / jnp.where(sampling, p.temperature, 1.0)[:, None]
+        scaled = _keep_min_p(logits / jnp.where(sampling, p.temperature, 1.0)[:, None], p.min_p)
         if top_k:
             V = logits.shape[-1]
             scaled = jnp.where(_keep_top_k(scaled, jnp.where(p.top_k > 0, jnp.minimum(p.top_k, V), V), by),

@@ -297,7 +297,7 @@ class Scheduler(Results, Warmup, Memory):
             job, hit = got
             for c, b in zip([job] if job.resumed else job.choices, free):
                 if c.text is None:
-                    c.text = TextStream(self.text_tokenizer, c.req.stop, c.req.skip_special)
+                    c.text = TextStream(self.text_tokenizer, c.req.stop, c.req.skip_special, c.req.include_stop)
                 self._seat(c, b, hit if c is job else None)
                 with self.cond:
                     self.slots[b] = c
@@ -452,6 +452,7 @@ class Scheduler(Results, Warmup, Memory):
         final, max_new, ignore = np.zeros(P, bool), np.ones(P, np.int32), np.zeros(P, bool)
         temp, top_k, top_p, seed = np.zeros(P, np.float32), np.zeros(P, np.int32), np.ones(P, np.float32), \
             np.zeros(P, np.uint32)
+        min_p = np.zeros(P, np.float32)
         first, step0, out_start = np.zeros(P, bool), np.zeros(P, np.int32), np.full(P, np.iinfo(np.int32).max, np.int32)
         for i, (job, n) in enumerate(zip(jobs, lengths)):
             r, prompt = job.req, job.prompt
@@ -463,9 +464,9 @@ class Scheduler(Results, Warmup, Memory):
             max_new[i], ignore[i] = max(r.max_tokens - job.resumed, 1), r.ignore_eos
             step0[i], out_start[i] = job.resumed, len(r.prompt_ids)
             temp[i], top_k[i], seed[i] = r.temperature, r.top_k or 0, r.choice_seed(job.index)
-            top_p[i] = 1.0 if r.top_p is None else r.top_p
+            top_p[i], min_p[i] = 1.0 if r.top_p is None else r.top_p, r.min_p
             self.core.blocks.commit(job.slot, prompt, job.prefilled)
-        params = SamplingParams(temp, top_k, top_p, seed)
+        params = SamplingParams(temp, top_k, top_p, seed, min_p)
         pen = Penalties(*(np.asarray([getattr(j.req, k) for j in jobs] + [d] * (P - len(jobs)), np.float32)
                           for k, d in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                                        ("repetition_penalty", 1.0))))
@@ -527,7 +528,7 @@ class Scheduler(Results, Warmup, Memory):
     @staticmethod
     def _scored(job: Job) -> bool:
         """Whether `job`'s prefill scores its prompt's tokens (a preempted answer's were already)."""
-        return job.req.prompt_logprobs and not job.resumed
+        return job.req.scores_prompt and not job.resumed
 
     @staticmethod
     def _prompt_targets(jobs, scored, P: int, C: int):

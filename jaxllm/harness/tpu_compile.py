@@ -125,7 +125,8 @@ def abstract_pieces(layout, pieces: int, length: int, slots: bool = False) -> Pi
 
 def abstract_sampling(layout, batch: int) -> SamplingParams:
     return SamplingParams(rows(layout, batch, jnp.float32), rows(layout, batch, jnp.int32),
-                          rows(layout, batch, jnp.float32), rows(layout, batch, jnp.uint32))
+                          rows(layout, batch, jnp.float32), rows(layout, batch, jnp.uint32),
+                          rows(layout, batch, jnp.float32))
 
 
 def device_bytes(tree) -> int:

@@ -163,3 +163,19 @@ def test_warmup_reads_every_call_back(tmp_path, monkeypatch, without_jax_cache):
     monkeypatch.setattr(second, "_lower", lambda *a: pytest.fail(f"traced {a[0]} again"))
     sched.warmup(background=False)
     assert set(second._executables) == set(first._executables)
+
+
+def test_a_stored_step_for_other_devices_is_compiled_again(tmp_path, caplog):
+    """An executable read back whose inputs lie on other devices than the engine's mesh (a file
+    that is not what its key says) is not run: the call is compiled again, with a warning."""
+    import types
+
+    import jaxllm
+    tiny.make("qwen3", tmp_path / "m", seed=1)
+    eng = jaxllm.load(str(tmp_path / "m"), quant="none", dtype="float32", max_ctx=64, compilation_cache="off")
+    mine = types.SimpleNamespace(device_set=set(eng.layout.mesh.devices.flat))
+    other = types.SimpleNamespace(device_set={"another device"})
+    ok = types.SimpleNamespace(input_shardings=((mine, mine), {}))
+    assert eng._on_mesh(ok, "k") is ok and eng._on_mesh(None, "k") is None
+    assert eng._on_mesh(types.SimpleNamespace(input_shardings=((mine, other), {})), "k") is None
+    assert "other devices" in caplog.text

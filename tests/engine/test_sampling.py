@@ -1,4 +1,4 @@
-"""Top-k / top-p filtering against a float64 numpy reference, by both ways of finding the cut-off
+"""Min-p / top-k / top-p filtering against a float64 numpy reference, by both ways of finding the cut-off
 (the sort used on GPUs, the bisection used elsewhere), and the draw staying inside what is kept."""
 from functools import partial
 
@@ -11,12 +11,19 @@ from jaxllm.engine import sampling
 from jaxllm.engine.sampling import SamplingParams, _row_keys, filtered, sample
 
 
-def reference_keep(logits, temperature, top_k, top_p):
-    """Kept tokens of one row, or None where top-p's decision sits within float32 rounding of a
-    value's boundary (summation order may then decide either way)."""
+def reference_keep(logits, temperature, top_k, top_p, min_p=0.0):
+    """Kept tokens of one row (vLLM's order: temperature, min-p, then top-k and top-p), or None
+    where min-p's or top-p's decision sits within float32 rounding of a value's boundary
+    (summation order may then decide either way)."""
     s = logits / np.float32(temperature if temperature > 0 else 1.0)
     V = len(s)
-    kth = np.sort(s)[::-1][(min(top_k, V) if top_k > 0 else V) - 1]
+    floor = -np.inf
+    if min_p > 0:
+        p = np.exp(s.astype(np.float64) - s.max())       # probabilities relative to the likeliest
+        if np.any(np.abs(p - min_p) < 1e-5 * min_p):
+            return None
+        floor = s[p >= min_p].min()
+    kth = max(np.sort(s)[::-1][(min(top_k, V) if top_k > 0 else V) - 1], floor)
     if top_p >= 1:
         return s >= kth
     e = np.where(s >= kth, np.exp(s.astype(np.float64) - s.max()), 0.0)
@@ -38,8 +45,14 @@ def random_rows(rng, trial):
     if trial % 5 == 0:
         logits[:, :V // 3] = -np.inf                   # tokens a model rules out
     params = (rng.choice([0.0, 0.5, 1.0, 2.0], 4), rng.choice([0, 1, 3, 40, V, V + 5], 4),
-              rng.choice([1.0, 0.9, 0.5, 0.01, 0.999], 4).astype(np.float32))
+              rng.choice([1.0, 0.9, 0.5, 0.01, 0.999], 4).astype(np.float32),
+              rng.choice([0.0, 0.0, 0.05, 0.3], 4).astype(np.float32))
     return logits, params
+
+
+def params_of(temp, top_k, top_p, seeds, min_p) -> SamplingParams:
+    return SamplingParams(jnp.asarray(temp, jnp.float32), jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32),
+                          jnp.asarray(seeds, jnp.uint32), jnp.asarray(min_p, jnp.float32))
 
 
 @pytest.mark.parametrize("by", ["bisection", "sort"])
@@ -48,12 +61,11 @@ def test_filter_matches_reference(by):
     f = jax.jit(partial(filtered, by=by))
     checked = 0
     for trial in range(150):
-        logits, (temp, top_k, top_p) = random_rows(rng, trial)
-        p = SamplingParams(jnp.asarray(temp, jnp.float32), jnp.asarray(top_k, jnp.int32),
-                           jnp.asarray(top_p, jnp.float32), jnp.zeros(4, jnp.uint32))
+        logits, (temp, top_k, top_p, min_p) = random_rows(rng, trial)
+        p = params_of(temp, top_k, top_p, np.zeros(4), min_p)
         out = np.asarray(f(jnp.asarray(logits), p))
         for r in range(4):
-            want = reference_keep(logits[r], temp[r], int(top_k[r]), float(top_p[r]))
+            want = reference_keep(logits[r], temp[r], int(top_k[r]), float(top_p[r]), float(min_p[r]))
             if want is None:
                 continue
             want &= np.isfinite(logits[r])
@@ -95,20 +107,19 @@ def test_a_draw_is_the_categorical_draw_from_the_filtered_logits(by):
     cut_then_draw = jax.jit(lambda x, p, s: jax.vmap(jax.random.categorical)(_row_keys(p, s),
                                                                            filtered(x, p, by=by)))
     for trial in range(40):
-        logits, (temp, top_k, top_p) = random_rows(rng, trial)
+        logits, (temp, top_k, top_p, min_p) = random_rows(rng, trial)
         if trial % 2:
             top_k = np.where(top_k < logits.shape[-1], 0, top_k)
         elif trial % 4 == 2:
             top_k = rng.choice([100, 129, 200, 128], 4)
-        p = SamplingParams(jnp.asarray(temp, jnp.float32), jnp.asarray(top_k, jnp.int32),
-                           jnp.asarray(top_p, jnp.float32), jnp.arange(4, dtype=jnp.uint32) + trial)
+        p = params_of(temp, top_k, top_p, np.arange(4) + trial, min_p)
         for step in range(3):
             got = np.asarray(draw(jnp.asarray(logits), p, jnp.int32(step)))
             want = np.asarray(cut_then_draw(jnp.asarray(logits), p, jnp.int32(step)))
             for r in range(4):
                 if temp[r] == 0:
                     assert got[r] == np.argmax(logits[r])
-                elif reference_keep(logits[r], temp[r], int(top_k[r]), float(top_p[r])) is not None:
+                elif reference_keep(logits[r], temp[r], int(top_k[r]), float(top_p[r]), float(min_p[r])) is not None:
                     assert got[r] == want[r], (trial, step, r)
                     same += 1
     assert same > 250
@@ -143,8 +154,7 @@ def test_draws_follow_the_renormalized_top_k_top_p_set():
     else, for top-p alone and after a top-k cut (20,000 draws a row, a 12-token vocabulary)."""
     V, N = 12, 20000
     logits = jnp.asarray((np.random.default_rng(0).normal(size=(4, V)) * 2).astype(np.float32))
-    p = SamplingParams(jnp.asarray([0.8, 1.3, 0.8, 0.5], jnp.float32), jnp.asarray([0, 0, 0, 4], jnp.int32),
-                       jnp.asarray([0.6, 0.95, 1.0, 0.8], jnp.float32), jnp.asarray([3, 4, 5, 6], jnp.uint32))
+    p = params_of([0.8, 1.3, 0.8, 0.5], [0, 0, 0, 4], [0.6, 0.95, 1.0, 0.8], [3, 4, 5, 6], [0.0, 0.0, 0.2, 0.0])
     kept = np.isfinite(np.asarray(filtered(logits, p)))
     assert [int(n) for n in kept.sum(1)] != [V] * 4 and kept.sum(1).min() > 1
     toks = np.asarray(jax.jit(jax.vmap(lambda i: sample(logits, p, i)))(jnp.arange(N)))
@@ -162,8 +172,7 @@ def test_a_row_draws_the_same_whatever_shares_its_batch():
     (which send the batch through the top-k cut-off) it draws what it draws alone."""
     logits = jax.random.normal(jax.random.key(1), (3, 300)) * 1.5
     alone = SamplingParams.make(1, 1.2, None, 0.5, seed=7)
-    mixed = SamplingParams(jnp.asarray([1.2, 0.7, 0.0]), jnp.asarray([0, 5, 0], jnp.int32),
-                           jnp.asarray([0.5, 0.9, 1.0]), jnp.asarray([7, 1, 2], jnp.uint32))
+    mixed = params_of([1.2, 0.7, 0.0], [0, 5, 0], [0.5, 0.9, 1.0], [7, 1, 2], [0.0, 0.1, 0.0])
     draw = jax.jit(sample)
     a = [int(draw(logits[:1], alone, jnp.int32(i))[0]) for i in range(60)]
     m = np.array([np.asarray(draw(logits, mixed, jnp.int32(i))) for i in range(60)])

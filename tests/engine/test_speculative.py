@@ -121,7 +121,7 @@ def sampled(eng, seeds=SEEDS) -> np.ndarray:
     ids = [PROMPT] * seeds
     eng_core = eng.core(seeds, 32)
     params = SamplingParams(np.ones(seeds, np.float32), np.zeros(seeds, np.int32), np.ones(seeds, np.float32),
-                            np.arange(seeds, dtype=np.uint32))
+                            np.arange(seeds, dtype=np.uint32), np.zeros(seeds, np.float32))
     first = eng_core.prefill_prompts(ids, params, np.full(seeds, 3, np.int32), np.ones(seeds, bool))
     rest, count, _ = eng_core.run_to_completion(2)
     assert (count == 2).all()

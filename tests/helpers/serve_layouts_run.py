@@ -211,7 +211,12 @@ def run_case(tmp, name, ckpt, kv_quant, rings, tp):
 
 
 def main(tmp):
-    out = {name: run_case(tmp, name, *rest) for name, *rest in CASES}
+    out = {}
+    for name, *rest in CASES:
+        try:
+            out[name] = run_case(tmp, name, *rest)
+        except Exception as e:
+            raise RuntimeError(f"case {name!r} failed") from e
     print(json.dumps(out))
 
 
