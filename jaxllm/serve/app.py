@@ -42,9 +42,11 @@ from jaxllm.serve.protocol import (
     detokenize,
     full_response,
     parse_request,
+    prompt_logprobs_json,
     tokenize,
     usage_chunk,
 )
+from jaxllm.serve.responses import ResponseStore, Turn, sse
 
 log = logging.getLogger("jaxllm.serve")
 
@@ -66,6 +68,7 @@ class ServeOptions:
     started: float | None = None        # process start (time.monotonic()), for the time to ready
     freeze_heap: bool = False           # for a process that serves for its lifetime: `Warmup.settle_heap`
     kv_memory: KVMemory = KVMemory()    # the KV pool's size, and whether it caches prefixes
+    max_stored_responses: int = 1000    # /v1/responses kept for previous_response_id, the oldest dropped first
 
 
 class Wakeups:
@@ -146,6 +149,7 @@ class Server:
         self.metrics = self.scheduler.observer = Metrics(self.scheduler, opts.served_name)
         self.features = chat_features(engine.cfg.family)      # reasoning and tool calls in chat answers
         self.started = time.time()
+        self.stored = ResponseStore(opts.max_stored_responses)
         self.wakeups: Wakeups | None = None                   # the event loop's, made by its first request
         # Requests are parsed (chat template, tokenizer) off the event loop, one at a time on a thread
         # of their own, as vLLM's server tokenizes. A worker thread each, as Starlette's pool gives,
@@ -216,13 +220,12 @@ class Server:
             raise bad("the request body holds an unpaired UTF-16 surrogate escape") from None
         return body
 
-    def parse_and_submit(self, kind: str, body: dict, inbox: Inbox) -> tuple[GenRequest, Job | None]:
-        """On the parse thread: the request parsed and, unless it is constrained (its grammar is
-        compiled first), handed to the scheduler at once, so that a burst of requests reaches
-        the engine thread as they are parsed rather than as the event loop gets back to each.
-        Raises QueueFull."""
-        req = parse_request(kind, body, self.engine, self.opts.served_name, self.opts.max_model_len,
-                            self.features, self.opts.max_num_seqs)
+    def parse_and_submit(self, parse, inbox: Inbox) -> tuple[GenRequest, Job | None]:
+        """On the parse thread: the request parsed (`parse()`) and, unless it is constrained (its
+        grammar is compiled first), handed to the scheduler at once, so that a burst of requests
+        reaches the engine thread as they are parsed rather than as the event loop gets back to
+        each. Raises QueueFull."""
+        req = parse()
         return req, None if req.constraint is not None else self.submit(req, inbox)
 
     def submit(self, req: GenRequest, inbox: Inbox, matcher=None) -> Job:
@@ -261,11 +264,21 @@ class Server:
             raise ApiError(503, "the server is shutting down", type="server_error")
         return JSONResponse({"status": "ok", **self.scheduler.load()})
 
+    def model_card(self) -> dict:
+        return {"id": self.opts.served_name, "object": "model", "created": int(self.started), "owned_by": "jaxllm",
+                "max_model_len": self.opts.max_model_len}
+
     async def models(self, request: Request):
         self.check_auth(request)
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.opts.served_name, "object": "model", "created": int(self.started),
-            "owned_by": "jaxllm", "max_model_len": self.opts.max_model_len}]})
+        return JSONResponse({"object": "list", "data": [self.model_card()]})
+
+    async def model(self, request: Request):
+        self.check_auth(request)
+        name = request.path_params["model_id"]
+        if name != self.opts.served_name:
+            raise ApiError(404, f"The model '{name}' does not exist; this server serves '{self.opts.served_name}'",
+                           param="model", code="model_not_found")
+        return JSONResponse(self.model_card())
 
     async def metrics_text(self, request: Request):
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
@@ -290,9 +303,17 @@ class Server:
     async def generate(self, request: Request, kind: str):
         self.check_auth(request)
         body = await self.read_json(request)
+        parse = functools.partial(parse_request, kind, body, self.engine, self.opts.served_name,
+                                  self.opts.max_model_len, self.features, self.opts.max_num_seqs)
+        return await self.run(request, parse, self.collect, self.stream)
+
+    async def run(self, request: Request, parse, collect, stream):
+        """A generation request, whatever its route: `parse()` (on the parse thread) gives the
+        request, which the scheduler runs; `collect(request, req, job, inbox, deadline)` answers
+        it whole, `stream(req, job, inbox, deadline)` as an SSE stream."""
         inbox = self.inbox()
         try:
-            req, job = await self.parsed(self.parse_and_submit, kind, body, inbox)
+            req, job = await self.parsed(self.parse_and_submit, parse, inbox)
             if job is None:                          # its grammar compiled here, never on the engine thread
                 if self.grammars is None:
                     raise bad("this model has no tokenizer, so its answers cannot be constrained",
@@ -307,10 +328,10 @@ class Server:
         deadline = self.deadline()
         if req.stream:
             # the background cancel also covers a client gone before the stream's first chunk
-            return StreamingResponse(self.stream(req, job, inbox, deadline), media_type="text/event-stream",
+            return StreamingResponse(stream(req, job, inbox, deadline), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"}, background=BackgroundTask(_cancel, job))
         try:
-            return await self.collect(request, req, job, inbox, deadline)
+            return await collect(request, req, job, inbox, deadline)
         except ClientGone:
             self.metrics.failed("abort")
             return Response(status_code=499)     # nobody reads it; the slot is freed below
@@ -322,7 +343,7 @@ class Server:
         went away is noticed within about `DISCONNECT_CHECK` seconds, whether or not events keep
         coming (tokens whose text is held back, a special token skipped, still send events), and
         its slot given back."""
-        texts, logprobs = [[] for _ in range(req.n)], [[] for _ in range(req.n)]
+        texts, logprobs, prompts = [[] for _ in range(req.n)], [[] for _ in range(req.n)], [None] * req.n
         finished: dict[int, Finished] = {}
         checked = time.monotonic()
         while len(finished) < req.n:
@@ -335,9 +356,11 @@ class Server:
             except TimedOut:
                 self.metrics.failed("timeout")
                 raise self.timeout_error() from None
-            if isinstance(ev, Prompt):            # echo: the prompt comes first
-                texts[i].insert(0, req.prompt_text)
-                logprobs[i][:0] = ev.logprobs or []
+            if isinstance(ev, Prompt):            # the prompt read: echoed first, its scores where asked
+                prompts[i] = ev.logprobs
+                if req.echo:
+                    texts[i].insert(0, req.prompt_text)
+                    logprobs[i][:0] = ev.logprobs or []
             elif isinstance(ev, Delta):
                 texts[i].append(ev.text)
                 logprobs[i] += ev.logprobs or []
@@ -355,8 +378,12 @@ class Server:
                 parts.add(reader.finish())
             lp = None if req.logprobs is None else LogprobWriter(req, self.engine.tokenizer)(logprobs[i])
             choices.append(choice(req, i, text, finished[i].finish_reason, parts, lp))
+            if req.shown_prompt_logprobs is not None:
+                choices[i]["prompt_logprobs"] = prompt_logprobs_json(req, prompts[i] or [], self.engine.tokenizer)
         body = full_response(req, choices, sum(f.completion_tokens for f in finished.values()),
                              max(f.cached_tokens for f in finished.values()))
+        if req.kind == "chat" and req.shown_prompt_logprobs is not None:      # vLLM's place for a chat's
+            body["prompt_logprobs"] = [c.pop("prompt_logprobs") for c in choices][0]
         self.metrics.finished(job, choices[0]["finish_reason"])
         return JSONResponse(body)
 
@@ -387,9 +414,12 @@ class Server:
                     self.metrics.failed("timeout")
                     sse(self.timeout_error().body())
                     break
-                if isinstance(ev, (Delta, Prompt)):
+                if isinstance(ev, Prompt) and req.shown_prompt_logprobs is not None:
+                    sse(answers[i].prompt_scores(prompt_logprobs_json(req, ev.logprobs or [], self.engine.tokenizer)))
+                if isinstance(ev, Delta) or (isinstance(ev, Prompt) and req.echo):
                     text = ev.text if isinstance(ev, Delta) else req.prompt_text
-                    for c in answers[i].text(text, ev.logprobs):
+                    for c in answers[i].text(text, ev.logprobs if isinstance(ev, Delta) or req.logprobs is not None
+                                             else None):
                         sse(c)
                 elif isinstance(ev, Finished):
                     last, reasons[i] = answers[i].finish(ev.finish_reason)
@@ -413,6 +443,73 @@ class Server:
             yield "".join(out)
         finally:
             if not ended:                        # the client went away mid-stream
+                self.metrics.failed("abort")
+            job.cancel()
+
+    # -- the Responses API (responses.py): the chat route's request and scheduling ----------------
+    async def create_response(self, request: Request):
+        self.check_auth(request)
+        turn = Turn.read(await self.read_json(request), self.stored)
+        parse = functools.partial(turn.request, self.engine, self.opts.served_name, self.opts.max_model_len,
+                                  self.features, self.opts.max_num_seqs)
+        try:
+            return await self.run(request, parse, functools.partial(self.whole_response, turn),
+                                  functools.partial(self.response_events, turn))
+        except ApiError as e:
+            raise turn.renamed(e) from None
+
+    async def get_response(self, request: Request):
+        self.check_auth(request)
+        return JSONResponse(self.stored.response(request.path_params["response_id"]))
+
+    async def whole_response(self, turn: Turn, request: Request, req: GenRequest, job: Job, inbox: Inbox,
+                             deadline: float):
+        """The Response object, built from the engine's events as its stream would be."""
+        answer = turn.answer(req, self.engine.tokenizer)
+        checked = time.monotonic()
+        while not answer.ended:
+            if time.monotonic() - checked >= DISCONNECT_CHECK:
+                if await request.is_disconnected():
+                    raise ClientGone
+                checked = time.monotonic()
+            try:
+                _, ev = await self.next_event(inbox, deadline, request)
+            except TimedOut:
+                self.metrics.failed("timeout")
+                raise self.timeout_error() from None
+            answer.on(ev)
+        if answer.error is not None:
+            self.metrics.failed("error")
+            raise answer.error
+        self.metrics.finished(job, answer.finish_reason)
+        self.stored.keep(answer)
+        return JSONResponse(answer.response())
+
+    async def response_events(self, turn: Turn, req: GenRequest, job: Job, inbox: Inbox, deadline: float):
+        """The Responses stream: response.created and .in_progress at once, the output items'
+        events as the answer comes, then response.completed (or .incomplete, or .failed)."""
+        answer = turn.answer(req, self.engine.tokenizer)
+        out = [sse(e) for e in answer.start()]
+        try:
+            while not answer.ended:
+                if out and (not inbox.events or len(out) >= 64):
+                    yield "".join(out)
+                    out.clear()
+                try:
+                    _, ev = await self.next_event(inbox, deadline)
+                except TimedOut:
+                    self.metrics.failed("timeout")
+                    out += [sse(e) for e in answer.fail(self.timeout_error())]
+                    break
+                out += [sse(e) for e in answer.on(ev)]
+                if answer.error is not None:
+                    self.metrics.failed("error")
+                elif answer.finished is not None:
+                    self.metrics.finished(job, answer.finish_reason)
+                    self.stored.keep(answer)
+            yield "".join(out)
+        finally:
+            if not answer.ended:                 # the client went away mid-stream
                 self.metrics.failed("abort")
             job.cancel()
 
@@ -462,6 +559,9 @@ def build_app(engine, opts: ServeOptions) -> Starlette:
         Route("/tokenize", server.tokenize, methods=["POST"]),
         Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
+        Route("/v1/responses", server.create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", server.get_response, methods=["GET"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
     ]

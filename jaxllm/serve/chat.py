@@ -155,20 +155,37 @@ def tool_choice_field(body: dict, tools: list[dict] | None) -> tuple[str, str | 
               "tool_choice")
 
 
-def template_kwargs_field(body: dict, features: ChatFeatures) -> dict:
-    """vLLM's `chat_template_kwargs`; of them the templates here read `enable_thinking`."""
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def reasoning_effort_field(body: dict) -> str | None:
+    v = body.get("reasoning_effort")
+    if v is not None and v not in REASONING_EFFORTS:
+        raise bad(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {v!r}", "reasoning_effort")
+    return v
+
+
+def template_kwargs_field(body: dict, features: ChatFeatures, template_variables=()) -> dict:
+    """vLLM's `chat_template_kwargs` (of them the templates here read `enable_thinking`), or else
+    OpenAI's `reasoning_effort` as `enable_thinking`; `template_variables`: the names the model's
+    chat template reads."""
     v = body.get("chat_template_kwargs")
-    if v is None:
-        return {}
-    if not isinstance(v, dict):
-        raise bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-    check_fields(v, set(TEMPLATE_KWARGS), "chat_template_kwargs.")
+    effort = reasoning_effort_field(body)
     out = {}
-    if v.get("enable_thinking") is not None:
-        if features.reasoning is None:
-            raise bad("this model does not think, so 'chat_template_kwargs.enable_thinking' is not supported",
-                      "chat_template_kwargs")
-        out["enable_thinking"] = bool_field(v, "enable_thinking")
+    if v is not None:
+        if not isinstance(v, dict):
+            raise bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+        check_fields(v, set(TEMPLATE_KWARGS), "chat_template_kwargs.")
+        if v.get("enable_thinking") is not None:
+            if features.reasoning is None:
+                raise bad("this model does not think, so 'chat_template_kwargs.enable_thinking' is not supported",
+                          "chat_template_kwargs")
+            out["enable_thinking"] = bool_field(v, "enable_thinking")
+    # OpenAI's `reasoning_effort`: thinking off at "none", on otherwise, for a model that thinks and
+    # whose template can turn it off; for the rest it cannot change what kind of answer comes
+    if "enable_thinking" not in out and effort is not None and features.reasoning is not None \
+            and "enable_thinking" in template_variables:
+        out["enable_thinking"] = effort != "none"
     return out
 
 
@@ -182,10 +199,10 @@ def chat_prompt(body: dict, engine, features: ChatFeatures, add_generation_promp
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise bad(f"'parallel_tool_calls' must be true or false, got {parallel!r}", "parallel_tool_calls")
-    kwargs = template_kwargs_field(body, features)
     if engine.tokenizer is None:
         raise bad("this model has no tokenizer, so chat requests cannot be served", "messages")
     names = engine.tokenizer.template_variables()
+    kwargs = template_kwargs_field(body, features, names)
     if tools and mode != "none" and "tools" not in names:
         raise bad("this model's chat template does not render tools, so 'tools' is not supported", "tools")
     if kwargs and "enable_thinking" not in names:

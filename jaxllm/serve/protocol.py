@@ -6,6 +6,7 @@ accepted only at its neutral value (e.g. `n: 1`, `suffix: null`, `presence_penal
 """
 from __future__ import annotations
 
+import logging
 import re
 import secrets
 import time
@@ -21,6 +22,7 @@ from jaxllm.serve.grammar import GUIDED, Constraint, constraint_field
 from jaxllm.serve.output import ChatFeatures, OutputPlan, Parts, chat_features
 from jaxllm.tokenizer import Tokenizer
 
+SEED_RANGE = (-2 ** 63, 2 ** 64 - 1)       # what OpenAI and vLLM take (an int64, or a uint64); used modulo 2**32
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
 LOGPROB_FLOOR = -9999.0       # what -inf is written as (JSON has no infinity; OpenAI's value)
@@ -37,20 +39,64 @@ class GenRequest(Request):
     output: OutputPlan | None = None   # chat: how the answer is read (reasoning, tool calls)
     prompt_text: str = ""              # what `echo` writes back
     constraint: Constraint | None = None   # structured output: what the answer must match
+    shown_prompt_logprobs: int | None = None   # vLLM's `prompt_logprobs` as asked: the response lists them
 
 
-COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stream",
-                 "stream_options", "user", "presence_penalty", "frequency_penalty", "logit_bias",
-                 "logprobs", "ignore_eos", "repetition_penalty",       # ignore_eos and the rest: vLLM's
-                 "min_tokens", "stop_token_ids", "response_format", *GUIDED}
+# The fields each route takes: OpenAI's, as its API reference lists them, and vLLM's extras that its
+# users send (docs/server.md has the table). Every other field is refused by name: a typo such as
+# `max_token` would otherwise be silently ignored.
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "n", "stop", "stream", "stream_options",
+                 "user", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "response_format",
+                 *GUIDED,
+                 # vLLM's sampling extras
+                 "top_k", "min_p", "ignore_eos", "repetition_penalty", "min_tokens", "stop_token_ids",
+                 "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+                 "truncate_prompt_tokens", "prompt_logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                               "parallel_tool_calls", "chat_template_kwargs"}
+# OpenAI's fields that cannot change what a self-hosted model answers: accepted (their types
+# checked), logged at debug level, not used.
+IGNORED = {"store": bool, "metadata": dict, "service_tier": str, "safety_identifier": str, "prompt_cache_key": str,
+           "prompt_cache_retention": str, "prompt_cache_options": dict, "verbosity": str, "moderation": dict}
+# OpenAI's fields whose being ignored would change the answer: refused unless absent or null.
+REFUSED = {"audio": "audio output is not supported: this model writes text",
+           "prediction": "predicted outputs are not supported by this server",
+           "web_search_options": "web search is not available on this server",
+           "functions": "the deprecated 'functions' is not supported; send 'tools'",
+           "function_call": "the deprecated 'function_call' is not supported; send 'tool_choice'"}
+CHAT_FIELDS = COMMON_FIELDS | set(IGNORED) | set(REFUSED) | {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+    "modalities", "reasoning_effort", "chat_template_kwargs"}
+MAX_METADATA = 16            # OpenAI's limits on `metadata`: 16 pairs, keys of 64 and values of 512 characters
+log = logging.getLogger("jaxllm.serve")
 
 
 def _check_unsupported(body: dict) -> None:
     neutral(body, "suffix", lambda v: v is None)
     neutral(body, "best_of", lambda v: v is None or (is_int(v) and v == 1))
+    for name, why in REFUSED.items():
+        if body.get(name) is not None:
+            raise bad(f"'{name}': {why}", name)
+    m = body.get("modalities")
+    if m is not None:
+        if not isinstance(m, list) or not all(isinstance(x, str) for x in m):
+            raise bad("'modalities' must be a list of strings", "modalities")
+        if any(x != "text" for x in m):
+            raise bad(f"'modalities' = {m!r}: this model writes text only (send [\"text\"])", "modalities")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad(f"'user' must be a string, got {type(user).__name__}", "user")
+    ignored = [k for k in IGNORED if body.get(k) is not None]
+    for k in ignored:
+        if not isinstance(body[k], IGNORED[k]):
+            what = {bool: "true or false", dict: "an object", str: "a string"}[IGNORED[k]]
+            raise bad(f"'{k}' must be {what}", k)
+    meta = body.get("metadata")
+    if meta is not None and (len(meta) > MAX_METADATA or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in meta.items())):
+        raise bad(f"'metadata' must map at most {MAX_METADATA} keys of up to 64 characters to strings of up to "
+                  f"512", "metadata")
+    if ignored:
+        log.debug("fields accepted and not used by a self-hosted model: %s", ", ".join(ignored))
 
 
 def _stop(body) -> list[str]:
@@ -86,7 +132,7 @@ def _logit_bias(body, vocab_size: int) -> dict[int, float]:
         raise bad(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} tokens, got {len(v)}", "logit_bias")
     out = {}
     for key, bias in v.items():
-        if not re.fullmatch(r"[0-9]+", key):
+        if not re.fullmatch(r"[0-9]{1,10}", key):
             raise bad(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
         tok = int(key)
         if tok >= vocab_size:
@@ -122,7 +168,10 @@ def _sampling(body, vocab_size: int) -> dict:
     if top_p is not None and not 0 < top_p <= 1:
         raise bad(f"'top_p' must be in (0, 1], got {top_p}", "top_p")
     top_k = int_field(body, "top_k", lo=-1)
-    seed = int_field(body, "seed")
+    min_p = num_field(body, "min_p")
+    if min_p is not None and not 0 <= min_p <= 1:
+        raise bad(f"'min_p' must be in [0, 1], got {min_p}", "min_p")
+    seed = int_field(body, "seed", lo=SEED_RANGE[0], hi=SEED_RANGE[1])
     temperature = 1.0 if temperature is None else temperature     # OpenAI's default
     if seed is None:
         seed = secrets.randbelow(SEED_MOD)
@@ -137,7 +186,7 @@ def _sampling(body, vocab_size: int) -> dict:
     rp = num_field(body, "repetition_penalty")
     if rp is not None and rp <= 0:
         raise bad(f"'repetition_penalty' must be > 0, got {rp}", "repetition_penalty")
-    return {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed % SEED_MOD,
+    return {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p or 0.0, "seed": seed % SEED_MOD,
             "repetition_penalty": 1.0 if rp is None else rp, **penalties}
 
 
@@ -239,14 +288,23 @@ def parse_request(kind: str, body, engine, served_name: str, max_model_len: int,
                 raise bad(f"'{constraint.field}' cannot be combined with 'tools' (unless 'tool_choice' is "
                           f"'none'): the answer is either constrained or free to call tools", constraint.field)
             plan = None
+    kept = _truncated(body, ids, max_model_len)
+    if echo and len(kept) < len(ids):            # the prompt echoed as the model read it
+        prompt_text = _prompt_text({"prompt": kept}, kept, engine)
+    ids = kept
     max_tokens = _fit_context(len(ids), max_tokens, max_model_len, default=16 if kind == "completion" else None,
                               prompt_param="prompt" if kind == "completion" else "messages")
     if min_tokens > max_tokens:
         raise bad(f"'min_tokens' ({min_tokens}) must not be more than max_tokens ({max_tokens})", "min_tokens")
     rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
     special = plan is not None and any(p is not None and p.decode_special for p in (plan.tools, plan.reasoning))
+    skip_special = bool_field(body, "skip_special_tokens", True) and not special
+    prompt_lp = int_field(body, "prompt_logprobs", lo=0, hi=MAX_LOGPROBS)
+    bool_field(body, "spaces_between_special_tokens", True)   # the tokenizer's own joining, as vLLM's fast ones
     return GenRequest(ids, max_tokens, kind=kind, model=served_name, stop=stop, ignore_eos=ignore_eos, stream=stream,
-                      include_usage=include_usage, id=rid, created=int(time.time()), skip_special=not special,
+                      include_usage=include_usage, id=rid, created=int(time.time()), skip_special=skip_special,
+                      include_stop=bool_field(body, "include_stop_str_in_output"),
+                      prompt_logprobs=prompt_lp, shown_prompt_logprobs=prompt_lp,
                       output=plan, logprobs=logprobs, echo=echo, prompt_text=prompt_text, n=n, logit_bias=logit_bias,
                       stop_token_ids=stop_token_ids, min_tokens=min_tokens, constraint=constraint, **sampling)
 
@@ -314,6 +372,18 @@ def detokenize(body, engine, served_name: str) -> dict:
         raise bad(f"token ids in 'tokens' must lie in [0, {vocab})", "tokens")
     tok = _tokenizer(engine, "tokens")
     return {"prompt": tok.decode(ids, skip_special=False) if isinstance(tok, Tokenizer) else tok.decode(ids)}
+
+
+def _truncated(body: dict, ids: list[int], max_model_len: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens` k: the prompt's last k tokens (-1: the last max_model_len - 1,
+    so one new token fits)."""
+    k = body.get("truncate_prompt_tokens")
+    if k is None:
+        return ids
+    if not is_int(k) or not (k == -1 or k >= 1):
+        raise bad(f"'truncate_prompt_tokens' must be -1 or an integer >= 1, got {k!r}", "truncate_prompt_tokens")
+    k = max_model_len - 1 if k == -1 else k
+    return ids[-k:]
 
 
 def _fit_context(n_prompt: int, max_tokens: int | None, limit: int, default: int | None,
@@ -428,6 +498,26 @@ class LogprobWriter:
         return {"token": s, "logprob": _floor(logprob), "bytes": list(s.encode("utf-8", errors="replace"))}
 
 
+def prompt_logprobs_json(req: GenRequest, entries: list, tokenizer) -> list:
+    """The prompt's TokenLogprobs as vLLM writes `prompt_logprobs`: None for the first token, then
+    per token {token id: {logprob, rank, decoded_token}} for the token and the
+    `prompt_logprobs` most likely ones (rank: 1 for the most likely; null for a prompt token
+    below the alternatives listed, whose rank is not computed)."""
+    text = LogprobWriter(req, tokenizer).text
+    out = []
+    for e in entries:
+        if e.logprob is None:
+            out.append(None)
+            continue
+        top = e.top[:req.shown_prompt_logprobs]
+        rank = next((r for r, (i, _) in enumerate(e.top, 1) if i == e.token_id), None)
+        row = {str(e.token_id): {"logprob": _floor(e.logprob), "rank": rank, "decoded_token": text(e.token_id)}}
+        for r, (i, v) in enumerate(top, 1):
+            row.setdefault(str(i), {"logprob": _floor(v), "rank": r, "decoded_token": text(i)})
+        out.append(row)
+    return out
+
+
 def _floor(v: float) -> float:
     return max(float(v), LOGPROB_FLOOR)
 
@@ -468,6 +558,15 @@ class AnswerStream:
 
     def role(self) -> dict:
         return stream_chunk(self.req, None, role=True, index=self.index)
+
+    def prompt_scores(self, scores: list) -> dict:
+        """A chunk with no text carrying the prompt's `prompt_logprobs` (vLLM's first chunk has them)."""
+        chunk = stream_chunk(self.req, None, delta={} if self.req.kind == "chat" else None, index=self.index)
+        if self.req.kind == "chat":
+            chunk["prompt_logprobs"] = scores
+        else:
+            chunk["choices"][0]["prompt_logprobs"] = scores
+        return chunk
 
     def text(self, text: str, entries=None) -> list[dict]:
         if self.reader is not None:

@@ -61,3 +61,21 @@ def joined(chunks: list[dict], kind: str) -> dict | list:
     if kind == "chat":
         return [e for lp in lps for e in lp["content"]]
     return {k: [v for lp in lps for v in lp[k]] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+def check_prompt_logprobs(engine, entries: list, ids: list[int], n: int):
+    """vLLM's `prompt_logprobs` of prompt `ids`: None first, then per token {id: {logprob, rank,
+    decoded_token}} holding the token and the n most likely ones, ranked from 1."""
+    want = log_softmax(engine, ids)
+    assert len(entries) == len(ids) and entries[0] is None
+    for i in range(1, len(ids)):
+        row, got = want[i - 1], entries[i]
+        order = np.argsort(-row, kind="stable")
+        best = order[:n].tolist()
+        assert set(got) == {str(t) for t in [ids[i], *best]}, (i, got)
+        for t in {ids[i], *best}:
+            e = got[str(t)]
+            np.testing.assert_allclose(e["logprob"], row[t], atol=ATOL)
+            assert e["decoded_token"] == token_text(engine, t)
+            rank = int(np.sum(row > row[t] + ATOL)) + 1
+            assert e["rank"] in ((rank, None) if t not in best else (rank,)), (i, t, e, rank)

@@ -382,6 +382,69 @@ def test_logit_bias_and_min_tokens_match_a_numpy_reference(engine, client, model
     assert r.choices[0].text == engine.tokenizer.decode(list(big) * 5)
 
 
+def test_vllm_extras_match_references(engine, client, model_name):
+    """vLLM's extra parameters against references: `min_p` (every sampled token inside the min-p
+    set numpy finds on `Engine.logits` at temperature 1; min_p 1 is the greedy answer; the same
+    tokens as `Engine.generate` with min_p), `skip_special_tokens` (the text of a forced special
+    token as the tokenizer decodes it, kept or left out), `include_stop_str_in_output`,
+    `ignore_eos` (an EOS made the argmax, ignored), `truncate_prompt_tokens` (the prompt's last k
+    tokens) and `prompt_logprobs` (log_softmax of the logits at each prompt position)."""
+    ids = engine.tokenizer.encode(PROMPT)
+    kw = dict(model=model_name, prompt=ids, max_tokens=10, seed=7)
+    for min_p in (0.05, 0.3):
+        r = client.completions.create(temperature=1.0, extra_body={"min_p": min_p}, **kw)
+        got = engine.tokenizer.encode(r.choices[0].text)
+        ref = engine.generate_ids([ids], max_tokens=10, temperature=1.0, seed=7, min_p=min_p)[0]
+        assert r.choices[0].text == ref.text
+        x = logprob_refs.log_softmax(engine, ids + ref.token_ids)
+        for k, t in enumerate(ref.token_ids):
+            row = x[len(ids) - 1 + k]
+            assert row[t] >= row.max() + np.log(min_p) - 1e-4, (min_p, k)
+        assert got                                   # it samples real text
+    greedy = engine.generate_ids([ids], max_tokens=10)[0]
+    r = client.completions.create(temperature=1.0, extra_body={"min_p": 1.0}, **kw)
+    assert r.choices[0].text == greedy.text
+
+    special = engine.tokenizer.tok.token_to_id("<start_of_turn>")
+    forced = {"logit_bias": {str(special): 100}, "max_tokens": 3, "temperature": 0}
+    kept = client.completions.create(**{**kw, **forced, "extra_body": {"skip_special_tokens": False}})
+    plain = client.completions.create(**{**kw, **forced})
+    assert kept.choices[0].text == engine.tokenizer.decode([special] * 3, skip_special=False) == "<start_of_turn>" * 3
+    assert plain.choices[0].text == "" and plain.usage.completion_tokens == 3
+
+    stop = greedy.text[len(greedy.text) // 2:len(greedy.text) // 2 + 3]
+    cut = greedy.text[:greedy.text.index(stop) + len(stop)]
+    for stream in (False, True):
+        r = client.completions.create(temperature=0, stop=stop, stream=stream,
+                                      extra_body={"include_stop_str_in_output": True}, **kw)
+        text = "".join(c.choices[0].text for c in r) if stream else r.choices[0].text
+        assert text == cut
+
+    eos = engine.cfg.eos_ids[0]
+    bias = {str(eos): 100}
+    ended = client.completions.create(temperature=0, logit_bias=bias, **kw)
+    assert (ended.choices[0].text, ended.choices[0].finish_reason, ended.usage.completion_tokens) == ("", "stop", 1)
+    r = client.completions.create(temperature=0, logit_bias=bias, extra_body={"ignore_eos": True}, **kw)
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 10)
+    want = greedy_reference(engine, ids, 10, {eos: 100})
+    assert want == [eos] and r.choices[0].text == engine.tokenizer.decode([eos] * 10)
+
+    r = client.completions.create(temperature=0, extra_body={"truncate_prompt_tokens": 3}, **kw)
+    assert r.usage.prompt_tokens == 3
+    assert r.choices[0].text == engine.generate_ids([ids[-3:]], max_tokens=10)[0].text
+
+    for stream in (False, True):
+        r = client.completions.create(temperature=0, max_tokens=2, stream=stream, model=model_name, prompt=ids,
+                                      extra_body={"prompt_logprobs": 2})
+        c = [x.model_dump() for x in r] if stream else [r.model_dump()]
+        scored = [x["choices"][0]["prompt_logprobs"] for x in c if x["choices"] and "prompt_logprobs" in x["choices"][0]]
+        assert len(scored) == 1
+        logprob_refs.check_prompt_logprobs(engine, scored[0], ids, 2)
+    chat = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=2, temperature=0,
+                                          extra_body={"prompt_logprobs": 1}).model_dump()
+    logprob_refs.check_prompt_logprobs(engine, chat["prompt_logprobs"], engine.encode_prompt(CHAT, True), 1)
+
+
 def test_stop_token_ids_end_the_answer(engine, client, model_name):
     """`stop_token_ids` end the answer at the first of them the greedy answer meets, as EOS does:
     finish reason "stop", the token counted but not in the text, streamed or not; with `logprobs`
@@ -632,6 +695,27 @@ BAD = [  # (id, path, raw body or JSON, headers, status, words the message must 
     ("enable_thinking_without_thinking", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                                   "chat_template_kwargs": {"enable_thinking": True}},
      None, 400, "enable_thinking"),
+    ("min_p_range", "/v1/completions", {"prompt": "x", "min_p": 1.5}, None, 400, "'min_p' must be in [0, 1]"),
+    ("truncate_zero", "/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, None, 400,
+     "'truncate_prompt_tokens'"),
+    ("prompt_logprobs_range", "/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, None, 400,
+     "'prompt_logprobs' must be <= 20"),
+    ("seed_past_uint64", "/v1/completions", {"prompt": "x", "seed": 2 ** 64}, None, 400, "'seed' must be <="),
+    ("seed_far_past_uint64", "/v1/completions", {"prompt": "x", "seed": 2 ** 80}, None, 400, "'seed' must be <="),
+    ("user_object", "/v1/completions", {"prompt": "x", "user": {"id": 1}}, None, 400, "'user' must be a string"),
+    ("logit_bias_long_key", "/v1/completions", {"prompt": "x", "logit_bias": {"9" * 5000: 1}}, None, 400,
+     "'logit_bias' keys must be token ids"),
+    ("audio_output", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                              "audio": {"voice": "alloy", "format": "wav"}}, None, 400, "'audio'"),
+    ("modalities_audio", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                  "modalities": ["text", "audio"]}, None, 400, "'modalities'"),
+    ("reasoning_effort_value", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                        "reasoning_effort": "extreme"}, None, 400,
+     "'reasoning_effort' must be one of"),
+    ("metadata_type", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                               "metadata": {"k": 5}}, None, 400, "'metadata'"),
+    ("store_type", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "store": "yes"},
+     None, 400, "'store' must be true or false"),
     ("tokenize_both", "/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, None, 400,
      "one of 'prompt'"),
     ("tokenize_key", "/tokenize", {"prompt": "x"}, {}, 401, "API key"),

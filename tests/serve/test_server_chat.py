@@ -207,6 +207,14 @@ def test_qwen3_reasoning_and_enable_thinking(qwen3):
     assert qwen3.tok.decode(qwen3.last_prompt(), skip_special=False).endswith(
         "<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
+    # OpenAI's reasoning_effort: "none" is thinking off, as above; any other effort is thinking on
+    qwen3.chat(messages=[{"role": "user", "content": "2+2?"}], reasoning_effort="none")
+    assert qwen3.tok.decode(qwen3.last_prompt(), skip_special=False).endswith("<think>\n\n</think>\n\n")
+    qwen3.answer = lambda p: "<think>\nTwo and two.\n</think>\n\nFour."
+    r = qwen3.chat(messages=[{"role": "user", "content": "2+2?"}], reasoning_effort="high")
+    assert (r.choices[0].message.reasoning_content, r.choices[0].message.content) == ("Two and two.", "Four.")
+    assert qwen3.tok.decode(qwen3.last_prompt(), skip_special=False).endswith("<|im_start|>assistant\n")
+
     # the token limit inside the block: all reasoning so far, no content
     qwen3.answer = lambda p: "<think>\n" + "step " * 50
     r = qwen3.chat(messages=[{"role": "user", "content": "2+2?"}], max_tokens=20)
