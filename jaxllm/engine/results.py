@@ -51,11 +51,19 @@ class Results:
     def _read_results(self):
         """The output thread's loop. Its time: "idle" (no call launched to read), "device" (a call
         launched, the device still running it), "processing" (its results read back and handed out)."""
+        try:
+            self._read_loop()
+        except BaseException as e:           # a bug outside one call's results: nothing more is read
+            log.exception("the output thread failed")
+            self._stopped("output", e)
+
+    def _read_loop(self):
         while True:
             with self._timed("output", "idle"):
                 call = self.results.get()
             if call is None:
                 return
+            self.progress_at = time.monotonic()
             try:
                 with self._timed("output", "device"):
                     jax.block_until_ready(call.result)

@@ -122,6 +122,8 @@ class Scheduler(Results, Warmup, Memory):
         self.cond = threading.Condition()
         self.lock = threading.Lock()    # a request's end event goes out once
         self.stopping = False          # no new requests
+        self.failure: str | None = None    # why the engine or output thread stopped on its own
+        self.progress_at = time.monotonic()     # when either thread last finished a piece of work
         self.deadline = None           # running requests end with a 503 past this (monotonic)
         self.done = False
         self.results: queue.Queue[Launched | None] = queue.Queue(maxsize=2)
@@ -153,7 +155,7 @@ class Scheduler(Results, Warmup, Memory):
     def submit(self, job: Job) -> None:
         with self.cond:
             if self.stopping:
-                raise QueueFull("the server is shutting down")
+                raise QueueFull(self.failure or "the server is shutting down")
             if len(self.waiting) >= self.max_queue:      # clients that left give their place back
                 self.waiting = collections.deque(j for j in self.waiting if not j.cancelled.is_set())
             if len(self.waiting) >= self.max_queue:
@@ -170,6 +172,36 @@ class Scheduler(Results, Warmup, Memory):
                     "slots": len(self.slots), "finished": self.finished, "generated_tokens": self.generated,
                     "compiling": self.compiling, "warming": len(self.unprimed), "kv_usage": round(b.usage(), 4),
                     "preemptions": self.preemptions, "prefix_queries": b.queries, "prefix_hits": b.hits}
+
+    def health(self, stall: float) -> str | None:
+        """Why the engine cannot serve (None: it can): a thread that stopped on its own, or work
+        waiting while neither thread has finished anything for `stall` seconds."""
+        if self.failure is not None:
+            return self.failure
+        started = self.thread.ident is not None
+        if started and not self.done and not (self.thread.is_alive() and self.output.is_alive()):
+            return "the engine thread is not running"
+        with self.cond:
+            work = bool(self.waiting) or self._busy()
+        idle = time.monotonic() - self.progress_at
+        if started and work and idle > stall:
+            return f"the engine has made no progress for {idle:.0f} s with requests waiting"
+        return None
+
+    def _stopped(self, thread: str, error: BaseException | None):
+        """A thread's loop ended without a shutdown: nothing more will run, so every request, the
+        waiting ones included, ends now with a 503 and new ones are refused with the reason."""
+        if self.done:
+            return
+        why = f"the engine's {thread} thread stopped" + (f" ({type(error).__name__}: {error})" if error else "")
+        log.error("%s; the server cannot generate any more", why)
+        with self.cond:
+            self.failure = self.failure or why
+            self.stopping = True
+            waiting, self.waiting = list(self.waiting), collections.deque()
+        for job in waiting + [j for j in self.slots if j is not None]:
+            for c in job.choices if job.parent is None else [job]:
+                self._end(c, Failed(503, why))
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self, warmup: bool = True):
@@ -206,8 +238,10 @@ class Scheduler(Results, Warmup, Memory):
 
     # -- the engine thread -----------------------------------------------------------------------
     def _run(self):
+        error = None
         try:
             while True:
+                self.progress_at = time.monotonic()
                 with self.cond:
                     while not (self.done or self.waiting or self.ended or self._busy() or self.deadline
                                or self.unprimed):
@@ -244,7 +278,11 @@ class Scheduler(Results, Warmup, Memory):
                     self.core.reset()
                     self.ahead = self.last_result = None
                     self.spec_reported = dict.fromkeys(self.spec_reported, 0)     # a fresh core counts afresh
+        except BaseException as e:           # a bug outside one step: the thread cannot go on
+            error = e
+            log.exception("the engine thread failed")
         finally:
+            self._stopped("engine", error)
             self._fail_running(503, "the server is shutting down")
             self.results.put(None)
 

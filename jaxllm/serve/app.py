@@ -63,6 +63,7 @@ class ServeOptions:
     request_timeout: float | None = 600.0
     body_timeout: float = 30.0          # seconds a request body may stall between two reads
     shutdown_timeout: float = 30.0
+    stall_timeout: float = 120.0        # /health says 503 after this long without progress with work waiting
     decode_steps: int = 8
     warmup: bool = True
     started: float | None = None        # process start (time.monotonic()), for the time to ready
@@ -260,6 +261,9 @@ class Server:
 
     # -- routes ----------------------------------------------------------------------------------
     async def health(self, request: Request):
+        why = self.scheduler.health(self.opts.stall_timeout)
+        if why is not None:
+            raise ApiError(503, why, type="server_error")
         if self.scheduler.stopping:
             raise ApiError(503, "the server is shutting down", type="server_error")
         return JSONResponse({"status": "ok", **self.scheduler.load()})
