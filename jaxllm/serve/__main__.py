@@ -112,6 +112,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="require 'Authorization: Bearer KEY' on /v1 routes (or set JAXLLM_API_KEY)")
     p.add_argument("--max-queue", type=positive(), default=64,
                    help="requests waiting for a slot before new ones get 429")
+    p.add_argument("--max-stored-responses", type=positive(), default=1000,
+                   help="/v1/responses answers kept in memory for previous_response_id and GET /v1/responses/ID, "
+                        "the oldest dropped first")
     p.add_argument("--request-timeout", type=seconds, default=600.0,
                    help="seconds a request may take, queueing included; 0 = no limit")
     p.add_argument("--max-request-bytes", type=positive(), default=4 << 20, help="request body size limit")
@@ -218,7 +221,8 @@ def main(argv=None) -> int:
         request_timeout=args.request_timeout if args.request_timeout > 0 else None,
         body_timeout=args.body_timeout, shutdown_timeout=args.shutdown_timeout,
         decode_steps=args.decode_steps, warmup=not args.no_warmup, started=STARTED, freeze_heap=True,
-        kv_memory=KVMemory(args.gpu_memory_utilization, args.kv_cache_memory, args.enable_prefix_caching))
+        kv_memory=KVMemory(args.gpu_memory_utilization, args.kv_cache_memory, args.enable_prefix_caching),
+        max_stored_responses=args.max_stored_responses)
     # The event loop, the engine thread, the output thread and the parse thread take turns at the
     # GIL; a thread that wakes for a moment's work (a request parsed, a call launched) waits for the
     # one holding it to reach its switch interval. At 1 ms rather than Python's 5 the Gemma 3 270M

@@ -1,0 +1,525 @@
+"""OpenAI's Responses API (`POST /v1/responses`, `GET /v1/responses/{id}`), served as chat requests.
+
+A Responses request is translated into the chat request that `parse_request("chat", ...)` checks
+(`Turn`), so every rule of the chat route holds unchanged: its fields, the chat template, tools,
+structured output, reasoning; a 400 that names a chat field is renamed to the Responses field it
+came from. The answer, read by the request's `OutputPlan` as a chat answer is read, becomes output
+items (`reasoning`, `message`, `function_call`) and the stream events that build them (`Answer`):
+a whole response is built by the same events, so it is what a stream of the same answer adds up
+to. Responses are kept in memory (`ResponseStore`) with the conversation they end, which a
+request's `previous_response_id` continues.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass
+
+from jaxllm.engine.jobs import Delta, Failed, Finished
+from jaxllm.serve.fields import ApiError, bad, check_fields, is_int
+from jaxllm.serve.output import Parts
+from jaxllm.serve.protocol import GenRequest, LogprobWriter, parse_request
+
+# Responses fields that are chat fields of the same name and meaning: handed to the chat request
+# as sent, which checks them (those a self-hosted model cannot act on are accepted and ignored there).
+SHARED = ("model", "temperature", "top_p", "parallel_tool_calls", "stream", "user", "store", "metadata",
+          "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
+          "moderation")
+# Responses-only fields that cannot change the answer here: their types checked, not used.
+# (`max_tool_calls` bounds calls of built-in tools, which this server has none of.)
+IGNORED = {"max_tool_calls": is_int, "stream_options": lambda v: isinstance(v, dict),
+           "access_programs": lambda v: isinstance(v, dict), "background_options": lambda v: isinstance(v, dict),
+           "image": lambda v: isinstance(v, dict)}
+# Fields whose being ignored would change the answer: refused unless at their neutral value.
+REFUSED = {
+    "background": (lambda v: v is False, "background responses are not supported: the answer comes with the "
+                                         "request"),
+    "truncation": (lambda v: v == "disabled", "only 'disabled' is supported: a conversation longer than the "
+                                              "context is refused, never cut"),
+    "conversation": (lambda v: False, "conversations are not kept here; send 'previous_response_id' or the items"),
+    "prompt": (lambda v: False, "prompt templates are not kept here; send 'instructions' and 'input'"),
+    "context_management": (lambda v: v == [], "context compaction is not supported"),
+}
+FIELDS = {*SHARED, *IGNORED, *REFUSED, "input", "instructions", "max_output_tokens", "previous_response_id",
+          "reasoning", "text", "tools", "tool_choice", "include", "top_logprobs"}
+LOGPROBS = "message.output_text.logprobs"
+# `include` values that name outputs of built-in tools or input images, which no answer here has
+NOTHING_TO_INCLUDE = {"file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+                      "message.input_image.image_url", "computer_call_output.output.image_url",
+                      "code_interpreter_call.outputs"}
+MEDIA = ("input_image", "input_file", "input_audio")
+SUMMARIES = (None, "auto", "concise", "detailed")
+# a chat error's words -> the Responses field they came from
+RENAMED = [(r"\bresponse_format\.json_schema\b", "text.format"), (r"\bresponse_format\b", "text.format"),
+           (r"\bmax_tokens\b", "max_output_tokens"), (r"\breasoning_effort\b", "reasoning.effort"),
+           (r"(tools\[\d+\])\.function\.", r"\1."), (r"\bmessages\b", "input")]
+PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
+          "reasoning_effort": "reasoning.effort"}
+
+
+def _known(obj: dict, allowed: set[str], where: str, param: str) -> None:
+    """check_fields, the error naming the request field `param` that holds `obj`."""
+    try:
+        check_fields(obj, allowed, where)
+    except ApiError as e:
+        e.param = param
+        raise
+
+
+def _checked(body) -> None:
+    """The request's own fields: none unknown, the refused ones neutral, the ignored ones typed."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    check_fields(body, FIELDS)
+    for name, (neutral, why) in REFUSED.items():
+        if body.get(name) is not None and not neutral(body[name]):
+            raise bad(f"'{name}' = {json.dumps(body[name])[:80]}: {why}", name)
+    for name, ok in IGNORED.items():
+        if body.get(name) is not None and not ok(body[name]):
+            raise bad(f"'{name}' has the wrong type ({type(body[name]).__name__})", name)
+    include = body.get("include")
+    if include is not None:
+        if not isinstance(include, list) or not all(isinstance(v, str) for v in include):
+            raise bad("'include' must be a list of strings", "include")
+        if "reasoning.encrypted_content" in include:
+            raise bad("'include' = reasoning.encrypted_content: reasoning comes as plain text in the reasoning "
+                      "items' content; send those items back, or 'previous_response_id'", "include")
+        other = [v for v in include if v != LOGPROBS and v not in NOTHING_TO_INCLUDE]
+        if other:
+            raise bad(f"'include' has an unknown value {other[0]!r}", "include")
+
+
+# -- the request as a chat request ------------------------------------------------------------------
+def _text(content, where: str) -> str:
+    """A message's content (a string, or a list of text parts) -> its text."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"{where}.content must be a string or a list of content parts", "input")
+    out = []
+    for j, p in enumerate(content):
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind in ("input_text", "output_text") and isinstance(p.get("text"), str):
+            out.append(p["text"])
+        elif kind == "refusal" and isinstance(p.get("refusal"), str):
+            out.append(p["refusal"])
+        elif kind in MEDIA:
+            raise bad(f"{where}.content[{j}] is {kind!r}: this model reads text only", "input")
+        else:
+            raise bad(f"{where}.content[{j}] must be an input_text or output_text part", "input")
+    return "".join(out)
+
+
+def _reasoning_text(item: dict, where: str) -> str:
+    if item.get("encrypted_content") is not None:
+        raise bad(f"{where}.encrypted_content: this server makes and reads no encrypted reasoning", "input")
+    for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key) or []
+        if not isinstance(parts, list) or not all(isinstance(p, dict) and p.get("type") == kind
+                                                  and isinstance(p.get("text"), str) for p in parts):
+            raise bad(f"{where}.{key} must be a list of {kind} parts", "input")
+        if parts:
+            return "".join(p["text"] for p in parts)
+    return ""
+
+
+def input_messages(items) -> tuple[list[dict], list[list[str]]]:
+    """`input` -> chat messages, and where each came from: [the message's item, then its tool calls'
+    items]. A function_call joins the assistant message before it (as this server's own output
+    items of one answer do); a reasoning item goes with the assistant message after it."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}], [["input"]]
+    if not isinstance(items, list) or not items:
+        raise bad("'input' must be a string or a non-empty list of items", "input")
+    msgs, origins, reasoning = [], [], None
+    for i, it in enumerate(items):
+        w = f"input[{i}]"
+        if not isinstance(it, dict):
+            raise bad(f"{w} must be an object", "input")
+        kind = it.get("type", "message")
+        if kind == "message":
+            _known(it, {"type", "role", "content", "id", "status", "phase"}, f"{w}.", "input")
+            if it.get("role") not in ("user", "system", "developer", "assistant"):
+                raise bad(f"{w}.role must be one of user, system, developer, assistant, got {it.get('role')!r}",
+                          "input")
+            msgs.append({"role": it["role"], "content": _text(it.get("content"), w)})
+            origins.append([w])
+        elif kind == "function_call":
+            _known(it, {"type", "call_id", "name", "arguments", "id", "status"}, f"{w}.", "input")
+            bad_key = next((k for k in ("call_id", "name", "arguments") if not isinstance(it.get(k), str)), None)
+            if bad_key:
+                raise bad(f"{w}.{bad_key} must be a string", "input")
+            call = {"id": it["call_id"], "type": "function",
+                    "function": {"name": it["name"], "arguments": it["arguments"]}}
+            if msgs and msgs[-1]["role"] == "assistant":
+                msgs[-1].setdefault("tool_calls", []).append(call)
+                origins[-1].append(w)
+            else:
+                msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origins.append([w, w])
+        elif kind == "function_call_output":
+            _known(it, {"type", "call_id", "output", "id", "status"}, f"{w}.", "input")
+            if not isinstance(it.get("call_id"), str):
+                raise bad(f"{w}.call_id must be a string: the call_id of the function_call it answers", "input")
+            msgs.append({"role": "tool", "tool_call_id": it["call_id"], "content": _text(it.get("output"), w)})
+            origins.append([w])
+        elif kind == "reasoning":
+            _known(it, {"type", "id", "summary", "content", "encrypted_content", "status"}, f"{w}.", "input")
+            reasoning = _reasoning_text(it, w)
+            continue
+        elif kind == "item_reference":
+            raise bad(f"{w}: item references are not supported; send the item, or 'previous_response_id'", "input")
+        else:
+            raise bad(f"{w}: items of type {kind!r} are not supported here (message, function_call, "
+                      f"function_call_output, reasoning)", "input")
+        if reasoning and msgs[-1]["role"] == "assistant" and "reasoning_content" not in msgs[-1]:
+            msgs[-1]["reasoning_content"] = reasoning
+        reasoning = None
+    return msgs, origins
+
+
+def chat_tools(tools) -> list[dict]:
+    """Responses' flat function tools -> chat's {"type": "function", "function": {...}}; built-in
+    tools are refused (none runs here)."""
+    if not isinstance(tools, list):
+        raise bad("'tools' must be a list of function tools", "tools")
+    out = []
+    for i, t in enumerate(tools):
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind != "function":
+            raise bad(f"tools[{i}]: the tool {kind!r} is not available on this server; only function tools are"
+                      if isinstance(kind, str) else f"tools[{i}] must be {{'type': 'function', 'name': ...}}", "tools")
+        out.append({"type": "function", "function": {k: v for k, v in t.items() if k != "type"}})
+    return out
+
+
+def chat_tool_choice(v):
+    if isinstance(v, dict) and v.get("type") == "function":
+        _known(v, {"type", "name"}, "tool_choice.", "tool_choice")
+        return {"type": "function", "function": {"name": v.get("name")}}
+    if isinstance(v, dict):
+        raise bad(f"'tool_choice' of type {v.get('type')!r} is not supported: send 'none', 'auto', 'required' or "
+                  f"{{'type': 'function', 'name': ...}}", "tool_choice")
+    return v
+
+
+def chat_text_format(text) -> dict:
+    """`text` ({format, verbosity}) -> chat's `response_format` and `verbosity`."""
+    if not isinstance(text, dict):
+        raise bad("'text' must be an object with 'format'", "text")
+    _known(text, {"format", "verbosity"}, "text.", "text")
+    out = {"verbosity": text["verbosity"]} if text.get("verbosity") is not None else {}
+    fmt = text.get("format")
+    if fmt is not None:
+        if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+            fmt = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+        out["response_format"] = fmt
+    return out
+
+
+def chat_reasoning(r) -> dict:
+    """`reasoning` -> chat's `reasoning_effort` (thinking on or off, where the model thinks). The
+    reasoning comes back as it is written, in the reasoning item's content: `summary` is accepted,
+    and no summary is written."""
+    if not isinstance(r, dict):
+        raise bad("'reasoning' must be an object", "reasoning")
+    _known(r, {"effort", "summary", "generate_summary", "context", "mode"}, "reasoning.", "reasoning")
+    for key, ok in (("summary", SUMMARIES), ("generate_summary", SUMMARIES), ("context", (None, "auto")),
+                    ("mode", (None, "standard"))):
+        if r.get(key) not in ok:
+            raise bad(f"'reasoning.{key}' must be one of {', '.join(v for v in ok if v)}, got {r.get(key)!r}",
+                      "reasoning")
+    return {} if r.get("effort") is None else {"reasoning_effort": r["effort"]}
+
+
+@dataclass
+class Turn:
+    """One Responses request and the chat request it is served as."""
+    id: str
+    body: dict                      # the request as sent (what the Response object echoes)
+    chat: dict                      # the chat request
+    origins: list[list[str]]        # chat message i came from origins[i] (`input_messages`)
+    history: list[dict]             # the conversation so far, instructions left out: what is kept
+
+    @classmethod
+    def read(cls, body, store: ResponseStore) -> Turn:
+        _checked(body)
+        if "input" not in body:
+            raise bad("'input' is required", "input")
+        msgs, origins = input_messages(body["input"])
+        prev = body.get("previous_response_id")
+        if prev is not None:
+            if not isinstance(prev, str):
+                raise bad("'previous_response_id' must be a string", "previous_response_id")
+            before = store.conversation(prev)
+            msgs, origins = before + msgs, [["previous_response_id"]] * len(before) + origins
+        history = list(msgs)
+        instructions = body.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            raise bad("'instructions' must be a string", "instructions")
+        if instructions:                # OpenAI's: this request's instructions, never an earlier one's
+            msgs, origins = [{"role": "system", "content": instructions}] + msgs, [["instructions"]] + origins
+        chat = {k: body[k] for k in SHARED if k in body}
+        chat["messages"] = msgs
+        if body.get("max_output_tokens") is not None:
+            chat["max_tokens"] = body["max_output_tokens"]
+        if body.get("tools") is not None:
+            chat["tools"] = chat_tools(body["tools"])
+        if body.get("tool_choice") is not None:
+            chat["tool_choice"] = chat_tool_choice(body["tool_choice"])
+        if body.get("text") is not None:
+            chat.update(chat_text_format(body["text"]))
+        if body.get("reasoning") is not None:
+            chat.update(chat_reasoning(body["reasoning"]))
+        if LOGPROBS in (body.get("include") or []) or body.get("top_logprobs") is not None:
+            chat.update(logprobs=True, top_logprobs=body.get("top_logprobs") or 0)
+        return cls("resp_" + uuid.uuid4().hex, body, chat, origins, history)
+
+    @property
+    def store(self) -> bool:
+        return self.body.get("store") is not False
+
+    def request(self, engine, served_name: str, max_model_len: int, features, max_num_seqs: int) -> GenRequest:
+        """The chat request, checked as the chat route checks it (raises ApiError, see `renamed`)."""
+        return parse_request("chat", self.chat, engine, served_name, max_model_len, features, max_num_seqs)
+
+    def renamed(self, e: ApiError) -> ApiError:
+        """A chat route's error in the Responses request's words: `messages[i]` as the item it came
+        from, chat fields as the Responses fields they were sent as."""
+        def origin(m):
+            where = self.origins[int(m[1])] if int(m[1]) < len(self.origins) else ["input"]
+            if m[3] is not None and int(m[3]) + 1 < len(where):
+                return where[int(m[3]) + 1]           # the function_call item of that tool call
+            return where[0] + (m[2] or "")
+        msg = re.sub(r"messages\[(\d+)\](\.tool_calls\[(\d+)\]\.function)?", origin, e.message)
+        for pattern, new in RENAMED:
+            msg = re.sub(pattern, new, msg)
+        return ApiError(e.status, msg, type=e.type, param=PARAMS.get(e.param, e.param), code=e.code, headers=e.headers)
+
+    def answer(self, req: GenRequest, tokenizer) -> Answer:
+        return Answer(self, req, tokenizer)
+
+
+# -- the answer as output items and stream events -----------------------------------------------------
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class Answer:
+    """One response as it is generated: the engine's events for its request -> output items and
+    the stream events that build them, each with its `sequence_number`. Items come in the order the
+    answer writes them: reasoning, then its text as a message, each tool call as a function_call
+    (text after a call, rare, a message of its own). A whole response is built by the same events."""
+
+    def __init__(self, turn: Turn, req: GenRequest, tokenizer):
+        self.turn, self.req, self.tokenizer = turn, req, tokenizer
+        self.reader = None if req.output is None else req.output.reader()
+        self.writer = None if req.logprobs is None else LogprobWriter(req, tokenizer)
+        self.items: list[dict] = []
+        self.open: dict | None = None               # the item being written
+        self.pending: list = []                     # log-probabilities of tokens whose text is held back
+        self.seq = 0
+        self.finished: Finished | None = None
+        self.completed_at: int | None = None
+        self.error: ApiError | None = None
+
+    @property
+    def ended(self) -> bool:
+        return self.finished is not None or self.error is not None
+
+    @property
+    def finish_reason(self) -> str:
+        """As the chat route counts it: `tool_calls` when the answer called one."""
+        called = any(it["type"] == "function_call" for it in self.items)
+        return "tool_calls" if called else self.finished.finish_reason
+
+    def start(self) -> list[dict]:
+        return [self._event("response.created", response=self.response()),
+                self._event("response.in_progress", response=self.response())]
+
+    def on(self, ev) -> list[dict]:
+        """An engine event (`Delta`, `Finished`, `Failed`; others carry nothing here) -> stream events."""
+        if isinstance(ev, Delta):
+            return self._parts(self.reader.push(ev.text) if self.reader else Parts(content=ev.text), ev.logprobs or [])
+        if isinstance(ev, Finished):
+            out = self._parts(self.reader.finish()) if self.reader else []
+            self.finished, self.completed_at = ev, int(time.time())
+            out += self._close()
+            if not any(it["type"] in ("message", "function_call") for it in self.items):
+                out += self._write("message", "") + self._close()       # an empty answer is an empty message
+            obj = self.response()
+            return out + [self._event("response." + obj["status"], response=obj)]
+        if isinstance(ev, Failed):
+            return self.fail(ApiError(ev.status, ev.message, type=ev.type))
+        return []
+
+    def fail(self, error: ApiError) -> list[dict]:
+        self.error = error
+        return [self._event("response.failed", response=self.response())]
+
+    # -- items --------------------------------------------------------------------------------------
+    def _event(self, kind: str, **fields) -> dict:
+        self.seq += 1
+        return {"type": kind, "sequence_number": self.seq - 1, **fields}
+
+    def _parts(self, parts: Parts, entries=()) -> list[dict]:
+        out = self._write("reasoning", parts.reasoning) if parts.reasoning else []
+        if parts.content:
+            out += self._write("message", parts.content, entries)
+        elif parts.reasoning or parts.calls:
+            self.pending = []                       # those tokens wrote reasoning or calls, not text
+        else:
+            self.pending += entries
+        for c in parts.calls:
+            out += self._call(c)
+        return out
+
+    def _write(self, kind: str, text: str, entries=()) -> list[dict]:
+        """Text of the reasoning or the message, opening that item (closing any other) first."""
+        out = [] if self.open is not None and self.open["type"] == kind else self._close() + self._open(kind)
+        item, where = self.open, {"item_id": self.open["id"], "output_index": len(self.items) - 1, "content_index": 0}
+        part = item["content"][0]
+        part["text"] += text
+        if not text:
+            return out
+        if kind == "reasoning":
+            return out + [self._event("response.reasoning_text.delta", **where, delta=text)]
+        lp = self._logprobs(entries)
+        part["logprobs"] += lp
+        return out + [self._event("response.output_text.delta", **where, delta=text, logprobs=lp)]
+
+    def _logprobs(self, entries) -> list[dict]:
+        entries, self.pending = self.pending + list(entries), []
+        return self.writer(entries)["content"] if self.writer is not None and entries else []
+
+    def _open(self, kind: str) -> list[dict]:
+        if kind == "reasoning":
+            item = {"id": _id("rs"), "type": "reasoning", "summary": [], "status": "in_progress",
+                    "content": [{"type": "reasoning_text", "text": ""}]}
+        else:
+            item = {"id": _id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
+                    "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}
+        self.items.append(item)
+        self.open = item
+        where = {"item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0}
+        return [self._event("response.output_item.added", output_index=len(self.items) - 1,
+                            item={**item, "content": []}),
+                self._event("response.content_part.added", **where, part=dict(item["content"][0]))]
+
+    def _close(self) -> list[dict]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        cut = self.finished is not None and self.finished.finish_reason == "length"
+        item["status"] = "incomplete" if cut else "completed"
+        part, index = item["content"][0], self.items.index(item)
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        done = self._event("response.reasoning_text.done", **where, text=part["text"]) if item["type"] == "reasoning" \
+            else self._event("response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"])
+        return [done, self._event("response.content_part.done", **where, part=part),
+                self._event("response.output_item.done", output_index=index, item=item)]
+
+    def _call(self, call) -> list[dict]:
+        out = self._close()
+        item = {"id": _id("fc"), "type": "function_call", "call_id": call.id, "name": call.name,
+                "arguments": call.arguments, "status": "completed"}
+        self.items.append(item)
+        where = {"item_id": item["id"], "output_index": len(self.items) - 1}
+        return out + [
+            self._event("response.output_item.added", output_index=where["output_index"],
+                        item={**item, "arguments": "", "status": "in_progress"}),
+            self._event("response.function_call_arguments.delta", **where, delta=call.arguments),
+            self._event("response.function_call_arguments.done", **where, name=call.name, arguments=call.arguments),
+            self._event("response.output_item.done", output_index=where["output_index"], item=item)]
+
+    # -- the Response object ----------------------------------------------------------------------
+    def usage(self) -> dict:
+        f = self.finished
+        reasoning = "".join(it["content"][0]["text"] for it in self.items if it["type"] == "reasoning")
+        thought = len(self.tokenizer.encode(reasoning, add_special=False)) if reasoning else 0   # re-tokenized
+        n_in = len(self.req.prompt_ids)
+        return {"input_tokens": n_in,
+                "input_tokens_details": {"cached_tokens": f.cached_tokens, "cache_write_tokens": 0},
+                "output_tokens": f.completion_tokens, "output_tokens_details": {"reasoning_tokens": thought},
+                "total_tokens": n_in + f.completion_tokens}
+
+    def response(self) -> dict:
+        b, f = self.turn.body, self.finished
+        status = ("failed" if self.error is not None else "in_progress" if f is None
+                  else "incomplete" if f.finish_reason == "length" else "completed")
+        return {
+            "id": self.turn.id, "object": "response", "created_at": self.req.created, "status": status,
+            "completed_at": self.completed_at, "background": False, "model": self.req.model,
+            "output": self.items if f is not None or self.error is not None else [],
+            "usage": self.usage() if f is not None else None,
+            "error": None if self.error is None else {"code": "server_error", "message": self.error.message},
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
+            "metadata": b.get("metadata") or {}, "parallel_tool_calls": b.get("parallel_tool_calls") is not False,
+            "previous_response_id": b.get("previous_response_id"), "reasoning": b.get("reasoning"),
+            "temperature": _or(b.get("temperature"), 1.0), "top_p": _or(b.get("top_p"), 1.0),
+            "text": b.get("text") or {"format": {"type": "text"}}, "tool_choice": b.get("tool_choice") or "auto",
+            "tools": [{"type": "function", "description": None, "parameters": None, "strict": None, **t}
+                      for t in b.get("tools") or []],
+            "top_logprobs": b.get("top_logprobs"), "truncation": b.get("truncation") or "disabled",
+            "user": b.get("user"), "service_tier": b.get("service_tier"),
+            "safety_identifier": b.get("safety_identifier"), "prompt_cache_key": b.get("prompt_cache_key")}
+
+    def conversation(self) -> list[dict]:
+        """The conversation this response ends, as chat messages: its input and its output as one
+        assistant message (text, reasoning, tool calls), as a chat client sends an answer back."""
+        text = "".join(it["content"][0]["text"] for it in self.items if it["type"] == "message")
+        msg = {"role": "assistant", "content": text}
+        reasoning = "".join(it["content"][0]["text"] for it in self.items if it["type"] == "reasoning")
+        if reasoning:
+            msg["reasoning_content"] = reasoning
+        calls = [{"id": it["call_id"], "type": "function",
+                  "function": {"name": it["name"], "arguments": it["arguments"]}}
+                 for it in self.items if it["type"] == "function_call"]
+        if calls:
+            msg["tool_calls"] = calls
+        return self.turn.history + [msg]
+
+
+def _or(v, default):
+    return default if v is None else v
+
+
+def sse(event: dict) -> str:
+    """One stream event as OpenAI sends it: its type as the SSE event name, the event as data."""
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+class ResponseStore:
+    """Responses kept for `previous_response_id` and `GET /v1/responses/{id}`: the newest
+    `capacity`, the oldest dropped first; a request's `store: false` keeps nothing. A conversation
+    shares its messages with the ones it continues, so a long chain costs a list of references a
+    turn. Used on the event loop only."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.kept: collections.OrderedDict[str, tuple[list[dict], dict]] = collections.OrderedDict()
+
+    def keep(self, answer: Answer) -> None:
+        if self.capacity <= 0 or not answer.turn.store:
+            return
+        self.kept[answer.turn.id] = (answer.conversation(), answer.response())
+        while len(self.kept) > self.capacity:
+            self.kept.popitem(last=False)
+
+    def conversation(self, rid: str) -> list[dict]:
+        if rid not in self.kept:
+            raise ApiError(404, f"previous response '{rid}' not found: the server keeps the last {self.capacity} "
+                                f"responses (--max-stored-responses), in memory, unless sent with 'store': false",
+                           param="previous_response_id", code="previous_response_not_found")
+        return self.kept[rid][0]
+
+    def response(self, rid: str) -> dict:
+        if rid not in self.kept:
+            raise ApiError(404, f"response '{rid}' not found: the server keeps the last {self.capacity} responses "
+                                f"(--max-stored-responses), unless sent with 'store': false", param="response_id",
+                           code="not_found")
+        return self.kept[rid][1]
