@@ -94,11 +94,11 @@ def _checked(body) -> None:
 
 # -- the request as a chat request ------------------------------------------------------------------
 def _text(content, where: str) -> str:
-    """A message's content (a string, or a list of text parts) -> its text."""
+    """A message's content or a call's output (a string, or a list of text parts) -> its text."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise bad(f"{where}.content must be a string or a list of content parts", "input")
+        raise bad(f"{where} must be a string or a list of content parts", "input")
     out = []
     for j, p in enumerate(content):
         kind = p.get("type") if isinstance(p, dict) else None
@@ -107,9 +107,9 @@ def _text(content, where: str) -> str:
         elif kind == "refusal" and isinstance(p.get("refusal"), str):
             out.append(p["refusal"])
         elif kind in MEDIA:
-            raise bad(f"{where}.content[{j}] is {kind!r}: this model reads text only", "input")
+            raise bad(f"{where}[{j}] is {kind!r}: this model reads text only", "input")
         else:
-            raise bad(f"{where}.content[{j}] must be an input_text or output_text part", "input")
+            raise bad(f"{where}[{j}] must be an input_text or output_text part", "input")
     return "".join(out)
 
 
@@ -145,7 +145,7 @@ def input_messages(items) -> tuple[list[dict], list[list[str]]]:
             if it.get("role") not in ("user", "system", "developer", "assistant"):
                 raise bad(f"{w}.role must be one of user, system, developer, assistant, got {it.get('role')!r}",
                           "input")
-            msgs.append({"role": it["role"], "content": _text(it.get("content"), w)})
+            msgs.append({"role": it["role"], "content": _text(it.get("content"), f"{w}.content")})
             origins.append([w])
         elif kind == "function_call":
             _known(it, {"type", "call_id", "name", "arguments", "id", "status"}, f"{w}.", "input")
@@ -164,7 +164,8 @@ def input_messages(items) -> tuple[list[dict], list[list[str]]]:
             _known(it, {"type", "call_id", "output", "id", "status"}, f"{w}.", "input")
             if not isinstance(it.get("call_id"), str):
                 raise bad(f"{w}.call_id must be a string: the call_id of the function_call it answers", "input")
-            msgs.append({"role": "tool", "tool_call_id": it["call_id"], "content": _text(it.get("output"), w)})
+            output = _text(it.get("output"), f"{w}.output")
+            msgs.append({"role": "tool", "tool_call_id": it["call_id"], "content": output})
             origins.append([w])
         elif kind == "reasoning":
             _known(it, {"type", "id", "summary", "content", "encrypted_content", "status"}, f"{w}.", "input")
