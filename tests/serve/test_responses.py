@@ -115,9 +115,10 @@ def test_reasoning_and_message_whole_and_streamed(qwen3):
     assert final["status"] == "completed" and without_ids(final["output"]) == without_ids(whole(qwen3, {"input": "2+2?"})["output"])
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Four."
     assert any(e["type"] == "response.reasoning_text.delta" for e in events)
-    # the prompt is the chat route's for the same message
-    chat = qwen3.chat(messages=[{"role": "user", "content": "2+2?"}])
-    assert chat.choices[0].message.content == "Four."
+    # the prompt and the answer's parts are the chat route's for the same message
+    prompt = qwen3.last_prompt()
+    chat = qwen3.chat(messages=[{"role": "user", "content": "2+2?"}]).choices[0].message
+    assert qwen3.last_prompt() == prompt and (chat.reasoning_content, chat.content) == ("Two and two.", "Four.")
 
 
 def test_reasoning_effort_none_turns_thinking_off(qwen3):
