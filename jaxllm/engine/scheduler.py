@@ -220,12 +220,22 @@ class Scheduler(Results, Warmup, Memory):
         seconds, then end with a 503 too."""
         with self.cond:
             self.stopping = True
-            self.deadline = time.monotonic() + timeout
+            deadline = time.monotonic() + timeout
+            self.deadline = deadline if self.deadline is None else min(self.deadline, deadline)
             waiting, self.waiting = list(self.waiting), collections.deque()
             self.cond.notify()
         for job in waiting:
             for c in job.choices:
                 self._end(c, Failed(503, "the server is shutting down"))
+        # The engine thread ends the running ones at the deadline between two device calls; this
+        # timer ends them then whatever call it is inside (their slots are freed when it returns).
+        timer = threading.Timer(timeout, self._end_running, ("the server is shutting down",))
+        timer.daemon = True
+        timer.start()
+
+    def _end_running(self, why: str):
+        for job in [j for j in self.slots if j is not None]:
+            self._end(job, Failed(503, why))
 
     def shutdown(self, timeout: float = 10.0):
         """End everything now (running requests get a 503) and stop the threads."""

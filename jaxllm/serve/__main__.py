@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
@@ -176,16 +177,13 @@ def main(argv=None) -> int:
     except OSError as e:
         print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 1
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
+    setup_logging(args)
     # Three threads share the GIL (HTTP, the engine's launches, reading results back): with the default
     # 5 ms switch interval one thread's Python could hold the next device launch back by that long.
     sys.setswitchinterval(0.0005)
-    import uvicorn
-
     import jaxllm
     from jaxllm.engine.compilation_cache import resolve
     from jaxllm.harness.cli import runtime_from
-    from jaxllm.serve.app import ServeOptions, build_app
 
     log = logging.getLogger("jaxllm.serve")
     log.info("compilation cache: %s", resolve(args.compilation_cache) or "off")
@@ -213,7 +211,21 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     log.info("model loaded %.1f s after start", time.monotonic() - STARTED)
+    return serve(engine, args, sock)
+
+
+def setup_logging(args: argparse.Namespace):
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
+
+
+def serve(engine, args: argparse.Namespace, sock: socket.socket) -> int:
+    """Serve `engine` on the bound socket `sock` with the flags `args` until a signal ends it, then
+    exit within --shutdown-timeout (`draining_server`). -> the exit status."""
+    import uvicorn
+
     from jaxllm.engine.memory import KVMemory
+    from jaxllm.serve.app import ServeOptions, build_app
+    log = logging.getLogger("jaxllm.serve")
     opts = ServeOptions(
         served_name=args.served_model_name or engine.name, max_model_len=engine.max_ctx,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -244,23 +256,61 @@ def main(argv=None) -> int:
     # drained shutdown an ordinary exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    server = draining_server(config, app.state.server.scheduler, args.shutdown_timeout)
+    scheduler = app.state.server.scheduler
+    server = draining_server(config, scheduler, args.shutdown_timeout)
     log.info("listening on http://%s:%d", args.host, args.port)
     server.run(sockets=[sock])
-    return 0 if server.started else 1
+    status = 0 if server.started or server.should_exit else 1
+    if scheduler.thread.is_alive() or scheduler.output.is_alive():
+        # a device call still running (a long prefill, or warm-up's compiles): the interpreter must
+        # not tear down beneath it (that aborts the process), and nothing is left to answer
+        log.info("a device call is still running; exiting without waiting for it")
+        exit_now(status)
+    return status
+
+
+SHUTDOWN_GRACE_S = 3.0      # past --shutdown-timeout, for the last answers to reach their clients
+
+
+def exit_now(status: int):
+    """End the process at once, its log flushed, without the interpreter's teardown."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def draining_server(config, scheduler, timeout: float):
     """A uvicorn server whose SIGTERM/SIGINT first stops the scheduler's admission (queued requests
-    get a 503) and gives running requests `timeout` seconds to finish before they get one too;
-    meanwhile uvicorn closes the listening socket and waits for the open responses to end."""
+    get a 503) and gives running requests `timeout` seconds to finish before they get one too
+    (`Scheduler.drain`, on a timer of its own, so a long device call cannot hold them); meanwhile
+    uvicorn closes the listening socket and waits for the open responses to end. A second signal
+    ends every request at once. Either way the process exits 0 by the deadline plus
+    SHUTDOWN_GRACE_S, even if the engine is inside a device call or still warming up then."""
+    import threading
+
     import uvicorn
+    log = logging.getLogger("jaxllm.serve")
 
     class Draining(uvicorn.Server):
+        watchdog: threading.Timer | None = None
+
         def handle_exit(self, sig, frame):
-            if not self.should_exit:
-                scheduler.drain(timeout)
-            super().handle_exit(sig, frame)
+            first = not self.should_exit
+            scheduler.drain(timeout if first else 0.0)
+            self.arm(timeout + SHUTDOWN_GRACE_S if first else SHUTDOWN_GRACE_S)
+            self.should_exit = True          # a second signal drains at once instead of cutting the streams
+
+        def arm(self, seconds: float):
+            if self.watchdog is not None:
+                self.watchdog.cancel()
+            self.watchdog = threading.Timer(seconds, self.deadline)
+            self.watchdog.daemon = True
+            self.watchdog.start()
+
+        def deadline(self):
+            log.warning("the server did not stop within --shutdown-timeout; exiting")
+            exit_now(0)
     return Draining(config)
 
 

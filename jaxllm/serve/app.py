@@ -128,6 +128,7 @@ class Inbox:
         return self.events.popleft() if self.events else None
 
 
+SHUTDOWN_JOIN_S = 2.0       # seconds the engine's threads get to stop (a device call may run longer)
 DISCONNECT_CHECK = 0.5      # seconds between two looks at whether a non-streaming client is still there
 
 
@@ -554,7 +555,7 @@ def build_app(engine, opts: ServeOptions) -> Starlette:
                  engine.kv_layout.name, f"{plan.tokens:,}", plan.sequences(opts.max_model_len), opts.max_model_len,
                  "on" if opts.kv_memory.prefix_caching else "off", server.scheduler.shapes.budget, ready)
         yield
-        server.scheduler.shutdown()
+        server.scheduler.shutdown(timeout=SHUTDOWN_JOIN_S)
         server.parser.shutdown(wait=False)
 
     routes = [
