@@ -125,6 +125,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="on SIGTERM, seconds to let running requests finish before ending them with a 503")
     p.add_argument("--body-timeout", type=seconds, default=30.0,
                    help="seconds a request body may stall before the request gets a 408")
+    p.add_argument("--body-deadline", type=seconds, default=60.0,
+                   help="seconds a whole request body may take before the request gets a 408")
+    p.add_argument("--header-timeout", type=seconds, default=10.0,
+                   help="seconds a new connection may take to send its request's headers before it is closed")
+    p.add_argument("--max-connections", type=positive(), default=1024,
+                   help="open connections (and requests) beyond which new requests get a 503")
     p.add_argument("--no-warmup", action="store_true", help="skip compiling before reporting ready")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -231,7 +237,7 @@ def serve(engine, args: argparse.Namespace, sock: socket.socket) -> int:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_queue=args.max_queue, api_key=args.api_key or None, max_request_bytes=args.max_request_bytes,
         request_timeout=args.request_timeout if args.request_timeout > 0 else None,
-        body_timeout=args.body_timeout, shutdown_timeout=args.shutdown_timeout,
+        body_timeout=args.body_timeout, body_deadline=args.body_deadline, shutdown_timeout=args.shutdown_timeout,
         decode_steps=args.decode_steps, warmup=not args.no_warmup, started=STARTED, freeze_heap=True,
         kv_memory=KVMemory(args.gpu_memory_utilization, args.kv_cache_memory, args.enable_prefix_caching),
         max_stored_responses=args.max_stored_responses)
@@ -251,7 +257,8 @@ def serve(engine, args: argparse.Namespace, sock: socket.socket) -> int:
     # a connection error with no answer.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=KEEP_ALIVE_S,
-                            timeout_graceful_shutdown=args.shutdown_timeout + 30, lifespan="on")
+                            timeout_graceful_shutdown=args.shutdown_timeout + 30, lifespan="on",
+                            http=headers_within(args.header_timeout), limit_concurrency=args.max_connections)
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal; ignoring it then makes the
     # drained shutdown an ordinary exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -267,6 +274,43 @@ def serve(engine, args: argparse.Namespace, sock: socket.socket) -> int:
         log.info("a device call is still running; exiting without waiting for it")
         exit_now(status)
     return status
+
+
+def headers_within(seconds: float):
+    """uvicorn's HTTP protocol (httptools, a dependency) with a deadline on a new connection's first
+    request headers: a client that sends them slowly (or never) is disconnected after `seconds`,
+    rather than holding the connection for as long as it trickles. (An idle kept-alive connection
+    is uvicorn's keep-alive timeout; a slow body is the app's --body-timeout and --body-deadline.)"""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    log = logging.getLogger("jaxllm.serve")
+
+    class HeadersWithin(HttpToolsProtocol):
+        timer = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self.timer = self.loop.call_later(seconds, self.headers_late)
+
+        def on_headers_complete(self):
+            self.stop_timer()
+            super().on_headers_complete()
+
+        def headers_late(self):
+            self.timer = None
+            if not self.transport.is_closing():
+                log.info("closed a connection from %s whose request headers took more than %g s",
+                         "%s:%d" % self.client if self.client else "?", seconds)
+                self.transport.close()
+
+        def stop_timer(self):
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
+
+        def connection_lost(self, exc):
+            self.stop_timer()
+            super().connection_lost(exc)
+    return HeadersWithin
 
 
 SHUTDOWN_GRACE_S = 3.0      # past --shutdown-timeout, for the last answers to reach their clients

@@ -22,7 +22,7 @@ from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -62,6 +62,7 @@ class ServeOptions:
     max_request_bytes: int = 4 << 20
     request_timeout: float | None = 600.0
     body_timeout: float = 30.0          # seconds a request body may stall between two reads
+    body_deadline: float = 60.0         # seconds a whole request body may take
     shutdown_timeout: float = 30.0
     stall_timeout: float = 120.0        # /health says 503 after this long without progress with work waiting
     decode_steps: int = 8
@@ -129,6 +130,7 @@ class Inbox:
 
 
 SHUTDOWN_JOIN_S = 2.0       # seconds the engine's threads get to stop (a device call may run longer)
+DISCARD_LIMIT = 64 << 20   # bytes of a refused request's body read and thrown away, so the client reads the refusal
 DISCONNECT_CHECK = 0.5      # seconds between two looks at whether a non-streaming client is still there
 
 
@@ -187,26 +189,50 @@ class Server:
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     async def read_json(self, request: Request):
+        """The request's JSON body, after its API key is checked. A request refused before its body
+        is read (a wrong key, a body over the size limit) still has its body read, up to
+        DISCARD_LIMIT bytes, and thrown away: the client then reads the 401 or 413 rather than a
+        connection reset. A body must arrive within `body_timeout` seconds of each read and
+        `body_deadline` seconds in all (408); a client that leaves mid-upload ends the request
+        quietly (`ClientGone`)."""
+        refused = None
+        try:
+            self.check_auth(request)
+        except ApiError as e:
+            refused = e
         limit = self.opts.max_request_bytes
         too_big = ApiError(413, f"request body is larger than the limit of {limit} bytes",
                            code="request_too_large")
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > limit:
-            raise too_big
+            if int(length) > DISCARD_LIMIT:
+                raise refused or too_big          # too much to read for nothing: the client sees a reset
+            refused = refused or too_big
         chunks, size = [], 0
-        wait = self.opts.body_timeout
+        gap, whole = self.opts.body_timeout, self.opts.body_deadline
         loop = asyncio.get_running_loop()
+        end = loop.time() + whole
         try:          # a deadline on this task, moved at each read (`wait_for` would start a task a read)
-            async with asyncio.timeout(wait) as stalled:
+            async with asyncio.timeout(min(gap, whole)) as stalled:
                 async for chunk in request.stream():
                     size += len(chunk)
-                    if size > limit:
-                        raise too_big
-                    chunks.append(chunk)
-                    stalled.reschedule(loop.time() + wait)
+                    if refused is None and size > limit:
+                        refused = too_big
+                    if refused is None:
+                        chunks.append(chunk)
+                    elif size > DISCARD_LIMIT:
+                        break
+                    stalled.reschedule(min(loop.time() + gap, end))
         except TimeoutError:
-            raise ApiError(408, f"the request body stalled for more than {wait:g} s",
-                           type="timeout_error", code="request_timeout") from None
+            if refused is not None:
+                raise refused from None
+            why = f"took more than {whole:g} s" if loop.time() >= end - 0.01 else f"stalled for more than {gap:g} s"
+            raise ApiError(408, f"the request body {why}", type="timeout_error", code="request_timeout",
+                           headers={"Connection": "close"}) from None      # the rest of it is not read
+        except ClientDisconnect:
+            raise ClientGone from None
+        if refused is not None:
+            raise refused
         raw = b"".join(chunks)
         if not raw.strip():
             raise bad("the request body is empty; send a JSON object")
@@ -289,13 +315,11 @@ class Server:
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
 
     async def tokenize(self, request: Request):
-        self.check_auth(request)
         body = await self.read_json(request)
         return JSONResponse(await self.parsed(tokenize, body, self.engine, self.opts.served_name,
                                                 self.opts.max_model_len, self.features))
 
     async def detokenize(self, request: Request):
-        self.check_auth(request)
         body = await self.read_json(request)
         return JSONResponse(await self.parsed(detokenize, body, self.engine, self.opts.served_name))
 
@@ -306,7 +330,6 @@ class Server:
         return await self.generate(request, "chat")
 
     async def generate(self, request: Request, kind: str):
-        self.check_auth(request)
         body = await self.read_json(request)
         parse = functools.partial(parse_request, kind, body, self.engine, self.opts.served_name,
                                   self.opts.max_model_len, self.features, self.opts.max_num_seqs)
@@ -453,7 +476,6 @@ class Server:
 
     # -- the Responses API (responses.py): the chat route's request and scheduling ----------------
     async def create_response(self, request: Request):
-        self.check_auth(request)
         turn = Turn.read(await self.read_json(request), self.stored)
         parse = functools.partial(turn.request, self.engine, self.opts.served_name, self.opts.max_model_len,
                                   self.features, self.opts.max_num_seqs)
@@ -531,6 +553,11 @@ async def _http_error(request: Request, exc: HTTPException):
                         headers=getattr(exc, "headers", None))
 
 
+async def _client_gone(request: Request, exc: ClientGone):
+    log.info("%s %s: the client left before its request was read", request.method, request.url.path)
+    return Response(status_code=499)          # nobody reads it
+
+
 async def _internal_error(request: Request, exc: Exception):
     log.exception("unhandled error in %s %s", request.method, request.url.path)
     return JSONResponse(ApiError(500, "internal server error", type="server_error").body(), status_code=500)
@@ -571,7 +598,7 @@ def build_app(engine, opts: ServeOptions) -> Starlette:
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={ApiError: _api_error, HTTPException: _http_error,
+                    exception_handlers={ApiError: _api_error, HTTPException: _http_error, ClientGone: _client_gone,
                                         Exception: _internal_error})
     app.state.server = server
     return app

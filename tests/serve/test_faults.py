@@ -237,3 +237,92 @@ def test_sigterm_during_warmup_exits_0_within_the_timeout(qwen3_dir, tmp_path):
     log = p.output()
     assert code == 0 and took < 10, (code, took, log[-3000:])
     assert "Traceback" not in log, log[-3000:]
+
+
+# -- clients: gone mid-upload or mid-stream, trickling, slow headers, oversized, unauthorized -----------
+def raw(port: int, data: bytes, then=None, timeout: float = 30.0) -> tuple[bytes, float]:
+    """`data` sent on a fresh connection (`then(sock)` sends the rest) -> (what came back until the
+    server closed it, seconds from the first byte to the close)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        t0 = time.monotonic()
+        s.sendall(data)
+        if then is not None:
+            then(s)
+        got = b""
+        try:
+            while chunk := s.recv(65536):
+                got += chunk
+        except (ConnectionResetError, socket.timeout):
+            pass
+        return got, time.monotonic() - t0
+
+
+def trickle(s: socket.socket, pieces: list[bytes], every: float):
+    for p in pieces:
+        time.sleep(every)
+        try:
+            s.sendall(p)
+        except OSError:                 # the server closed it: what it answered is read next
+            return
+
+
+def test_hostile_clients_are_cut_within_their_deadlines_without_tracebacks(qwen3_dir, tmp_path):
+    """20 clients leave mid-upload and 20 mid-stream, a body trickles a byte a second (cut at the
+    whole-body deadline though no gap reaches the gap limit), headers trickle (cut at the header
+    deadline), a 10 MB body over a 5 MB limit and a body sent with a wrong key get their 413 and
+    401 (not a reset): the log holds no traceback and the server answers correctly after."""
+    key = "k-123"
+    p = Process(qwen3_dir, tmp_path / "server.log", 0.05, "--no-warmup", "--max-num-seqs", "4", "--max-queue", "64",
+                "--max-model-len", "1024", "--api-key", key, "--max-request-bytes", str(5 << 20),
+                "--body-timeout", "2", "--body-deadline", "4", "--header-timeout", "2")
+    auth = {"Authorization": f"Bearer {key}"}
+    try:
+        p.wait_for("Application startup complete")
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Authorization: Bearer {key}\r\n").encode()
+
+        def leave_mid_upload(_):
+            with socket.create_connection(("127.0.0.1", p.port)) as s:
+                s.sendall(head + b"Content-Length: 100000\r\n\r\n" + b'{"prompt": "' + b"x" * 1000)
+
+        async def leave_mid_stream(_):
+            async with httpx.AsyncClient(timeout=60) as http:
+                body = {"prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}
+                async with http.stream("POST", p.url + "/v1/completions", json=body, headers=auth) as r:
+                    n = 0
+                    async for line in r.aiter_lines():
+                        n += line.startswith("data: ")
+                        if n == 2:
+                            return r.status_code
+
+        with concurrent.futures.ThreadPoolExecutor(20) as pool:
+            list(pool.map(leave_mid_upload, range(20)))
+
+        async def streams():
+            return await asyncio.gather(*(leave_mid_stream(i) for i in range(20)))
+        assert asyncio.run(streams()) == [200] * 20
+
+        body = b'{"prompt": "hello", "max_tokens": 2}'
+        got, took = raw(p.port, head + f"Content-Length: {len(body)}\r\n\r\n".encode(),
+                        lambda s: trickle(s, [bytes([c]) for c in body], 1.0))
+        assert got.startswith(b"HTTP/1.1 408") and b"took more than 4 s" in got and took < 8, (got[:300], took)
+
+        got, took = raw(p.port, b"POST /v1/completions HTTP/1.1\r\n",
+                        lambda s: trickle(s, [b"X-Slow: ", b"1", b"2", b"3", b"4", b"5", b"6", b"\r\n"], 1.0))
+        assert got == b"" and took < 5, (got[:300], took)
+
+        r = httpx.post(p.url + "/v1/completions", content=b"{" + b" " * (10 << 20) + b"}", headers=auth, timeout=60)
+        assert r.status_code == 413 and "larger than the limit" in r.json()["error"]["message"]
+        r = httpx.post(p.url + "/v1/completions", content=b"{" + b" " * (3 << 20) + b"}",
+                       headers={"Authorization": "Bearer wrong"}, timeout=60)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+        r = httpx.post(p.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 3}, headers=auth, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"]
+        load = httpx.get(p.url + "/health", timeout=10).json()
+        assert load["running"] == 0 and load["waiting"] == 0, load
+    finally:
+        code, _ = p.signal_and_wait()
+    log = p.output()
+    assert code == 0 and "Traceback" not in log, log[-3000:]
+    assert log.count("the client left before its request was read") == 20, log[-3000:]
