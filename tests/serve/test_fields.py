@@ -1,13 +1,15 @@
-"""The field policy of docs/server.md's request-field table, checked against a live server: every
-field of the chat-completions and completions requests, as the installed `openai` package types
-them, and every vLLM extra of the table, sent with a valid value, is served or ignored (200) or
-refused (400 naming it) as the table says; the table lists every field the package knows.
+"""The field policy of docs/server.md's request-field tables, checked against a live server: every
+field of the chat-completions, completions and Responses requests, as the installed `openai`
+package types them, and every vLLM extra of the table, sent with a valid value, is served or
+ignored (200) or refused (400 naming it) as the tables say; the tables list every field the
+package knows.
 
 The server is a tiny random Qwen3 with its real chat template (it has tools and thinking), in this
 process, so each request costs a few tiny forwards.
 """
 from __future__ import annotations
 
+import json
 import re
 import typing
 from pathlib import Path
@@ -119,3 +121,59 @@ def test_every_field_is_served_ignored_or_refused_as_the_table_says(server, rout
             assert seen[name] == 200, name
     load = server.scheduler.load()
     assert load["running"] == 0 and load["waiting"] == 0
+
+
+# -- /v1/responses: docs/server.md's Responses table ---------------------------------------------------
+RESPONSES_VALID = {
+    "model": "m", "input": "What is the weather in Paris?", "instructions": "Be terse.", "max_output_tokens": 3,
+    "temperature": 0.7, "top_p": 0.9, "parallel_tool_calls": False, "stream": True,
+    "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER[0]["function"]["parameters"]}],
+    "tool_choice": "auto", "text": {"format": {"type": "json_object"}}, "reasoning": {"effort": "low"},
+    "include": ["message.output_text.logprobs"], "top_logprobs": 2, "store": False, "metadata": {"team": "search"},
+    "user": "user-1", "service_tier": "auto", "safety_identifier": "hashed-user", "prompt_cache_key": "weather-bot",
+    "prompt_cache_retention": "24h", "prompt_cache_options": {"mode": "implicit", "ttl": "30m"},
+    "moderation": {"model": "omni-moderation-latest"}, "max_tool_calls": 3,
+    "stream_options": {"include_obfuscation": False}, "access_programs": {"cyber": "standard"},
+    "background_options": {"completion_window": "soonest"}, "image": {"context_compression": "auto"},
+    "conversation": "conv_123", "prompt": {"id": "pmpt_123"}, "context_management": [{"type": "compaction"}],
+}
+RESPONSES_NEEDS = {"tool_choice": {"tools": RESPONSES_VALID["tools"]}, "stream_options": {"stream": True}}
+
+
+def responses_table() -> list[tuple[str, object, bool]]:
+    """docs/server.md's Responses table -> [(field, the value its row names or None, refused)]."""
+    text = DOCS.read_text()
+    section = text[text.index("### The Responses API"):]
+    section = section[:section.index("\n### ", 1)]
+    out = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 2 or not cells[0].startswith("`"):
+            continue
+        refused = cells[1].startswith("refused")
+        for span in re.findall(r"`([^`]+)`", cells[0]):
+            name, _, value = span.partition(": ")
+            out.append((name, json.loads(value) if value else None, refused))
+    return out
+
+
+def test_the_responses_table_lists_every_field_the_openai_package_knows():
+    from openai.types.responses import response_create_params as params
+    known = set(typing.get_type_hints(params.ResponseCreateParamsBase)) | {"stream"}
+    listed = {name for name, _, _ in responses_table()}
+    assert not known - listed, f"docs/server.md's Responses table lacks {sorted(known - listed)}"
+    assert listed <= set(RESPONSES_VALID) | {"previous_response_id", "background", "truncation"}
+
+
+def test_every_responses_field_is_served_ignored_or_refused_as_the_table_says(server):
+    first = httpx.post(server.url + "/v1/responses", json={"input": "Hi", "max_output_tokens": 3}, timeout=120)
+    assert first.status_code == 200, first.text
+    valid = {**RESPONSES_VALID, "previous_response_id": first.json()["id"]}
+    for name, value, refused in responses_table():
+        body = {"input": valid["input"], "max_output_tokens": 3, **RESPONSES_NEEDS.get(name, {}),
+                name: valid[name] if value is None else value}
+        r = httpx.post(server.url + "/v1/responses", json=body, timeout=120)
+        if refused:
+            assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, value, r.text)
+        else:
+            assert r.status_code == 200, (name, value, r.text)
