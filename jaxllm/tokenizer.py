@@ -1,6 +1,7 @@
 """Tokenizer (the `tokenizers` library) plus the chat template, rendered with jinja2."""
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -69,10 +70,37 @@ class Tokenizer:
 
     # -- use -------------------------------------------------------------------------------------
     def encode(self, text: str, add_special: bool = True) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=add_special).ids
+        # `encode` holds the GIL throughout (a 3.5 MB text: 3 s on one CPU core, in which the event
+        # loop and every other thread stand still); `encode_batch` gives the same ids without it
+        if len(text) > LONG_TEXT:
+            ids = self.tok.encode_batch([text], add_special_tokens=add_special)[0].ids
+        else:
+            ids = self.tok.encode(text, add_special_tokens=add_special).ids
         if add_special and self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids = [self.bos_id] + ids
         return ids
+
+    @functools.cached_property
+    def max_bytes_per_token(self) -> int | None:
+        """The most UTF-8 bytes of text one token can stand for, so that a text longer than
+        `n * max_bytes_per_token` bytes is known to take more than n tokens without tokenizing it;
+        None where the tokenizer can drop or merge characters without bound (a normalizer that
+        strips accents or spaces, a pre-tokenizer that removes what it splits on, fused unknowns).
+        A token's own string (`▁the`, `Ġthe`, `<0x0A>`) is at least as long as the text it reads,
+        as is its decoded text (which drops a leading space); Unicode normalizers and lowercasing
+        shorten text at most 4-fold (a 4-byte mathematical letter to ASCII)."""
+        spec = json.loads(self.tok.to_str())
+        factor = _shrink_factor(spec.get("normalizer"))
+        if factor is None or not _keeps_characters(spec.get("pre_tokenizer")):
+            return None
+        model = spec.get("model") or {}
+        if model.get("type") not in ("BPE", "WordLevel") or (
+                model.get("fuse_unk") and model.get("unk_token") and not model.get("byte_fallback")):
+            return None
+        n = self.tok.get_vocab_size(with_added_tokens=True)
+        longest = max(max(len((self.tok.id_to_token(i) or "").encode()),
+                          len(self.tok.decode([i], skip_special_tokens=False).encode())) for i in range(n))
+        return max(longest, 1) * factor
 
     def decode(self, ids, skip_special: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special)
@@ -113,6 +141,36 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, **template_kwargs) -> list[int]:
         # The template writes BOS itself, as transformers' apply_chat_template does.
         return self.encode(self.render_chat(messages, tools=tools, **template_kwargs), add_special=False)
+
+
+LONG_TEXT = 16384      # characters from which `Tokenizer.encode` lets go of the GIL
+UNICODE_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase"}
+
+
+def _shrink_factor(n) -> int | None:
+    """How many times a tokenizer.json normalizer can shorten a text's UTF-8 (None: without bound)."""
+    if n is None:
+        return 1
+    kind = n.get("type")
+    if kind == "Sequence":
+        factors = [_shrink_factor(x) for x in n.get("normalizers", [])]
+        return None if None in factors else max(factors, default=1)
+    if kind == "Prepend":
+        return 1
+    if kind == "Replace":
+        pattern = (n.get("pattern") or {}).get("String")
+        return 1 if pattern is not None and len(n.get("content", "").encode()) >= len(pattern.encode()) else None
+    return 4 if kind in UNICODE_NORMALIZERS else None
+
+
+def _keeps_characters(p) -> bool:
+    """Whether a tokenizer.json pre-tokenizer keeps every character of its text."""
+    if p is None:
+        return True
+    if p.get("type") == "Sequence":
+        return all(_keeps_characters(x) for x in p.get("pretokenizers", []))
+    return p.get("type") in ("ByteLevel", "Metaspace", "Split", "Digits", "Punctuation", "UnicodeScripts") \
+        and p.get("behavior") != "Removed"
 
 
 def _environment() -> ImmutableSandboxedEnvironment:

@@ -132,9 +132,10 @@ class Results:
             return toks, False
         try:
             n, complete = job.matcher.follow(toks)
-        except ValueError as e:
-            log.error("request %s: %s", job.req.id, e)
-            if self._end(job, Failed(500, f"structured output failed: {e}")):
+        except ValueError as e:         # its grammar went past llguidance's limits or into a dead end
+            why = (str(e).splitlines() or [""])[0][:300]
+            log.info("request %s: structured output failed: %s", job.req.id, why)
+            if self._end(job, Failed(400, f"structured output failed: {why}", type="invalid_request_error")):
                 self._ended(job)
             return None
         job.out_ids += toks[:n]

@@ -230,7 +230,7 @@ def serve(engine, args: argparse.Namespace, sock: socket.socket) -> int:
     import uvicorn
 
     from jaxllm.engine.memory import KVMemory
-    from jaxllm.serve.app import ServeOptions, build_app
+    from jaxllm.serve.app import RedactSecrets, ServeOptions, build_app
     log = logging.getLogger("jaxllm.serve")
     opts = ServeOptions(
         served_name=args.served_model_name or engine.name, max_model_len=engine.max_ctx,
@@ -259,6 +259,7 @@ def serve(engine, args: argparse.Namespace, sock: socket.socket) -> int:
                             access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=KEEP_ALIVE_S,
                             timeout_graceful_shutdown=args.shutdown_timeout + 30, lifespan="on",
                             http=headers_within(args.header_timeout), limit_concurrency=args.max_connections)
+    logging.getLogger("uvicorn.access").addFilter(RedactSecrets())      # after uvicorn set up its loggers
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal; ignoring it then makes the
     # drained shutdown an ordinary exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):

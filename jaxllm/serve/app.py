@@ -13,8 +13,10 @@ import functools
 import hmac
 import json
 import logging
+import re
 import threading
 import time
+import urllib.parse
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -29,6 +31,7 @@ from starlette.routing import Route
 from jaxllm.engine.jobs import Delta, Failed, Finished, Job, Prompt, QueueFull
 from jaxllm.engine.memory import KVMemory
 from jaxllm.engine.scheduler import Scheduler
+from jaxllm.serve.fields import MAX_DEPTH, short, too_deep
 from jaxllm.serve.grammar import Grammars
 from jaxllm.serve.metrics import CONTENT_TYPE, Metrics
 from jaxllm.serve.output import chat_features
@@ -131,6 +134,7 @@ class Inbox:
 
 SHUTDOWN_JOIN_S = 2.0       # seconds the engine's threads get to stop (a device call may run longer)
 DISCARD_LIMIT = 64 << 20   # bytes of a refused request's body read and thrown away, so the client reads the refusal
+BIG_BODY = 64 << 10         # bytes of a request body from which it is parsed on the big bodies' thread
 DISCONNECT_CHECK = 0.5      # seconds between two looks at whether a non-streaming client is still there
 
 
@@ -161,6 +165,10 @@ class Server:
         # (one H100, the Gemma 3 270M shape: a 1-row prefill call 15 ms instead of 4, requests
         # submitted 6 to 10 ms after they arrived, for a parse of 0.1 ms).
         self.parser = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxllm-parse")
+        # Bodies of BIG_BODY bytes and more are parsed on a thread of their own, so a small request
+        # never waits for a long prompt's tokenizing (3 s for 3.5 MB on a CPU core), which lets go
+        # of the GIL (`Tokenizer.encode`) but not of the thread.
+        self.big_parser = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxllm-parse-big")
 
     def inbox(self) -> Inbox:
         loop = asyncio.get_running_loop()
@@ -173,6 +181,7 @@ class Server:
         grammar = threading.Thread(target=self.grammars.prepare, name="jaxllm-grammar") if self.grammars else None
         if grammar is not None:
             grammar.start()
+        getattr(self.engine.tokenizer, "max_bytes_per_token", None)      # computed once (1 s for 262144 tokens)
         self.scheduler.start(self.opts.warmup)
         if grammar is not None:
             grammar.join()
@@ -208,6 +217,12 @@ class Server:
             if int(length) > DISCARD_LIMIT:
                 raise refused or too_big          # too much to read for nothing: the client sees a reset
             refused = refused or too_big
+        # JSON only: a browser's cross-origin POST that needs no preflight can only send text/plain,
+        # a form or multipart, so another site's page cannot make a keyless server generate
+        media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media != "application/json":
+            refused = refused or ApiError(415, f"the request body must be sent with 'Content-Type: application/json', "
+                                               f"not {short(media or 'none')}", code="unsupported_media_type")
         chunks, size = [], 0
         gap, whole = self.opts.body_timeout, self.opts.body_deadline
         loop = asyncio.get_running_loop()
@@ -234,6 +249,7 @@ class Server:
         if refused is not None:
             raise refused
         raw = b"".join(chunks)
+        request.state.body_bytes = len(raw)
         if not raw.strip():
             raise bad("the request body is empty; send a JSON object")
         try:
@@ -242,6 +258,8 @@ class Server:
             raise bad(f"the request body is not valid JSON ({e})") from None
         except RecursionError:
             raise bad("the request body is nested too deeply") from None
+        if isinstance(body, (dict, list)) and too_deep(body):
+            raise bad(f"the request body is nested too deeply (more than {MAX_DEPTH} levels)")
         try:                          # "\ud800" escapes parse, but no tokenizer can take them
             json.dumps(body, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
@@ -261,9 +279,12 @@ class Server:
         self.scheduler.submit(job)
         return job
 
-    async def parsed(self, fn, *args):
-        """fn(*args) on the parse thread: a request's chat template and tokenizer, off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self.parser, functools.partial(fn, *args))
+    async def parsed(self, request: Request, fn, *args):
+        """fn(*args) on a parse thread (the big bodies' for a body of BIG_BODY bytes or more): a
+        request's chat template and tokenizer, off the event loop."""
+        big = getattr(request.state, "body_bytes", 0) >= BIG_BODY
+        return await asyncio.get_running_loop().run_in_executor(self.big_parser if big else self.parser,
+                                                                functools.partial(fn, *args))
 
     def deadline(self) -> float:
         t = self.opts.request_timeout
@@ -316,12 +337,12 @@ class Server:
 
     async def tokenize(self, request: Request):
         body = await self.read_json(request)
-        return JSONResponse(await self.parsed(tokenize, body, self.engine, self.opts.served_name,
+        return JSONResponse(await self.parsed(request, tokenize, body, self.engine, self.opts.served_name,
                                                 self.opts.max_model_len, self.features))
 
     async def detokenize(self, request: Request):
         body = await self.read_json(request)
-        return JSONResponse(await self.parsed(detokenize, body, self.engine, self.opts.served_name))
+        return JSONResponse(await self.parsed(request, detokenize, body, self.engine, self.opts.served_name))
 
     async def completions(self, request: Request):
         return await self.generate(request, "completion")
@@ -341,7 +362,7 @@ class Server:
         it whole, `stream(req, job, inbox, deadline)` as an SSE stream."""
         inbox = self.inbox()
         try:
-            req, job = await self.parsed(self.parse_and_submit, parse, inbox)
+            req, job = await self.parsed(request, self.parse_and_submit, parse, inbox)
             if job is None:                          # its grammar compiled here, never on the engine thread
                 if self.grammars is None:
                     raise bad("this model has no tokenizer, so its answers cannot be constrained",
@@ -541,6 +562,31 @@ class Server:
             job.cancel()
 
 
+SECRET_PARAM = re.compile(r"key|token|secret|passw|auth", re.I)
+
+
+class RedactSecrets(logging.Filter):
+    """uvicorn's access log prints each request's path with its query string as sent: the value of
+    a parameter whose name speaks of a secret (`?api_key=...`, `?access_token=...`) is written as
+    `[redacted]`, its name read percent-decoded (`api%5Fkey`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 5 and isinstance(args[2], str) and "?" in args[2]:
+            record.args = (*args[:2], redact_query(args[2]), *args[3:])
+        return True
+
+
+def redact_query(path: str) -> str:
+    path, _, query = path.partition("?")
+    parts = re.split(r"([&;])", query)
+    for i in range(0, len(parts), 2):
+        name, eq, _ = parts[i].partition("=")
+        if SECRET_PARAM.search(urllib.parse.unquote_plus(name)):
+            parts[i] = f"{name}{eq or '='}[redacted]"
+    return f"{path}?{''.join(parts)}"
+
+
 # -- the application ------------------------------------------------------------------------------
 async def _api_error(request: Request, exc: ApiError):
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
@@ -584,6 +630,7 @@ def build_app(engine, opts: ServeOptions) -> Starlette:
         yield
         server.scheduler.shutdown(timeout=SHUTDOWN_JOIN_S)
         server.parser.shutdown(wait=False)
+        server.big_parser.shutdown(wait=False)
 
     routes = [
         Route("/health", server.health, methods=["GET"]),

@@ -13,7 +13,7 @@ import json
 import re
 
 from jaxllm.errors import JaxllmError
-from jaxllm.serve.fields import bad, bool_field, check_fields
+from jaxllm.serve.fields import bad, bool_field, check_fields, check_prompt_size
 from jaxllm.serve.output import ChatFeatures, OutputPlan
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -190,9 +190,10 @@ def template_kwargs_field(body: dict, features: ChatFeatures, template_variables
 
 
 def chat_prompt(body: dict, engine, features: ChatFeatures, add_generation_prompt: bool = True,
-                add_special: bool = False) -> tuple[list[int], OutputPlan | None]:
+                add_special: bool = False, max_model_len: int | None = None) -> tuple[list[int], OutputPlan | None]:
     """The prompt's token ids and how to read the answer (None: as plain text). The template writes
-    BOS itself, so the tokenizer adds no special tokens unless `add_special`."""
+    BOS itself, so the tokenizer adds no special tokens unless `add_special`. `max_model_len`: a
+    rendered prompt too long for it is refused before it is tokenized (`check_prompt_size`)."""
     messages = chat_messages(body, features)
     tools = tools_field(body, features)
     mode, name = tool_choice_field(body, tools)
@@ -213,6 +214,7 @@ def chat_prompt(body: dict, engine, features: ChatFeatures, add_generation_promp
     except JaxllmError as e:
         raise bad(str(e), "messages") from None
     prefix = features.tools.forced_prefix(name) if mode in ("required", "named") else ""
+    check_prompt_size(text + prefix, engine.tokenizer, max_model_len, "messages")
     ids = engine.tokenizer.encode(text + prefix, add_special=add_special)
     if not ids:
         raise bad("'messages' render to an empty prompt", "messages")

@@ -3,6 +3,7 @@ that name the field in their one-line message."""
 from __future__ import annotations
 
 import math
+import re
 
 
 class ApiError(Exception):
@@ -30,16 +31,37 @@ def is_num(v) -> bool:
     return (is_int(v) or isinstance(v, float)) and math.isfinite(v)
 
 
+MAX_DEPTH = 64     # JSON levels a request body may nest: the schemas, tools and messages in it are walked recursively
+
+
+def too_deep(v, limit: int = MAX_DEPTH) -> bool:
+    """Whether the decoded JSON `v` nests more than `limit` levels (arrays and objects)."""
+    stack = [(v, 1)]
+    while stack:
+        x, depth = stack.pop()
+        if depth > limit:
+            return True
+        items = x.values() if isinstance(x, dict) else x if isinstance(x, list) else ()
+        stack.extend((y, depth + 1) for y in items if isinstance(y, (dict, list)))
+    return False
+
+
+def short(v, limit: int = 60) -> str:
+    """A value as a message quotes it: its repr, one line, cut at `limit` characters."""
+    r = repr(v)
+    return r if len(r) <= limit else r[:limit] + "..."
+
+
 def int_field(body, name, lo=None, hi=None):
     v = body.get(name)
     if v is None:
         return None
     if not is_int(v):
-        raise bad(f"'{name}' must be an integer, got {v!r}", name)
+        raise bad(f"'{name}' must be an integer, got {short(v)}", name)
     if lo is not None and v < lo:
-        raise bad(f"'{name}' must be >= {lo}, got {v}", name)
+        raise bad(f"'{name}' must be >= {lo}, got {short(v)}", name)
     if hi is not None and v > hi:
-        raise bad(f"'{name}' must be <= {hi}, got {v}", name)
+        raise bad(f"'{name}' must be <= {hi}, got {short(v)}", name)
     return v
 
 
@@ -48,7 +70,7 @@ def num_field(body, name):
     if v is None:
         return None
     if not is_num(v):
-        raise bad(f"'{name}' must be a number, got {v!r}", name)
+        raise bad(f"'{name}' must be a number, got {short(v)}", name)
     return float(v)
 
 
@@ -57,16 +79,26 @@ def bool_field(body, name, default: bool = False) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise bad(f"'{name}' must be true or false, got {v!r}", name)
+        raise bad(f"'{name}' must be true or false, got {short(v)}", name)
     return v
 
 
 def neutral(body, name, ok) -> None:
     """Fields of the OpenAI API this server does not implement: accepted only at a neutral value."""
     if name in body and not ok(body[name]):
-        raise bad(f"'{name}' = {body[name]!r} is not supported by this server", name)
+        raise bad(f"'{name}' = {short(body[name])} is not supported by this server", name)
 
 
+def check_prompt_size(text: str, tokenizer, max_model_len: int | None, param: str) -> None:
+    """A prompt whose UTF-8 alone is more than `max_model_len` tokens can hold (at the tokenizer's
+    `max_bytes_per_token`) is refused before it is tokenized, which for megabytes takes seconds."""
+    per = getattr(tokenizer, "max_bytes_per_token", None) if max_model_len else None
+    if per is None or len(text) * 4 <= max_model_len * per:       # a character is at most 4 bytes
+        return
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > max_model_len * per:
+        raise bad(f"This model's maximum context length is {max_model_len} tokens, but the prompt's {size:,} bytes "
+                  f"are more than that many tokens can hold (at most {per} bytes a token)", param)
 
 
 def check_fields(body: dict, allowed: set[str], where: str = "") -> None:
@@ -74,5 +106,5 @@ def check_fields(body: dict, allowed: set[str], where: str = "") -> None:
     otherwise be silently ignored."""
     unknown = sorted(k for k in body if k not in allowed)
     if unknown:
-        raise bad(f"unknown field '{where}{unknown[0]}' (this server refuses fields it does not implement)",
-                  unknown[0])
+        raise bad(f"unknown field '{where}{short(unknown[0])[1:-1]}' (this server refuses fields it does not "
+                  f"implement)", re.match(r"[^.\[]*", where).group() or unknown[0])

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import llguidance
 import numpy as np
 
-from jaxllm.engine.grammar import Matcher
-from jaxllm.serve.fields import bad
+from jaxllm.engine.grammar import Matcher, masks
+from jaxllm.serve.fields import MAX_DEPTH, bad, too_deep
 
 GUIDED = ("guided_json", "guided_regex", "guided_grammar", "guided_choice")       # vLLM's names
 # JSON as json.dumps writes it: one space after ',' and ':', no other whitespace. The
@@ -97,6 +97,10 @@ def _guided(name: str, v) -> Constraint:
                 v = json.loads(v)
             except ValueError as e:
                 raise bad(f"'{name}' is not valid JSON ({e})", name) from None
+            except RecursionError:
+                raise bad(f"'{name}' is nested too deeply", name) from None
+            if too_deep(v):
+                raise bad(f"'{name}' is nested too deeply (more than {MAX_DEPTH} levels)", name)
         return Constraint(name, "json", _schema_text(v, name))
     if name == "guided_choice":
         if not isinstance(v, list) or not v or not all(isinstance(c, str) and c for c in v):
@@ -199,7 +203,11 @@ class Grammars:
                 self.compiled[key] = template
                 while len(self.compiled) > self.cache_size:
                     self.compiled.popitem(last=False)
-        return Matcher(template.deep_copy(), self.base, -(-self.hf.get_vocab_size(with_added_tokens=True) // 32))
+        m = Matcher(template.deep_copy(), self.base, -(-self.hf.get_vocab_size(with_added_tokens=True) // 32))
+        if not masks([m], m.words).any():       # only special tokens could begin it (answers hold none)
+            why = one_line(m.m.get_error()) if m.m.is_error() else "its first token would have to be a special token"
+            raise bad(f"'{c.field}' allows no answer this model can write: {why}", c.field)
+        return m
 
 
 def _what(c: Constraint) -> str:

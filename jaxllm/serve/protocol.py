@@ -17,7 +17,19 @@ from jaxllm.engine.request import SEED_MOD, Request
 from jaxllm.engine.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from jaxllm.errors import JaxllmError
 from jaxllm.serve.chat import chat_prompt
-from jaxllm.serve.fields import ApiError, bad, bool_field, check_fields, int_field, is_int, is_num, neutral, num_field
+from jaxllm.serve.fields import (
+    ApiError,
+    bad,
+    bool_field,
+    check_fields,
+    check_prompt_size,
+    int_field,
+    is_int,
+    is_num,
+    neutral,
+    num_field,
+    short,
+)
 from jaxllm.serve.grammar import GUIDED, Constraint, constraint_field
 from jaxllm.serve.output import ChatFeatures, OutputPlan, Parts, chat_features
 from jaxllm.tokenizer import Tokenizer
@@ -133,7 +145,7 @@ def _logit_bias(body, vocab_size: int) -> dict[int, float]:
     out = {}
     for key, bias in v.items():
         if not re.fullmatch(r"[0-9]{1,10}", key):
-            raise bad(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
+            raise bad(f"'logit_bias' keys must be token ids, got {short(key)}", "logit_bias")
         tok = int(key)
         if tok >= vocab_size:
             raise bad(f"'logit_bias' token {tok} is outside the vocabulary [0, {vocab_size})", "logit_bias")
@@ -217,22 +229,27 @@ def _stream_options(body, stream: bool) -> bool:
 
 
 # -- prompts --------------------------------------------------------------------------------------
-def completion_prompt_ids(body: dict, engine) -> list[int]:
-    """`prompt`: a string, a list of token ids, or a one-element list of either."""
+def completion_prompt_ids(body: dict, engine, max_model_len: int | None = None) -> list[int]:
+    """`prompt`: a string, a list of token ids, or a one-element list of either. `max_model_len`:
+    a string too long for it is refused before it is tokenized (`check_prompt_size`)."""
     p = body.get("prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]
     if isinstance(p, str):
         if engine.tokenizer is None:
             raise bad("this model has no tokenizer; send 'prompt' as a list of token ids", "prompt")
+        check_prompt_size(p, engine.tokenizer, max_model_len, "prompt")
         ids = engine.tokenizer.encode(p)
     elif isinstance(p, list) and p and all(is_int(t) for t in p):
         vocab = engine.cfg.vocab_size
         if any(not 0 <= t < vocab for t in p):
             raise bad(f"token ids in 'prompt' must lie in [0, {vocab})", "prompt")
         ids = list(p)
-    elif isinstance(p, list) and len(p) > 1:
+    elif isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
         raise bad("'prompt' holds several prompts; send one prompt per request", "prompt")
+    elif isinstance(p, list) and p:
+        wrong = next(t for t in p if not is_int(t))
+        raise bad(f"'prompt' must be a string or a list of token ids, and {short(wrong)} is not a token id", "prompt")
     elif p is None:
         raise bad("'prompt' is required", "prompt")
     else:
@@ -277,12 +294,13 @@ def parse_request(kind: str, body, engine, served_name: str, max_model_len: int,
         max_tokens = mct if mct is not None else max_tokens
     constraint = constraint_field(body)
     plan, prompt_text = None, ""
+    limit = None if body.get("truncate_prompt_tokens") is not None else max_model_len    # no cheap refusal
     if kind == "completion":
-        ids = completion_prompt_ids(body, engine)
+        ids = completion_prompt_ids(body, engine, limit)
         if echo:
             prompt_text = _prompt_text(body, ids, engine)
     else:
-        ids, plan = chat_prompt(body, engine, features or chat_features(engine.cfg.family))
+        ids, plan = chat_prompt(body, engine, features or chat_features(engine.cfg.family), max_model_len=limit)
         if constraint is not None and plan is not None:     # a constrained answer is all content
             if plan.tools is not None:
                 raise bad(f"'{constraint.field}' cannot be combined with 'tools' (unless 'tool_choice' is "
@@ -293,7 +311,9 @@ def parse_request(kind: str, body, engine, served_name: str, max_model_len: int,
         prompt_text = _prompt_text({"prompt": kept}, kept, engine)
     ids = kept
     max_tokens = _fit_context(len(ids), max_tokens, max_model_len, default=16 if kind == "completion" else None,
-                              prompt_param="prompt" if kind == "completion" else "messages")
+                              prompt_param="prompt" if kind == "completion" else "messages",
+                              tokens_param="max_completion_tokens" if body.get("max_completion_tokens") is not None
+                              else "max_tokens")
     if min_tokens > max_tokens:
         raise bad(f"'min_tokens' ({min_tokens}) must not be more than max_tokens ({max_tokens})", "min_tokens")
     rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
@@ -387,16 +407,16 @@ def _truncated(body: dict, ids: list[int], max_model_len: int) -> list[int]:
 
 
 def _fit_context(n_prompt: int, max_tokens: int | None, limit: int, default: int | None,
-                 prompt_param: str) -> int:
+                 prompt_param: str, tokens_param: str = "max_tokens") -> int:
     if n_prompt >= limit:
         raise bad(f"This model's maximum context length is {limit} tokens, but the prompt has {n_prompt} "
                   f"tokens (at least one new token must fit)", prompt_param)
     if max_tokens is None:            # vLLM's defaults: 16 for completions, the rest of the context for chat
         return min(default or limit, limit - n_prompt)
     if n_prompt + max_tokens > limit:
-        raise bad(f"This model's maximum context length is {limit} tokens, but {n_prompt + max_tokens} were "
-                  f"requested ({n_prompt} in the prompt + {max_tokens} max_tokens); reduce the prompt or "
-                  f"max_tokens", "max_tokens")
+        raise bad(f"This model's maximum context length is {limit} tokens, but {short(n_prompt + max_tokens)} were "
+                  f"requested ({n_prompt} in the prompt + {short(max_tokens)} {tokens_param}); reduce the prompt or "
+                  f"{tokens_param}", tokens_param)
     return max_tokens
 
 

@@ -51,7 +51,7 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model_dir, log_path: Path, *args):
+    def __init__(self, model_dir, log_path: Path, *args, access_log: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -59,7 +59,7 @@ class ServerProcess:
         env.setdefault("JAX_PLATFORMS", "cpu")
         model = ["--model-dir", model_dir] if model_dir else []
         cmd = [sys.executable, "-m", "jaxllm.serve", *model, "--port", str(self.port), "--quant", "none",
-               "--dtype", "float32", "--disable-uvicorn-access-log", *args]
+               "--dtype", "float32", *([] if access_log else ["--disable-uvicorn-access-log"]), *args]
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
@@ -728,7 +728,7 @@ def test_bad_request_gets_4xx_and_server_keeps_serving(server, case):
     _, path, body, hdrs, status, words = case
     h = headers() if hdrs is None else hdrs
     if isinstance(body, bytes):
-        r = httpx.post(server.url + path, content=body, headers=h, timeout=60)
+        r = httpx.post(server.url + path, content=body, headers={"Content-Type": "application/json", **h}, timeout=60)
     else:
         r = httpx.post(server.url + path, json=body, headers=h, timeout=60)
     assert r.status_code == status, r.text
