@@ -10,6 +10,10 @@ tokens: ids past the tokenizer's vocabulary (a model's logits may be wider) and 
 never allowed, and EOS only where the grammar accepts (llguidance sets its bit exactly then). Once
 the grammar can take nothing more, the answer ends (finish reason "stop").
 
+A JSON schema is compiled with bounds where it leaves the answer open (`JsonBounds`), so that a
+weak model cannot run an answer on to its token limit (a number's digits, a string, an array, extra
+properties, whitespace); the answer still matches the schema as sent.
+
 Compiling is done off the engine thread (the request handler's thread pool), once per constraint:
 `Grammars` keeps the compiled matchers by their spec and hands each request a copy.
 """
@@ -29,11 +33,13 @@ from jaxllm.engine.grammar import Matcher, masks
 from jaxllm.serve.fields import MAX_DEPTH, bad, too_deep
 
 GUIDED = ("guided_json", "guided_regex", "guided_grammar", "guided_choice")       # vLLM's names
-# JSON as json.dumps writes it: one space after ',' and ':', no other whitespace. The
-# whitespace a schema allows otherwise lets a small model pad an answer with newlines until its
-# token limit; a schema's "x-guidance" key can change this (llguidance's JSON options). `oneOf`
-# is taken as `anyOf` (what schemas of tagged unions mean), which llguidance otherwise refuses.
+# JSON as json.dumps writes it: one space after ',' and ':', no other whitespace (a small model
+# given whitespace pads an answer with newlines up to its token limit). `oneOf` is taken as `anyOf`
+# (what schemas of tagged unions mean), which llguidance otherwise refuses. A schema's "x-guidance"
+# key (llguidance's JSON options) that asks for flexible whitespace (`whitespace_flexible`, or a
+# `whitespace_pattern`) gets llguidance's separators, "," and ":" with that whitespace around them.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "coerce_one_of": True}
+FLEXIBLE_OPTIONS = {"coerce_one_of": True}
 ANY_OBJECT = {"type": "object"}
 log = logging.getLogger("jaxllm.serve")
 
@@ -111,10 +117,169 @@ def _guided(name: str, v) -> Constraint:
     return Constraint(name, "regex" if name == "guided_regex" else "grammar", v)
 
 
-def _grammar(c: Constraint) -> str:
-    """The constraint as llguidance's grammar (ValueError where it cannot be read at all)."""
+@dataclass(frozen=True)
+class JsonBounds:
+    """The server's bounds on what a JSON schema leaves open. Each applies only where the schema
+    states no bound of that kind, so a schema allows more by saying so (its own `maxLength`,
+    `maxItems`, `minimum`/`maximum`, `multipleOf`, `additionalProperties`, `maxProperties`)."""
+    digits: int = 15            # an integer or number: within 10^15 - 1 of its one stated end (of 0 with none)
+    decimals: int = 8           # a number's decimals, as `multipleOf` 10^-decimals (llguidance's most: 10)
+    string: int = 256           # a string's `maxLength`, unless a pattern, format, enum or const fixes it
+    items: int = 16             # an array's `maxItems`
+    properties: int = 16        # `maxProperties` of a map: an object that lists no properties
+    depth: int = 4              # arrays and objects nested in a value the schema leaves free
+    # Beyond these, closed objects: an object that lists its properties takes no others (xgrammar's
+    # default; OpenAI's strict mode requires it), and a value the schema leaves free (`{}`, `true`, an
+    # array without `items`, a map's values) is any JSON value within the same bounds.
+
+
+ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "$schema", "$id", "$anchor", "$defs",
+               "definitions", "deprecated", "readOnly", "writeOnly", "x-guidance"}
+SCALARS = ["null", "boolean", "number", "string"]
+SAFE_NUMBER = 2 ** 53               # bounds past this are not exact in llguidance's f64, so left as stated
+
+
+def bounded(schema: dict, b: JsonBounds) -> dict:
+    """`schema` with `b`'s bounds where it leaves the answer open; every answer of the result is an
+    answer of `schema`. A schema that intersects subschemas (`allOf`, or `anyOf`/`oneOf`/`$ref`
+    beside other keywords) comes back as it is: a bound in one part could contradict another part."""
+    if _intersects(schema):
+        return schema
+    used = []
+
+    def free(x) -> bool:                # a subschema that allows any value
+        return x is True or (isinstance(x, dict) and set(x) <= ANNOTATIONS - {"$defs", "definitions"})
+
+    def sub(x):
+        if free(x):
+            used.append(True)
+            return _any_ref(b.depth)
+        return walk(x) if isinstance(x, dict) else x
+
+    def walk(s: dict) -> dict:
+        s = dict(s)
+        for key in ("properties", "patternProperties", "$defs", "definitions"):
+            if isinstance(s.get(key), dict):
+                s[key] = {k: sub(v) for k, v in s[key].items()}
+        for key in ("items", "prefixItems", "anyOf", "oneOf", "allOf"):
+            if isinstance(s.get(key), list):
+                s[key] = [sub(v) for v in s[key]]
+        for key in ("items", "additionalProperties"):      # not inside `not` or `if`: a bound there widens
+            if isinstance(s.get(key), (dict, bool)) and s[key] is not False:
+                s[key] = sub(s[key])
+        types = s.get("type") if isinstance(s.get("type"), list) else [s.get("type")]
+        if "integer" in types or "number" in types:
+            s |= _number_bounds(s, b, "number" in types)
+        if "string" in types and not {"maxLength", "pattern", "format", "enum", "const"} & set(s):
+            s["maxLength"] = max(b.string, _int(s.get("minLength")) or 0)
+        if "array" in types:
+            if "maxItems" not in s:
+                s["maxItems"] = max(b.items, _int(s.get("minItems")) or 0)
+            if "items" not in s and not isinstance(s.get("prefixItems"), list) and "unevaluatedItems" not in s:
+                s["items"] = sub(True)
+        if "object" in types or "properties" in s:
+            s |= _object_bounds(s, b, sub)
+        return s
+
+    out = sub(schema)
+    if used:
+        defs = out.get("$defs") if isinstance(out.get("$defs"), dict) else {}
+        out = {**out, "$defs": {**defs, **{_any_name(d): walk(_any_value(d)) for d in range(b.depth + 1)}}}
+        if "x-guidance" in schema:
+            out["x-guidance"] = schema["x-guidance"]
+    return out
+
+
+def _any_name(depth: int) -> str:
+    return f"jaxllm_any_{depth}"
+
+
+def _any_ref(depth: int) -> dict:
+    return {"$ref": f"#/$defs/{_any_name(depth)}"}
+
+
+def _any_value(depth: int) -> dict:
+    """Any JSON value with arrays and objects nested `depth` deep at most."""
+    if depth == 0:
+        return {"type": SCALARS}
+    return {"type": [*SCALARS, "array", "object"], "items": _any_ref(depth - 1),
+            "additionalProperties": _any_ref(depth - 1)}
+
+
+def _number_bounds(s: dict, b: JsonBounds, fractional: bool) -> dict:
+    """The keywords that bound a number's digits where `s` leaves them open: each missing end of its
+    range 10^digits - 1 past the other end (past 0 without one), or past `multipleOf` if that is
+    larger, so the range still holds a multiple; a number's decimals as `multipleOf` 10^-decimals,
+    where the range is wider than that step."""
+    lo = max((v for v in (_num(s.get("minimum")), _num(s.get("exclusiveMinimum"))) if v is not None), default=None)
+    hi = min((v for v in (_num(s.get("maximum")), _num(s.get("exclusiveMaximum"))) if v is not None), default=None)
+    if any(v is not None and abs(v) > SAFE_NUMBER for v in (lo, hi)):
+        return {}
+    step = _num(s.get("multipleOf"))
+    span = max(10 ** b.digits - 1, int(step or 0) + 1)
+    out = {}
+    if hi is None:
+        out["maximum"] = hi = max(lo, 0) + span if lo is not None else span
+    if lo is None:
+        out["minimum"] = lo = min(hi, 0) - span
+    decimals = 10.0 ** -b.decimals
+    if fractional and step is None and hi - lo > decimals:
+        out["multipleOf"] = decimals
+    return out if max(abs(lo), abs(hi)) <= SAFE_NUMBER else {}
+
+
+def _object_bounds(s: dict, b: JsonBounds, sub) -> dict:
+    """An object with no `additionalProperties`: closed where it lists properties (unless it requires
+    one it does not list, or more than it lists), else its other properties any values; a map (no
+    properties listed) at most `b.properties` of them."""
+    props = s.get("properties") if isinstance(s.get("properties"), dict) else {}
+    out = {}
+    if not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & set(s):
+        required = s.get("required") if isinstance(s.get("required"), list) else []
+        if props and set(required) <= set(props) and (_int(s.get("minProperties")) or 0) <= len(props):
+            return {"additionalProperties": False}
+        out["additionalProperties"] = sub(True)
+    if not props and "maxProperties" not in s and s.get("additionalProperties") is not False:
+        out["maxProperties"] = max(b.properties, _int(s.get("minProperties")) or 0)
+    return out
+
+
+def _intersects(schema) -> bool:
+    """Whether some subschema of `schema` is an intersection: `allOf` of more than one, or a
+    combinator or `$ref` beside keywords other than annotations."""
+    if isinstance(schema, list):
+        return any(_intersects(x) for x in schema)
+    if not isinstance(schema, dict):
+        return False
+    combined = {"allOf", "anyOf", "oneOf", "$ref"} & set(schema)
+    if (isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1) or \
+            (combined and set(schema) - ANNOTATIONS - combined) or len(combined) > 1:
+        return True
+    return any(_intersects(v) for k, v in schema.items() if k not in ("enum", "const", "x-guidance", "default",
+                                                                         "examples"))
+
+
+def _num(v) -> float | None:
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _int(v) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _json_options(schema: dict) -> dict:
+    xg = schema.get("x-guidance")
+    flexible = isinstance(xg, dict) and (xg.get("whitespace_flexible") or xg.get("whitespace_pattern") is not None)
+    return FLEXIBLE_OPTIONS if flexible else JSON_OPTIONS
+
+
+def _grammar(c: Constraint, bounds: JsonBounds | None = None) -> str:
+    """The constraint as llguidance's grammar, a JSON schema with `bounds` where given (ValueError
+    where it cannot be read at all)."""
     if c.kind == "json":
-        return llguidance.LLMatcher.grammar_from_json_schema(c.spec, defaults=JSON_OPTIONS)
+        schema = json.loads(c.spec)
+        text = json.dumps(bounded(schema, bounds), ensure_ascii=False) if bounds is not None else c.spec
+        return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_json_options(schema))
     if c.kind == "choice":
         return llguidance.grammar_from("choice", json.loads(c.spec))
     return llguidance.grammar_from("regex" if c.kind == "regex" else "grammar", c.spec)   # Lark, or GBNF
@@ -134,8 +299,10 @@ def one_line(message: str, limit: int = 300) -> str:
 class Grammars:
     """llguidance's view of the model's tokenizer, and the constraints compiled so far."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids, cache_size: int = 128):
+    def __init__(self, tokenizer, vocab_size: int, eos_ids, cache_size: int = 128,
+                 bounds: JsonBounds | None = JsonBounds()):
         self.hf = tokenizer.tok                 # a `tokenizers.Tokenizer`
+        self.bounds = bounds
         self.vocab_size, self.eos_ids = vocab_size, [int(i) for i in eos_ids]
         self.words = -(-vocab_size // 32)
         self.cache_size = cache_size
@@ -192,13 +359,7 @@ class Grammars:
             if template is not None:
                 self.compiled.move_to_end(key)
         if template is None:
-            try:
-                grammar = _grammar(c)
-            except ValueError as e:
-                raise bad(f"'{c.field}' is not a valid {_what(c)}: {one_line(str(e))}", c.field) from None
-            template = llguidance.LLMatcher(self._ll, grammar, log_level=0)      # compiles without the GIL
-            if template.is_error():
-                raise bad(f"'{c.field}' is not a valid {_what(c)}: {one_line(template.get_error())}", c.field)
+            template = self._compile(c)
             with self.lock:
                 self.compiled[key] = template
                 while len(self.compiled) > self.cache_size:
@@ -208,6 +369,26 @@ class Grammars:
             why = one_line(m.m.get_error()) if m.m.is_error() else "its first token would have to be a special token"
             raise bad(f"'{c.field}' allows no answer this model can write: {why}", c.field)
         return m
+
+    def _compile(self, c: Constraint) -> llguidance.LLMatcher:
+        """`c` compiled (without the GIL), a JSON schema with the server's bounds; where the bounds
+        are what llguidance refuses (a range past what it can write), the schema as sent."""
+        if c.kind == "json" and self.bounds is not None:
+            try:
+                template = llguidance.LLMatcher(self._ll, _grammar(c, self.bounds), log_level=0)
+                if not template.is_error():
+                    return template
+            except ValueError:
+                pass
+        try:
+            template = llguidance.LLMatcher(self._ll, _grammar(c), log_level=0)
+        except ValueError as e:
+            raise bad(f"'{c.field}' is not a valid {_what(c)}: {one_line(str(e))}", c.field) from None
+        if template.is_error():
+            raise bad(f"'{c.field}' is not a valid {_what(c)}: {one_line(template.get_error())}", c.field)
+        if c.kind == "json" and self.bounds is not None:
+            log.info("a JSON schema compiled without the server's bounds, which llguidance refused with them")
+        return template
 
 
 def _what(c: Constraint) -> str:
