@@ -17,7 +17,7 @@ asks of the prompt: its tokens scored (`echo` with log-probabilities) or counted
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from jaxllm.engine.blocks import Hit, block_hashes
 from jaxllm.engine.jobs import Job
@@ -36,6 +36,14 @@ class KVMemory:
     size: int | None = None
     prefix_caching: bool = True
     every_slot: bool = False       # room for every slot at its longest, whatever the device has
+
+
+def deterministic_memory(memory: KVMemory) -> KVMemory:
+    """The pool of a deterministic server: no prefix reuse (a hit starts a prompt's pieces at the
+    hit, not at the offsets it has alone) and room for every slot at its longest (a preempted
+    request's sampled tokens would be prefilled again, in other arithmetic than their decode
+    steps), where no size is given."""
+    return replace(memory, prefix_caching=False, every_slot=memory.size is None)
 
 
 class Memory:

@@ -62,7 +62,7 @@ import numpy as np
 from jaxllm.engine.detok import TextStream
 from jaxllm.engine.grammar import masks
 from jaxllm.engine.jobs import ARRIVAL_GAP, ARRIVAL_WAIT, RETURN_GAP, RETURN_WAIT, Failed, Job, Observer, QueueFull
-from jaxllm.engine.memory import KVMemory, Memory
+from jaxllm.engine.memory import KVMemory, Memory, deterministic_memory
 from jaxllm.engine.results import Launched, Results
 from jaxllm.engine.sampling import Penalties, SamplingParams, TokenRules
 from jaxllm.engine.shapes import Shapes
@@ -77,13 +77,15 @@ log = logging.getLogger("jaxllm.engine")
 class Scheduler(Results, Warmup, Memory):
     def __init__(self, engine, max_num_seqs: int, max_model_len: int, max_queue: int, decode_steps: int = 8,
                  max_num_batched_tokens: int | None = None, record: int = 10_000, structured: bool = False,
-                 first_runs: bool | None = None, freeze_heap: bool = False, kv_memory: KVMemory | None = None):
+                 first_runs: bool | None = None, freeze_heap: bool = False, kv_memory: KVMemory | None = None,
+                 deterministic: bool = False):
         """`max_num_batched_tokens`: prompt tokens a prefill forward takes (None: the backend's,
         `XlaOps.prefill_tokens`). `structured`: requests may be constrained (a grammar engine serves
         them), so the calls of constrained steps are compiled before ready too. `first_runs`: run
         each compiled call once before a request can wait on it (`Warmup.prime`; None: where the
         backend's first runs cost more, `first_run_costs`). `freeze_heap`: `Warmup.settle_heap`.
-        `kv_memory`: the size of the KV pool and whether it caches prefixes."""
+        `kv_memory`: the size of the KV pool and whether it caches prefixes. `deterministic`: a
+        request's answer is the same whatever runs beside it (`deterministic_memory`)."""
         self.engine = engine
         self.text_tokenizer = engine.tokenizer        # what turns the requests' tokens into text
         self.structured = structured
@@ -91,8 +93,12 @@ class Scheduler(Results, Warmup, Memory):
         self.eos = set(engine.cfg.eos_ids)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = engine.ops.prefill_tokens
+        if deterministic and engine.spec is not None:
+            raise ModelError("deterministic serving does not speculate: its drafts depend on the load")
+        self.deterministic = deterministic
         self.shapes = Shapes(max_num_batched_tokens, max_num_seqs,
-                             min(max_num_batched_tokens, engine.kv_options.prefill_chunk, max_model_len))
+                             min(max_num_batched_tokens, engine.kv_options.prefill_chunk, max_model_len),
+                             deterministic=deterministic)
         self.decode_steps = decode_steps          # steps (speculative cycles) a decode block
         tokens = decode_steps * (1 if engine.spec is None else engine.spec.k + 1)
         self.out_size = engine.core_out_size(tokens)
@@ -100,6 +106,8 @@ class Scheduler(Results, Warmup, Memory):
         # positions; the output thread's reading may lag three calls behind the engine thread's.
         span = max(self.shapes.max_piece, 8 * tokens)
         kv_memory = kv_memory or KVMemory()
+        if deterministic:
+            kv_memory = deterministic_memory(kv_memory)
         budget = engine.kv_budget(max_num_seqs, max_model_len, span, kv_memory, max_num_batched_tokens, 8 * tokens)
         self.core = engine.core(max_num_seqs, max_model_len, budget=budget, span=span,
                                 prefix_caching=kv_memory.prefix_caching, steady=8 * tokens)
@@ -108,6 +116,9 @@ class Scheduler(Results, Warmup, Memory):
             raise ModelError(f"the KV pool holds {plan.tokens:,} tokens, fewer than one sequence of --max-model-len "
                              f"{max_model_len:,}: give it more memory (--kv-cache-memory, --gpu-memory-utilization) "
                              f"or lower --max-model-len")
+        if deterministic and plan.sequences(max_model_len) < max_num_seqs:
+            raise ModelError(f"deterministic serving needs a KV pool of every slot at --max-model-len (no request "
+                             f"is preempted): {plan.sequences(max_model_len)} of {max_num_seqs} fit")
         log.info("%s", plan.describe())
         self.admissions = self.preemptions = 0
         self.slots: list[Job | None] = [None] * max_num_seqs      # the engine thread's
@@ -382,7 +393,7 @@ class Scheduler(Results, Warmup, Memory):
                                                                           else self.engine.spec.k + 1))
         constrained = any(j.matcher is not None for j in decoding)
         if constrained:                    # their matchers must have taken their last tokens
-            if self.engine.spec is None and self.ahead is None and not self.prefilling:
+            if self._split_steps() and self.ahead is None and not self.prefilling:
                 self._launch_forward(self._decode_rows(max(j.slot for j in decoding) + 1))
             self._await_results()
             self._free_ended()
@@ -396,11 +407,13 @@ class Scheduler(Results, Warmup, Memory):
             rows = max(rows, self.ahead[0])     # the forward launched ahead covers these rows
         stop = self.to_stop[:rows].copy()
         self.to_stop[:rows] = False
-        if constrained and self.engine.spec is None:
+        if constrained and self._split_steps():
             return self._launch_sampling(rows, stop, decoding)
-        allowed = masks([j.matcher if j in decoding else None for j in self.slots[:rows]],
-                        self.mask_words) if constrained else None
-        asked = any(j.req.logprobs is not None for j in decoding)
+        # a deterministic server passes masks with every block where requests may be constrained
+        # (all ones for the others): one decode call whoever runs beside a request
+        allowed = masks([j.matcher if j in decoding else None for j in self.slots[:rows]], self.mask_words) \
+            if constrained or (self.deterministic and self.structured) else None
+        asked = self.deterministic or any(j.req.logprobs is not None for j in decoding)
         fixed = n == self.decode_steps and not constrained and self._fixed(rows, decoding)
         before = self.last_result
         with self._device_call("decode"):
@@ -409,6 +422,11 @@ class Scheduler(Results, Warmup, Memory):
         self._put_decode(toks, n, rows, fixed=fixed)
         self.wait_for = before if fixed else None
         return True
+
+    def _split_steps(self) -> bool:
+        """Whether a constrained step runs as two calls (`_launch_sampling`): not with speculation,
+        nor on a deterministic server, whose every step is the one decode call."""
+        return self.engine.spec is None and not self.deterministic
 
     @contextlib.contextmanager
     def _device_call(self, kind: str):
@@ -489,6 +507,8 @@ class Scheduler(Results, Warmup, Memory):
             if not self._take_blocks(job, job.prefilled, hi):       # blocks for its next piece at most
                 self._unseat(job)
         ready = [j for j in self.prefilling if j not in held]
+        if ready and self.deterministic:        # a forward scores every prompt it holds or none
+            ready = [j for j in ready if self._scored(j) == self._scored(ready[0])]
         if not ready:
             return
         P, C, lengths = self.shapes.choose([len(j.prompt) - j.prefilled for j in ready],

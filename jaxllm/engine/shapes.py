@@ -8,6 +8,9 @@ from dataclasses import dataclass
 # kernels' launches, whatever its rows. The Qwen3-4B shape on one H100 (int8) prefills 16 x 128
 # tokens in 37.7 ms and 64 x 128 in 125 ms: 14.2 us a token and 8.6 ms a forward, about 600 tokens.
 FORWARD_TOKENS = 512
+# The piece length of a deterministic server's one prefill shape: prompts are cut every this many
+# tokens from their start, alone or not.
+DETERMINISTIC_PIECE = 256
 
 
 def ladder(cap: int, factor: int = 4) -> list[int]:
@@ -29,26 +32,36 @@ class Shapes:
 
     Prefill rows go up by 2, not 4: requests that arrive a few at a time (answers that end at
     different lengths) would otherwise pay for up to four times their rows in each prefill, which
-    every running request waits on."""
+    every running request waits on.
+
+    `deterministic`: one shape of each kind, whatever the load, so that a request's tokens meet the
+    same arithmetic alone or among others: prefill forwards of P pieces of DETERMINISTIC_PIECE
+    tokens (P the rows an eighth of the budget holds: a lone short prompt pays for all of them),
+    decode blocks over every slot."""
     budget: int           # tokens a prefill forward may take (--max-num-batched-tokens)
     slots: int
     max_piece: int        # the longest piece of one prompt in a forward
     short: int = 128
+    deterministic: bool = False
 
     def lengths(self) -> list[int]:
+        if self.deterministic:
+            return [min(DETERMINISTIC_PIECE, self.max_piece)]
         out = [min(self.short, self.max_piece)]
         while out[-1] * 4 < self.max_piece:
             out.append(out[-1] * 4)
         return out + ([self.max_piece] if out[-1] < self.max_piece else [])
 
     def row_counts(self, C: int) -> list[int]:
+        if self.deterministic:
+            return [max(1, min(self.slots, self.budget // (8 * C)))]
         return ladder(max(1, min(self.slots, self.budget // C)), factor=2)
 
     def prefills(self) -> list[tuple[int, int]]:
         return [(P, C) for C in self.lengths() for P in self.row_counts(C)]
 
     def decodes(self) -> list[int]:
-        return ladder(self.slots)
+        return [self.slots] if self.deterministic else ladder(self.slots)
 
     def decode_rows(self, live: int) -> int:
         """The leading slots a decode block covers when slots below `live` are in use."""

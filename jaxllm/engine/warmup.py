@@ -51,6 +51,11 @@ class Warmup:
                   for P, C in self.shapes.prefills()
                   for kind, targets in (("prefill", None), ("score", scored(P, C)))}
         for n in self.shapes.decodes():
+            if self.deterministic:      # one decode call, whatever the requests ask (`Scheduler._launch`)
+                masked = (e.row_shapes(np.zeros((n, self.mask_words), np.uint32)),) if self.structured else ()
+                groups[("decode", n)] = [("decode", (state, np.int32(1), e.row_shapes(np.zeros(n, bool)), *masked),
+                                          {"max_steps": self.out_size, "rows": n, **lp})]
+                continue
             calls = [("decode", (state, np.int32(1), e.row_shapes(np.zeros(n, bool))),
                       {"max_steps": self.out_size, "rows": n, **asked}) for asked in (lp, {})]
             if self.structured and e.spec is None:       # the two calls of a constrained step
@@ -226,7 +231,7 @@ class Warmup:
     def _fixed(self, rows: int, decoding: list[Job]) -> bool:
         """Whether the next block of `rows` slots can be a fixed one (`core.decode`'s `fixed`):
         every decoding request greedy and its variant compiled (until then, the other one runs)."""
-        if self.engine.spec is not None or any(j.req.temperature != 0 for j in decoding):
+        if self.engine.spec is not None or self.deterministic or any(j.req.temperature != 0 for j in decoding):
             return False
         ready = self.ready
         return ready is None or ("fixed", rows) in ready

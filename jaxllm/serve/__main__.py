@@ -100,6 +100,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "and of prefix reuse")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of prompts' common prefixes across requests (default on)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="a request's answer (greedy, or sampled with its seed) is the same whatever runs beside "
+                        "it: one prefill shape (prompts cut every 256 tokens), decode blocks over every slot, "
+                        "no prefix caching, no preemption, no speculation (slower: docs/server.md)")
     p.add_argument("--max-num-batched-tokens", type=positive(), default=None,
                    help="prompt tokens one prefill forward takes; longer prompts go in chunks of it "
                         "(default: 8192 on a GPU whose allocator may hold 40 GiB or more, else 2048)")
@@ -142,6 +146,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.tokenizer and not args.shape:
         p.error("--tokenizer goes with --shape (a model directory brings its own)")
+    if args.deterministic and args.speculative:
+        p.error("--deterministic does not go with --speculative (drafts and verify cycles depend on the load)")
     return args
 
 
@@ -240,7 +246,7 @@ def serve(engine, args: argparse.Namespace, sock: socket.socket) -> int:
         body_timeout=args.body_timeout, body_deadline=args.body_deadline, shutdown_timeout=args.shutdown_timeout,
         decode_steps=args.decode_steps, warmup=not args.no_warmup, started=STARTED, freeze_heap=True,
         kv_memory=KVMemory(args.gpu_memory_utilization, args.kv_cache_memory, args.enable_prefix_caching),
-        max_stored_responses=args.max_stored_responses)
+        max_stored_responses=args.max_stored_responses, deterministic=args.deterministic)
     # The event loop, the engine thread, the output thread and the parse thread take turns at the
     # GIL; a thread that wakes for a moment's work (a request parsed, a call launched) waits for the
     # one holding it to reach its switch interval. At 1 ms rather than Python's 5 the Gemma 3 270M

@@ -74,6 +74,7 @@ class ServeOptions:
     freeze_heap: bool = False           # for a process that serves for its lifetime: `Warmup.settle_heap`
     kv_memory: KVMemory = KVMemory()    # the KV pool's size, and whether it caches prefixes
     max_stored_responses: int = 1000    # /v1/responses kept for previous_response_id, the oldest dropped first
+    deterministic: bool = False         # an answer is the same whatever runs beside it (`Scheduler`)
 
 
 class Wakeups:
@@ -153,7 +154,7 @@ class Server:
         self.scheduler = Scheduler(engine, opts.max_num_seqs, opts.max_model_len, opts.max_queue,
                                    opts.decode_steps, opts.max_num_batched_tokens,
                                    structured=self.grammars is not None, freeze_heap=opts.freeze_heap,
-                                   kv_memory=opts.kv_memory)
+                                   kv_memory=opts.kv_memory, deterministic=opts.deterministic)
         self.metrics = self.scheduler.observer = Metrics(self.scheduler, opts.served_name)
         self.features = chat_features(engine.cfg.family)      # reasoning and tool calls in chat answers
         self.started = time.time()
@@ -626,7 +627,8 @@ def build_app(engine, opts: ServeOptions) -> Starlette:
         log.info("serving %s: %d slots; a KV pool (%s) of %s tokens, %d sequences of --max-model-len %d; prefix "
                  "caching %s; prefill forwards of up to %d tokens%s", opts.served_name, opts.max_num_seqs,
                  engine.kv_layout.name, f"{plan.tokens:,}", plan.sequences(opts.max_model_len), opts.max_model_len,
-                 "on" if opts.kv_memory.prefix_caching else "off", server.scheduler.shapes.budget, ready)
+                 "on" if server.scheduler.core.blocks.prefix_caching else "off", server.scheduler.shapes.budget,
+                 ready + ("; deterministic" if opts.deterministic else ""))
         yield
         server.scheduler.shutdown(timeout=SHUTDOWN_JOIN_S)
         server.parser.shutdown(wait=False)
