@@ -117,7 +117,9 @@ ROOT = HERE.parents[1]
 
 
 class Process:
-    """`tests/helpers/scripted_serve.py` as a process: the server's command line on the tiny Qwen3."""
+    """`tests/helpers/scripted_serve.py` as a process: the server's command line on the tiny Qwen3.
+    Every one started is killed when the module's tests end (`reap`), whatever ended them."""
+    started: list = []
 
     def __init__(self, model_dir, log_path: Path, step_s: float, *flags):
         self.port = free_port()
@@ -128,6 +130,7 @@ class Process:
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "scripted_serve.py"),
                                       str(model_dir), str(step_s), "--", "--port", str(self.port), *flags],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        Process.started.append(self.proc)
 
     def output(self) -> str:
         if not self.log.closed:
@@ -187,6 +190,14 @@ async def one_request(url: str, i: int) -> str:
             return "complete" if last["choices"][0]["finish_reason"] else f"open: {events[-2:]}"
         except httpx.HTTPError as e:
             return f"{type(e).__name__}: {e}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def reap():
+    yield
+    for proc in Process.started:
+        if proc.poll() is None:
+            proc.kill()
 
 
 @pytest.fixture(scope="module")
