@@ -377,6 +377,16 @@ class Scheduler(Results, Warmup, Memory):
             else:
                 return None
         hit = self._fits(job)
+        if hit is None and not self._busy():         # the pool is as free as it gets: it never will fit
+            with self.cond:
+                if not self.waiting or self.waiting[0] is not job:
+                    return None
+                self.waiting.popleft()
+            why = (f"the request's prompt of {len(job.prompt)} tokens and its {len(job.choices)} answers need more "
+                   f"KV blocks than the server's whole pool holds; send fewer answers ('n') or a shorter prompt")
+            for c in job.choices:
+                self._end(c, Failed(400, why, type="invalid_request_error"))
+            return None
         with self.cond:
             if hit is None or not self.waiting or self.waiting[0] is not job:
                 return None

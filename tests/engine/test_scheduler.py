@@ -405,3 +405,23 @@ def test_warmup_runs_each_call_once_and_changes_nothing(engine, monkeypatch):
     sched.prime(list(sched.groups))
     after = [np.asarray(x) for x in jax.tree_util.tree_leaves(core.state)]
     assert len(before) == len(after) and all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+def test_a_request_no_pool_can_hold_is_refused_not_kept_waiting(engine):
+    """n = 3 answers on 4 slots of 64 positions: the prompt's blocks and the forks' first blocks
+    are more than a pool sized for every slot holds, so the request can never start; it ends with
+    a 400 saying so (it used to wait forever), and the next request runs."""
+    engine.tokenizer = type("Ids", (), {"decode": lambda self, ids: "".join(f" {i}" for i in ids)})()
+    big = Client(list(range(3, 63)), 2, n=3, temperature=0)
+    small = Client([5, 6, 7], 2, temperature=0)
+    sched = Scheduler(engine, max_num_seqs=4, max_model_len=64, max_queue=8)
+    sched.submit(big.job)
+    sched.submit(small.job)
+    sched.start(warmup=False)
+    try:
+        assert big.done.wait(60) and small.done.wait(120)
+    finally:
+        sched.shutdown()
+    failed = [e for e in big.events if isinstance(e, Failed)]
+    assert failed and failed[0].status == 400 and "whole pool" in failed[0].message, big.events
+    assert isinstance(small.events[-1], Finished)
