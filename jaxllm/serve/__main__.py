@@ -276,11 +276,11 @@ def serve(engine, args: argparse.Namespace, sock: socket.socket) -> int:
     server.run(sockets=[sock])
     status = 0 if server.started or server.should_exit else 1
     if scheduler.thread.is_alive() or scheduler.output.is_alive():
-        # a device call still running (a long prefill, or warm-up's compiles): the interpreter must
-        # not tear down beneath it (that aborts the process), and nothing is left to answer
         log.info("a device call is still running; exiting without waiting for it")
-        exit_now(status)
-    return status
+    # Nothing is left to answer. A thread may still be inside a device call or a compile (a long
+    # prefill, warm-up's background compiles): the interpreter's teardown beneath it aborts the
+    # process, so it ends here, its log flushed.
+    exit_now(status)
 
 
 def headers_within(seconds: float):
