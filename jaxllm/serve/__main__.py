@@ -17,26 +17,27 @@ STARTED = time.monotonic()
 KEEP_ALIVE_S = 30.0     # seconds an idle HTTP connection stays open
 
 
-def positive(kind=int):
+def number(kind=int, ok=lambda v: v > 0, rule: str = "be > 0", what: str = "a number"):
+    """An argparse type: `kind` of the flag's text, refused unless `ok(value)` (the message says it
+    must `rule`)."""
     def parse(s):
         try:
             v = kind(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
+            raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"must {rule}, got {s}")
         return v
     return parse
 
 
-def fraction(s):
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
-    if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {s}")
-    return v
+def positive(kind=int):
+    return number(kind)
+
+
+fraction = number(float, lambda v: 0 < v <= 1, "lie in (0, 1]")
+port = number(int, lambda v: 0 <= v <= 65535, "lie in [0, 65535]", "a port number")
+seconds = number(float, lambda v: v >= 0, "be >= 0", "a number of seconds")
 
 
 UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "kib": 2**10, "mib": 2**20,
@@ -52,26 +53,6 @@ def size(s):
     v = int(float(m.group(1)) * UNITS[m.group(2).lower()])
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
-    return v
-
-
-def port(s):
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {s!r}") from None
-    if not 0 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"must lie in [0, 65535], got {s}")
-    return v
-
-
-def seconds(s):
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {s!r}") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
     return v
 
 
