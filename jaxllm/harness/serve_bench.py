@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=1, metavar="T",
                    help="each client holds a conversation of T requests, each carrying the earlier ones and "
                         "their answers (needs a server whose text is its token ids: --shape without --tokenizer)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="passed to the server: answers that do not depend on what runs beside them")
     p.add_argument("--no-reference", action="store_true", help="skip the fused-loop figures")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON results path (default: a new file under the user's cache, "
@@ -130,6 +132,7 @@ def server_args(a) -> list[str]:
            "--kv-cache-memory": a.kv_cache_memory, "--block-size": a.block_size}
     flags = [x for k, v in opt.items() if v is not None for x in (k, str(v))]
     flags += [] if a.enable_prefix_caching else ["--no-enable-prefix-caching"]
+    flags += ["--deterministic"] if a.deterministic else []
     return src + flags + ["--quant", a.quant, "--kv-quant", a.kv_quant, "--max-queue", str(4 * a.max_num_seqs),
                           "--disable-uvicorn-access-log", "--log-level", "info"]
 
@@ -220,7 +223,8 @@ def table(rep: dict) -> str:
     def span(r):
         return str(r[0]) if r[0] == r[1] else f"{r[0]}-{r[1]}"
     reuse = (f" after a shared prefix of {s['shared_prefix']}" if s.get("shared_prefix") else "") + \
-        (f", conversations of {s['turns']} turns" if s.get("turns", 1) > 1 else "")
+        (f", conversations of {s['turns']} turns" if s.get("turns", 1) > 1 else "") + \
+        (", deterministic" if s.get("deterministic") else "")
     head = (f"serving {rep['subject']} on {rep.get('device', '?')}: prompts of {span(s['prompt_len'])} tokens{reuse}, "
             f"{span(s['output_len'])} new, {s['rounds']} requests a client; fused loop at ctx {s['fused_ctx']}{ready}")
     spec = any(lv.get("speculation") for lv in rep["levels"])
@@ -343,7 +347,7 @@ def main(argv=None) -> int:
                                                    "tp", "quant", "kv_quant", "concurrency", "speculative",
                                                    "num_speculative_tokens", "draft_model_dir", "logprobs",
                                                    "json_fraction", "long_prompt", "long_output",
-                                                   "shared_prefix", "turns")} | {"fused_ctx": ctx},
+                                                   "shared_prefix", "turns", "deterministic")} | {"fused_ctx": ctx},
            "levels": [asdict(x) for x in levels]}
     if ref_rep is not None:
         rep.update(device=ref_rep["device"]["kind"], jax_version=ref_rep["jax_version"], fused_loop=ref_rep)
