@@ -9,8 +9,10 @@ and time per output token (p50, p99), inter-chunk latency, and beside them the f
 (`python -m jaxllm.bench`) at batch C and the mean context of a request's decode steps, measured in
 the same run, with the ratio of the two. The loop counts decode steps alone, while a server also
 prefills every prompt; so beside the ratio is its bound, the ratio a server reaches with no host
-time at all: each round of C answers one forward of C prompts of the mean prompt length (timed in
-the same run) and then the mean output length less one of the loop's steps. The time the server
+time at all: each round of C answers one forward of C prompts (timed in the same run) and then the
+mean output length less one of the loop's steps. The server prefills a prompt in a piece of one of
+its lengths (128, 512, 2048, ... tokens: `Shapes`), so the bound times the prompts at the piece that
+holds the mean prompt; the JSON's `bound_packed` times them at their own length. The time the server
 took to report ready is recorded too.
 
 With --logprobs or --json-fraction, each level runs on the same server once untimed, once timed as
@@ -42,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxllm.engine.shapes import Shapes
 from jaxllm.harness.bench import default_out, git_commit, int_list
 from jaxllm.harness.serve_clients import Load, run_level, spec_summary, thread_summary
 
@@ -192,7 +195,8 @@ def fused_reference(a, ctx: int) -> tuple[dict, dict]:
         path = Path(tmp) / "fused_loop.json"
         cmd = [sys.executable, "-m", "jaxllm.bench", *src, "--batches", ",".join(map(str, a.concurrency)),
                "--ctx", str(ctx), "--steps", str(a.output_len[1]), "--quant", a.quant, "--kv-quant", a.kv_quant,
-               "--prompt-lens", str(mean_len(a.prompt_len)), "--ttft-every-batch",
+               "--prompt-lens", ",".join(map(str, sorted({mean_len(a.prompt_len), piece_len(a)}))),
+               "--ttft-every-batch",
                "--out", str(path)] + (["--tp", str(a.tp)] if a.tp else [])
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
@@ -203,6 +207,14 @@ def fused_reference(a, ctx: int) -> tuple[dict, dict]:
 
 def mean_len(r: tuple[int, int]) -> int:
     return round(sum(r) / 2)
+
+
+def piece_len(a) -> int:
+    """The prompt tokens the server's prefill pieces take for a prompt of the mean length: the
+    shortest piece that holds it, or pieces of the longest."""
+    n = mean_len(a.prompt_len)
+    lengths = Shapes(budget=0, slots=1, max_piece=a.max_model_len, deterministic=a.deterministic).lengths()
+    return next((c for c in lengths if c >= n), -(-n // lengths[-1]) * lengths[-1])
 
 
 def bound(point: dict, prompt_len: int, output_len: int) -> float | None:
@@ -332,7 +344,8 @@ def main(argv=None) -> int:
             if c in ref and ref[c].get("tok_s"):
                 lv.fused_tok_s = ref[c]["tok_s"]
                 lv.ratio = lv.output_tok_s / lv.fused_tok_s
-                lv.bound = bound(ref[c], mean_len(a.prompt_len), mean_len(a.output_len))
+                lv.bound = bound(ref[c], piece_len(a), mean_len(a.output_len))
+                lv.bound_packed = bound(ref[c], mean_len(a.prompt_len), mean_len(a.output_len))
             levels.append(lv)
             print(f"concurrency {c}: {lv.output_tok_s:.1f} tok/s", file=sys.stderr)
     finally:

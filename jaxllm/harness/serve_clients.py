@@ -24,7 +24,9 @@ class Level:
     failed: int = 0
     fused_tok_s: float | None = None
     ratio: float | None = None
-    bound: float | None = None         # the ratio with no host time: the loop's steps and one prefill a round
+    bound: float | None = None         # the ratio with no host time: the loop's steps and one prefill a round,
+                                       # the prompts in the server's pieces (`piece_len`)
+    bound_packed: float | None = None  # the same with the prompts packed to their length
     speculation: dict | None = None    # verify cycles, drafted, accepted over the level (from /metrics)
     long_prompt: dict | None = None    # --long-prompt: its TTFT, and the others' chunk gaps during its prefill
     # --logprobs / --json-fraction: the same requests without them (output_tok_s, duration_s,
