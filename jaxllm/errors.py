@@ -1,4 +1,5 @@
 """Errors that reach the user as one line: the CLI and server print `str(err)` and exit/return 4xx."""
+from contextlib import contextmanager
 
 
 class JaxllmError(Exception):
@@ -11,3 +12,18 @@ class ModelError(JaxllmError):
 
 class RequestError(JaxllmError):
     """A generation request that cannot be served as asked (too long, bad sampling values)."""
+
+
+@contextmanager
+def warnings_as_lines(stream=None):
+    """Inside, each warning (a context past the model's trained length, ...) is written to `stream`
+    (stderr) as one line, "warning: ...", when the block ends, not as Python's file:line report."""
+    import sys
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            for w in caught:
+                (stream or sys.stderr).write(f"warning: {w.message}\n")

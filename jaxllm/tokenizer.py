@@ -199,3 +199,35 @@ def read_json(p: Path) -> dict:
         return json.loads(p.read_text())
     except ValueError as e:
         raise ModelError(f"{p}: malformed JSON ({e})") from None
+
+
+class IdsTokenizer:
+    """What a model of random weights has for a tokenizer: prompts come as token ids, and generated
+    ids read back as text, each as a space and its number (so a streamed text counts its tokens)."""
+    chat_template = None
+    chat_tuned = False
+    bos_id = None
+    eos_ids = ()
+
+    def decode(self, ids) -> str:
+        return "".join(f" {int(i)}" for i in ids)
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        try:
+            return [int(t) for t in text.split()]
+        except ValueError:
+            raise RequestError("a model with random weights has no tokenizer: send token ids") from None
+
+    def encode_chat(self, messages) -> list[int]:
+        raise RequestError("a model with random weights has no chat template: use /v1/completions with token ids")
+
+
+def shape_tokenizer(path: str, vocab_size: int) -> Tokenizer:
+    """The tokenizer in directory `path`, for a model of random weights with `vocab_size` ids."""
+    tok = Tokenizer.from_hf_dir(Path(path).expanduser())
+    if tok is None:
+        raise ModelError(f"{path}: no tokenizer.json")
+    n = tok.tok.get_vocab_size()
+    if n > vocab_size:
+        raise ModelError(f"{path}: the tokenizer has {n} ids, more than the model's vocabulary of {vocab_size}")
+    return tok

@@ -195,9 +195,3 @@ def compile_and_keep(folder: Path | None, key: str, lowered, options: dict | Non
     if not answered:
         store_executable(folder, key, exe)
     return exe, answered
-
-
-def add_flag(parser) -> None:
-    parser.add_argument("--compilation-cache", metavar="DIR", default=None,
-                        help="persistent compilation cache folder, or 'off' (default: $JAXLLM_COMPILATION_CACHE, "
-                             "else ~/.cache/jaxllm/xla)")

@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxllm import ops as backends
 from jaxllm.compiling import compile_all, map_threads
+from jaxllm.config.kv import KVOptions
 from jaxllm.config.model import ModelConfig
 from jaxllm.config.runtime import RuntimeConfig
 from jaxllm.engine import compilation_cache, core
@@ -29,13 +30,13 @@ from jaxllm.engine.sampling import (
     SamplingParams,
     TokenRules,
 )
-from jaxllm.engine.sharding import single_device_layout
 from jaxllm.engine.slots import Slots, State
 from jaxllm.engine.speculative import Speculation
 from jaxllm.errors import ModelError, RequestError
-from jaxllm.kv.options import KVOptions, choose_layout
+from jaxllm.kv.options import choose_layout
 from jaxllm.kv.paged import PagedCache, kind_specs, make_pools, static_tables
 from jaxllm.kv.plan import PoolPlan, check_fits, device_stats, per_device_bytes
+from jaxllm.model.sharding import single_device_layout
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 log = logging.getLogger("jaxllm")
@@ -132,7 +133,7 @@ class Engine:
     """A loaded model on its mesh, its KV policy, and the compiled calls of the engine core
     (`core.prefill`, `core.decode`, `core.fork`), which every front end drives through an `EngineCore`."""
 
-    def __init__(self, cfg: ModelConfig, weights, tokenizer, *, dtype="bfloat16", max_ctx=8192,
+    def __init__(self, cfg: ModelConfig, weights, tokenizer, *, dtype="bfloat16", max_ctx: int | None = None,
                  name="model", quant="none", layout=None, kv_quant="auto",
                  kv_options: KVOptions | None = None, speculation: Speculation | None = None,
                  draft_weights=None, runtime: RuntimeConfig | None = None, compilation_cache=None):
@@ -142,7 +143,7 @@ class Engine:
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
         self.layout = layout or single_device_layout()   # weights must already lie on its mesh
         # The backend, chosen once: weights must be laid out for it (`ops.prepare_weights`).
-        self.runtime = RuntimeConfig.from_env() if runtime is None else runtime
+        self.runtime = RuntimeConfig() if runtime is None else runtime
         self.ops = backends.select(self.runtime, self.layout)
         self._state_makers = {}
         self.dtype_name, self.dtype = dtype, DTYPES[dtype]

@@ -24,11 +24,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm import pytree
+from jaxllm.config.engine import check_method
 from jaxllm.config.model import ModelConfig
 from jaxllm.engine.sampling import SamplingParams, _row_keys, filtered
 from jaxllm.errors import ModelError
 
-METHODS = ("ngram", "draft")
 PROBE_EVERY = 16         # a row that stopped drafting tries again this many cycles later
 MIN_ACCEPT = 0.15        # a row drafts while its running acceptance rate stays at or above this
 MAX_BATCH = 4            # speculate while at most this many rows are live (None: at any batch)
@@ -45,7 +45,7 @@ class Speculation:
     max_batch: int | None = MAX_BATCH     # cycles with more live rows run the plain step
 
     def __post_init__(self):
-        _check_method(self.method, self.k)
+        check_method(self.method, self.k)
         lo, hi = self.ngram
         if not 1 <= lo <= hi <= 8:
             raise ModelError(f"n-gram lengths must satisfy 1 <= min <= max <= 8, got {self.ngram}")
@@ -53,24 +53,6 @@ class Speculation:
             raise ModelError(f"speculative max batch must be a positive integer or None, got {self.max_batch!r}")
         if (self.method == "draft") != (self.draft_cfg is not None):
             raise ModelError("a draft model is needed for method 'draft', and only there")
-
-
-def check_args(method, k, draft_model_dir) -> None:
-    """The speculative arguments of `jaxllm.load` and the front ends, checked before any loading."""
-    if method is None:
-        if draft_model_dir is not None:
-            raise ModelError("a draft model is used with speculative decoding: add --speculative draft")
-        return
-    _check_method(method, k)
-    if (method == "draft") != (draft_model_dir is not None):
-        raise ModelError("--speculative draft takes a --draft-model-dir, and only it does")
-
-
-def _check_method(method, k) -> None:
-    if method not in METHODS:
-        raise ModelError(f"speculative method must be one of {', '.join(METHODS)}, got {method!r}")
-    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
-        raise ModelError(f"num_speculative_tokens must be an integer from 1 to 16, got {k!r}")
 
 
 @pytree.dataclass

@@ -13,12 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from jaxllm.config.engine import RUNTIME, SPECULATION, Parser, add_flags, from_args, settle
+from jaxllm.config.kv import KVOptions
 from jaxllm.config.runtime import cache_dir, env
-from jaxllm.engine.compilation_cache import add_flag
 from jaxllm.engine.request import check_sampling
 from jaxllm.errors import JaxllmError, RequestError
-from jaxllm.harness.cli import Parser, add_max_batch_arg, add_runtime_args, positive_int
-from jaxllm.kv.options import KVOptions
 from jaxllm.model.presets import read as read_preset
 from jaxllm.weights import locate
 
@@ -44,8 +43,7 @@ def build_parser() -> Parser:
     p = Parser(prog="python -m jaxllm.bench", description=__doc__.splitlines()[0],
                epilog="python -m jaxllm.bench --serve --help: the serving benchmark")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model-dir", help="HF model directory or .gguf file (real weights)")
-    src.add_argument("--shape", help="preset architecture name (random weights) or a config.json path")
+    add_flags(src, ("model_dir", "shape"))
     p.add_argument("--batches", type=int_list, default=None,
                    help="comma-separated batch sizes (default: 1,8,64; 1,8 on a CPU)")
     p.add_argument("--ctx", type=int, default=None,
@@ -56,23 +54,8 @@ def build_parser() -> Parser:
     p.add_argument("--prompt-lens", type=int_list, default=[],
                    help="prompt lengths whose TTFT to time (a forward of batch such prompts, at the smallest batch)")
     p.add_argument("--ttft-every-batch", action="store_true", help="time --prompt-lens at every batch")
-    p.add_argument("--quant", choices=("int8", "none"), default="int8")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (devices on the model axis)")
-    p.add_argument("--kv-quant", choices=("auto", "int8", "none"), default="auto",
-                   help="KV-cache format, as in jaxllm.infer (auto: int8 global layers above 32K)")
     p.add_argument("--int8-rings", action="store_true",
                    help="with int8 global layers, keep the sliding layers' blocks in int8 too")
-    p.add_argument("--speculative", choices=("ngram", "draft"), default=None,
-                   help="speculative decoding in the loop (random tokens: what free text finds to draft)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--draft-shape", default=None,
-                   help="the draft model's shape (random weights), for --speculative draft")
-    p.add_argument("--draft-model-dir", default=None, help="or a real draft model, for --speculative draft")
-    add_max_batch_arg(p)
-    p.add_argument("--draft-always", action="store_true",
-                   help="rows draft every cycle however little they accept (the cost of a cycle); "
-                        "by default rows whose drafts fail stop drafting, as in serving")
     p.add_argument("--rebuild-keys", action="store_true",
                    help="global layers whose V is their K store V alone and rebuild keys")
     p.add_argument("--seed", type=int, default=0)
@@ -84,8 +67,10 @@ def build_parser() -> Parser:
     p.add_argument("--plot", default=None, help="PNG plot path (default: --out with .png)")
     p.add_argument("--probe-mib", type=int, default=None, help="bandwidth probe size (default: by device)")
     p.add_argument("--matmul-n", type=int, default=None, help="matmul probe size n (n x n x n)")
-    add_flag(p)
-    add_runtime_args(p)
+    add_flags(p, ("dtype", "quant", "kv_quant", "tp", "compilation_cache"), "model")
+    add_flags(p, (*SPECULATION, "draft_shape", "draft_always"), "speculative decoding (random tokens: what free "
+              "text finds to draft)")
+    add_flags(p, RUNTIME, "runtime")
     return p
 
 
@@ -98,15 +83,13 @@ def check_args(a) -> None:
     if a.warmup < 0:
         raise RequestError(f"--warmup must be >= 0, got {a.warmup}")
     check_sampling(1, a.temperature, a.top_k, a.top_p)
-    if a.draft_shape and a.draft_model_dir:
-        raise RequestError("a draft model is --draft-shape or --draft-model-dir, not both")
-    if a.draft_always and not (a.speculative and a.shape):
-        raise RequestError("--draft-always measures a cycle of --speculative on a random --shape")
+    a.kv_options = KVOptions(int8_rings=bool(a.int8_rings), store_keys=not a.rebuild_keys)
+    a.config = from_args(a, kv_options=a.kv_options, seed=a.seed)
+    settle(a, a.config)
     if a.shape:
         read_preset(a.shape)
     else:
         locate(a.model_dir)
-    a.kv_options = KVOptions(int8_rings=a.int8_rings, store_keys=not a.rebuild_keys)
 
 
 def size_for(a, platform: str) -> None:

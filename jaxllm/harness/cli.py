@@ -1,84 +1,26 @@
-"""What every command-line front end shares: one-line errors, load progress, model flags."""
+"""What every command-line front end shares: one-line errors, load progress, the engine's flags."""
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-import warnings
 from contextlib import contextmanager
 
+from jaxllm.config.engine import MODEL, RUNTIME, SPECULATION, add_flags, from_args
 from jaxllm.config.runtime import env
-from jaxllm.errors import JaxllmError
+from jaxllm.errors import JaxllmError, warnings_as_lines
+
+ENGINE = (*MODEL, "compilation_cache")       # the engine flags every command line that loads a model takes
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line instead of usage + error."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
-def add_model_args(p: argparse.ArgumentParser):
-    p.add_argument("--model-dir", default=None,
-                   help="HF model directory, .gguf file or hub id (default: the embedded Gemma 3 270M)")
-    p.add_argument("--max-ctx", type=positive_int, default=None,
-                   help="KV-cache length (default: the model's maximum, capped at 8192)")
-    p.add_argument("--quant", choices=("int8", "none"), default="int8", help="weight format on device")
-    p.add_argument("--kv-quant", choices=("auto", "int8", "none"), default="auto",
-                   help="KV-cache format: auto = compute dtype up to 32K, int8 above")
-    p.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel degree (default: all local devices)")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="activation/compute dtype")
-    from jaxllm.engine.compilation_cache import add_flag
+def add_engine_args(p: argparse.ArgumentParser, speculation: bool = True) -> None:
+    """The model, runtime and (optionally) speculation flags (`config.engine.FLAGS`) and the multi-host ones."""
     from jaxllm.harness import distributed
+    add_flags(p, ENGINE, "model")
+    if speculation:
+        add_flags(p, SPECULATION, "speculative decoding")
+    add_flags(p, RUNTIME, "runtime")
     distributed.add_args(p)
-    add_flag(p)
-    add_runtime_args(p)
-    add_speculative_args(p)
-
-
-def add_runtime_args(p: argparse.ArgumentParser):
-    """The runtime's choices (`RuntimeConfig`); unset, each falls back to its environment variable."""
-    g = p.add_argument_group("runtime")
-    g.add_argument("--kernels", choices=("auto", "xla", "pallas"), default=None,
-                   help="the Pallas kernels on GPUs (auto), nowhere (xla), or everywhere (pallas; "
-                        "interpreted on a CPU) (default: $JAXLLM_KERNELS, else auto)")
-    g.add_argument("--layer-scan", choices=("auto", "cond", "period"), default=None,
-                   help="how the layer scan reaches sliding and global layers (default: $JAXLLM_LAYER_SCAN, else auto)")
-
-
-def runtime_from(args):
-    """The `RuntimeConfig` the flags and the environment name (the flags win)."""
-    from jaxllm.config.runtime import RuntimeConfig
-    given = {"kernels": getattr(args, "kernels", None), "layer_scan": getattr(args, "layer_scan", None)}
-    return RuntimeConfig.from_env(**{k: v for k, v in given.items() if v is not None})
-
-
-def add_speculative_args(p: argparse.ArgumentParser):
-    g = p.add_argument_group("speculative decoding")
-    g.add_argument("--speculative", choices=("ngram", "draft"), default=None,
-                   help="draft tokens by n-gram lookup in the sequence itself, or with --draft-model-dir")
-    g.add_argument("--num-speculative-tokens", type=positive_int, default=4, help="tokens drafted a cycle")
-    g.add_argument("--draft-model-dir", default=None, help="a smaller model sharing the tokenizer")
-    add_max_batch_arg(g)
-
-
-def add_max_batch_arg(g):
-    g.add_argument("--speculative-max-batch", type=max_batch, default=4,
-                   help="speculate while at most this many rows decode, else decode plainly ('none': any)")
-
-
-def max_batch(s: str):
-    return None if s == "none" else positive_int(s)
 
 
 def load_engine(args, quiet: bool = False):
@@ -102,22 +44,12 @@ def load_engine(args, quiet: bool = False):
             bar.total = total
             bar.update(n - bar.n)
 
-    caught = []
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            eng = jaxllm.load(args.model_dir, max_ctx=args.max_ctx, quant=args.quant, kv_quant=args.kv_quant,
-                              tp=args.tp, dtype=args.dtype, progress=progress,
-                              speculative=getattr(args, "speculative", None),
-                              num_speculative_tokens=getattr(args, "num_speculative_tokens", 4),
-                              draft_model_dir=getattr(args, "draft_model_dir", None),
-                              speculative_max_batch=getattr(args, "speculative_max_batch", 4),
-                              runtime=runtime_from(args), compilation_cache=args.compilation_cache)
+        with warnings_as_lines():
+            eng = jaxllm.load(config=from_args(args), progress=progress)
     finally:
         if bar is not None:
             bar.close()
-        for w in caught:
-            sys.stderr.write(f"warning: {w.message}\n")
     args.load_s = time.perf_counter() - t0
     # on stderr, so --json output stays clean; always shown when the int8 long-context layout is used
     if eng.kv_layout.int8 or (not quiet and sys.stderr.isatty()):

@@ -11,16 +11,14 @@ import sys
 import time
 from pathlib import Path
 
+from jaxllm.config.engine import DTYPES, QUANTS, Parser, add_flags, from_args, settle
 from jaxllm.errors import JaxllmError, ModelError
-from jaxllm.harness.cli import Parser, positive_int
 from jaxllm.weights import locate
-
-DTYPES = ("bfloat16", "float32")        # the engine's (`engine.DTYPES`), named before JAX loads
 
 
 def check(model_dir, out, quant: str, dtype: str):
     """-> (the model's files, the new directory): refused before JAX loads where they cannot be."""
-    if quant not in ("int8", "none"):
+    if quant not in QUANTS:
         raise ModelError(f"quant must be 'int8' or 'none', got {quant!r}")
     if dtype not in DTYPES:
         raise ModelError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -40,7 +38,7 @@ def convert(model_dir, out, quant: str = "int8", dtype: str = "bfloat16", progre
     (a restore reshards to whatever mesh it is given)."""
     files, dst = check(model_dir, out, quant, dtype)
     from jaxllm.engine import engine
-    from jaxllm.engine.sharding import layout_for
+    from jaxllm.model.sharding import layout_for
     from jaxllm.weights import load_model
     from jaxllm.weights.saved import save_weights, write_source_files
     cfg, fam, weights, tok, _ = load_model(model_dir, engine.DTYPES[dtype], quant, progress, layout_for(tp))
@@ -53,15 +51,11 @@ def convert(model_dir, out, quant: str = "int8", dtype: str = "bfloat16", progre
 
 def main(argv=None) -> int:
     p = Parser(prog="python -m jaxllm.convert", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-dir", default=None, help="HF directory or .gguf file (default: the embedded model)")
     p.add_argument("--out", required=True, help="new directory to write")
-    p.add_argument("--quant", choices=("int8", "none"), default="int8")
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16",
-                   help="storage dtype of the weights that stay unquantized")
-    p.add_argument("--tp", type=positive_int, default=None,
-                   help="devices to spread the weights over while converting (default: all local)")
+    add_flags(p, ("model_dir", "quant", "dtype", "tp"))
     args = p.parse_args(argv)
     try:
+        settle(args, from_args(args))
         t = time.perf_counter()
         dst = convert(args.model_dir, args.out, args.quant, args.dtype, tp=args.tp)
         print(f"wrote {dst} ({args.quant}, {args.dtype}) in {time.perf_counter() - t:.1f} s")

@@ -4,10 +4,11 @@ from __future__ import annotations
 import json
 import sys
 
+from jaxllm.config.engine import Parser, from_args, positive_int
 from jaxllm.engine.request import check_sampling
 from jaxllm.errors import RequestError
 from jaxllm.harness import distributed
-from jaxllm.harness.cli import Parser, add_model_args, load_engine, one_line_errors, positive_int
+from jaxllm.harness.cli import add_engine_args, load_engine, one_line_errors
 from jaxllm.harness.perplexity import add_perplexity_args, check_perplexity_args, run_perplexity
 
 DEFAULT_PROMPT = "Write a haiku about the sea."
@@ -16,7 +17,7 @@ PROG = "jaxllm.infer"
 
 def build_parser() -> Parser:
     p = Parser(prog=PROG, description="Generate text with jaxllm.")
-    add_model_args(p)
+    add_engine_args(p)
     p.add_argument("--prompt", action="append", help="a prompt; repeat for a batch")
     p.add_argument("--prompt-file", help="read one prompt from a file")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per sequence")
@@ -57,6 +58,7 @@ def prompts_from(args) -> list[str]:
 def check_args(args):
     """Every flag, and the files they name, before JAX loads."""
     distributed.check_args(args)
+    from_args(args)
     if args.perplexity:
         check_perplexity_args(args)
     else:

@@ -44,9 +44,12 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxllm.config.engine import SPECULATION, add_flags, from_args, settle, to_flags
 from jaxllm.engine.shapes import Shapes
+from jaxllm.errors import JaxllmError
 from jaxllm.harness.bench import default_out, git_commit, int_list
 from jaxllm.harness.serve_clients import Load, run_level, spec_summary, thread_summary
+from jaxllm.serve.__main__ import add_scheduler_args, scheduler_flags
 
 
 def length_range(s: str) -> tuple[int, int]:
@@ -63,8 +66,7 @@ def length_range(s: str) -> tuple[int, int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jaxllm.bench --serve", description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--shape", help="serve random weights of this architecture (token-id prompts)")
-    src.add_argument("--model-dir", help="serve this model (default: the embedded one)")
+    add_flags(src, ("shape", "model_dir"))
     src.add_argument("--url", help="a running server to load instead (no fused-loop reference)")
     p.add_argument("--concurrency", type=int_list, default=[1, 16, 64], help="comma-separated client counts")
     p.add_argument("--prompt-len", type=length_range, default=(100, 100),
@@ -72,30 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=length_range, default=(128, 128), help="new tokens: N, or LO:HI")
     p.add_argument("--rounds", type=int, default=4, help="requests each client sends, one after another")
     p.add_argument("--vocab", type=int, default=None, help="prompt ids are drawn below this (default: the model's)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="server slots (default: the largest concurrency)")
-    p.add_argument("--max-model-len", type=int, default=None, help="default: prompt + output, rounded up")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--decode-steps", type=int, default=None)
-    p.add_argument("--tp", type=int, default=None)
-    p.add_argument("--quant", choices=("int8", "none"), default="int8")
-    p.add_argument("--kv-quant", choices=("auto", "int8", "none"), default="auto")
-    p.add_argument("--compilation-cache", default=None, help="passed to the server (a folder, or 'off')")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="passed to the server")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None, help="passed to the server")
-    p.add_argument("--kv-cache-memory", default=None, help="passed to the server")
-    p.add_argument("--block-size", type=int, default=None, help="passed to the server")
-    p.add_argument("--speculative", choices=("ngram", "draft"), default=None,
-                   help="the server speculates (the fused-loop reference stays plain decoding)")
-    p.add_argument("--num-speculative-tokens", type=int, default=None)
-    p.add_argument("--draft-model-dir", default=None)
-    p.add_argument("--speculative-max-batch", default=None)
     p.add_argument("--logprobs", type=int, default=None,
                    help="every request asks for this many top log-probabilities a token")
     p.add_argument("--json-fraction", type=float, default=0.0,
                    help="this fraction of the requests asks for a JSON object (response_format json_object)")
-    p.add_argument("--tokenizer", help="with --shape: a tokenizer directory for the server (structured "
-                   "output needs one)")
     p.add_argument("--long-prompt", type=int, default=None, metavar="N",
                    help="once every client is streaming, one more request with an N-token prompt (and "
                         "--long-output new tokens): its TTFT and the other streams' gaps while it prefills")
@@ -105,12 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=1, metavar="T",
                    help="each client holds a conversation of T requests, each carrying the earlier ones and "
                         "their answers (needs a server whose text is its token ids: --shape without --tokenizer)")
-    p.add_argument("--deterministic", action="store_true",
-                   help="passed to the server: answers that do not depend on what runs beside them")
     p.add_argument("--no-reference", action="store_true", help="skip the fused-loop figures")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON results path (default: a new file under the user's cache, "
                    "~/.cache/jaxllm/bench/)")
+    add_flags(p, SERVED, "the server's model (passed to it; --max-model-len by default: prompt + output, rounded up)",
+              first={"max_ctx": "--max-model-len"})
+    add_scheduler_args(p, defaults=False)       # passed on; --max-num-seqs by default the largest concurrency
+    add_flags(p, SPECULATION, "speculative decoding (the server's; the fused-loop reference stays plain decoding)")
     return p
 
 
@@ -125,19 +109,13 @@ def source_args(a) -> list[str]:
     return ["--shape", a.shape] if a.shape else ["--model-dir", a.model_dir] if a.model_dir else []
 
 
+SERVED = ("tokenizer", "dtype", "quant", "kv_quant", "max_ctx", "tp", "block_size", "compilation_cache")
+
+
 def server_args(a) -> list[str]:
-    src = source_args(a) + (["--tokenizer", a.tokenizer] if a.shape and a.tokenizer else [])
-    opt = {"--max-num-seqs": a.max_num_seqs, "--max-model-len": a.max_model_len, "--tp": a.tp,
-           "--max-num-batched-tokens": a.max_num_batched_tokens, "--decode-steps": a.decode_steps,
-           "--compilation-cache": a.compilation_cache, "--speculative": a.speculative,
-           "--num-speculative-tokens": a.num_speculative_tokens, "--draft-model-dir": a.draft_model_dir,
-           "--speculative-max-batch": a.speculative_max_batch, "--gpu-memory-utilization": a.gpu_memory_utilization,
-           "--kv-cache-memory": a.kv_cache_memory, "--block-size": a.block_size}
-    flags = [x for k, v in opt.items() if v is not None for x in (k, str(v))]
-    flags += [] if a.enable_prefix_caching else ["--no-enable-prefix-caching"]
-    flags += ["--deterministic"] if a.deterministic else []
-    return src + flags + ["--quant", a.quant, "--kv-quant", a.kv_quant, "--max-queue", str(4 * a.max_num_seqs),
-                          "--disable-uvicorn-access-log", "--log-level", "info"]
+    config = a.config.replace(max_ctx=a.max_ctx)
+    return (source_args(a) + to_flags(config, (*SERVED, *SPECULATION)) + scheduler_flags(a)
+            + ["--max-queue", str(4 * a.max_num_seqs), "--disable-uvicorn-access-log", "--log-level", "info"])
 
 
 class Server:
@@ -213,7 +191,7 @@ def piece_len(a) -> int:
     """The prompt tokens the server's prefill pieces take for a prompt of the mean length: the
     shortest piece that holds it, or pieces of the longest."""
     n = mean_len(a.prompt_len)
-    lengths = Shapes(budget=0, slots=1, max_piece=a.max_model_len, deterministic=a.deterministic).lengths()
+    lengths = Shapes(budget=0, slots=1, max_piece=a.max_ctx, deterministic=a.deterministic).lengths()
     return next((c for c in lengths if c >= n), -(-n // lengths[-1]) * lengths[-1])
 
 
@@ -288,6 +266,11 @@ def main(argv=None) -> int:
         raise SystemExit("--concurrency and --rounds must be >= 1 and --output-len >= 2")
     if not 0 <= a.json_fraction <= 1:
         raise SystemExit(f"--json-fraction must be in [0, 1], got {a.json_fraction}")
+    try:
+        a.config = from_args(a)
+    except JaxllmError as e:
+        raise SystemExit(f"error: {e}") from None
+    settle(a, a.config)
     a.max_num_seqs = a.max_num_seqs or max(a.concurrency) + (a.long_prompt is not None)
     if a.long_prompt is not None and (a.long_prompt < 1 or a.long_output < 1):
         raise SystemExit("--long-prompt and --long-output must be >= 1")
@@ -299,7 +282,7 @@ def main(argv=None) -> int:
         a.rounds = a.turns             # a client's requests are its conversation's turns
     turn = a.prompt_len[1] + a.output_len[1]
     longest = max(a.shared_prefix + a.turns * turn, (a.long_prompt or 0) + a.long_output)
-    a.max_model_len = a.max_model_len or -(-longest // 64) * 64
+    a.max_ctx = a.max_ctx or -(-longest // 64) * 64
     if a.vocab is None:
         if a.url:
             a.vocab = 1000
@@ -356,11 +339,12 @@ def main(argv=None) -> int:
            .isoformat(timespec="seconds"), "git_commit": git_commit(), "ready_s": ready,
            "compiled_s": compiled, "kv_pool": pool,
            "settings": {k: getattr(a, k) for k in ("prompt_len", "output_len", "rounds", "max_num_seqs",
-                                                   "max_model_len", "max_num_batched_tokens", "decode_steps",
+                                                   "max_num_batched_tokens", "decode_steps",
                                                    "tp", "quant", "kv_quant", "concurrency", "speculative",
                                                    "num_speculative_tokens", "draft_model_dir", "logprobs",
                                                    "json_fraction", "long_prompt", "long_output",
-                                                   "shared_prefix", "turns", "deterministic")} | {"fused_ctx": ctx},
+                                                   "shared_prefix", "turns", "deterministic")}
+           | {"max_model_len": a.max_ctx, "fused_ctx": ctx, "prefill_piece": piece_len(a)},
            "levels": [asdict(x) for x in levels]}
     if ref_rep is not None:
         rep.update(device=ref_rep["device"]["kind"], jax_version=ref_rep["jax_version"], fused_loop=ref_rep)

@@ -18,18 +18,18 @@ import numpy as np
 
 from jaxllm import ops
 from jaxllm.config.runtime import env
+from jaxllm.engine.build import build_engine
 from jaxllm.engine.engine import DTYPES
 from jaxllm.engine.sampling import SamplingParams
-from jaxllm.engine.sharding import layout_for
 from jaxllm.engine.slots import Pieces, Slots, State
 from jaxllm.engine.speculative import SpecSlots
 from jaxllm.errors import RequestError
 from jaxllm.harness import ceilings as ceil
 from jaxllm.harness.bench import git_commit, note, size_for
 from jaxllm.harness.roofline import nbytes, prefill_flops, step_cost
-from jaxllm.harness.synthetic import random_engine
 from jaxllm.kv.options import choose_layout
 from jaxllm.kv.paged import PagedCache, static_tables
+from jaxllm.model.sharding import layout_for
 from jaxllm.weights.random import random_like
 
 
@@ -62,25 +62,10 @@ class Point:
 def load_subject(a):
     """-> (engine, family, description) from --shape (random weights, on device) or --model-dir; the
     engine's KV policy is the run's (--kv-quant, --int8-rings, --rebuild-keys) for ctx + steps."""
-    from jaxllm.harness.cli import runtime_from
     from jaxllm.model.families import family_for
     length = a.ctx + a.steps
-    if a.shape:
-        eng = random_engine(a.shape, dtype=a.dtype, quant=a.quant, max_ctx=length, layout=a.layout,
-                            kv_quant=a.kv_quant, kv_options=a.kv_options, seed=a.seed, speculative=a.speculative,
-                            num_speculative_tokens=a.num_speculative_tokens, draft_shape=a.draft_shape,
-                            draft_model_dir=a.draft_model_dir, draft_always=a.draft_always,
-                            speculative_max_batch=a.speculative_max_batch, runtime=runtime_from(a),
-                            compilation_cache=a.compilation_cache)
-        subject = {"shape": a.shape}
-    else:
-        import jaxllm
-        eng = jaxllm.load(a.model_dir, quant=a.quant, dtype=a.dtype, max_ctx=length, tp=a.tp, kv_quant=a.kv_quant,
-                          kv_options=a.kv_options, speculative=a.speculative,
-                          num_speculative_tokens=a.num_speculative_tokens, draft_model_dir=a.draft_model_dir,
-                          speculative_max_batch=a.speculative_max_batch, runtime=runtime_from(a),
-                          compilation_cache=a.compilation_cache)
-        subject = {"model_dir": str(a.model_dir)}
+    eng = build_engine(a.config.replace(max_ctx=length, tp=a.tp))
+    subject = {"shape": a.shape} if a.shape else {"model_dir": str(a.model_dir)}
     cfg = eng.cfg
     if a.rebuild_keys and not any(cfg.attn[k].k_eq_v and cfg.attn[k].window is None for k in cfg.kinds_used):
         raise RequestError("--rebuild-keys applies to global layers whose V is their K (Gemma 4's k_eq_v); "
@@ -247,11 +232,10 @@ def report(a, eng, subject, ceilings, points) -> dict:
 def run(a) -> dict:
     """The sweep the checked flags ask for (`bench.check_args`), its progress on stderr as it
     goes; -> the report."""
-    from jaxllm.engine.speculative import check_args as check_speculative
-    if a.tp > len(jax.devices()):
+    if a.tp is not None and a.tp > len(jax.devices()):
         raise RequestError(f"--tp {a.tp}: there are {len(jax.devices())} devices")
-    check_speculative(a.speculative, a.num_speculative_tokens, a.draft_shape or a.draft_model_dir)
     a.layout = layout_for(a.tp)
+    a.tp = a.layout.tp
     size_for(a, a.layout.platform)
     if a.int8_rings and not choose_layout(a.kv_quant, a.ctx + a.steps, a.kv_options).int8:
         raise RequestError("--int8-rings needs int8 global layers: add --kv-quant int8")

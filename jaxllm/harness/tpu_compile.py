@@ -15,7 +15,6 @@ memory-bound, so that is the roofline a real run is measured against. Needs `pip
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -26,16 +25,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm import ops
+from jaxllm.config.engine import Parser, add_flags, from_args, settle
+from jaxllm.config.kv import KVOptions
 from jaxllm.config.runtime import RuntimeConfig, set_default
 from jaxllm.engine import core
 from jaxllm.engine.sampling import SamplingParams
-from jaxllm.engine.sharding import Layout, check_divisible, scale_shape_axes
 from jaxllm.engine.slots import Pieces, Slots, State
 from jaxllm.errors import JaxllmError, ModelError
-from jaxllm.kv.options import KVOptions, choose_layout
+from jaxllm.kv.options import choose_layout
 from jaxllm.kv.paged import PagedCache, kind_specs, make_pools
 from jaxllm.kv.plan import PoolPlan
 from jaxllm.model.params import map_specs
+from jaxllm.model.sharding import Layout, check_divisible, scale_shape_axes
 from jaxllm.quant import QuantArray
 
 # HBM bandwidth per chip, bytes/s, and memory per chip, by topology generation.
@@ -51,7 +52,7 @@ KERNEL_CALL = 'custom_call_target="tpu_custom_call"'      # a Pallas (Mosaic) ke
 set_default("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
-def topology_mesh(topology: str, tp: int, dp: int = 1) -> Layout:
+def topology_mesh(topology: str, tp: int | None, dp: int = 1) -> Layout:
     from jax.experimental import topologies
     try:
         topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
@@ -60,6 +61,7 @@ def topology_mesh(topology: str, tp: int, dp: int = 1) -> Layout:
         raise ModelError(f"cannot describe TPU topology {topology!r} ({first}); "
                          f"is libtpu installed (pip install \"jax[tpu]\")?") from None
     devices = list(topo.devices)
+    tp = tp or max(1, len(devices) // dp)
     if tp * dp != len(devices):
         raise ModelError(f"--tp {tp} x --dp {dp} must use all {len(devices)} chips of {topology}")
     from jax.sharding import Mesh
@@ -150,20 +152,22 @@ def cost(compiled) -> dict:
     return {"flops": float(c.get("flops", 0.0)), "bytes_accessed": float(c.get("bytes accessed", 0.0))}
 
 
-def compile_shape(shape: str, tp: int = 4, dp: int = 1, max_ctx: int = 2048, batch: int = 1,
+def compile_shape(shape: str, tp: int | None = None, dp: int = 1, max_ctx: int | None = None, batch: int = 1,
                   prompt_len: int | None = None, topology: str = "v6e:2x2", quant: str = "int8",
                   n_out: int = 128, programs=PROGRAMS, kv_quant: str = "auto", pieces: int = 4,
                   chunk: int = 512) -> dict:
     """Compile the core's prefill of a batch of prompt_len-token prompts, a server's mixed prefill
     chunk (`pieces` pieces of `chunk` tokens, each of any slot at any position: 4 x 512 is a TPU
     server's default budget of 2048 tokens a forward) and its decode loop of n_out steps (or the
-    named `programs`) for the named architecture; per-device memory and cost of each."""
+    named `programs`) for the named architecture; per-device memory and cost of each. `tp` None:
+    every chip of the topology over `dp`; `max_ctx` None: the model's default (`EngineConfig`)."""
     programs = tuple(programs)
     if not programs or set(programs) - set(PROGRAMS):
         raise ModelError(f"programs must be among {', '.join(PROGRAMS)}")
     from jaxllm.model.presets import load_preset
     cfg, family = load_preset(shape)
     layout = topology_mesh(topology, tp, dp)
+    tp, max_ctx = layout.tp, max_ctx or cfg.default_ctx
     dtype = jnp.bfloat16
     prompt_len = prompt_len or max_ctx // 2
     if not 0 < prompt_len < max_ctx:
@@ -236,24 +240,21 @@ def format_report(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jaxllm.harness.tpu_compile", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", required=True, help="architecture preset, e.g. qwen3-32b, gemma4-31b")
-    p.add_argument("--tp", type=int, default=4)
-    p.add_argument("--dp", type=int, default=1)
-    p.add_argument("--max-ctx", type=int, default=2048)
+    p = Parser(prog="python -m jaxllm.harness.tpu_compile", description=__doc__.split("\n\n")[0])
+    add_flags(p, ("shape", "tp", "dp", "max_ctx", "quant", "kv_quant"))
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=None, help="prefill length (default max_ctx/2)")
     p.add_argument("--pieces", type=int, default=4, help="pieces of the mixed prefill chunk")
     p.add_argument("--chunk", type=int, default=512, help="tokens a piece of the mixed prefill chunk")
     p.add_argument("--topology", default="v6e:2x2")
-    p.add_argument("--quant", choices=("int8", "none"), default="int8")
-    p.add_argument("--kv-quant", choices=("auto", "int8", "none"), default="auto",
-                   help="KV-cache format, as in jaxllm.infer (auto: int8 global layers above 32K)")
     p.add_argument("--programs", default=",".join(PROGRAMS),
                    help="comma-separated subset of " + ",".join(PROGRAMS))
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = p.parse_args(argv)
     try:
+        if args.shape is None:
+            raise ModelError("--shape names the architecture to compile")
+        settle(args, from_args(args))
         r = compile_shape(args.shape, args.tp, args.dp, args.max_ctx, args.batch, args.prompt_len,
                           args.topology, args.quant, programs=[x for x in args.programs.split(",") if x],
                           kv_quant=args.kv_quant, pieces=args.pieces, chunk=args.chunk)

@@ -29,10 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm import pytree
+from jaxllm.config.kv import KVOptions
 from jaxllm.config.model import KIND_NAMES, ModelConfig
 from jaxllm.errors import ModelError
 from jaxllm.kv.blockwise import blockwise_attend, dequantize_kv, quantize_kv, to_store
-from jaxllm.kv.options import KVLayout, KVOptions
+from jaxllm.kv.options import KVLayout
 from jaxllm.ops.xla import KeysFromValues, apply_rope, rms_norm
 
 NULL_BLOCK = 0

@@ -159,7 +159,7 @@ class KeysFromValues:
 # -- the backend -------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class XlaOps:
-    """The operations the model calls, in XLA. `layout` is the `engine.sharding.Layout` whose mesh
+    """The operations the model calls, in XLA. `layout` is the `model.sharding.Layout` whose mesh
     what is traced runs on (None: one device). The GPU backend (`ops.gpu.backend.PallasOps`)
     subclasses this and overrides what its kernels do faster; everything else is this."""
     runtime: RuntimeConfig = RuntimeConfig()

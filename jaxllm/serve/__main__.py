@@ -10,8 +10,9 @@ import sys
 import time
 from pathlib import Path
 
+from jaxllm.config.engine import RUNTIME, SPECULATION, Parser, add_flags, from_args, settle
 from jaxllm.config.runtime import env
-from jaxllm.errors import JaxllmError, ModelError
+from jaxllm.errors import JaxllmError, ModelError, warnings_as_lines
 
 STARTED = time.monotonic()
 KEEP_ALIVE_S = 30.0     # seconds an idle HTTP connection stays open
@@ -56,44 +57,63 @@ def size(s):
     return v
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    from jaxllm.harness.cli import Parser
-    p = Parser(prog="python -m jaxllm.serve", description=__doc__)
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--model-dir", help="HF model directory or .gguf file (default: the embedded model)")
-    src.add_argument("--shape", help="serve random weights of a named architecture (e.g. qwen3-4b), for "
-                     "benchmarks: prompts as token ids, text as the generated ids")
-    p.add_argument("--tokenizer", help="with --shape: the directory of a tokenizer.json to serve text with")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=port, default=8000)
-    p.add_argument("--served-model-name", help="model id clients send (default: the model's name)")
-    p.add_argument("--max-num-seqs", type=positive(), default=8, help="decode slots (requests run together)")
-    p.add_argument("--max-model-len", type=positive(), help="the longest sequence: prompt + max_tokens "
-                   "(default: the model's maximum, capped at 8192); above 32768 global layers keep int8 KV")
-    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
+SCHEDULER_DEFAULTS = {"max_num_seqs": 8, "gpu_memory_utilization": 0.9, "enable_prefix_caching": True,
+                      "deterministic": False, "decode_steps": 8}
+
+
+def add_scheduler_args(p: argparse.ArgumentParser, defaults: bool = True) -> None:
+    """The flags of the engine's scheduler and KV pool; without `defaults` each is None unless
+    given (the serving bench passes on only what its user gave)."""
+    d = SCHEDULER_DEFAULTS if defaults else dict.fromkeys(SCHEDULER_DEFAULTS)
+    g = p.add_argument_group("scheduler and KV pool")
+    g.add_argument("--max-num-seqs", type=positive(), default=d["max_num_seqs"],
+                   help="decode slots (requests run together) (default 8)")
+    g.add_argument("--gpu-memory-utilization", type=fraction, default=d["gpu_memory_utilization"],
                    help="fraction of the memory the device's allocator may use that the server fills, weights "
                         "and the KV pool included (default 0.9); on a CPU the pool holds every slot at "
                         "--max-model-len unless --kv-cache-memory says otherwise")
-    p.add_argument("--kv-cache-memory", type=size, default=None,
+    g.add_argument("--kv-cache-memory", type=size, default=None,
                    help="bytes of the KV pool (e.g. 20GiB), instead of --gpu-memory-utilization")
-    p.add_argument("--block-size", type=positive(), default=None,
-                   help="positions a KV block holds (a power of two, default 64): the unit of allocation "
-                        "and of prefix reuse")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d["enable_prefix_caching"],
                    help="reuse the KV blocks of prompts' common prefixes across requests (default on)")
-    p.add_argument("--deterministic", action="store_true",
+    g.add_argument("--deterministic", action="store_true", default=d["deterministic"],
                    help="a request's answer (greedy, or sampled with its seed) is the same whatever runs beside "
                         "it: one prefill shape (prompts cut every 256 tokens), decode blocks over every slot, "
                         "no prefix caching, no preemption, no speculation (slower: docs/server.md)")
-    p.add_argument("--max-num-batched-tokens", type=positive(), default=None,
+    g.add_argument("--max-num-batched-tokens", type=positive(), default=None,
                    help="prompt tokens one prefill forward takes; longer prompts go in chunks of it "
                         "(default: 8192 on a GPU whose allocator may hold 40 GiB or more, else 2048)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--quant", choices=["int8", "none"], default="int8", help="weight format on device")
-    p.add_argument("--kv-quant", choices=["auto", "int8", "none"], default="auto",
-                   help="KV format: auto = compute dtype up to 32K positions, int8 global layers above")
-    p.add_argument("--tp", type=positive(), default=None,
-                   help="tensor-parallel degree over local devices (default: all of them)")
+    g.add_argument("--decode-steps", type=positive(), default=d["decode_steps"],
+                   help="decode steps per host round trip (more: higher throughput, later admission) (default 8)")
+
+
+def scheduler_flags(args: argparse.Namespace) -> list[str]:
+    """The command line of the scheduler flags `args` holds a value for (`add_scheduler_args`)."""
+    out = []
+    for name in (*SCHEDULER_DEFAULTS, "kv_cache_memory", "max_num_batched_tokens"):
+        v = getattr(args, name, None)
+        flag = "--" + name.replace("_", "-")
+        if v is None:
+            continue
+        if name == "enable_prefix_caching":
+            out += [] if v else ["--no-enable-prefix-caching"]
+        elif isinstance(v, bool):
+            out += [flag] if v else []
+        else:
+            out += [flag, str(v)]
+    return out
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = Parser(prog="python -m jaxllm.serve", description=__doc__)
+    src = p.add_mutually_exclusive_group()
+    add_flags(src, ("model_dir", "shape"))
+    add_flags(p, ("tokenizer", "dtype", "quant", "kv_quant", "max_ctx", "tp", "block_size", "compilation_cache"),
+              "model", first={"max_ctx": "--max-model-len"})
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=port, default=8000)
+    p.add_argument("--served-model-name", help="model id clients send (default: the model's name)")
     p.add_argument("--api-key", default=env("JAXLLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (or set JAXLLM_API_KEY)")
     p.add_argument("--max-queue", type=positive(), default=64,
@@ -104,8 +124,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=seconds, default=600.0,
                    help="seconds a request may take, queueing included; 0 = no limit")
     p.add_argument("--max-request-bytes", type=positive(), default=4 << 20, help="request body size limit")
-    p.add_argument("--decode-steps", type=positive(), default=8,
-                   help="decode steps per host round trip (more: higher throughput, later admission)")
     p.add_argument("--shutdown-timeout", type=seconds, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish before ending them with a 503")
     p.add_argument("--body-timeout", type=seconds, default=30.0,
@@ -119,34 +137,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-warmup", action="store_true", help="skip compiling before reporting ready")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    from jaxllm.engine.compilation_cache import add_flag
-    from jaxllm.harness.cli import add_runtime_args, add_speculative_args
-    add_flag(p)
-    add_runtime_args(p)
-    add_speculative_args(p)
+    add_scheduler_args(p)
+    add_flags(p, SPECULATION, "speculative decoding")
+    add_flags(p, RUNTIME, "runtime")
     args = p.parse_args(argv)
-    if args.tokenizer and not args.shape:
-        p.error("--tokenizer goes with --shape (a model directory brings its own)")
+    try:
+        args.config = from_args(args)
+    except JaxllmError as e:
+        p.error(str(e))
+    settle(args, args.config)
     if args.deterministic and args.speculative:
         p.error("--deterministic does not go with --speculative (drafts and verify cycles depend on the load)")
     return args
 
 
 def check_model(args) -> None:
-    """The model (a preset or a model path) and its limits, from its config alone: JAX loads for
-    the family's mapping, no weight is read."""
-    if args.shape:
-        from jaxllm.model.presets import load_preset, read
-        read(args.shape)                            # an unknown name is refused before JAX loads
-        if args.tokenizer and not Path(args.tokenizer).expanduser().is_dir():
-            raise ModelError(f"--tokenizer {args.tokenizer}: no such directory")
-        cfg = load_preset(args.shape)[0]
+    """The model (a preset or a model path) from its config alone (JAX loads for the family's
+    mapping, no weight is read): an unknown name or path is refused before the weights load."""
+    c = args.config
+    if c.shape:
+        from jaxllm.model.presets import read
+        read(c.shape)                            # an unknown name is refused before JAX loads
+        if c.tokenizer and not Path(c.tokenizer).expanduser().is_dir():
+            raise ModelError(f"--tokenizer {c.tokenizer}: no such directory")
     else:
         from jaxllm.weights import read_config
-        cfg = read_config(args.model_dir)
-    if args.max_model_len is not None and args.max_model_len > cfg.max_position:
-        raise ModelError(f"--max-model-len {args.max_model_len} exceeds the model's maximum of "
-                         f"{cfg.max_position} positions")
+        read_config(c.model_dir)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -176,30 +192,12 @@ def main(argv=None) -> int:
     sys.setswitchinterval(0.0005)
     import jaxllm
     from jaxllm.engine.compilation_cache import resolve
-    from jaxllm.harness.cli import runtime_from
 
     log = logging.getLogger("jaxllm.serve")
-    log.info("compilation cache: %s", resolve(args.compilation_cache) or "off")
+    log.info("compilation cache: %s", resolve(args.config.compilation_cache) or "off")
     try:
-        kv_options = jaxllm.KVOptions(**({} if args.block_size is None else {"block_size": args.block_size}))
-        if args.shape:
-            from jaxllm.engine.sharding import layout_for
-            from jaxllm.harness.synthetic import random_engine
-            engine = random_engine(args.shape, dtype=args.dtype, quant=args.quant, max_ctx=args.max_model_len or 8192,
-                                   layout=layout_for(args.tp), kv_quant=args.kv_quant, kv_options=kv_options,
-                                   speculative=args.speculative,
-                                   num_speculative_tokens=args.num_speculative_tokens,
-                                   draft_model_dir=args.draft_model_dir,
-                                   speculative_max_batch=args.speculative_max_batch,
-                                   tokenizer=args.tokenizer, runtime=runtime_from(args),
-                                   compilation_cache=args.compilation_cache)
-        else:
-            engine = jaxllm.load(args.model_dir, max_ctx=args.max_model_len, quant=args.quant, dtype=args.dtype,
-                                 kv_quant=args.kv_quant, kv_options=kv_options, tp=args.tp,
-                                 speculative=args.speculative,
-                                 num_speculative_tokens=args.num_speculative_tokens,
-                                 draft_model_dir=args.draft_model_dir, speculative_max_batch=args.speculative_max_batch,
-                                 runtime=runtime_from(args), compilation_cache=args.compilation_cache)
+        with warnings_as_lines():
+            engine = jaxllm.load(config=args.config)
     except JaxllmError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -115,7 +115,7 @@ def _quiet_late_reads():
 
 def load_saved(d: Path, dtype, quant: str, layout=None):
     """(config, family, weights, tokenizer) of a saved directory."""
-    from jaxllm.engine.sharding import single_device_layout
+    from jaxllm.model.sharding import single_device_layout
     from jaxllm.weights import read_dir
     cfg, family, tok = read_dir(d)
     weights = restore_weights(d, cfg, family, quant, dtype, layout or single_device_layout())
@@ -127,7 +127,7 @@ def restore_weights(d: Path, cfg, family, quant: str, dtype, layout):
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
 
-    from jaxllm.engine.sharding import check_divisible, scale_shape_axes
+    from jaxllm.model.sharding import check_divisible, scale_shape_axes
     from jaxllm.weights.weights import is_quantized
     meta = read_meta(d)
     if meta.get("quant") != quant:

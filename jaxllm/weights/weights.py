@@ -14,9 +14,9 @@ import ml_dtypes
 import numpy as np
 
 from jaxllm.config.model import ModelConfig
-from jaxllm.engine.sharding import scale_shape_axes
 from jaxllm.errors import ModelError
 from jaxllm.model.params import ParamSpec, is_spec
+from jaxllm.model.sharding import scale_shape_axes
 from jaxllm.quant import QuantArray, quantize_np, quantize_rows_np
 from jaxllm.weights.place import convert_layer, from_host, place_stacked, rows_to_host
 
@@ -128,7 +128,7 @@ def build_weights(cfg: ModelConfig, family, source, dtype, quant: str = "none",
                   progress: Callable[[int, int], None] | None = None, layout=None) -> dict:
     """Fill the family's abstract weights from `source` (safetensors or dequantized GGUF), placed
     on the devices of `layout` (default: the first device)."""
-    from jaxllm.engine.sharding import check_divisible, single_device_layout
+    from jaxllm.model.sharding import check_divisible, single_device_layout
     layout = layout or single_device_layout()
     tree = family.abstract(cfg)
     check_divisible(layout, tree)

@@ -59,7 +59,7 @@ def test_tp_not_dividing_query_heads_is_one_line(sharded):
 def test_rules_replicate_or_refuse():
     from jax.sharding import AbstractMesh
 
-    from jaxllm.engine.sharding import Layout
+    from jaxllm.model.sharding import Layout
     lay = Layout(AbstractMesh((2, 4), ("data", "model")))
     assert tuple(lay.spec((8, 64, 2, 16), ("layers", "embed", "kv_heads", "head_dim"))) == (None,) * 4
     assert tuple(lay.spec((8, 64, 8, 16), ("layers", "embed", "q_heads", "head_dim"))) == (None, None, "model", None)

@@ -287,10 +287,13 @@ def test_serving_bench_on_a_tiny_shape(tmp_path):
         assert lv["failed"] == 0 and lv["requests"] == 2 * lv["concurrency"]
         assert lv["output_tokens"] == 6 * lv["requests"] and lv["fused_tok_s"] > 0
         assert lv["ttft_ms"]["p50"] > 0 and 0 < lv["ratio"]
-        # the bound: the loop's steps and one forward of the level's prompts (of the mean length, 8) a round
+        # the bound: the loop's steps and one forward of the level's prompts a round, in the server's
+        # pieces (a prompt of the mean length, 8, takes a piece of 128) and packed to their length
         loop = {p["batch"]: p for p in rep["fused_loop"]["points"]}[lv["concurrency"]]
-        step = loop["ms_per_step"]
-        assert lv["bound"] == pytest.approx(6 * step / (loop["ttft_ms"]["8"] + 5 * step)) and lv["bound"] > 0
+        step, piece = loop["ms_per_step"], rep["settings"]["prefill_piece"]
+        assert piece == 128
+        assert lv["bound"] == pytest.approx(6 * step / (loop["ttft_ms"]["128"] + 5 * step)) and lv["bound"] > 0
+        assert lv["bound_packed"] == pytest.approx(6 * step / (loop["ttft_ms"]["8"] + 5 * step))
         lp = lv["long_prompt"]
         assert lp["tokens"] == 3 and lp["ttft_ms"] > 0 and lp["prompt_tokens"] == 90
         plain = lv["plain"]

@@ -165,12 +165,12 @@ def test_bad_flags_are_refused_before_jax_loads(module, flags, needle, tmp_path)
     ("jaxllm.infer", ["--raw-prompt", "--prompt", "The capital of France is", "--max-tokens", "10000000"],
      ["max_tokens 10000000", "max_ctx 8192"]),
     ("jaxllm.infer", ["--model-dir", "GOOD", "--max-ctx", "16", "--max-tokens", "16"], ["max_tokens 16", "max_ctx 16"]),
-    ("jaxllm.serve", ["--model-dir", "GOOD", "--max-model-len", "1000"], ["--max-model-len 1000", "512"]),
 ])
 def test_limits_of_the_model_are_checked_before_any_weight_is_read(module, flags, needle, good, tmp_path):
     """New tokens that cannot fit the context (the embedded model's default of 8192, or --max-ctx)
-    and a server's --max-model-len past the model's maximum are refused from the model's config
-    alone: its weights are never read, and nothing lands in the cache."""
+    are refused from the model's config alone: its weights are never read, and nothing lands in
+    the cache. (A context past the model's trained length is a warning in every front end:
+    tests/kv/test_long_context.py.)"""
     flags = [str(good) if f == "GOOD" else f for f in flags]
     r = front_end(module, *flags, prelude=NO_WEIGHTS, cache=tmp_path / "cache")
     assert "a weight was read" not in r.stderr

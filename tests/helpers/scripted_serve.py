@@ -18,7 +18,7 @@ def main(model_dir: str, step_s: float, flags: list[str]) -> int:
     args = parse_args(["--model-dir", model_dir, "--quant", "none", "--dtype", "float32", *flags])
     sock = bind(args.host, args.port)
     setup_logging(args)
-    engine = jaxllm.load(model_dir, quant="none", dtype="float32", max_ctx=args.max_model_len)
+    engine = jaxllm.load(config=args.config)
     if step_s > 0:
         answer = engine.tokenizer.encode("word " * 400)
         engine = tiny_chat.ScriptedEngine(engine, lambda ids: answer, step_s=step_s)

@@ -12,12 +12,13 @@ import pytest
 from kv_tiny_models import gemma4_31b, gemma4_e2b, random_weights, tiny_gemma3, tiny_gemma4_like
 
 import jaxllm
+from jaxllm.config.kv import KVOptions
 from jaxllm.engine.engine import Engine
 from jaxllm.engine.host import pad_rows
 from jaxllm.engine.perplexity import perplexity_ids
 from jaxllm.engine.slots import Pieces
 from jaxllm.errors import ModelError, RequestError
-from jaxllm.kv.options import KVLayout, KVOptions
+from jaxllm.kv.options import KVLayout
 from jaxllm.kv.paged import kind_specs
 from jaxllm.kv.plan import PoolPlan, check_fits
 
@@ -259,17 +260,20 @@ def test_kv_options_and_context_checks():
         assert not Engine(cfg, w, None, dtype="float32", max_ctx=64, kv_options=SPLIT).kv_layout.int8
 
 
-def test_cli_refuses_a_cache_that_cannot_fit(tmp_path):
+@pytest.mark.parametrize("front_end,flag", [("jaxllm.infer", "--max-ctx"), ("jaxllm.serve", "--max-model-len")])
+def test_front_ends_warn_past_the_trained_context_and_refuse_a_cache_that_cannot_fit(front_end, flag, tmp_path):
+    """One rule in every front end: a context past the model's trained length is a warning, and a
+    KV cache the device cannot hold a one-line error."""
     import tiny
     tiny.make("gemma3", tmp_path)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    r = subprocess.run([sys.executable, "-m", "jaxllm.infer", "--model-dir", str(tmp_path), "--max-ctx",
+    r = subprocess.run([sys.executable, "-m", front_end, "--model-dir", str(tmp_path), flag,
                         str(10 ** 12), "--kv-quant", "none", "--quant", "none"], capture_output=True, text=True,
                        timeout=300, cwd=root, env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root})
-    err = r.stderr.strip().splitlines()
+    err = [line for line in r.stderr.strip().splitlines() if not line.startswith("INFO")]
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-    assert err[0].startswith("warning: max_ctx 1000000000000 is beyond the model's trained context of 512")
-    assert err[-1].startswith("jaxllm.infer: error: the KV cache for 1 x 1,000,000,000,000 tokens needs"), err
+    assert err[0].startswith("warning: max_ctx 1000000000000 is beyond the model's trained context of 512"), err
+    assert "error: the KV cache for 1 x 1,000,000,000,000 tokens needs" in err[-1], err
 
 
 # -- the embedded Gemma 3 270M ----------------------------------------------------------------------

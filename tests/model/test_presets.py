@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
+import jaxllm
 from jaxllm import ModelError
 from jaxllm.config.model import GLOBAL, SLIDING
-from jaxllm.harness.synthetic import random_engine
 from jaxllm.model.params import is_spec
 from jaxllm.model.presets import load_preset, names
 
@@ -75,7 +75,8 @@ SHRINK = dict(hidden_size=64, intermediate_size=64, num_attention_heads=2, num_k
 
 
 def test_random_int8_engine_runs_shrunk_moe_preset():
-    eng = random_engine("gemma4-26b-a4b", dtype="float32", quant="int8", max_ctx=64, num_hidden_layers=6, **SHRINK)
+    eng = jaxllm.load(shape="gemma4-26b-a4b", dtype="float32", quant="int8", max_ctx=64,
+                      shape_overrides={"num_hidden_layers": 6, **SHRINK})
     experts = eng.weights["layers"]["sliding"]["experts_gate_up"]
     assert experts.q.dtype == np.int8 and experts.q.shape == (5, 8, 64, 2, 16)
     assert experts.scale.shape == (5, 8, 2, 16)           # per layer, expert and output channel

@@ -13,8 +13,8 @@ import tiny
 
 import jaxllm
 from jaxllm import RuntimeConfig, ops
+from jaxllm.config.kv import KVOptions
 from jaxllm.errors import ModelError
-from jaxllm.kv.options import KVOptions
 from jaxllm.ops import gpu as kernels
 from jaxllm.ops.gpu import matmul
 from jaxllm.ops.gpu.backend import PallasOps

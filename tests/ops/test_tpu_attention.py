@@ -120,7 +120,7 @@ sys.path.insert(0, sys.argv[1])
 import jax, jax.numpy as jnp
 from jaxllm.config.axes import cache_leaf_axes
 from jaxllm.config.runtime import RuntimeConfig
-from jaxllm.engine.sharding import layout_for
+from jaxllm.model.sharding import layout_for
 from jaxllm.ops import tpu
 from jaxllm.ops.tpu.backend import TpuOps
 from test_tpu_attention import SCALE, make_case, reference

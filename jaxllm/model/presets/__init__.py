@@ -1,6 +1,6 @@
 """Shape presets: the config.json of real checkpoints, shipped in the package, so that a named
 architecture (`gemma4-31b`, `qwen3-4b`, ...) or any config.json path can be built with random
-weights on a machine that has no checkpoint (`harness.synthetic.random_engine`): benchmarks,
+weights on a machine that has no checkpoint (`jaxllm.load(shape=...)`): benchmarks,
 memory planning, compile checks."""
 from __future__ import annotations
 

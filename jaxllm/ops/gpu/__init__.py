@@ -26,7 +26,7 @@ log = logging.getLogger("jaxllm.kernels")
 
 @dataclass(frozen=True)
 class Scope:
-    layout: object = None            # the `engine.sharding.Layout` traced for (None: one device)
+    layout: object = None            # the `model.sharding.Layout` traced for (None: one device)
     widen: str | None = None         # `RuntimeConfig.int8_widen`
 
 
