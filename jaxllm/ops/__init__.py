@@ -41,10 +41,10 @@ def uses_kernels(runtime: RuntimeConfig, layout=None) -> bool:
 
 
 def select(runtime: RuntimeConfig | None = None, layout=None) -> XlaOps:
-    """The backend for `layout` under `runtime` (None: `RuntimeConfig.from_env()`): on TPUs the
+    """The backend for `layout` under `runtime` (None: the defaults, `RuntimeConfig()`): on TPUs the
     TPU kernels unless `kernels="xla"`, on GPUs the GPU kernels where `uses_kernels`, on one CPU
     device under `kernels="auto"` XLA with the CPU's output head (`ops.cpu`), else XLA."""
-    runtime = RuntimeConfig.from_env() if runtime is None else runtime
+    runtime = RuntimeConfig() if runtime is None else runtime
     if runtime.kernels != "xla" and _platform(layout) == "tpu":
         from jaxllm.ops.tpu.backend import TpuOps
         return TpuOps(runtime, layout)
