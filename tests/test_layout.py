@@ -72,13 +72,27 @@ def test_a_model_on_the_xla_backend_loads_no_kernels(kernels, tmp_path):
 
 
 def test_import_layers_hold():
-    """The import-linter contracts in pyproject.toml: serve over harness over weights over engine
-    over model over kv over ops over the base, and the GPU kernels reached only through ops.select."""
+    """The import-linter contracts in pyproject.toml: the command lines and benches over serve over
+    the engine over weights over model over kv over ops over the base, and the GPU kernels reached
+    only through ops.select."""
     r = subprocess.run([sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
                         "sys.exit(lint_imports_command())"], cwd=ROOT, capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": ROOT})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert "0 broken" in r.stdout
+
+
+def test_no_module_imports_itself_through_others():
+    """No import cycle, counting the imports inside functions."""
+    import grimp
+    g = grimp.build_graph("jaxllm")
+    cycles = []
+    for m in sorted(g.modules):
+        for d in g.find_modules_directly_imported_by(m):
+            chain = g.find_shortest_chain(importer=d, imported=m)
+            if chain:
+                cycles.append((m, *chain))
+    assert cycles == []
 
 
 def test_ruff_is_clean():

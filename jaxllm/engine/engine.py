@@ -5,7 +5,7 @@ import dataclasses
 import logging
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -20,6 +20,7 @@ from jaxllm.config.runtime import RuntimeConfig
 from jaxllm.engine import compilation_cache, core
 from jaxllm.engine.compilation_cache import Compiles, enable, executables_folder
 from jaxllm.engine.host import EngineCore, bucket, pad_rows
+from jaxllm.engine.outputs import Completion, token_logprobs
 from jaxllm.engine.perplexity import perplexity
 from jaxllm.engine.request import Request, check_sampling, nth_seed
 from jaxllm.engine.sampling import (
@@ -40,24 +41,6 @@ from jaxllm.model.sharding import single_device_layout
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 log = logging.getLogger("jaxllm")
-
-
-@dataclass
-class Completion:
-    text: str
-    token_ids: list[int]
-    finish_reason: str                 # "stop" (EOS, a stop token id or a stop string) | "length"
-    prompt_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None     # one per token of token_ids, when asked for
-
-
-@dataclass
-class TokenLogprob:
-    """A token's log-probability under the model (log_softmax of its raw logits, before temperature
-    and top-k/top-p) and the `logprobs` most likely tokens at that position, most likely first."""
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -86,14 +69,6 @@ def check_logprobs(logprobs) -> int:
     if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_LOGPROBS:
         raise RequestError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {logprobs!r}")
     return MAX_LOGPROBS                  # one compiled variant for every count; rows take what they asked
-
-
-def token_logprobs(lp, row: int, ids: list[int], top: int) -> list[TokenLogprob]:
-    """Tokens `ids` of row `row` of host LogProbs [B, S], with `top` alternatives each."""
-    return [TokenLogprob(t, float(lp.token[row, i]),
-                         [(a, v) for a, v in zip(lp.top_ids[row, i, :top].tolist(), lp.top[row, i, :top].tolist())
-                          if v != float("-inf")])
-            for i, t in enumerate(ids)]
 
 
 def check_seed(seed) -> int:

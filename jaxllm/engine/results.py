@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from jaxllm.engine.engine import TokenLogprob, token_logprobs
 from jaxllm.engine.jobs import Delta, Failed, Finished, Job, Prompt
+from jaxllm.engine.outputs import TokenLogprob, token_logprobs
 
 log = logging.getLogger("jaxllm.engine")
 

@@ -25,7 +25,7 @@ from jaxllm.engine.slots import Pieces, Slots, State
 from jaxllm.engine.speculative import SpecSlots
 from jaxllm.errors import RequestError
 from jaxllm.harness import ceilings as ceil
-from jaxllm.harness.bench import git_commit, note, size_for
+from jaxllm.harness.records import git_commit, note, size_for
 from jaxllm.harness.roofline import nbytes, prefill_flops, step_cost
 from jaxllm.kv.options import choose_layout
 from jaxllm.kv.paged import PagedCache, static_tables

@@ -23,7 +23,7 @@ import jax
 from jaxllm.errors import ModelError
 from jaxllm.model.params import map_specs
 from jaxllm.quant import QuantArray
-from jaxllm.weights import SAVED_META as META
+from jaxllm.weights.files import SAVED_META as META
 
 WEIGHTS = "weights"
 VERSION = 1
@@ -116,7 +116,7 @@ def _quiet_late_reads():
 def load_saved(d: Path, dtype, quant: str, layout=None):
     """(config, family, weights, tokenizer) of a saved directory."""
     from jaxllm.model.sharding import single_device_layout
-    from jaxllm.weights import read_dir
+    from jaxllm.weights.files import read_dir
     cfg, family, tok = read_dir(d)
     weights = restore_weights(d, cfg, family, quant, dtype, layout or single_device_layout())
     return cfg, family, weights, tok

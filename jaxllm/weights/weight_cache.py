@@ -185,7 +185,7 @@ def read(entry: Entry, dtype, layout):
     """(config, family, weights, tokenizer) from the entry, or None when there is none. A damaged
     entry is deleted, with one warning, and None returned, so that the caller builds it again."""
     from jaxllm.model.sharding import check_divisible, single_device_layout
-    from jaxllm.weights import read_dir
+    from jaxllm.weights.files import read_dir
     from jaxllm.weights.saved import read_meta, restore_weights
     if not entry.path.is_dir():
         return None

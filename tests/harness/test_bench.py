@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxllm.errors import ModelError
-from jaxllm.harness import bench
+from jaxllm.harness import bench, records
 from jaxllm.harness.roofline import (
     causal_pairs,
     flops_per_step,
@@ -176,11 +176,11 @@ def test_defaults_are_sized_for_the_platform():
     """--batches, --ctx and --steps left unset take a CPU's small sweep there, the recorded
     results' points on GPUs and TPUs; flags given stay."""
     a = bench.build_parser().parse_args(["--shape", "qwen3-4b", "--ctx", "2048"])
-    bench.size_for(a, "cpu")
+    records.size_for(a, "cpu")
     assert (a.batches, a.ctx, a.steps) == ([1, 8], 2048, 16)
     for platform in ("gpu", "tpu"):
         a = bench.build_parser().parse_args(["--shape", "qwen3-4b", "--batches", "4"])
-        bench.size_for(a, platform)
+        records.size_for(a, platform)
         assert (a.batches, a.ctx, a.steps) == ([4], 1024, 64)
 
 
