@@ -7,7 +7,6 @@ OpenAI's error body and never logged as a traceback.
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import functools
 import hmac
@@ -31,24 +30,13 @@ from starlette.routing import Route
 from jaxllm.engine.jobs import Delta, Failed, Finished, Job, Prompt, QueueFull
 from jaxllm.engine.memory import KVMemory
 from jaxllm.engine.scheduler import Scheduler
+from jaxllm.serve.answers import AnswerStream, LogprobWriter, choice, full_response, prompt_logprobs_json, usage_chunk
 from jaxllm.serve.fields import MAX_DEPTH, short, too_deep
 from jaxllm.serve.grammar import Grammars
+from jaxllm.serve.inbox import Inbox, Wakeups
 from jaxllm.serve.metrics import CONTENT_TYPE, Metrics
 from jaxllm.serve.output import chat_features
-from jaxllm.serve.protocol import (
-    AnswerStream,
-    ApiError,
-    GenRequest,
-    LogprobWriter,
-    bad,
-    choice,
-    detokenize,
-    full_response,
-    parse_request,
-    prompt_logprobs_json,
-    tokenize,
-    usage_chunk,
-)
+from jaxllm.serve.protocol import ApiError, GenRequest, bad, detokenize, parse_request, tokenize
 from jaxllm.serve.responses import ResponseStore, Turn, sse
 
 log = logging.getLogger("jaxllm.serve")
@@ -75,62 +63,6 @@ class ServeOptions:
     kv_memory: KVMemory = KVMemory()    # the KV pool's size, and whether it caches prefixes
     max_stored_responses: int = 1000    # /v1/responses kept for previous_response_id, the oldest dropped first
     deterministic: bool = False         # an answer is the same whatever runs beside it (`Scheduler`)
-
-
-class Wakeups:
-    """Wakes handlers on the event loop for events that other threads put in their inboxes: one
-    `call_soon_threadsafe` for however many inboxes the threads fill meanwhile, so that a decode
-    block's events for every running request cost the loop one wake-up, not one each (with many
-    short streams the loop's own work is what a busy server waits on)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.due: collections.deque[Inbox] = collections.deque()
-        self.scheduled = False
-
-    def wake(self, inbox: Inbox):              # any thread
-        self.due.append(inbox)
-        if not self.scheduled:
-            self.scheduled = True
-            try:
-                self.loop.call_soon_threadsafe(self._run)
-            except RuntimeError:                # the event loop is gone (shutdown)
-                pass
-
-    def _run(self):                             # the event loop
-        self.scheduled = False                  # before draining: an inbox due after this schedules again
-        while self.due:
-            self.due.popleft().wake()
-
-
-class Inbox:
-    """Events from the scheduler's threads to one handler, in order."""
-
-    def __init__(self, wakeups: Wakeups):
-        self.wakeups = wakeups
-        self.events: collections.deque = collections.deque()
-        self.waiter: asyncio.Future | None = None
-
-    def put(self, event):                       # the engine or output thread
-        self.events.append(event)
-        self.wakeups.wake(self)
-
-    def wake(self):                             # the event loop
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
-
-    async def get(self, timeout: float):
-        """The next event, or None after `timeout` seconds without one."""
-        if not self.events:
-            loop = self.wakeups.loop
-            self.waiter = loop.create_future()
-            timer = loop.call_later(max(timeout, 0), self.wake)
-            try:
-                await self.waiter
-            finally:
-                timer.cancel()
-                self.waiter = None
-        return self.events.popleft() if self.events else None
 
 
 SHUTDOWN_JOIN_S = 2.0       # seconds the engine's threads get to stop (a device call may run longer)

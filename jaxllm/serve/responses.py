@@ -19,9 +19,10 @@ import uuid
 from dataclasses import dataclass
 
 from jaxllm.engine.jobs import Delta, Failed, Finished
+from jaxllm.serve.answers import LogprobWriter
 from jaxllm.serve.fields import ApiError, bad, check_fields, is_int
 from jaxllm.serve.output import Parts
-from jaxllm.serve.protocol import GenRequest, LogprobWriter, parse_request
+from jaxllm.serve.protocol import GenRequest, parse_request
 
 # Responses fields that are chat fields of the same name and meaning: handed to the chat request
 # as sent, which checks them (those a self-hosted model cannot act on are accepted and ignored there).
