@@ -1,7 +1,7 @@
-"""`python -m jaxllm.bench`: batch-throughput sweep (see jaxllm.harness.bench)."""
+"""`python -m jaxllm.bench`: batch-throughput sweep (see jaxllm.benchmarks.bench)."""
 import sys
 
-from jaxllm.harness.bench import main
+from jaxllm.benchmarks.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,7 @@
-"""`python -m jaxllm.convert`: see jaxllm/harness/convert.py."""
+"""`python -m jaxllm.convert`: see jaxllm/cli/convert.py."""
 import sys
 
-from jaxllm.harness.convert import main
+from jaxllm.cli.convert import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,5 +1,5 @@
-"""`python -m jaxllm.infer`: see jaxllm/harness/infer.py."""
-from jaxllm.harness.infer import main
+"""`python -m jaxllm.infer`: see jaxllm/cli/infer.py."""
+from jaxllm.cli.infer import main
 
 if __name__ == "__main__":
     main()

@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxllm.harness import ceilings as ceil
+from jaxllm.benchmarks import ceilings as ceil
 from jaxllm.kv.paged import KVPool, LayerKV, static_tables  # noqa: E402
 from jaxllm.model.presets import load_preset  # noqa: E402
 from jaxllm.ops.gpu.attention import decode_attention  # noqa: E402

@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 
 import jaxllm  # noqa: E402
 from jaxllm import ops  # noqa: E402
-from jaxllm.harness.records import git_commit  # noqa: E402
+from jaxllm.benchmarks.records import git_commit  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
 TOL = 1e-4

@@ -27,8 +27,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from kernel_bench import timed  # noqa: E402  (this directory is on the path of a script run from it)
 
-from jaxllm.harness import ceilings as ceil
-from jaxllm.harness.roofline import causal_pairs  # noqa: E402
+from jaxllm.benchmarks import ceilings as ceil
+from jaxllm.benchmarks.roofline import causal_pairs  # noqa: E402
 from jaxllm.ops.gpu.prefill import Blocks, choose_blocks, prefill_attention  # noqa: E402
 from jaxllm.ops.xla import attend, attention_mask  # noqa: E402
 

@@ -24,10 +24,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxllm.benchmarks.bench import build_parser  # noqa: E402
+from jaxllm.benchmarks.sweep import decode_state, load_subject  # noqa: E402
 from jaxllm.engine.sampling import SamplingParams  # noqa: E402
 from jaxllm.engine.slots import Pieces
-from jaxllm.harness.bench import build_parser  # noqa: E402
-from jaxllm.harness.sweep import decode_state, load_subject  # noqa: E402
 from jaxllm.kv.options import KVOptions  # noqa: E402
 from jaxllm.model.sharding import layout_for  # noqa: E402
 

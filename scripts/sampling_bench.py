@@ -22,9 +22,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from kernel_bench import timed  # noqa: E402  (this directory is on the path of a script run from it)
 
+from jaxllm.benchmarks.ceilings import measure_bandwidth  # noqa: E402
+from jaxllm.benchmarks.records import git_commit  # noqa: E402
 from jaxllm.engine.sampling import SamplingParams, _row_keys, filtered, sample  # noqa: E402
-from jaxllm.harness.ceilings import measure_bandwidth  # noqa: E402
-from jaxllm.harness.records import git_commit  # noqa: E402
 
 CASES = {"top-k 50, top-p 0.95": dict(top_k=50, top_p=0.95), "top-p 0.95": dict(top_p=0.95)}
 DRAW_CASES = {"top-p 0.95": dict(top_p=0.95), "top-p 0.5": dict(top_p=0.5), **CASES}

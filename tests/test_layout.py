@@ -47,7 +47,7 @@ def test_importing_jaxllm_or_its_front_ends_loads_no_jax():
     """The package and the command-line front ends check their flags before JAX loads: importing
     them imports none of it (`jaxllm.Engine` and `jaxllm.load` import the engine when used)."""
     mods = loaded("import json, sys\nimport jaxllm, jaxllm.infer, jaxllm.bench, jaxllm.convert, jaxllm.serve.__main__")
-    front_ends = {"jaxllm.harness.infer", "jaxllm.harness.bench", "jaxllm.harness.convert", "jaxllm.serve.__main__"}
+    front_ends = {"jaxllm.cli.infer", "jaxllm.benchmarks.bench", "jaxllm.cli.convert", "jaxllm.serve.__main__"}
     assert front_ends <= set(mods)
     assert not [m for m in mods if m == "jax" or m.startswith(("jax.", "jaxlib"))]
 

@@ -8,9 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxllm.errors import ModelError
-from jaxllm.harness import bench, records
-from jaxllm.harness.roofline import (
+from jaxllm.benchmarks import bench, records
+from jaxllm.benchmarks.roofline import (
     causal_pairs,
     flops_per_step,
     kv_bytes_per_step,
@@ -18,6 +17,7 @@ from jaxllm.harness.roofline import (
     prefill_flops,
     weight_bytes_per_step,
 )
+from jaxllm.errors import ModelError
 from jaxllm.model.presets import load_preset
 from jaxllm.model.presets import names as preset_names
 from jaxllm.quant import QuantArray
@@ -253,9 +253,9 @@ def test_bench_rows_hold_their_own_blocks():
     """The bench's filled cache: random K/V in blocks each row holds alone, a sliding kind's table
     as wide as its window and a global kind's as the context, so that every step reads ctx
     positions of global KV and a window of sliding KV per row, as a served request's would."""
+    from jaxllm.benchmarks.sweep import decode_state
     from jaxllm.engine.engine import Engine
     from jaxllm.engine.sampling import SamplingParams
-    from jaxllm.harness.sweep import decode_state
     from jaxllm.model.presets import load_preset
     cfg, fam = load_preset("gemma3-270m")
     ctx = 700

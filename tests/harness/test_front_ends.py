@@ -23,7 +23,7 @@ FRONT_ENDS = {
     ("jaxllm.bench",): ("model_dir", "shape", "quant", "tp", "draft_shape", "draft_always", "kernels"),
     ("jaxllm.bench", "--serve"): ("model_dir", "shape", "max_ctx", "quant", "block_size", "speculative"),
     ("jaxllm.convert",): ("model_dir", "quant", "dtype", "tp"),
-    ("jaxllm.harness.tpu_compile",): ("shape", "tp", "dp", "max_ctx", "quant", "kv_quant"),
+    ("jaxllm.tools.tpu_compile",): ("shape", "tp", "dp", "max_ctx", "quant", "kv_quant"),
 }
 
 

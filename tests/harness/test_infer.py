@@ -5,7 +5,7 @@ import json
 import pytest
 import tiny_chat
 
-from jaxllm.harness import infer
+from jaxllm.cli import infer
 from jaxllm.tokenizer import Tokenizer
 
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import jaxllm
+from jaxllm.cli.perplexity import add_perplexity_args, check_perplexity_args, read_ppl_text, run_perplexity
 from jaxllm.engine.perplexity import plan_windows
 from jaxllm.errors import RequestError
-from jaxllm.harness.perplexity import add_perplexity_args, check_perplexity_args, read_ppl_text, run_perplexity
 
 TEXT = ("The quick brown fox jumps over the lazy dog. " * 3 +
         "Pack my box with five dozen liquor jugs! How vexingly quick daft zebras jump; "

@@ -6,7 +6,7 @@ Needs libtpu (`pip install "jax[tpu]"`); the topology API works beside the CPU b
 rest of the suite uses."""
 import pytest
 
-from jaxllm.harness.tpu_compile import GiB, compile_shape, format_report
+from jaxllm.tools.tpu_compile import GiB, compile_shape, format_report
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import sys
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 
-from jaxllm.harness import distributed
+from jaxllm.cli import distributed
 
 
 def main(model, addr, n, pid):

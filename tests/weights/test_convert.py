@@ -10,7 +10,7 @@ import pytest
 from tp_models import make
 
 import jaxllm
-from jaxllm.harness.convert import convert
+from jaxllm.cli.convert import convert
 
 HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
 IDS = np.random.default_rng(1).integers(0, 160, (2, 9)).astype(np.int32)

@@ -10,11 +10,11 @@ import json
 import sys
 from pathlib import Path
 
+from jaxllm.benchmarks.records import default_out, int_list, note, subject_name
 from jaxllm.config.engine import RUNTIME, SPECULATION, Parser, add_flags, from_args, settle
 from jaxllm.config.kv import KVOptions
 from jaxllm.engine.request import check_sampling
 from jaxllm.errors import JaxllmError, RequestError
-from jaxllm.harness.records import default_out, int_list, note, subject_name
 from jaxllm.model.presets import read as read_preset
 from jaxllm.weights import locate
 
@@ -167,14 +167,14 @@ def plot(rep: dict, path: str) -> bool:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--serve" in argv:                  # the server under load: its own flags
-        from jaxllm.harness.serve_bench import main as serve_main
+        from jaxllm.benchmarks.serve_bench import main as serve_main
         return serve_main([x for x in argv if x != "--serve"])
     a = build_parser().parse_args(argv)
     try:
         check_args(a)
         a.out = a.out or str(default_out(a))
         note(f"{subject_name(a)}: loading JAX")
-        from jaxllm.harness import sweep
+        from jaxllm.benchmarks import sweep
         rep = sweep.run(a)
     except JaxllmError as e:
         print(f"error: {e}", file=sys.stderr)

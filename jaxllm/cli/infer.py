@@ -4,12 +4,12 @@ from __future__ import annotations
 import json
 import sys
 
+from jaxllm.cli import distributed
+from jaxllm.cli.common import add_engine_args, load_engine, one_line_errors
+from jaxllm.cli.perplexity import add_perplexity_args, check_perplexity_args, run_perplexity
 from jaxllm.config.engine import Parser, from_args, positive_int
 from jaxllm.engine.request import check_sampling
 from jaxllm.errors import RequestError
-from jaxllm.harness import distributed
-from jaxllm.harness.cli import add_engine_args, load_engine, one_line_errors
-from jaxllm.harness.perplexity import add_perplexity_args, check_perplexity_args, run_perplexity
 
 DEFAULT_PROMPT = "Write a haiku about the sea."
 PROG = "jaxllm.infer"

@@ -17,6 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm import ops
+from jaxllm.benchmarks import ceilings as ceil
+from jaxllm.benchmarks.records import git_commit, note, size_for
+from jaxllm.benchmarks.roofline import nbytes, prefill_flops, step_cost
 from jaxllm.config.runtime import env
 from jaxllm.engine.build import build_engine
 from jaxllm.engine.engine import DTYPES
@@ -24,9 +27,6 @@ from jaxllm.engine.sampling import SamplingParams
 from jaxllm.engine.slots import Pieces, Slots, State
 from jaxllm.engine.speculative import SpecSlots
 from jaxllm.errors import RequestError
-from jaxllm.harness import ceilings as ceil
-from jaxllm.harness.records import git_commit, note, size_for
-from jaxllm.harness.roofline import nbytes, prefill_flops, step_cost
 from jaxllm.kv.options import choose_layout
 from jaxllm.kv.paged import PagedCache, static_tables
 from jaxllm.model.sharding import layout_for

@@ -44,11 +44,11 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxllm.benchmarks.records import default_out, git_commit, int_list
+from jaxllm.benchmarks.serve_clients import Load, run_level, spec_summary, thread_summary
 from jaxllm.config.engine import SPECULATION, add_flags, from_args, settle, to_flags
 from jaxllm.engine.shapes import Shapes
 from jaxllm.errors import JaxllmError
-from jaxllm.harness.records import default_out, git_commit, int_list
-from jaxllm.harness.serve_clients import Load, run_level, spec_summary, thread_summary
 from jaxllm.serve.__main__ import add_scheduler_args, scheduler_flags
 
 

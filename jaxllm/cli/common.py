@@ -15,7 +15,7 @@ ENGINE = (*MODEL, "compilation_cache")       # the engine flags every command li
 
 def add_engine_args(p: argparse.ArgumentParser, speculation: bool = True) -> None:
     """The model, runtime and (optionally) speculation flags (`config.engine.FLAGS`) and the multi-host ones."""
-    from jaxllm.harness import distributed
+    from jaxllm.cli import distributed
     add_flags(p, ENGINE, "model")
     if speculation:
         add_flags(p, SPECULATION, "speculative decoding")
@@ -29,7 +29,7 @@ def load_engine(args, quiet: bool = False):
     import time
 
     import jaxllm
-    from jaxllm.harness import distributed
+    from jaxllm.cli import distributed
     t0 = time.perf_counter()
     if distributed.init_from_args(args) and not distributed.is_main_process():
         sys.stdout = open(os.devnull, "w")     # every process computes; process 0 prints

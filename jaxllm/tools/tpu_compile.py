@@ -1,7 +1,7 @@
 """Compile the engine core's prefill, a server's mixed prefill chunk and the decode loop for a TPU
 slice without having one.
 
-`python -m jaxllm.harness.tpu_compile --shape qwen3-32b --tp 4 --max-ctx 2048 --batch 1`
+`python -m jaxllm.tools.tpu_compile --shape qwen3-32b --tp 4 --max-ctx 2048 --batch 1`
 
 The TPU compiler (libtpu) builds the real per-device programs from a topology description
 (`jax.experimental.topologies`, e.g. v6e:2x2 = 4 chips) and abstract arguments: int8 weights, the KV
@@ -240,7 +240,7 @@ def format_report(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = Parser(prog="python -m jaxllm.harness.tpu_compile", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m jaxllm.tools.tpu_compile", description=__doc__.split("\n\n")[0])
     add_flags(p, ("shape", "tp", "dp", "max_ctx", "quant", "kv_quant"))
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=None, help="prefill length (default max_ctx/2)")

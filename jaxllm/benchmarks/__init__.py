@@ -1,0 +1,2 @@
+"""The benchmarks: the fused decode loop against the device's ceilings (`python -m jaxllm.bench`)
+and the server under load beside it (`python -m jaxllm.bench --serve`)."""
