@@ -3,6 +3,7 @@
 Importing the package loads no JAX: `Engine` and `Completion` are read from the engine when first
 asked for, and `load` imports what it runs; the command-line front ends check their flags before
 JAX loads."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -15,14 +16,24 @@ from jaxllm.errors import JaxllmError, ModelError, RequestError
 if TYPE_CHECKING:
     from jaxllm.engine.engine import Completion, Engine
 
-__all__ = ["load", "Engine", "Completion", "EngineConfig", "KVOptions", "RuntimeConfig", "JaxllmError", "ModelError",
-           "RequestError"]
+__all__ = [
+    "load",
+    "Engine",
+    "Completion",
+    "EngineConfig",
+    "KVOptions",
+    "RuntimeConfig",
+    "JaxllmError",
+    "ModelError",
+    "RequestError",
+]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
     if name in ("Engine", "Completion"):
         from jaxllm.engine import engine
+
         return getattr(engine, name)
     raise AttributeError(f"module 'jaxllm' has no attribute {name!r}")
 
@@ -45,4 +56,5 @@ def load(model_dir=None, *, config: EngineConfig | None = None, progress=None, *
     elif model_dir is not None or fields:
         raise ModelError("jaxllm.load takes a config or its fields, not both")
     from jaxllm.engine.build import build_engine
+
     return build_engine(config, progress)

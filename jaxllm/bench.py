@@ -1,4 +1,5 @@
 """`python -m jaxllm.bench`: batch-throughput sweep (see jaxllm.benchmarks.bench)."""
+
 import sys
 
 from jaxllm.benchmarks.bench import main

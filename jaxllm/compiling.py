@@ -1,6 +1,7 @@
 """Compiling several XLA programs at once: each is traced and lowered in turn (Python, which holds
 the GIL) and compiled on a thread of its own meanwhile (XLA compiles without the GIL), so n programs
 take the lowering of all of them plus about one compile, not n compiles."""
+
 from __future__ import annotations
 
 import os

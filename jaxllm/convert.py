@@ -1,4 +1,5 @@
 """`python -m jaxllm.convert`: see jaxllm/cli/convert.py."""
+
 import sys
 
 from jaxllm.cli.convert import main

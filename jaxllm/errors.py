@@ -1,4 +1,5 @@
 """Errors that reach the user as one line: the CLI and server print `str(err)` and exit/return 4xx."""
+
 from contextlib import contextmanager
 
 
@@ -20,6 +21,7 @@ def warnings_as_lines(stream=None):
     (stderr) as one line, "warning: ...", when the block ends, not as Python's file:line report."""
     import sys
     import warnings
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

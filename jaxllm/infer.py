@@ -1,4 +1,5 @@
 """`python -m jaxllm.infer`: see jaxllm/cli/infer.py."""
+
 from jaxllm.cli.infer import main
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ declared with `static(...)`, which are part of its structure (compiled in, compa
 hit). `.replace(**changes)` returns a copy. This is what `flax.struct` offers, from JAX itself, so
 that importing the engine does not import flax.
 """
+
 from __future__ import annotations
 
 import dataclasses

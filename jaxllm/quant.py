@@ -1,4 +1,5 @@
 """int8 weights with one scale per output channel, as a pytree the matmul helpers understand."""
+
 from __future__ import annotations
 
 import jax
@@ -11,8 +12,9 @@ from jaxllm import pytree
 @pytree.dataclass
 class QuantArray:
     """Symmetric int8 values and a float scale over the weight's output (non-contracted) dims."""
-    q: jax.Array                 # int8, the weight's shape
-    scale: jax.Array             # float32, shape = q.shape[n_contract:]
+
+    q: jax.Array  # int8, the weight's shape
+    scale: jax.Array  # float32, shape = q.shape[n_contract:]
     n_contract: int = pytree.static(1)
 
     @property

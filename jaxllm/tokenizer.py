@@ -1,4 +1,5 @@
 """Tokenizer (the `tokenizers` library) plus the chat template, rendered with jinja2."""
+
 from __future__ import annotations
 
 import functools
@@ -14,7 +15,7 @@ from jaxllm.errors import ModelError, RequestError
 
 
 def _token_text(v) -> str | None:
-    if isinstance(v, dict):            # AddedToken serialised as a dict
+    if isinstance(v, dict):  # AddedToken serialised as a dict
         return v.get("content")
     return v
 
@@ -25,8 +26,18 @@ class Tokenizer:
     the family supplies for a model that has none (`fallback_template`) serves chat requests but
     does not make the model chat-tuned."""
 
-    def __init__(self, tok, *, bos_id=None, eos_ids=(), add_bos=False, chat_template=None,
-                 bos_token=None, eos_token=None, chat_tuned=False):
+    def __init__(
+        self,
+        tok,
+        *,
+        bos_id=None,
+        eos_ids=(),
+        add_bos=False,
+        chat_template=None,
+        bos_token=None,
+        eos_token=None,
+        chat_tuned=False,
+    ):
         self.tok = tok
         self._pieces: dict[int, str] = {}
         self.bos_id = bos_id
@@ -42,31 +53,39 @@ class Tokenizer:
     @classmethod
     def from_hf_dir(cls, d: Path, fallback_template: str | None = None) -> Tokenizer | None:
         from tokenizers import Tokenizer as HFTokenizer
+
         path = d / "tokenizer.json"
         if not path.exists():
             return None
         try:
             tok = HFTokenizer.from_file(str(path))
-        except Exception as e:          # noqa: BLE001 (the tokenizers library raises plain Exception)
+        except Exception as e:  # noqa: BLE001 (the tokenizers library raises plain Exception)
             raise ModelError(f"{path}: unreadable tokenizer ({str(e).splitlines()[0]})") from None
         tc = read_json(d / "tokenizer_config.json")
         template = tc.get("chat_template")
-        if (d / "chat_template.jinja").exists():     # transformers >= 4.43 writes it apart
+        if (d / "chat_template.jinja").exists():  # transformers >= 4.43 writes it apart
             template = (d / "chat_template.jinja").read_text()
         elif (d / "chat_template.json").exists():
             template = read_json(d / "chat_template.json").get("chat_template")
-        if isinstance(template, list):               # named templates: take "default"
+        if isinstance(template, list):  # named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         bos, eos = _token_text(tc.get("bos_token")), _token_text(tc.get("eos_token"))
         gen = read_json(d / "generation_config.json")
         eos_ids = []
         for v in [gen.get("eos_token_id"), tok.token_to_id(eos) if eos else None]:
-            for i in (v if isinstance(v, list) else [v]):
+            for i in v if isinstance(v, list) else [v]:
                 if i is not None and i not in eos_ids:
                     eos_ids.append(i)
-        return cls(tok, bos_id=tok.token_to_id(bos) if bos else None, eos_ids=eos_ids,
-                   add_bos=bool(tc.get("add_bos_token", False)), chat_template=template or fallback_template,
-                   bos_token=bos, eos_token=eos, chat_tuned=bool(template))
+        return cls(
+            tok,
+            bos_id=tok.token_to_id(bos) if bos else None,
+            eos_ids=eos_ids,
+            add_bos=bool(tc.get("add_bos_token", False)),
+            chat_template=template or fallback_template,
+            bos_token=bos,
+            eos_token=eos,
+            chat_tuned=bool(template),
+        )
 
     # -- use -------------------------------------------------------------------------------------
     def encode(self, text: str, add_special: bool = True) -> list[int]:
@@ -95,11 +114,17 @@ class Tokenizer:
             return None
         model = spec.get("model") or {}
         if model.get("type") not in ("BPE", "WordLevel") or (
-                model.get("fuse_unk") and model.get("unk_token") and not model.get("byte_fallback")):
+            model.get("fuse_unk") and model.get("unk_token") and not model.get("byte_fallback")
+        ):
             return None
         n = self.tok.get_vocab_size(with_added_tokens=True)
-        longest = max(max(len((self.tok.id_to_token(i) or "").encode()),
-                          len(self.tok.decode([i], skip_special_tokens=False).encode())) for i in range(n))
+        longest = max(
+            max(
+                len((self.tok.id_to_token(i) or "").encode()),
+                len(self.tok.decode([i], skip_special_tokens=False).encode()),
+            )
+            for i in range(n)
+        )
         return max(longest, 1) * factor
 
     def decode(self, ids, skip_special: bool = True) -> str:
@@ -113,8 +138,13 @@ class Tokenizer:
             s = self._pieces[token_id] = self.tok.decode([token_id], skip_special_tokens=False)
         return s
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
-                    **template_kwargs) -> str:
+    def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        **template_kwargs,
+    ) -> str:
         """The chat template applied as transformers' apply_chat_template does: `tools` (OpenAI
         function definitions) and keyword arguments such as `enable_thinking` reach the template."""
         if not self.chat_template:
@@ -122,9 +152,14 @@ class Tokenizer:
         try:
             if self._template is None:
                 self._template = _environment().from_string(self.chat_template)
-            return self._template.render(**template_kwargs, messages=messages, tools=tools,
-                                         add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            return self._template.render(
+                **template_kwargs,
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
         except jinja2.TemplateError as e:
             raise RequestError(f"chat template rejected the messages: {e}") from None
 
@@ -143,7 +178,7 @@ class Tokenizer:
         return self.encode(self.render_chat(messages, tools=tools, **template_kwargs), add_special=False)
 
 
-LONG_TEXT = 16384      # characters from which `Tokenizer.encode` lets go of the GIL
+LONG_TEXT = 16384  # characters from which `Tokenizer.encode` lets go of the GIL
 UNICODE_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase"}
 
 
@@ -169,8 +204,10 @@ def _keeps_characters(p) -> bool:
         return True
     if p.get("type") == "Sequence":
         return all(_keeps_characters(x) for x in p.get("pretokenizers", []))
-    return p.get("type") in ("ByteLevel", "Metaspace", "Split", "Digits", "Punctuation", "UnicodeScripts") \
+    return (
+        p.get("type") in ("ByteLevel", "Metaspace", "Split", "Digits", "Punctuation", "UnicodeScripts")
         and p.get("behavior") != "Removed"
+    )
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
@@ -204,6 +241,7 @@ def read_json(p: Path) -> dict:
 class IdsTokenizer:
     """What a model of random weights has for a tokenizer: prompts come as token ids, and generated
     ids read back as text, each as a space and its number (so a streamed text counts its tokens)."""
+
     chat_template = None
     chat_tuned = False
     bos_id = None

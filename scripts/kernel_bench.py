@@ -15,6 +15,7 @@ subtracted, and each kernel's largest error against a float32 product. Then deco
 a paged bf16 pool of ctx positions a row (pages of 32, each row's blocks in order), the kernel
 against XLA's blockwise attention over the same blocks (`kv.paged.LayerKV.attend`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,10 +53,13 @@ def timed(fn, *args, reps=100):
 def over_layers(step, L):
     """Run step(layer) for every layer in one compiled loop, as the layer scan does (the loop's own
     cost is timed apart with a trivial step and subtracted)."""
+
     def run(*args):
         def body(carry, l):
             return carry + step(l, *args).astype(jnp.float32).sum(), None
+
         return jax.lax.scan(body, jnp.float32(0), jnp.arange(L))[0]
+
     return jax.jit(run)
 
 
@@ -76,8 +80,12 @@ def matmul_cases(cfg, tp: int = 1):
     a = cfg.attn[cfg.layer_kinds[0]]
     D, F = cfg.hidden_size, cfg.intermediate_size
     n_kv = 1 if a.k_eq_v else 2
-    return {"qkv": (D, (a.num_heads + n_kv * a.num_kv_heads) * a.head_dim // tp),
-            "o": (a.num_heads * a.head_dim // tp, D), "down": (F // tp, D), "gate_up": (D, F // tp)}
+    return {
+        "qkv": (D, (a.num_heads + n_kv * a.num_kv_heads) * a.head_dim // tp),
+        "o": (a.num_heads * a.head_dim // tp, D),
+        "down": (F // tp, D),
+        "gate_up": (D, F // tp),
+    }
 
 
 def variants(M, K, N, gated, out_major, quick, psum_after=False, widen=(), weights_first=False):
@@ -94,10 +102,12 @@ def variants(M, K, N, gated, out_major, quick, psum_after=False, widen=(), weigh
     if weights_first and M > 1 and out_major:
         bms = sorted({auto.bm, min(128, max(16, 1 << (M - 1).bit_length()))})
         for bm in bms:
-            for bn, bk, warps in ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8),
-                                  (256, 64, 8)):
-                t = dataclasses.replace(choose_tiles(M, K, N, gated, bn=bn, bk=bk, warps=warps, out_major=True,
-                                                     psum_after=psum_after), bm=bm, weights_first=True)
+            for bn, bk, warps in ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8), (256, 64, 8)):
+                t = dataclasses.replace(
+                    choose_tiles(M, K, N, gated, bn=bn, bk=bk, warps=warps, out_major=True, psum_after=psum_after),
+                    bm=bm,
+                    weights_first=True,
+                )
                 stages = 3
                 while stages > 1 and stages * bk * (bm * 2 + (2 if gated else 1) * bn) > 200 * 1024:
                     stages -= 1
@@ -113,8 +123,7 @@ def variants(M, K, N, gated, out_major, quick, psum_after=False, widen=(), weigh
         shapes = [(bn, bk) for bn in (64, 128) for bk in (64, 128)]
     for bn, bk in shapes:
         for warps in (4, 8):
-            t = choose_tiles(M, K, N, gated, bn=bn, bk=bk, warps=warps, out_major=out_major,
-                             psum_after=psum_after)
+            t = choose_tiles(M, K, N, gated, bn=bn, bk=bk, warps=warps, out_major=out_major, psum_after=psum_after)
             out[t.label()] = t
     return out
 
@@ -131,12 +140,22 @@ def main():
     p.add_argument("--reps", type=int, default=30, help="calls timed per round (their median is the round's time)")
     p.add_argument("--tune-rows", type=int, default=8, help="try tile variants up to this many rows")
     p.add_argument("--cases", default="", help="matmuls to time, comma-separated (default: all)")
-    p.add_argument("--widen", default="", help="ways of widening int8 to time beside the automatic tiles' "
-                   "(convert, magic, bits; comma-separated), above one row")
-    p.add_argument("--weights-first", action="store_true",
-                   help="above one row, also time output-major tiles whose dot takes the weights as its left operand")
-    p.add_argument("--layouts", default="in,out",
-                   help="weight layouts to time: in (input-major [L, K, N]), out (output-major [L, N, K])")
+    p.add_argument(
+        "--widen",
+        default="",
+        help="ways of widening int8 to time beside the automatic tiles' "
+        "(convert, magic, bits; comma-separated), above one row",
+    )
+    p.add_argument(
+        "--weights-first",
+        action="store_true",
+        help="above one row, also time output-major tiles whose dot takes the weights as its left operand",
+    )
+    p.add_argument(
+        "--layouts",
+        default="in,out",
+        help="weight layouts to time: in (input-major [L, K, N]), out (output-major [L, N, K])",
+    )
     a = p.parse_args()
     layouts = [{"in": False, "out": True}[x] for x in a.layouts.split(",")]
     ways = [w for w in a.widen.split(",") if w]
@@ -147,8 +166,10 @@ def main():
     L = cfg.num_layers
     a_spec = cfg.attn[cfg.layer_kinds[0]]
     if a.tp < 1 or any(n % a.tp for n in (a_spec.num_heads, a_spec.num_kv_heads, cfg.intermediate_size)):
-        sys.exit(f"--tp {a.tp}: does not divide the heads ({a_spec.num_heads} query, {a_spec.num_kv_heads} "
-                 f"key/value) and the MLP width ({cfg.intermediate_size}) of {a.shape}")
+        sys.exit(
+            f"--tp {a.tp}: does not divide the heads ({a_spec.num_heads} query, {a_spec.num_kv_heads} "
+            f"key/value) and the MLP width ({cfg.intermediate_size}) of {a.shape}"
+        )
     bw = ceil.measure_bandwidth(ceil.default_probe_bytes(jax.devices()[0]))
     print(f"bandwidth {bw[1] / 1e9:.0f} GB/s ({bw[0]})", flush=True)
     key = jax.random.key(0)
@@ -166,8 +187,12 @@ def main():
         for M in [int(r) for r in a.rows.split(",")]:
             x = jax.random.normal(key, (M, K), jnp.bfloat16)
             if gated:
-                xla = over_layers(lambda l, x, w, w2, s: jax.nn.silu(x @ w[l].astype(x.dtype) * s[l])
-                                  * (x @ w2[l].astype(x.dtype) * s[l]), L)
+                xla = over_layers(
+                    lambda l, x, w, w2, s: (
+                        jax.nn.silu(x @ w[l].astype(x.dtype) * s[l]) * (x @ w2[l].astype(x.dtype) * s[l])
+                    ),
+                    L,
+                )
             else:
                 xla = over_layers(lambda l, x, w, w2, s: (x @ w[l].astype(x.dtype)) * s[l], L)
             fns = {"base": (over_layers(lambda l, x, w, w2, s: x[:1, :1], L), (w, w2)), "xla": (xla, (w, w2))}
@@ -179,12 +204,17 @@ def main():
             for om in layouts:
                 # under --tp, O and down are row-parallel shards: "auto" is what the model picks there
                 row_par = a.tp > 1 and name in ("o", "down")
-                vs.update({k: (t, stacks[om]) for k, t in variants(M, K, N, gated, om, quick, row_par,
-                                                                    ways, a.weights_first).items()})
+                vs.update(
+                    {
+                        k: (t, stacks[om])
+                        for k, t in variants(M, K, N, gated, om, quick, row_par, ways, a.weights_first).items()
+                    }
+                )
             for label, (t, (wl, w2l)) in vs.items():
                 if gated:
-                    f = over_layers(lambda l, x, w, w2, s, t=t: stacked_gated(x, (w, s), (w2, s), l, jax.nn.silu, t,
-                                                                           t.out_major), L)
+                    f = over_layers(
+                        lambda l, x, w, w2, s, t=t: stacked_gated(x, (w, s), (w2, s), l, jax.nn.silu, t, t.out_major), L
+                    )
                 else:
                     f = over_layers(lambda l, x, w, w2, s, t=t: stacked_matmul(x, w, s, l, t, t.out_major), L)
                 try:
@@ -192,7 +222,7 @@ def main():
                     errs[label] = float(np.max(np.abs(got - ref)) / (np.max(np.abs(ref)) + 1e-30))
                     jax.block_until_ready(f(x, wl, w2l, s))
                     fns[label] = (f, (wl, w2l))
-                except Exception as e:          # a tile shape Triton refuses: note it, go on
+                except Exception as e:  # a tile shape Triton refuses: note it, go on
                     res[label] = str(e).splitlines()[0][:120]
             # Every variant once a round, in turn, and the best round of each: a clock or memory
             # state that drifts over the run then weighs on all of them alike, not on the first.
@@ -205,46 +235,69 @@ def main():
             res.update({label: t - base for label, t in best_t.items()})
             ok = {k: v for k, v in res.items() if isinstance(v, float)}
             best = min((k for k in ok if k != "xla"), key=ok.get, default=None)
-            row = {"matmul": name, "M": M, "K": K, "N": N, "bytes": nbytes,
-                   "xla_GBps": nbytes / ok["xla"] / 1e9,
-                   "auto_GBps": nbytes / ok["auto"] / 1e9 if "auto" in ok else None,
-                   "auto_out_major_GBps": (nbytes / ok["auto out-major"] / 1e9
-                                           if "auto out-major" in ok else None),
-                   "best": best, "best_GBps": nbytes / ok[best] / 1e9 if best else None,
-                   "all_s": res, "max_rel_err": errs}
+            row = {
+                "matmul": name,
+                "M": M,
+                "K": K,
+                "N": N,
+                "bytes": nbytes,
+                "xla_GBps": nbytes / ok["xla"] / 1e9,
+                "auto_GBps": nbytes / ok["auto"] / 1e9 if "auto" in ok else None,
+                "auto_out_major_GBps": (nbytes / ok["auto out-major"] / 1e9 if "auto out-major" in ok else None),
+                "best": best,
+                "best_GBps": nbytes / ok[best] / 1e9 if best else None,
+                "all_s": res,
+                "max_rel_err": errs,
+            }
             rows.append(row)
-            print(f"{name:8s} M={M:3d} K={K:5d} N={N:5d}  xla {row['xla_GBps']:7.0f}  auto "
-                  f"{row['auto_GBps'] or 0:7.0f}  auto out-major {row['auto_out_major_GBps'] or 0:7.0f}  "
-                  f"best {row['best_GBps'] or 0:7.0f} GB/s  ({best})", flush=True)
+            print(
+                f"{name:8s} M={M:3d} K={K:5d} N={N:5d}  xla {row['xla_GBps']:7.0f}  auto "
+                f"{row['auto_GBps'] or 0:7.0f}  auto out-major {row['auto_out_major_GBps'] or 0:7.0f}  "
+                f"best {row['best_GBps'] or 0:7.0f} GB/s  ({best})",
+                flush=True,
+            )
     H, Kh, hd = a_spec.num_heads // a.tp, a_spec.num_kv_heads // a.tp, a_spec.head_dim
-    P = 32                                              # KVOptions.block_size
+    P = 32  # KVOptions.block_size
     att = []
     for B in [int(r) for r in a.rows.split(",")]:
         S = a.ctx
         M = -(-S // P)
-        table = jnp.asarray(static_tables({"global": M}, B)["global"])      # each row its own blocks
+        table = jnp.asarray(static_tables({"global": M}, B)["global"])  # each row its own blocks
         k = jax.random.normal(key, (L, B * M + 1, P, Kh, hd), jnp.bfloat16)
         v = jax.random.normal(key, (L, B * M + 1, P, Kh, hd), jnp.bfloat16)
         q = jax.random.normal(key, (B, H, hd), jnp.bfloat16)
         pos = jnp.full((B,), S - 1, jnp.int32)
         nbytes = 2 * B * S * Kh * hd * 2 * L
-        kern = over_layers(lambda l, q, k, v, pos: decode_attention(q, {"k": k, "v": v}, l, table, pos, scale=0.1),
-                           L)
-        xla = over_layers(lambda l, q, k, v, pos: LayerKV(KVPool(k, v), l, table).attend(
-            q[:, None], pos[:, None], XlaOps(), scale=0.1, softcap=None, window=None), L)
+        kern = over_layers(lambda l, q, k, v, pos: decode_attention(q, {"k": k, "v": v}, l, table, pos, scale=0.1), L)
+        xla = over_layers(
+            lambda l, q, k, v, pos: LayerKV(KVPool(k, v), l, table).attend(
+                q[:, None], pos[:, None], XlaOps(), scale=0.1, softcap=None, window=None
+            ),
+            L,
+        )
         got = {}
         for path, f in (("pallas", kern), ("xla", xla)):
             try:
                 got[path] = nbytes / timed(f, q, k, v, pos) / 1e9
-            except jax.errors.JaxRuntimeError as e:     # e.g. XLA's buffers not fitting: note it, go on
+            except jax.errors.JaxRuntimeError as e:  # e.g. XLA's buffers not fitting: note it, go on
                 got[path] = str(e).splitlines()[0][:120]
         att.append({"B": B, "S": S, "bytes": nbytes, **{f"{p}_GBps": g for p, g in got.items()}})
         shown = [f"{p} {g:7.0f}" if isinstance(g, float) else f"{p} ({g})" for p, g in got.items()]
         print(f"attention B={B:3d} S={S}  " + "  ".join(shown) + " GB/s", flush=True)
         del k, v
-    json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "bandwidth_GBps": bw[1] / 1e9,
-               "shape": a.shape, "tp": a.tp,
-               "matmuls": rows, "attention": att}, open(os.path.join(a.out, "kernel_bench.json"), "w"), indent=1)
+    json.dump(
+        {
+            "device": jax.devices()[0].device_kind,
+            "jax": jax.__version__,
+            "bandwidth_GBps": bw[1] / 1e9,
+            "shape": a.shape,
+            "tp": a.tp,
+            "matmuls": rows,
+            "attention": att,
+        },
+        open(os.path.join(a.out, "kernel_bench.json"), "w"),
+        indent=1,
+    )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ work either path does is not counted; each figure is printed beside the bf16 mat
 in the same run. The error is the largest difference from XLA's output, over the largest
 output value.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,9 +34,13 @@ from jaxllm.ops.gpu.prefill import Blocks, choose_blocks, prefill_attention  # n
 from jaxllm.ops.xla import attend, attention_mask  # noqa: E402
 
 # name: (query heads, KV heads, head_dim, window)
-CASES = {"qwen3-4b": (32, 8, 128, None), "gemma3-270m-sliding": (4, 1, 256, 512),
-         "gemma3-270m-global": (4, 1, 256, None), "gemma4-31b-sliding": (32, 16, 256, 1024),
-         "gemma4-31b-global": (32, 4, 512, None)}
+CASES = {
+    "qwen3-4b": (32, 8, 128, None),
+    "gemma3-270m-sliding": (4, 1, 256, 512),
+    "gemma3-270m-global": (4, 1, 256, None),
+    "gemma4-31b-sliding": (32, 16, 256, 1024),
+    "gemma4-31b-global": (32, 4, 512, None),
+}
 
 
 def main():
@@ -61,8 +66,10 @@ def main():
             M = -(-(T + 1) // P)
             S = M * P
             key = jax.random.key(T)
-            q, k, v = (jax.random.normal(kk, shape, jnp.bfloat16) for kk, shape in
-                       zip(jax.random.split(key, 3), [(1, T, H, hd), (1, S, K, hd), (1, S, K, hd)]))
+            q, k, v = (
+                jax.random.normal(kk, shape, jnp.bfloat16)
+                for kk, shape in zip(jax.random.split(key, 3), [(1, T, H, hd), (1, S, K, hd), (1, S, K, hd)])
+            )
             # the pool: block 0 the null block, the prompt's M blocks after it (in a random order)
             order = np.random.default_rng(T).permutation(M) if a.shuffle else np.arange(M)
             table = jnp.asarray(1 + order, jnp.int32)[None]
@@ -70,41 +77,59 @@ def main():
             def paged(x):
                 blocks = x.reshape(M, P, K, hd)[np.argsort(order)]
                 return jnp.concatenate([jnp.zeros((1, P, K, hd), x.dtype), blocks])[None]
+
             pool = {"k": paged(k), "v": paged(v)}
             pos = jnp.arange(T, dtype=jnp.int32)[None]
             kv_pos = jnp.arange(S, dtype=jnp.int32)[None]
-            scale = hd ** -0.5
+            scale = hd**-0.5
             flops = 4 * H * hd * causal_pairs(T, window)
             xla = jax.jit(lambda q, k, v, pos: attend(q, k, v, attention_mask(pos, kv_pos, window), scale, None))
             ref = xla(q, k, v, pos)
             t = timed(xla, q, k, v, pos, reps=a.reps)
             rows.append(dict(case=name, T=T, path="xla", ms=t * 1e3, tflops=flops / t / 1e12))
             for blk in [choose_blocks(hd, T)] + extra:
-                fn = jax.jit(lambda q, pool, table, pos, blk=blk: prefill_attention(
-                    q, pool, jnp.int32(0), table, pos, scale=scale, window=window, blocks=blk))
+                fn = jax.jit(
+                    lambda q, pool, table, pos, blk=blk: prefill_attention(
+                        q, pool, jnp.int32(0), table, pos, scale=scale, window=window, blocks=blk
+                    )
+                )
                 label = blk.label() + (" (default)" if blk == choose_blocks(hd, T) else "")
                 try:
                     o = fn(q, pool, table, pos)
-                    err = float(jnp.max(jnp.abs(o.astype(jnp.float32) - ref.astype(jnp.float32)))
-                                / jnp.max(jnp.abs(ref.astype(jnp.float32))))
+                    err = float(
+                        jnp.max(jnp.abs(o.astype(jnp.float32) - ref.astype(jnp.float32)))
+                        / jnp.max(jnp.abs(ref.astype(jnp.float32)))
+                    )
                     t = timed(fn, q, pool, table, pos, reps=a.reps)
                     rows.append(dict(case=name, T=T, path=label, ms=t * 1e3, tflops=flops / t / 1e12, err=err))
-                except Exception as e:             # a block too large to compile: say so, go on
+                except Exception as e:  # a block too large to compile: say so, go on
                     rows.append(dict(case=name, T=T, path=label, error=str(e).splitlines()[0][:120]))
             del ref
             print(json.dumps(rows[-1]), flush=True)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "prefill_attention_bench.json"), "w") as f:
-        json.dump({"device": dev.device_kind, "jax": jax.__version__, "ceilings": c.to_json(), "page": a.page,
-                   "shuffle": a.shuffle, "rows": rows}, f, indent=1)
+        json.dump(
+            {
+                "device": dev.device_kind,
+                "jax": jax.__version__,
+                "ceilings": c.to_json(),
+                "page": a.page,
+                "shuffle": a.shuffle,
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
     print(f"\n{dev.device_kind}, jax {jax.__version__}; bf16 matmul {rate / 1e12:.1f} TFLOP/s measured in this run")
     print(f"{'case':20s} {'T':>6s} {'path':44s} {'ms':>8s} {'TFLOP/s':>8s} {'of matmul':>9s} {'error':>9s}")
     for r in rows:
         if "error" in r:
             print(f"{r['case']:20s} {r['T']:6d} {r['path']:44s} failed: {r['error']}")
             continue
-        print(f"{r['case']:20s} {r['T']:6d} {r['path']:44s} {r['ms']:8.3f} {r['tflops']:8.1f} "
-              f"{r['tflops'] * 1e12 / rate:9.1%} {r.get('err', 0):9.2e}")
+        print(
+            f"{r['case']:20s} {r['T']:6d} {r['path']:44s} {r['ms']:8.3f} {r['tflops']:8.1f} "
+            f"{r['tflops'] * 1e12 / rate:9.1%} {r.get('err', 0):9.2e}"
+        )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ measured against the device's own memory-bandwidth and matmul ceilings.
 This is its command line: the flags, checked before JAX loads, the points each platform gets by
 default, the table, the plot and where results go; `sweep` measures.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,36 +22,56 @@ from jaxllm.weights import locate
 
 # -- command line ---------------------------------------------------------------------------------
 def build_parser() -> Parser:
-    p = Parser(prog="python -m jaxllm.bench", description=__doc__.splitlines()[0],
-               epilog="python -m jaxllm.bench --serve --help: the serving benchmark")
+    p = Parser(
+        prog="python -m jaxllm.bench",
+        description=__doc__.splitlines()[0],
+        epilog="python -m jaxllm.bench --serve --help: the serving benchmark",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     add_flags(src, ("model_dir", "shape"))
-    p.add_argument("--batches", type=int_list, default=None,
-                   help="comma-separated batch sizes (default: 1,8,64; 1,8 on a CPU)")
-    p.add_argument("--ctx", type=int, default=None,
-                   help="KV positions already filled before decoding (default: 1024; 256 on a CPU)")
+    p.add_argument(
+        "--batches", type=int_list, default=None, help="comma-separated batch sizes (default: 1,8,64; 1,8 on a CPU)"
+    )
+    p.add_argument(
+        "--ctx",
+        type=int,
+        default=None,
+        help="KV positions already filled before decoding (default: 1024; 256 on a CPU)",
+    )
     p.add_argument("--steps", type=int, default=None, help="decode steps per timed run (default: 64; 16 on a CPU)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs after compiling")
     p.add_argument("--repeats", type=int, default=3, help="timed runs (the median is reported)")
-    p.add_argument("--prompt-lens", type=int_list, default=[],
-                   help="prompt lengths whose TTFT to time (a forward of batch such prompts, at the smallest batch)")
+    p.add_argument(
+        "--prompt-lens",
+        type=int_list,
+        default=[],
+        help="prompt lengths whose TTFT to time (a forward of batch such prompts, at the smallest batch)",
+    )
     p.add_argument("--ttft-every-batch", action="store_true", help="time --prompt-lens at every batch")
-    p.add_argument("--int8-rings", action="store_true",
-                   help="with int8 global layers, keep the sliding layers' blocks in int8 too")
-    p.add_argument("--rebuild-keys", action="store_true",
-                   help="global layers whose V is their K store V alone and rebuild keys")
+    p.add_argument(
+        "--int8-rings", action="store_true", help="with int8 global layers, keep the sliding layers' blocks in int8 too"
+    )
+    p.add_argument(
+        "--rebuild-keys", action="store_true", help="global layers whose V is their K store V alone and rebuild keys"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0, help="decode sampling: 0 is greedy")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--out", default=None, help="JSON results path, its folder made (default: a new file under "
-                   "the user's cache, ~/.cache/jaxllm/bench/)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="JSON results path, its folder made (default: a new file under the user's cache, ~/.cache/jaxllm/bench/)",
+    )
     p.add_argument("--plot", default=None, help="PNG plot path (default: --out with .png)")
     p.add_argument("--probe-mib", type=int, default=None, help="bandwidth probe size (default: by device)")
     p.add_argument("--matmul-n", type=int, default=None, help="matmul probe size n (n x n x n)")
     add_flags(p, ("dtype", "quant", "kv_quant", "tp", "compilation_cache"), "model")
-    add_flags(p, (*SPECULATION, "draft_shape", "draft_always"), "speculative decoding (random tokens: what free "
-              "text finds to draft)")
+    add_flags(
+        p,
+        (*SPECULATION, "draft_shape", "draft_always"),
+        "speculative decoding (random tokens: what free text finds to draft)",
+    )
     add_flags(p, RUNTIME, "runtime")
     return p
 
@@ -75,6 +96,7 @@ def check_args(a) -> None:
 
 # -- reporting ------------------------------------------------------------------------------------
 
+
 def speculation_note(s) -> str:
     if not s.get("speculative"):
         return ""
@@ -92,34 +114,54 @@ def sampling_note(s) -> str:
 
 def table(rep: dict) -> str:
     c = rep["ceilings"]
-    head = (f"{rep['model'].get('shape') or rep['model'].get('model_dir')} ({rep['model']['quant']}, "
-            f"{rep['model']['dtype']}) on {rep['device']['kind']}, ctx {rep['settings']['ctx']}; "
-            f"bandwidth {c['bandwidth_GBps']:.1f} GB/s ({c['bandwidth_method']}), "
-            f"bf16 matmul {c['matmul_bf16_TFLOPs']:.2f} TFLOP/s; "
-            f"decode kernels: {'Pallas' if rep.get('kernels', {}).get('backend') == 'pallas' else 'XLA'}"
-            + sampling_note(rep["settings"].get("sampling")) + speculation_note(rep["settings"]))
+    head = (
+        f"{rep['model'].get('shape') or rep['model'].get('model_dir')} ({rep['model']['quant']}, "
+        f"{rep['model']['dtype']}) on {rep['device']['kind']}, ctx {rep['settings']['ctx']}; "
+        f"bandwidth {c['bandwidth_GBps']:.1f} GB/s ({c['bandwidth_method']}), "
+        f"bf16 matmul {c['matmul_bf16_TFLOPs']:.2f} TFLOP/s; "
+        f"decode kernels: {'Pallas' if rep.get('kernels', {}).get('backend') == 'pallas' else 'XLA'}"
+        + sampling_note(rep["settings"].get("sampling"))
+        + speculation_note(rep["settings"])
+    )
     lens = rep["settings"]["prompt_lens"]
     spec = any(p.get("speculation") for p in rep["points"])
-    cols = ["batch", "ms/step", "tok/s", "MB/step", "roofline ms", "HBM frac", "compute ms", "ceiling tok/s",
-            "compile s"] + [f"TTFT@{n} ms" for n in lens] + [f"MFU@{n}" for n in lens] + (["accepted"] if spec else [])
+    cols = (
+        ["batch", "ms/step", "tok/s", "MB/step", "roofline ms", "HBM frac", "compute ms", "ceiling tok/s", "compile s"]
+        + [f"TTFT@{n} ms" for n in lens]
+        + [f"MFU@{n}" for n in lens]
+        + (["accepted"] if spec else [])
+    )
     rows = []
     for p in rep["points"]:
         if p["skipped"]:
             rows.append([str(p["batch"]), "skipped: " + p["skipped"]])
             continue
-        rows.append([str(p["batch"]), f"{p['ms_per_step']:.3f}", f"{p['tok_s']:.1f}",
-                     f"{p['bytes_per_step'] / 1e6:.1f}",
-                     f"{p['roofline_ms']:.3f}", f"{p['roofline_fraction']:.1%}", f"{p['compute_ms']:.3f}",
-                     f"{p['ceiling_tok_s']:.0f}", f"{p['compile_s']:.1f}"]
-                    + [f"{p['ttft_ms'][str(n)]:.1f}" if str(n) in p['ttft_ms'] else "" for n in lens]
-                    + [f"{p['prefill_mfu'][str(n)]:.1%}" if str(n) in p.get('prefill_mfu', {}) else ""
-                       for n in lens]
-                    + ([accepted(p.get("speculation"))] if spec else []))
+        rows.append(
+            [
+                str(p["batch"]),
+                f"{p['ms_per_step']:.3f}",
+                f"{p['tok_s']:.1f}",
+                f"{p['bytes_per_step'] / 1e6:.1f}",
+                f"{p['roofline_ms']:.3f}",
+                f"{p['roofline_fraction']:.1%}",
+                f"{p['compute_ms']:.3f}",
+                f"{p['ceiling_tok_s']:.0f}",
+                f"{p['compile_s']:.1f}",
+            ]
+            + [f"{p['ttft_ms'][str(n)]:.1f}" if str(n) in p["ttft_ms"] else "" for n in lens]
+            + [f"{p['prefill_mfu'][str(n)]:.1%}" if str(n) in p.get("prefill_mfu", {}) else "" for n in lens]
+            + ([accepted(p.get("speculation"))] if spec else [])
+        )
     full = [r for r in rows if len(r) == len(cols)]
     width = [max([len(cols[i])] + [len(r[i]) for r in full]) for i in range(len(cols))]
+
     def fmt(r):
-        return "  ".join(x.rjust(w) for x, w in zip(r, width)) if len(r) == len(cols) else \
-            f"{r[0].rjust(width[0])}  {r[1]}"
+        return (
+            "  ".join(x.rjust(w) for x, w in zip(r, width))
+            if len(r) == len(cols)
+            else f"{r[0].rjust(width[0])}  {r[1]}"
+        )
+
     return "\n".join([head, fmt(cols), *map(fmt, rows)])
 
 
@@ -138,6 +180,7 @@ def plot(rep: dict, path: str) -> bool:
         return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     pts = [p for p in rep["points"] if not p["skipped"]]
     if not pts:
         print("no point was measured: no plot written", file=sys.stderr)
@@ -155,8 +198,9 @@ def plot(rep: dict, path: str) -> bool:
     ax2.set(xscale="log", xlabel="batch", ylabel="% of HBM roofline", title="bytes/step over measured bandwidth")
     ax2.set_ylim(bottom=0)
     m = rep["model"]
-    fig.suptitle(f"{m.get('shape') or m.get('model_dir')} {m['quant']} on {rep['device']['kind']}, "
-                 f"ctx {rep['settings']['ctx']}")
+    fig.suptitle(
+        f"{m.get('shape') or m.get('model_dir')} {m['quant']} on {rep['device']['kind']}, ctx {rep['settings']['ctx']}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -166,8 +210,9 @@ def plot(rep: dict, path: str) -> bool:
 # -- main -----------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--serve" in argv:                  # the server under load: its own flags
+    if "--serve" in argv:  # the server under load: its own flags
         from jaxllm.benchmarks.serve_bench import main as serve_main
+
         return serve_main([x for x in argv if x != "--serve"])
     a = build_parser().parse_args(argv)
     try:
@@ -175,6 +220,7 @@ def main(argv=None) -> int:
         a.out = a.out or str(default_out(a))
         note(f"{subject_name(a)}: loading JAX")
         from jaxllm.benchmarks import sweep
+
         rep = sweep.run(a)
     except JaxllmError as e:
         print(f"error: {e}", file=sys.stderr)

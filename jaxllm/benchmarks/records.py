@@ -1,5 +1,6 @@
 """What every benchmark shares: its comma-separated lists, the points a sweep takes on each platform,
 where its results go and the commit they record, its progress lines."""
+
 from __future__ import annotations
 
 import argparse
@@ -56,11 +57,16 @@ def note(line: str) -> None:
 
 
 def git_commit() -> str:
-    if env("JAXLLM_COMMIT"):           # a copy of the tree without its .git
+    if env("JAXLLM_COMMIT"):  # a copy of the tree without its .git
         return env("JAXLLM_COMMIT")
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"

@@ -14,6 +14,7 @@ embedding as the output projection included) per row, plus QK^T and PV over the 
 FLOPs of a prefill (for its MFU): the same for every prompt token, the output projection once a
 row, and attention over the causal pairs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -102,8 +103,9 @@ def attended(cfg: ModelConfig, kind: int, ctx: int) -> int:
     return min(ctx, w) if w else ctx
 
 
-def kv_bytes_per_step(cfg: ModelConfig, batch: int, ctx: int, kv_itemsize: float | dict = 2,
-                      shared: bool = True) -> int:
+def kv_bytes_per_step(
+    cfg: ModelConfig, batch: int, ctx: int, kv_itemsize: float | dict = 2, shared: bool = True
+) -> int:
     """K/V bytes every layer reads at context ctx (kv_itemsize: bytes per cached element, or a dict
     of them per layer kind). `shared`: k_eq_v layers store one tensor (values alone, keys rebuilt
     from them)."""
@@ -146,13 +148,17 @@ def prefill_flops(cfg: ModelConfig, specs, batch: int, n: int) -> int:
     causal pairs (within the window on sliding layers). The model's FLOPs, for MFU: masked-out
     work an implementation does is not counted."""
     head = cfg.vocab_size * cfg.hidden_size
-    attn = sum(2 * cfg.attn[k].num_heads * cfg.attn[k].head_dim * causal_pairs(n, cfg.attn[k].window)
-               for k in cfg.layer_kinds)
+    attn = sum(
+        2 * cfg.attn[k].num_heads * cfg.attn[k].head_dim * causal_pairs(n, cfg.attn[k].window) for k in cfg.layer_kinds
+    )
     return int(round(2 * batch * (n * (weight_macs(cfg, specs) - head) + head + attn)))
 
 
-def step_cost(cfg: ModelConfig, weights, specs, batch: int, ctx: int, kv_itemsize: float | dict = 2,
-              shared: bool = True) -> StepCost:
-    return StepCost(weight_bytes_per_step(cfg, weights, batch, specs),
-                    kv_bytes_per_step(cfg, batch, ctx, kv_itemsize, shared),
-                    flops_per_step(cfg, specs, batch, ctx))
+def step_cost(
+    cfg: ModelConfig, weights, specs, batch: int, ctx: int, kv_itemsize: float | dict = 2, shared: bool = True
+) -> StepCost:
+    return StepCost(
+        weight_bytes_per_step(cfg, weights, batch, specs),
+        kv_bytes_per_step(cfg, batch, ctx, kv_itemsize, shared),
+        flops_per_step(cfg, specs, batch, ctx),
+    )

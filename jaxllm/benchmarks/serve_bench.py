@@ -27,6 +27,7 @@ Each level reports the share of prompt tokens the prefix cache served (the answe
 with --turns the TTFT and that share turn by turn; the fused loop is taken at the mean context of
 a decode step, the prefix and the earlier turns included.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,31 +70,62 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(src, ("shape", "model_dir"))
     src.add_argument("--url", help="a running server to load instead (no fused-loop reference)")
     p.add_argument("--concurrency", type=int_list, default=[1, 16, 64], help="comma-separated client counts")
-    p.add_argument("--prompt-len", type=length_range, default=(100, 100),
-                   help="prompt tokens: N, or LO:HI for lengths drawn uniformly")
+    p.add_argument(
+        "--prompt-len",
+        type=length_range,
+        default=(100, 100),
+        help="prompt tokens: N, or LO:HI for lengths drawn uniformly",
+    )
     p.add_argument("--output-len", type=length_range, default=(128, 128), help="new tokens: N, or LO:HI")
     p.add_argument("--rounds", type=int, default=4, help="requests each client sends, one after another")
     p.add_argument("--vocab", type=int, default=None, help="prompt ids are drawn below this (default: the model's)")
-    p.add_argument("--logprobs", type=int, default=None,
-                   help="every request asks for this many top log-probabilities a token")
-    p.add_argument("--json-fraction", type=float, default=0.0,
-                   help="this fraction of the requests asks for a JSON object (response_format json_object)")
-    p.add_argument("--long-prompt", type=int, default=None, metavar="N",
-                   help="once every client is streaming, one more request with an N-token prompt (and "
-                        "--long-output new tokens): its TTFT and the other streams' gaps while it prefills")
+    p.add_argument(
+        "--logprobs", type=int, default=None, help="every request asks for this many top log-probabilities a token"
+    )
+    p.add_argument(
+        "--json-fraction",
+        type=float,
+        default=0.0,
+        help="this fraction of the requests asks for a JSON object (response_format json_object)",
+    )
+    p.add_argument(
+        "--long-prompt",
+        type=int,
+        default=None,
+        metavar="N",
+        help="once every client is streaming, one more request with an N-token prompt (and "
+        "--long-output new tokens): its TTFT and the other streams' gaps while it prefills",
+    )
     p.add_argument("--long-output", type=int, default=16)
-    p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
-                   help="N token ids every prompt of a level starts with (a system prompt)")
-    p.add_argument("--turns", type=int, default=1, metavar="T",
-                   help="each client holds a conversation of T requests, each carrying the earlier ones and "
-                        "their answers (needs a server whose text is its token ids: --shape without --tokenizer)")
+    p.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N token ids every prompt of a level starts with (a system prompt)",
+    )
+    p.add_argument(
+        "--turns",
+        type=int,
+        default=1,
+        metavar="T",
+        help="each client holds a conversation of T requests, each carrying the earlier ones and "
+        "their answers (needs a server whose text is its token ids: --shape without --tokenizer)",
+    )
     p.add_argument("--no-reference", action="store_true", help="skip the fused-loop figures")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="JSON results path (default: a new file under the user's cache, "
-                   "~/.cache/jaxllm/bench/)")
-    add_flags(p, SERVED, "the server's model (passed to it; --max-model-len by default: prompt + output, rounded up)",
-              first={"max_ctx": "--max-model-len"})
-    add_scheduler_args(p, defaults=False)       # passed on; --max-num-seqs by default the largest concurrency
+    p.add_argument(
+        "--out",
+        default=None,
+        help="JSON results path (default: a new file under the user's cache, ~/.cache/jaxllm/bench/)",
+    )
+    add_flags(
+        p,
+        SERVED,
+        "the server's model (passed to it; --max-model-len by default: prompt + output, rounded up)",
+        first={"max_ctx": "--max-model-len"},
+    )
+    add_scheduler_args(p, defaults=False)  # passed on; --max-num-seqs by default the largest concurrency
     add_flags(p, SPECULATION, "speculative decoding (the server's; the fused-loop reference stays plain decoding)")
     return p
 
@@ -114,8 +146,12 @@ SERVED = ("tokenizer", "dtype", "quant", "kv_quant", "max_ctx", "tp", "block_siz
 
 def server_args(a) -> list[str]:
     config = a.config.replace(max_ctx=a.max_ctx)
-    return (source_args(a) + to_flags(config, (*SERVED, *SPECULATION)) + scheduler_flags(a)
-            + ["--max-queue", str(4 * a.max_num_seqs), "--disable-uvicorn-access-log", "--log-level", "info"])
+    return (
+        source_args(a)
+        + to_flags(config, (*SERVED, *SPECULATION))
+        + scheduler_flags(a)
+        + ["--max-queue", str(4 * a.max_num_seqs), "--disable-uvicorn-access-log", "--log-level", "info"]
+    )
 
 
 class Server:
@@ -126,11 +162,15 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
         self.t0 = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "jaxllm.serve", "--port", str(self.port), *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxllm.serve", "--port", str(self.port), *args],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
 
     def wait_ready(self, timeout: float = 1800) -> float:
         import httpx
+
         while time.monotonic() - self.t0 < timeout:
             if self.proc.poll() is not None:
                 raise SystemExit(f"the server exited with {self.proc.returncode}; see {self.log.name}")
@@ -147,6 +187,7 @@ class Server:
         are all compiled and have run once (the timed loads run on every shape, as a server long
         up does)."""
         import httpx
+
         while time.monotonic() - self.t0 < timeout:
             h = httpx.get(self.url + "/health", timeout=10).json()
             if h.get("compiling", 0) == 0 and h.get("warming", 0) == 0:
@@ -168,14 +209,30 @@ class Server:
 def fused_reference(a, ctx: int) -> tuple[dict, dict]:
     """The fused decode loop at each concurrency as batch, from `python -m jaxllm.bench` (its whole
     report goes into this one's)."""
-    src = source_args(a) or ["--shape", "gemma3-270m"]        # the embedded model's architecture
+    src = source_args(a) or ["--shape", "gemma3-270m"]  # the embedded model's architecture
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "fused_loop.json"
-        cmd = [sys.executable, "-m", "jaxllm.bench", *src, "--batches", ",".join(map(str, a.concurrency)),
-               "--ctx", str(ctx), "--steps", str(a.output_len[1]), "--quant", a.quant, "--kv-quant", a.kv_quant,
-               "--prompt-lens", ",".join(map(str, sorted({mean_len(a.prompt_len), piece_len(a)}))),
-               "--ttft-every-batch",
-               "--out", str(path)] + (["--tp", str(a.tp)] if a.tp else [])
+        cmd = [
+            sys.executable,
+            "-m",
+            "jaxllm.bench",
+            *src,
+            "--batches",
+            ",".join(map(str, a.concurrency)),
+            "--ctx",
+            str(ctx),
+            "--steps",
+            str(a.output_len[1]),
+            "--quant",
+            a.quant,
+            "--kv-quant",
+            a.kv_quant,
+            "--prompt-lens",
+            ",".join(map(str, sorted({mean_len(a.prompt_len), piece_len(a)}))),
+            "--ttft-every-batch",
+            "--out",
+            str(path),
+        ] + (["--tp", str(a.tp)] if a.tp else [])
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise SystemExit(f"the fused-loop bench failed:\n{r.stderr[-2000:]}")
@@ -210,53 +267,96 @@ def table(rep: dict) -> str:
     ready = "" if rep.get("ready_s") is None else f"; server ready {rep['ready_s']:.1f} s after start"
     if rep.get("compiled_s") is not None:
         ready += f", every shape compiled {rep['compiled_s']:.1f} s after start"
+
     def span(r):
         return str(r[0]) if r[0] == r[1] else f"{r[0]}-{r[1]}"
-    reuse = (f" after a shared prefix of {s['shared_prefix']}" if s.get("shared_prefix") else "") + \
-        (f", conversations of {s['turns']} turns" if s.get("turns", 1) > 1 else "") + \
-        (", deterministic" if s.get("deterministic") else "")
-    head = (f"serving {rep['subject']} on {rep.get('device', '?')}: prompts of {span(s['prompt_len'])} tokens{reuse}, "
-            f"{span(s['output_len'])} new, {s['rounds']} requests a client; fused loop at ctx {s['fused_ctx']}{ready}")
+
+    reuse = (
+        (f" after a shared prefix of {s['shared_prefix']}" if s.get("shared_prefix") else "")
+        + (f", conversations of {s['turns']} turns" if s.get("turns", 1) > 1 else "")
+        + (", deterministic" if s.get("deterministic") else "")
+    )
+    head = (
+        f"serving {rep['subject']} on {rep.get('device', '?')}: prompts of {span(s['prompt_len'])} tokens{reuse}, "
+        f"{span(s['output_len'])} new, {s['rounds']} requests a client; fused loop at ctx {s['fused_ctx']}{ready}"
+    )
     spec = any(lv.get("speculation") for lv in rep["levels"])
-    cols = ["clients", "requests", "tok/s", "fused tok/s", "ratio", "bound", "TTFT p50", "TTFT p99", "TPOT p50",
-            "TPOT p99", "ITL p50", "ITL p99", "cached", "preempted", "failed"] + (["accepted"] if spec else [])
+    cols = [
+        "clients",
+        "requests",
+        "tok/s",
+        "fused tok/s",
+        "ratio",
+        "bound",
+        "TTFT p50",
+        "TTFT p99",
+        "TPOT p50",
+        "TPOT p99",
+        "ITL p50",
+        "ITL p99",
+        "cached",
+        "preempted",
+        "failed",
+    ] + (["accepted"] if spec else [])
     rows = []
     for lv in rep["levels"]:
+
         def f(d, k):
             return f"{d[k]:.1f}" if d.get(k) is not None else "-"
-        rows.append([str(lv["concurrency"]), str(lv["requests"]), f"{lv['output_tok_s']:.1f}",
-                     "-" if lv["fused_tok_s"] is None else f"{lv['fused_tok_s']:.1f}",
-                     "-" if lv["ratio"] is None else f"{lv['ratio']:.2f}",
-                     "-" if lv.get("bound") is None else f"{lv['bound']:.2f}",
-                     f(lv["ttft_ms"], "p50"), f(lv["ttft_ms"], "p99"), f(lv["tpot_ms"], "p50"),
-                     f(lv["tpot_ms"], "p99"), f(lv["itl_ms"], "p50"), f(lv["itl_ms"], "p99"),
-                     "-" if lv.get("hit_rate") is None else f"{lv['hit_rate']:.0%}", str(lv.get("preemptions", 0)),
-                     str(lv["failed"])]
-                    + ([spec_summary(lv.get("speculation"))] if spec else []))
+
+        rows.append(
+            [
+                str(lv["concurrency"]),
+                str(lv["requests"]),
+                f"{lv['output_tok_s']:.1f}",
+                "-" if lv["fused_tok_s"] is None else f"{lv['fused_tok_s']:.1f}",
+                "-" if lv["ratio"] is None else f"{lv['ratio']:.2f}",
+                "-" if lv.get("bound") is None else f"{lv['bound']:.2f}",
+                f(lv["ttft_ms"], "p50"),
+                f(lv["ttft_ms"], "p99"),
+                f(lv["tpot_ms"], "p50"),
+                f(lv["tpot_ms"], "p99"),
+                f(lv["itl_ms"], "p50"),
+                f(lv["itl_ms"], "p99"),
+                "-" if lv.get("hit_rate") is None else f"{lv['hit_rate']:.0%}",
+                str(lv.get("preemptions", 0)),
+                str(lv["failed"]),
+            ]
+            + ([spec_summary(lv.get("speculation"))] if spec else [])
+        )
     width = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-    fmt = lambda r: "  ".join(x.rjust(w) for x, w in zip(r, width))      # noqa: E731
-    lines = [head] + ([f"the server's KV pool: {rep['kv_pool']}"] if rep.get("kv_pool") else []) + \
-        [fmt(cols) + "   (ms)", *map(fmt, rows)]
+    fmt = lambda r: "  ".join(x.rjust(w) for x, w in zip(r, width))  # noqa: E731
+    lines = (
+        [head]
+        + ([f"the server's KV pool: {rep['kv_pool']}"] if rep.get("kv_pool") else [])
+        + [fmt(cols) + "   (ms)", *map(fmt, rows)]
+    )
     for lv in rep["levels"]:
         if lv.get("turns"):
-            lines.append(f"{lv['concurrency']} clients, turn by turn (TTFT p50 ms, prompt tokens from the cache): "
-                         + ", ".join(f"{t['ttft_ms'].get('p50', 0):.0f} {t['hit_rate']:.0%}" for t in lv["turns"]))
+            lines.append(
+                f"{lv['concurrency']} clients, turn by turn (TTFT p50 ms, prompt tokens from the cache): "
+                + ", ".join(f"{t['ttft_ms'].get('p50', 0):.0f} {t['hit_rate']:.0%}" for t in lv["turns"])
+            )
         if lv.get("threads"):
             lines.append(f"{lv['concurrency']} clients, time of the wall: {thread_summary(lv['threads'])}")
         pl = lv.get("plain")
         if pl:
-            lines.append(f"{lv['concurrency']} clients, the same requests without log-probabilities or constraints: "
-                         f"{pl['output_tok_s']:.1f} tok/s ({pl['output_tokens']} tokens, {pl['failed']} failed); "
-                         f"this load is {pl['of_plain']:.2f} of it")
+            lines.append(
+                f"{lv['concurrency']} clients, the same requests without log-probabilities or constraints: "
+                f"{pl['output_tok_s']:.1f} tok/s ({pl['output_tokens']} tokens, {pl['failed']} failed); "
+                f"this load is {pl['of_plain']:.2f} of it"
+            )
         lp = lv.get("long_prompt")
         if lp and "error" in lp:
             lines.append(f"{lv['concurrency']} clients + one {lp['prompt_tokens']}-token prompt: {lp['error']}")
         elif lp:
             d, o = lp["itl_during_ms"], lp["itl_outside_ms"]
-            lines.append(f"{lv['concurrency']} clients + one {lp['prompt_tokens']}-token prompt: its TTFT "
-                         f"{lp['ttft_ms']:.0f} ms; the others' chunk gaps during its prefill p50 {d.get('p50', 0):.1f} "
-                         f"p99 {d.get('p99', 0):.1f} max {d.get('max', 0):.1f} ms ({lp['gaps_during']} gaps), "
-                         f"otherwise p50 {o.get('p50', 0):.1f} p99 {o.get('p99', 0):.1f} ms")
+            lines.append(
+                f"{lv['concurrency']} clients + one {lp['prompt_tokens']}-token prompt: its TTFT "
+                f"{lp['ttft_ms']:.0f} ms; the others' chunk gaps during its prefill p50 {d.get('p50', 0):.1f} "
+                f"p99 {d.get('p99', 0):.1f} max {d.get('max', 0):.1f} ms ({lp['gaps_during']} gaps), "
+                f"otherwise p50 {o.get('p50', 0):.1f} p99 {o.get('p99', 0):.1f} ms"
+            )
     return "\n".join(lines)
 
 
@@ -279,7 +379,7 @@ def main(argv=None) -> int:
     if a.turns > 1:
         if not a.url and not (a.shape and not a.tokenizer):
             raise SystemExit("--turns needs a server whose text is its token ids: --shape without --tokenizer")
-        a.rounds = a.turns             # a client's requests are its conversation's turns
+        a.rounds = a.turns  # a client's requests are its conversation's turns
     turn = a.prompt_len[1] + a.output_len[1]
     longest = max(a.shared_prefix + a.turns * turn, (a.long_prompt or 0) + a.long_output)
     a.max_ctx = a.max_ctx or -(-longest // 64) * 64
@@ -288,9 +388,10 @@ def main(argv=None) -> int:
             a.vocab = 1000
         elif a.shape:
             from jaxllm.model.presets import load_preset
+
             a.vocab = load_preset(a.shape)[0].vocab_size
         else:
-            a.vocab = 1000            # ids every vocabulary holds
+            a.vocab = 1000  # ids every vocabulary holds
     out = Path(a.out) if a.out else default_out(a, "serve-")
     out.parent.mkdir(parents=True, exist_ok=True)
     # a request's mean decode context: its prompt (after the shared prefix, or the earlier turns)
@@ -306,8 +407,9 @@ def main(argv=None) -> int:
         compiled = server.wait_compiled()
         print(f"server ready in {ready:.1f} s, every shape compiled in {compiled:.1f} s", file=sys.stderr)
         server.log.flush()
-        pool = next((line.split("KV pool: ", 1)[1].strip() for line in open(server.log.name) if "KV pool: " in line),
-                    None)
+        pool = next(
+            (line.split("KV pool: ", 1)[1].strip() for line in open(server.log.name) if "KV pool: " in line), None
+        )
     url = a.url or server.url
     rng = np.random.default_rng(a.seed)
     levels = []
@@ -315,15 +417,26 @@ def main(argv=None) -> int:
         for c in a.concurrency:
             load = Load.draw(c, a, rng)
             twin = a.logprobs is not None or a.json_fraction > 0
-            if twin:         # the first run of a load on a fresh server is slower; the pair compared is not
+            if twin:  # the first run of a load on a fresh server is slower; the pair compared is not
                 asyncio.run(run_level(url, c, a, load, rng))
             lv, tokens = asyncio.run(run_level(url, c, a, load, rng))
             if twin:
-                plain, _ = asyncio.run(run_level(url, c, a, load.plain(
-                    [max(t, 1) if t is not None else o for t, o in zip(tokens, load.outs)]), rng))
-                lv.plain = {"output_tok_s": plain.output_tok_s, "duration_s": plain.duration_s,
-                            "output_tokens": plain.output_tokens, "failed": plain.failed,
-                            "of_plain": lv.output_tok_s / plain.output_tok_s if plain.output_tok_s else None}
+                plain, _ = asyncio.run(
+                    run_level(
+                        url,
+                        c,
+                        a,
+                        load.plain([max(t, 1) if t is not None else o for t, o in zip(tokens, load.outs)]),
+                        rng,
+                    )
+                )
+                lv.plain = {
+                    "output_tok_s": plain.output_tok_s,
+                    "duration_s": plain.duration_s,
+                    "output_tokens": plain.output_tokens,
+                    "failed": plain.failed,
+                    "of_plain": lv.output_tok_s / plain.output_tok_s if plain.output_tok_s else None,
+                }
             if c in ref and ref[c].get("tok_s"):
                 lv.fused_tok_s = ref[c]["tok_s"]
                 lv.ratio = lv.output_tok_s / lv.fused_tok_s
@@ -334,18 +447,41 @@ def main(argv=None) -> int:
     finally:
         if server is not None:
             server.stop()
-    rep = {"subject": a.shape or a.model_dir or a.url or "the embedded model",
-           "date": datetime.datetime.now(datetime.timezone.utc)
-           .isoformat(timespec="seconds"), "git_commit": git_commit(), "ready_s": ready,
-           "compiled_s": compiled, "kv_pool": pool,
-           "settings": {k: getattr(a, k) for k in ("prompt_len", "output_len", "rounds", "max_num_seqs",
-                                                   "max_num_batched_tokens", "decode_steps",
-                                                   "tp", "quant", "kv_quant", "concurrency", "speculative",
-                                                   "num_speculative_tokens", "draft_model_dir", "logprobs",
-                                                   "json_fraction", "long_prompt", "long_output",
-                                                   "shared_prefix", "turns", "deterministic")}
-           | {"max_model_len": a.max_ctx, "fused_ctx": ctx, "prefill_piece": piece_len(a)},
-           "levels": [asdict(x) for x in levels]}
+    rep = {
+        "subject": a.shape or a.model_dir or a.url or "the embedded model",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(),
+        "ready_s": ready,
+        "compiled_s": compiled,
+        "kv_pool": pool,
+        "settings": {
+            k: getattr(a, k)
+            for k in (
+                "prompt_len",
+                "output_len",
+                "rounds",
+                "max_num_seqs",
+                "max_num_batched_tokens",
+                "decode_steps",
+                "tp",
+                "quant",
+                "kv_quant",
+                "concurrency",
+                "speculative",
+                "num_speculative_tokens",
+                "draft_model_dir",
+                "logprobs",
+                "json_fraction",
+                "long_prompt",
+                "long_output",
+                "shared_prefix",
+                "turns",
+                "deterministic",
+            )
+        }
+        | {"max_model_len": a.max_ctx, "fused_ctx": ctx, "prefill_piece": piece_len(a)},
+        "levels": [asdict(x) for x in levels],
+    }
     if ref_rep is not None:
         rep.update(device=ref_rep["device"]["kind"], jax_version=ref_rep["jax_version"], fused_loop=ref_rep)
     out.write_text(json.dumps(rep, indent=2))

@@ -1,6 +1,7 @@
 """The serving bench's clients: streaming connections that keep a level's clients busy (their
 requests one after another, or a conversation's turns), what the server's /metrics says of its
 threads, speculation and preemptions, and the figures of a level (`Level`)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,17 +19,17 @@ class Level:
     output_tokens: int = 0
     duration_s: float = 0.0
     output_tok_s: float = 0.0
-    ttft_ms: dict = field(default_factory=dict)       # p50, p99, max
-    tpot_ms: dict = field(default_factory=dict)       # (end - first token) / (tokens - 1), per request
-    itl_ms: dict = field(default_factory=dict)        # gaps between streamed chunks
+    ttft_ms: dict = field(default_factory=dict)  # p50, p99, max
+    tpot_ms: dict = field(default_factory=dict)  # (end - first token) / (tokens - 1), per request
+    itl_ms: dict = field(default_factory=dict)  # gaps between streamed chunks
     failed: int = 0
     fused_tok_s: float | None = None
     ratio: float | None = None
-    bound: float | None = None         # the ratio with no host time: the loop's steps and one prefill a round,
-                                       # the prompts in the server's pieces (`piece_len`)
+    bound: float | None = None  # the ratio with no host time: the loop's steps and one prefill a round,
+    # the prompts in the server's pieces (`piece_len`)
     bound_packed: float | None = None  # the same with the prompts packed to their length
-    speculation: dict | None = None    # verify cycles, drafted, accepted over the level (from /metrics)
-    long_prompt: dict | None = None    # --long-prompt: its TTFT, and the others' chunk gaps during its prefill
+    speculation: dict | None = None  # verify cycles, drafted, accepted over the level (from /metrics)
+    long_prompt: dict | None = None  # --long-prompt: its TTFT, and the others' chunk gaps during its prefill
     # --logprobs / --json-fraction: the same requests without them (output_tok_s, duration_s,
     # output_tokens, failed) and this level's tok/s as a fraction of theirs ("of_plain")
     plain: dict | None = None
@@ -36,10 +37,10 @@ class Level:
     # ("other": the engine thread's own scheduling), from the server's /metrics.
     threads: dict | None = None
     prompt_tokens: int = 0
-    cached_tokens: int = 0             # of them, served by the prefix cache (the answers' usage)
+    cached_tokens: int = 0  # of them, served by the prefix cache (the answers' usage)
     hit_rate: float | None = None
-    preemptions: int = 0               # running requests the server preempted for KV blocks (from /metrics)
-    turns: list | None = None          # --turns: per turn, {"ttft_ms", "hit_rate", "prompt_tokens"}
+    preemptions: int = 0  # running requests the server preempted for KV blocks (from /metrics)
+    turns: list | None = None  # --turns: per turn, {"ttft_ms", "hit_rate", "prompt_tokens"}
 
 
 # -- the clients -------------------------------------------------------------------------------------
@@ -57,8 +58,11 @@ class Connection:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         data = json.dumps(body).encode()
-        self.writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-                          f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        self.writer.write(
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
         status = int((await self.reader.readline()).split()[1])
         headers = {}
         while (line := await self.reader.readline()) not in (b"\r\n", b""):
@@ -84,13 +88,26 @@ class Connection:
             self.writer.close()
 
 
-async def one_request(conn: Connection, ids: list[int], max_tokens: int, logprobs: int | None = None,
-                      json_object: bool = False, on_first=None) -> dict:
+async def one_request(
+    conn: Connection,
+    ids: list[int],
+    max_tokens: int,
+    logprobs: int | None = None,
+    json_object: bool = False,
+    on_first=None,
+) -> dict:
     """One streamed completion -> its chunks' arrival times from `start` (the clock at sending),
     TTFT, tokens; or {"error": ...}. `on_first()` is called when its first text arrives."""
-    body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": not json_object, "stream": True,
-            "stream_options": {"include_usage": True}, **({"logprobs": logprobs} if logprobs is not None else {}),
-            **({"response_format": {"type": "json_object"}} if json_object else {})}
+    body = {
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": not json_object,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **({"logprobs": logprobs} if logprobs is not None else {}),
+        **({"response_format": {"type": "json_object"}} if json_object else {}),
+    }
     t0 = time.perf_counter()
     chunks, n, cached, err, text = [], 0, 0, None, []
     try:
@@ -111,14 +128,25 @@ async def one_request(conn: Connection, ids: list[int], max_tokens: int, logprob
         return {"error": str(e)}
     if err or not chunks:
         return {"error": err or "no tokens streamed"}
-    return {"start": t0, "ttft": chunks[0], "end": chunks[-1], "chunks": chunks, "tokens": n, "prompt": len(ids),
-            "cached": cached, "text": "".join(text)}
+    return {
+        "start": t0,
+        "ttft": chunks[0],
+        "end": chunks[-1],
+        "chunks": chunks,
+        "tokens": n,
+        "prompt": len(ids),
+        "cached": cached,
+        "text": "".join(text),
+    }
 
 
 THREAD_METRIC, CALLS_METRIC = "jaxllm:scheduler_thread_seconds", "jaxllm:scheduler_calls"
 PREEMPTIONS = "jaxllm:num_preemptions"
-SPEC_METRICS = {"jaxllm:spec_decode_num_drafts": "cycles", "jaxllm:spec_decode_num_draft_tokens": "drafted",
-                "jaxllm:spec_decode_num_accepted_tokens": "accepted"}
+SPEC_METRICS = {
+    "jaxllm:spec_decode_num_drafts": "cycles",
+    "jaxllm:spec_decode_num_draft_tokens": "drafted",
+    "jaxllm:spec_decode_num_accepted_tokens": "accepted",
+}
 
 
 def server_counts(url: str) -> tuple[dict | None, dict]:
@@ -127,6 +155,7 @@ def server_counts(url: str) -> tuple[dict | None, dict]:
     under ("preemptions", "")."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
+
     spec, threads = {}, {}
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
         if fam.name == PREEMPTIONS:
@@ -161,11 +190,15 @@ def thread_shares(before: dict, after: dict, wall: float) -> dict:
 def thread_summary(shares: dict | None) -> str:
     if not shares:
         return ""
+
     def part(t, p, v):
         return f"{p} {v}" if t == "calls" else f"{p} {v:.0%}"
-    return "; ".join(f"{t}{'' if t == 'calls' else ' thread'} "
-                     + ", ".join(part(t, p, v) for p, v in sorted(parts.items(), key=lambda kv: -kv[1]))
-                     for t, parts in sorted(shares.items()))
+
+    return "; ".join(
+        f"{t}{'' if t == 'calls' else ' thread'} "
+        + ", ".join(part(t, p, v) for p, v in sorted(parts.items(), key=lambda kv: -kv[1]))
+        for t, parts in sorted(shares.items())
+    )
 
 
 def spec_summary(d: dict | None) -> str:
@@ -186,9 +219,10 @@ class Load:
     """The requests of a level, in the order the clients send them (client i sends rounds i * R to
     (i + 1) * R - 1). With `turns`, each round is a conversation's next turn: its prompt is the
     conversation so far followed by the round's own tokens."""
+
     prompts: list
-    outs: list                  # max_tokens of each
-    constrained: list           # each asks for a JSON object
+    outs: list  # max_tokens of each
+    constrained: list  # each asks for a JSON object
     logprobs: int | None
     long_prompt: int | None
     turns: bool = False
@@ -197,9 +231,11 @@ class Load:
     def draw(c: int, a, rng) -> "Load":
         n = c * a.rounds
         shared = rng.integers(0, a.vocab, a.shared_prefix).tolist()
-        prompts = [(shared if a.turns == 1 or i % a.rounds == 0 else [])
-                   + rng.integers(0, a.vocab, rng.integers(a.prompt_len[0], a.prompt_len[1] + 1)).tolist()
-                   for i in range(n)]
+        prompts = [
+            (shared if a.turns == 1 or i % a.rounds == 0 else [])
+            + rng.integers(0, a.vocab, rng.integers(a.prompt_len[0], a.prompt_len[1] + 1)).tolist()
+            for i in range(n)
+        ]
         outs = rng.integers(a.output_len[0], a.output_len[1] + 1, n).tolist()
         constrained = [int((i + 1) * a.json_fraction) > int(i * a.json_fraction) for i in range(n)]
         return Load(prompts, outs, constrained, a.logprobs, a.long_prompt, a.turns > 1)
@@ -213,10 +249,11 @@ class Load:
 async def run_level(url: str, c: int, a, load: Load, rng) -> tuple[Level, list]:
     """-> (the level's figures, each request's completion tokens in load order, None where it failed)."""
     from urllib.parse import urlparse
+
     u = urlparse(url)
     conns = [Connection(u.hostname, u.port or 80) for _ in range(c)]
     prompts, outs, constrained = load.prompts, load.outs, load.constrained
-    await one_request(conns[0], prompts[0][:8], 4, load.logprobs, any(constrained))   # awake, its calls compiled
+    await one_request(conns[0], prompts[0][:8], 4, load.logprobs, any(constrained))  # awake, its calls compiled
     before, threads_before = server_counts(url)
 
     streaming = asyncio.Event()
@@ -231,10 +268,11 @@ async def run_level(url: str, c: int, a, load: Load, rng) -> tuple[Level, list]:
         out, history = [], []
         for j in range(i * a.rounds, (i + 1) * a.rounds):
             ids = history + prompts[j] if load.turns else prompts[j]
-            r = await one_request(conns[i], ids, outs[j], load.logprobs, constrained[j],
-                                  first if j == i * a.rounds else None)
+            r = await one_request(
+                conns[i], ids, outs[j], load.logprobs, constrained[j], first if j == i * a.rounds else None
+            )
             out.append(r)
-            if load.turns and "error" not in r:          # the answer's text is its token ids
+            if load.turns and "error" not in r:  # the answer's text is its token ids
                 history = ids + [int(t) for t in r["text"].split()]
         return out
 
@@ -245,6 +283,7 @@ async def run_level(url: str, c: int, a, load: Load, rng) -> tuple[Level, list]:
             return await one_request(conn, rng.integers(0, a.vocab, load.long_prompt).tolist(), a.long_output)
         finally:
             conn.close()
+
     t0 = time.perf_counter()
     long_task = asyncio.ensure_future(long_one()) if load.long_prompt else None
     results = [r for rs in await asyncio.gather(*(client(i) for i in range(c))) for r in rs]
@@ -263,10 +302,12 @@ async def run_level(url: str, c: int, a, load: Load, rng) -> tuple[Level, list]:
     lv.prompt_tokens, lv.cached_tokens = sum(r["prompt"] for r in ok), sum(r["cached"] for r in ok)
     lv.hit_rate = lv.cached_tokens / max(lv.prompt_tokens, 1)
     if load.turns:
-        lv.turns = [turn_summary([r for j, r in enumerate(results) if j % a.rounds == t and "error" not in r])
-                    for t in range(a.rounds)]
+        lv.turns = [
+            turn_summary([r for j, r in enumerate(results) if j % a.rounds == t and "error" not in r])
+            for t in range(a.rounds)
+        ]
     if before is not None:
-        await asyncio.sleep(0.2)         # the server reads its speculation counts once it is idle
+        await asyncio.sleep(0.2)  # the server reads its speculation counts once it is idle
     spec, threads = server_counts(url)
     if before is not None:
         lv.speculation = {k: v - before[k] for k, v in spec.items()}
@@ -279,8 +320,11 @@ def turn_summary(rs: list[dict]) -> dict:
     """One turn of the level's conversations: its TTFT and the share of its prompts served by the
     prefix cache."""
     prompt = sum(r["prompt"] for r in rs)
-    return {"ttft_ms": pct([r["ttft"] for r in rs]), "prompt_tokens": prompt,
-            "hit_rate": sum(r["cached"] for r in rs) / max(prompt, 1)}
+    return {
+        "ttft_ms": pct([r["ttft"] for r in rs]),
+        "prompt_tokens": prompt,
+        "hit_rate": sum(r["cached"] for r in rs) / max(prompt, 1),
+    }
 
 
 def long_prompt_summary(n: int, long: dict, others: list[dict]) -> dict:
@@ -294,5 +338,11 @@ def long_prompt_summary(n: int, long: dict, others: list[dict]) -> dict:
         at = [r["start"] + x for x in r["chunks"]]
         for x, b in zip(at, at[1:]):
             (during if x < w1 and b > w0 else outside).append(b - x)
-    return {"prompt_tokens": n, "ttft_ms": long["ttft"] * 1e3, "tokens": long["tokens"],
-            "itl_during_ms": pct(during), "itl_outside_ms": pct(outside), "gaps_during": len(during)}
+    return {
+        "prompt_tokens": n,
+        "ttft_ms": long["ttft"] * 1e3,
+        "tokens": long["tokens"],
+        "itl_during_ms": pct(during),
+        "itl_outside_ms": pct(outside),
+        "gaps_during": len(during),
+    }

@@ -6,6 +6,7 @@ Each point times the core's decode loop (EOS disabled, so every row runs every s
 whose KV cache is already filled to --ctx, so each step attends over ctx positions. Compile time
 is measured apart; the reported step time is the median of --repeats runs.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -50,11 +51,11 @@ class Point:
     flops_per_step: int = 0
     compute_ms: float = 0.0
     ceiling_tok_s: float = 0.0
-    ttft_ms: dict = field(default_factory=dict)          # prompt length -> ms (batch rows at once)
+    ttft_ms: dict = field(default_factory=dict)  # prompt length -> ms (batch rows at once)
     ttft_compile_s: dict = field(default_factory=dict)
-    prefill_flops: dict = field(default_factory=dict)    # prompt length -> FLOPs of that prefill
-    prefill_mfu: dict = field(default_factory=dict)      # prompt length -> of the measured matmul rate
-    speculation: dict | None = None                      # verify cycles, drafted, accepted (last run)
+    prefill_flops: dict = field(default_factory=dict)  # prompt length -> FLOPs of that prefill
+    prefill_mfu: dict = field(default_factory=dict)  # prompt length -> of the measured matmul rate
+    speculation: dict | None = None  # verify cycles, drafted, accepted (last run)
     skipped: str | None = None
 
 
@@ -63,13 +64,15 @@ def load_subject(a):
     """-> (engine, family, description) from --shape (random weights, on device) or --model-dir; the
     engine's KV policy is the run's (--kv-quant, --int8-rings, --rebuild-keys) for ctx + steps."""
     from jaxllm.model.families import family_for
+
     length = a.ctx + a.steps
     eng = build_engine(a.config.replace(max_ctx=length, tp=a.tp))
     subject = {"shape": a.shape} if a.shape else {"model_dir": str(a.model_dir)}
     cfg = eng.cfg
     if a.rebuild_keys and not any(cfg.attn[k].k_eq_v and cfg.attn[k].window is None for k in cfg.kinds_used):
-        raise RequestError("--rebuild-keys applies to global layers whose V is their K (Gemma 4's k_eq_v); "
-                           "this model has none")
+        raise RequestError(
+            "--rebuild-keys applies to global layers whose V is their K (Gemma 4's k_eq_v); this model has none"
+        )
     return eng, family_for({"model_type": eng.cfg.family}), subject
 
 
@@ -93,17 +96,26 @@ def decode_state(eng, batch: int, ctx: int, steps: int, seed: int, params: Sampl
     last = np.asarray(jax.random.randint(jax.random.key(seed), (batch,), 0, eng.cfg.vocab_size, jnp.int32))
     full = np.full((batch,), 1, np.int32)
     spec = None
-    if eng.spec is not None:         # random tokens: n-gram lookup finds what free text would
-        history = np.asarray(jax.random.randint(jax.random.key(seed + 1), (batch, ctx + steps), 0,
-                                                eng.cfg.vocab_size, jnp.int32))
+    if eng.spec is not None:  # random tokens: n-gram lookup finds what free text would
+        history = np.asarray(
+            jax.random.randint(jax.random.key(seed + 1), (batch, ctx + steps), 0, eng.cfg.vocab_size, jnp.int32)
+        )
         spec = jax.tree_util.tree_map(np.asarray, SpecSlots.empty(batch, ctx + steps)).replace(history=history)
-    slots = Slots(last=last, pos=full * ctx, step=full, remaining=full * steps,
-                       active=np.ones(batch, bool), ignore_eos=np.ones(batch, bool),
-                       params=jax.tree_util.tree_map(np.asarray, params), spec=spec)
+    slots = Slots(
+        last=last,
+        pos=full * ctx,
+        step=full,
+        remaining=full * steps,
+        active=np.ones(batch, bool),
+        ignore_eos=np.ones(batch, bool),
+        params=jax.tree_util.tree_map(np.asarray, params),
+        spec=spec,
+    )
     draft = None
     if shapes.draft_cache is not None:
-        draft = random_like(shapes.draft_cache, seed + 2,
-                            jax.tree_util.tree_map(lambda s: s.sharding, shapes.draft_cache))
+        draft = random_like(
+            shapes.draft_cache, seed + 2, jax.tree_util.tree_map(lambda s: s.sharding, shapes.draft_cache)
+        )
     return State(cache, eng.put_rows(slots), draft)
 
 
@@ -126,23 +138,25 @@ def time_decode(eng, batch, a) -> tuple[float, list[float]]:
         out[1].block_until_ready()
         if i >= a.warmup:
             runs.append(time.perf_counter() - t0)
-        if out[0].slots.spec is not None:       # cycles, drafted, accepted, summed over the rows
+        if out[0].slots.spec is not None:  # cycles, drafted, accepted, summed over the rows
             spec = dict(zip(("cycles", "drafted", "accepted"), np.asarray(out[0].slots.spec.stats).sum(0).tolist()))
-        del out, state                 # freed after the clock stops, as a fresh state is made
+        del out, state  # freed after the clock stops, as a fresh state is made
     return compile_s, runs, spec
 
 
 def time_prefill(eng, batch, prompt_len, a) -> tuple[float, float]:
     """(compile seconds, median seconds) from a batch of prompt_len-token prompts, in one forward of
     the core's prefill, to their first tokens."""
-    tokens = np.asarray(jax.random.randint(jax.random.key(a.seed), (batch, prompt_len), 0, eng.cfg.vocab_size,
-                                           jnp.int32))
+    tokens = np.asarray(
+        jax.random.randint(jax.random.key(a.seed), (batch, prompt_len), 0, eng.cfg.vocab_size, jnp.int32)
+    )
     pieces = eng.put_rows(Pieces.make(tokens, 0, prompt_len, True, np.arange(batch)))
 
     plan = eng.pool_plan(batch, prompt_len + 1, span=prompt_len)
 
     def fresh():
         return jax.block_until_ready(eng.new_state(plan))
+
     t0 = time.perf_counter()
     fn = eng.executable("prefill", (fresh(), pieces, None), {"out": "sample"})
     compile_s = time.perf_counter() - t0
@@ -163,16 +177,25 @@ def kv_itemsizes(cfg, a, dtype) -> dict:
     not counted): int8 global layers, and sliding ones too with --int8-rings."""
     layout = choose_layout(a.kv_quant, a.ctx + a.steps, a.kv_options)
     full = jnp.dtype(dtype).itemsize
-    return {kind: 1 if (layout.int8_sliding if cfg.attn[kind].window is not None else layout.int8) else full
-            for kind in cfg.kinds_used}
+    return {
+        kind: 1 if (layout.int8_sliding if cfg.attn[kind].window is not None else layout.int8) else full
+        for kind in cfg.kinds_used
+    }
 
 
 def run_point(eng, fam, batch, a, ceilings, mem_limit) -> Point:
     cfg, weights, dtype = eng.cfg, eng.weights, DTYPES[a.dtype]
     shared = a.rebuild_keys
     cost = step_cost(cfg, weights, fam.abstract(cfg), batch, a.ctx, kv_itemsizes(cfg, a, dtype), shared)
-    p = Point(batch, a.ctx, a.steps, weight_bytes_per_step=cost.weight_bytes, kv_bytes_per_step=cost.kv_bytes,
-              bytes_per_step=cost.bytes, flops_per_step=cost.flops)
+    p = Point(
+        batch,
+        a.ctx,
+        a.steps,
+        weight_bytes_per_step=cost.weight_bytes,
+        kv_bytes_per_step=cost.kv_bytes,
+        bytes_per_step=cost.bytes,
+        flops_per_step=cost.flops,
+    )
     # tensor parallelism splits the bytes and FLOPs of a step over tp devices, each measured alike
     p.roofline_ms = cost.bytes / (ceilings.bandwidth * a.tp) * 1e3
     p.compute_ms = cost.flops / (ceilings.matmul_flops * a.tp) * 1e3
@@ -187,12 +210,12 @@ def run_point(eng, fam, batch, a, ceilings, mem_limit) -> Point:
         p.ms_per_step = median_ms(runs) / a.steps
         p.tok_s = batch / p.ms_per_step * 1e3
         p.roofline_fraction = p.roofline_ms / p.ms_per_step
-        for n in (a.prompt_lens if a.ttft_every_batch or batch == min(a.batches) else []):
+        for n in a.prompt_lens if a.ttft_every_batch or batch == min(a.batches) else []:
             c, t = time_prefill(eng, batch, n, a)
             p.ttft_compile_s[str(n)], p.ttft_ms[str(n)] = c, t * 1e3
             p.prefill_flops[str(n)] = prefill_flops(cfg, fam.abstract(cfg), batch, n)
             p.prefill_mfu[str(n)] = p.prefill_flops[str(n)] / t / (ceilings.matmul_flops * a.tp)
-    except Exception as e:                            # out of device memory and the like: note, go on
+    except Exception as e:  # out of device memory and the like: note, go on
         if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
             raise
         p.skipped = "out of device memory: " + str(e).splitlines()[0][:160]
@@ -204,24 +227,47 @@ def report(a, eng, subject, ceilings, points) -> dict:
     cfg, weights = eng.cfg, eng.weights
     d = jax.devices()[0]
     return {
-        "device": {"kind": d.device_kind, "platform": d.platform, "count": jax.device_count(),
-                   "memory_bytes": device_memory(d)},
+        "device": {
+            "kind": d.device_kind,
+            "platform": d.platform,
+            "count": jax.device_count(),
+            "memory_bytes": device_memory(d),
+        },
         "jax_version": jax.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
-        "model": {**subject, "family": cfg.family, "quant": a.quant, "dtype": a.dtype,
-                  "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
-                  "weight_bytes": nbytes(weights)},
-        "settings": {"ctx": a.ctx, "steps": a.steps, "warmup": a.warmup, "repeats": a.repeats, "tp": a.tp,
-                     "batches": a.batches, "prompt_lens": a.prompt_lens, "kv_quant": a.kv_quant,
-                     "int8_rings": a.int8_rings, "rebuild_keys": a.rebuild_keys,
-                     "scan_unroll": eng.runtime.scan_unroll or "auto",
-                     "compiler_options": eng.ops.compiler_options(),
-                     "speculative": a.speculative, "num_speculative_tokens": a.num_speculative_tokens,
-                     "draft_shape": a.draft_shape, "draft_model_dir": a.draft_model_dir,
-                     "draft_always": a.draft_always, "speculative_max_batch": a.speculative_max_batch,
-                     "xla_flags": env("XLA_FLAGS", ""),
-                     "sampling": {"temperature": a.temperature, "top_k": a.top_k, "top_p": a.top_p}},
+        "model": {
+            **subject,
+            "family": cfg.family,
+            "quant": a.quant,
+            "dtype": a.dtype,
+            "num_layers": cfg.num_layers,
+            "hidden_size": cfg.hidden_size,
+            "vocab_size": cfg.vocab_size,
+            "weight_bytes": nbytes(weights),
+        },
+        "settings": {
+            "ctx": a.ctx,
+            "steps": a.steps,
+            "warmup": a.warmup,
+            "repeats": a.repeats,
+            "tp": a.tp,
+            "batches": a.batches,
+            "prompt_lens": a.prompt_lens,
+            "kv_quant": a.kv_quant,
+            "int8_rings": a.int8_rings,
+            "rebuild_keys": a.rebuild_keys,
+            "scan_unroll": eng.runtime.scan_unroll or "auto",
+            "compiler_options": eng.ops.compiler_options(),
+            "speculative": a.speculative,
+            "num_speculative_tokens": a.num_speculative_tokens,
+            "draft_shape": a.draft_shape,
+            "draft_model_dir": a.draft_model_dir,
+            "draft_always": a.draft_always,
+            "speculative_max_batch": a.speculative_max_batch,
+            "xla_flags": env("XLA_FLAGS", ""),
+            "sampling": {"temperature": a.temperature, "top_k": a.top_k, "top_p": a.top_p},
+        },
         "ceilings": ceilings.to_json(),
         "kernels": {"mode": eng.runtime.kernels, "backend": eng.ops.name, "selections": ops.selections()},
         "points": [asdict(p) for p in points],
@@ -239,8 +285,10 @@ def run(a) -> dict:
     size_for(a, a.layout.platform)
     if a.int8_rings and not choose_layout(a.kv_quant, a.ctx + a.steps, a.kv_options).int8:
         raise RequestError("--int8-rings needs int8 global layers: add --kv-quant int8")
-    note(f"on {jax.devices()[0].device_kind}: batches {','.join(map(str, a.batches))} at ctx {a.ctx}, "
-         f"{a.steps} decode steps a run, {a.warmup} untimed and {a.repeats} timed runs a point")
+    note(
+        f"on {jax.devices()[0].device_kind}: batches {','.join(map(str, a.batches))} at ctx {a.ctx}, "
+        f"{a.steps} decode steps a run, {a.warmup} untimed and {a.repeats} timed runs a point"
+    )
     t0 = time.perf_counter()
     eng, fam, subject = load_subject(a)
     note(f"model ready ({a.quant} weights, {a.dtype}) in {time.perf_counter() - t0:.1f} s")

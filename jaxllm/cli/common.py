@@ -1,4 +1,5 @@
 """What every command-line front end shares: one-line errors, load progress, the engine's flags."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,12 +11,13 @@ from jaxllm.config.engine import MODEL, RUNTIME, SPECULATION, add_flags, from_ar
 from jaxllm.config.runtime import env
 from jaxllm.errors import JaxllmError, warnings_as_lines
 
-ENGINE = (*MODEL, "compilation_cache")       # the engine flags every command line that loads a model takes
+ENGINE = (*MODEL, "compilation_cache")  # the engine flags every command line that loads a model takes
 
 
 def add_engine_args(p: argparse.ArgumentParser, speculation: bool = True) -> None:
     """The model, runtime and (optionally) speculation flags (`config.engine.FLAGS`) and the multi-host ones."""
     from jaxllm.cli import distributed
+
     add_flags(p, ENGINE, "model")
     if speculation:
         add_flags(p, SPECULATION, "speculative decoding")
@@ -30,13 +32,15 @@ def load_engine(args, quiet: bool = False):
 
     import jaxllm
     from jaxllm.cli import distributed
+
     t0 = time.perf_counter()
     if distributed.init_from_args(args) and not distributed.is_main_process():
-        sys.stdout = open(os.devnull, "w")     # every process computes; process 0 prints
+        sys.stdout = open(os.devnull, "w")  # every process computes; process 0 prints
         quiet = True
     bar = None
     if not quiet and sys.stderr.isatty() or env("JAXLLM_PROGRESS") == "1":
         from tqdm import tqdm
+
         bar = tqdm(total=0, desc="loading", unit="tensor", file=sys.stderr, leave=False)
 
     def progress(n, total):
@@ -54,6 +58,7 @@ def load_engine(args, quiet: bool = False):
     # on stderr, so --json output stays clean; always shown when the int8 long-context layout is used
     if eng.kv_layout.int8 or (not quiet and sys.stderr.isatty()):
         from jaxllm.kv.plan import report
+
         report(eng.kv_plan(1))
     if not quiet and sys.stderr.isatty():
         eng.on_compile = compile_ticker
@@ -65,12 +70,14 @@ def compile_ticker(n: int):
     can take a while; later runs read JAX's compilation cache); -> the function that clears it."""
     import threading
     import time
+
     stop, t0 = threading.Event(), time.perf_counter()
 
     def tick():
         while not stop.wait(0.25):
             sys.stderr.write(f"\rcompiling {n} step{'s' if n > 1 else ''}... {time.perf_counter() - t0:.0f} s")
             sys.stderr.flush()
+
     thread = threading.Thread(target=tick, daemon=True)
     thread.start()
 
@@ -79,6 +86,7 @@ def compile_ticker(n: int):
         thread.join()
         sys.stderr.write("\r\033[K")
         sys.stderr.flush()
+
     return done
 
 

@@ -5,6 +5,7 @@ directory: the weights already in the engine's layout and format, as an orbax ch
 config.json and the tokenizer. `jaxllm.load(DST)` / `--model-dir DST` then restores them directly
 into device shards. Nothing is written into SRC.
 """
+
 from __future__ import annotations
 
 import sys
@@ -41,11 +42,11 @@ def convert(model_dir, out, quant: str = "int8", dtype: str = "bfloat16", progre
     from jaxllm.model.sharding import layout_for
     from jaxllm.weights import load_model
     from jaxllm.weights.saved import save_weights, write_source_files
+
     cfg, fam, weights, tok, _ = load_model(model_dir, engine.DTYPES[dtype], quant, progress, layout_for(tp))
     dst.mkdir(parents=True, exist_ok=True)
     write_source_files(files, dst, tok)
-    save_weights(dst, weights, {"family": cfg.family, "quant": quant, "dtype": dtype,
-                                "source": str(files.name)})
+    save_weights(dst, weights, {"family": cfg.family, "quant": quant, "dtype": dtype, "source": str(files.name)})
     return dst
 
 

@@ -6,6 +6,7 @@ Launch: the same command on every host with `--coordinator-address HOST:PORT --n
 JAX_PROCESS_ID), or on a Cloud TPU pod slice with no flags at all (JAX finds its peers itself when
 JAXLLM_DISTRIBUTED=1 is set).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,15 +19,22 @@ ENV_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("multi-host")
-    g.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
-                   help="address of process 0's coordinator (jax.distributed)")
+    g.add_argument(
+        "--coordinator-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="address of process 0's coordinator (jax.distributed)",
+    )
     g.add_argument("--num-processes", type=int, default=None, help="number of processes in the run")
     g.add_argument("--process-id", type=int, default=None, help="this process's index, 0-based")
 
 
 def _flags(args) -> tuple:
-    return (getattr(args, "coordinator_address", None), getattr(args, "num_processes", None),
-            getattr(args, "process_id", None))
+    return (
+        getattr(args, "coordinator_address", None),
+        getattr(args, "num_processes", None),
+        getattr(args, "process_id", None),
+    )
 
 
 def check_args(args) -> None:
@@ -55,11 +63,13 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None) ->
     if coordinator_address is None and not from_env:
         return False
     import jax
+
     # Only the CPU client reads this: CPU processes exchange collectives through gloo.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
-        jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                                   process_id=process_id)
+        jax.distributed.initialize(
+            coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+        )
     except (RuntimeError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"cannot join the distributed run: {first}") from None
@@ -68,6 +78,7 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None) ->
 
 def is_main_process() -> bool:
     import jax
+
     return jax.process_index() == 0
 
 

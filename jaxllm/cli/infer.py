@@ -1,4 +1,5 @@
 """`python -m jaxllm.infer`: generate from prompts (or score a text) on any supported model."""
+
 from __future__ import annotations
 
 import json
@@ -28,10 +29,12 @@ def build_parser() -> Parser:
     p.add_argument("--seed", type=int, default=0, help="row b of the batch samples with seed + b")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     template = p.add_mutually_exclusive_group()
-    template.add_argument("--chat", action="store_true",
-                          help="apply the chat template (default: only where the model is chat-tuned)")
-    template.add_argument("--raw-prompt", action="store_true",
-                          help="no chat template (default where the model is not chat-tuned)")
+    template.add_argument(
+        "--chat", action="store_true", help="apply the chat template (default: only where the model is chat-tuned)"
+    )
+    template.add_argument(
+        "--raw-prompt", action="store_true", help="no chat template (default where the model is not chat-tuned)"
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per line on stdout")
     add_perplexity_args(p)
     return p
@@ -70,22 +73,33 @@ def check_context(args):
     """The model's limits, from its config alone (JAX loads, no weight is read): the new tokens and
     a prompt of at least one token must fit the context, --max-ctx or the model's default."""
     from jaxllm.weights import read_config
+
     cfg = read_config(args.model_dir)
     ctx = args.max_ctx or cfg.default_ctx
     if not args.perplexity and args.max_tokens + 1 > ctx:
-        raise RequestError(f"max_tokens {args.max_tokens} and a prompt of at least one token need more "
-                           f"positions than max_ctx {ctx}: lower --max-tokens to at most {ctx - 1} or "
-                           f"raise --max-ctx")
+        raise RequestError(
+            f"max_tokens {args.max_tokens} and a prompt of at least one token need more "
+            f"positions than max_ctx {ctx}: lower --max-tokens to at most {ctx - 1} or "
+            f"raise --max-ctx"
+        )
 
 
 def run_generate(args, eng):
     prompts = prompts_from(args)
-    chat = True if args.chat else False if args.raw_prompt else None       # None: as the model is
+    chat = True if args.chat else False if args.raw_prompt else None  # None: as the model is
     tok = eng.tokenizer
     if args.chat and tok is not None and tok.chat_template and not tok.chat_tuned:
         sys.stderr.write(f"{PROG}: note: {eng.name} is not chat-tuned; --chat applies its family's chat template\n")
-    outs = eng.generate(prompts, max_tokens=args.max_tokens, temperature=args.temperature,
-                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop, chat=chat)
+    outs = eng.generate(
+        prompts,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+        chat=chat,
+    )
     st = eng.stats
     ttft_ms = st.ttft_s * 1000
     # tokens after each row's first, over the loop's time (rows that stopped early count what they made)
@@ -93,18 +107,33 @@ def run_generate(args, eng):
     load_s = getattr(args, "load_s", 0.0)
     for p, c in zip(prompts, outs):
         if args.json:
-            print(json.dumps({"prompt": p, "text": c.text, "token_ids": c.token_ids,
-                              "num_prompt_tokens": len(c.prompt_token_ids), "num_new_tokens": len(c.token_ids),
-                              "ttft_ms": round(ttft_ms, 3), "decode_tok_s": round(tok_s, 3),
-                              "finish_reason": c.finish_reason, "load_s": round(load_s, 3),
-                              "compile_s": round(st.compile_s, 3), **({"speculation": st.spec} if st.spec else {})},
-                             ensure_ascii=False), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "prompt": p,
+                        "text": c.text,
+                        "token_ids": c.token_ids,
+                        "num_prompt_tokens": len(c.prompt_token_ids),
+                        "num_new_tokens": len(c.token_ids),
+                        "ttft_ms": round(ttft_ms, 3),
+                        "decode_tok_s": round(tok_s, 3),
+                        "finish_reason": c.finish_reason,
+                        "load_s": round(load_s, 3),
+                        "compile_s": round(st.compile_s, 3),
+                        **({"speculation": st.spec} if st.spec else {}),
+                    },
+                    ensure_ascii=False,
+                ),
+                flush=True,
+            )
         else:
             print(c.text if len(outs) == 1 else f"--- {p[:60]!r}\n{c.text}", flush=True)
     if not args.json:
-        sys.stderr.write(f"[{eng.name}] batch {st.batch}: {st.prompt_tokens} prompt + {st.new_tokens} new tokens, "
-                         f"TTFT {ttft_ms:.1f} ms, decode {tok_s:.1f} tok/s; load {load_s:.1f} s, "
-                         f"compile {st.compile_s:.1f} s{st.spec_summary()}\n")
+        sys.stderr.write(
+            f"[{eng.name}] batch {st.batch}: {st.prompt_tokens} prompt + {st.new_tokens} new tokens, "
+            f"TTFT {ttft_ms:.1f} ms, decode {tok_s:.1f} tok/s; load {load_s:.1f} s, "
+            f"compile {st.compile_s:.1f} s{st.spec_summary()}\n"
+        )
 
 
 def main(argv=None):

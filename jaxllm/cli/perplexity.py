@@ -1,4 +1,5 @@
 """The `--perplexity` part of the infer command line (the measure itself: `engine.perplexity`)."""
+
 from __future__ import annotations
 
 import json
@@ -14,10 +15,12 @@ def add_perplexity_args(parser) -> None:
     g = parser.add_argument_group("perplexity")
     g.add_argument("--perplexity", action="store_true", help="score a text file instead of generating")
     g.add_argument("--ppl-file", metavar="F", help="text file to score ('-' reads stdin)")
-    g.add_argument("--ppl-window", metavar="W", type=int, default=2048,
-                   help="tokens per window, counting the BOS (default 2048)")
-    g.add_argument("--ppl-stride", metavar="S", type=int, default=None,
-                   help="tokens between window starts (default W/2)")
+    g.add_argument(
+        "--ppl-window", metavar="W", type=int, default=2048, help="tokens per window, counting the BOS (default 2048)"
+    )
+    g.add_argument(
+        "--ppl-stride", metavar="S", type=int, default=None, help="tokens between window starts (default W/2)"
+    )
 
 
 def read_ppl_text(args) -> str:
@@ -53,16 +56,21 @@ def run_perplexity(args, engine, text: str | None = None) -> PerplexityResult:
     bar = None
     if not as_json:
         from tqdm import tqdm
+
         bar = tqdm(total=None, desc="perplexity", unit="window", file=sys.stderr, leave=False)
-    res = perplexity(engine, text, args.ppl_window, args.ppl_stride,
-                     progress=partial(_advance, bar) if bar is not None else None)
+    res = perplexity(
+        engine, text, args.ppl_window, args.ppl_stride, progress=partial(_advance, bar) if bar is not None else None
+    )
     if bar is not None:
         bar.close()
     if as_json:
         print(json.dumps(res.to_json()), flush=True)
     else:
-        print(f"perplexity {res.ppl:.4f}  (mean NLL {res.nll:.5f} over {res.num_scored_tokens} tokens, "
-              f"window {res.window}, stride {res.stride})", flush=True)
+        print(
+            f"perplexity {res.ppl:.4f}  (mean NLL {res.nll:.5f} over {res.num_scored_tokens} tokens, "
+            f"window {res.window}, stride {res.stride})",
+            flush=True,
+        )
     return res
 
 

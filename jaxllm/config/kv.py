@@ -1,5 +1,6 @@
 """The KV memory's tunables (`KVOptions`) and the formats `--kv-quant` names: configuration, which
 the engine's configuration holds and the KV memory (`kv`) reads."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ class KVOptions:
     one H200 that attention measured 4x slower at batch 64 and above, and Gemma 4 31B decoded 1506
     tok/s against 1798 at batch 64 (as fast at batch 1). `spec_tokens`: tokens a speculative cycle
     may write past a row's position."""
+
     threshold: int = 32768
     block_size: int = 64
     read_block: int = 1024

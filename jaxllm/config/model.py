@@ -4,6 +4,7 @@ A family file maps its config.json onto `ModelConfig`; everything downstream (we
 layer scan) reads only this. Attention comes in at most two kinds, sliding and global, each with its
 own `AttnSpec`, because Gemma 4 gives them different head counts and head sizes.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,15 +12,15 @@ from dataclasses import dataclass, field
 
 SLIDING, GLOBAL = 0, 1
 KIND_NAMES = ("sliding", "global")
-CTX_CAP = 8192          # the longest KV length a run gets where none is asked
+CTX_CAP = 8192  # the longest KV length a run gets where none is asked
 
 
 @dataclass(frozen=True)
 class RopeSpec:
     theta: float = 10_000.0
-    kind: str = "default"          # default | linear | proportional
-    factor: float = 1.0            # linear: positions are divided by it
-    partial: float = 1.0           # fraction of head_dim that rotates
+    kind: str = "default"  # default | linear | proportional
+    factor: float = 1.0  # linear: positions are divided by it
+    partial: float = 1.0  # fraction of head_dim that rotates
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,8 @@ class AttnSpec:
     num_kv_heads: int
     head_dim: int
     rope: RopeSpec = RopeSpec()
-    window: int | None = None      # sliding window (keys with pos > q_pos - window); None = global
-    k_eq_v: bool = False           # Gemma 4 global layers: V is the raw K projection
+    window: int | None = None  # sliding window (keys with pos > q_pos - window); None = global
+    k_eq_v: bool = False  # Gemma 4 global layers: V is the raw K projection
 
 
 @dataclass(frozen=True)
@@ -39,16 +40,16 @@ class ModelConfig:
     hidden_size: int
     intermediate_size: int
     num_layers: int
-    layer_kinds: tuple[int, ...]            # SLIDING or GLOBAL per layer
-    attn: tuple[AttnSpec | None, AttnSpec | None]   # indexed by kind; None where unused
+    layer_kinds: tuple[int, ...]  # SLIDING or GLOBAL per layer
+    attn: tuple[AttnSpec | None, AttnSpec | None]  # indexed by kind; None where unused
     norm_eps: float = 1e-6
-    norm_offset: float = 0.0                # Gemma scales by (1 + w)
-    sandwich_norms: bool = False            # Gemma: post-attention and post-MLP norms
+    norm_offset: float = 0.0  # Gemma scales by (1 + w)
+    sandwich_norms: bool = False  # Gemma: post-attention and post-MLP norms
     qk_norm: bool = True
-    v_norm: bool = False                    # Gemma 4: parameter-free RMS norm on V
-    activation: str = "silu"                # silu | gelu_tanh
-    embed_scale: float | None = None        # Gemma: sqrt(hidden_size), in the compute dtype
-    query_scale: float = 1.0                # multiplies q before q.k
+    v_norm: bool = False  # Gemma 4: parameter-free RMS norm on V
+    activation: str = "silu"  # silu | gelu_tanh
+    embed_scale: float | None = None  # Gemma: sqrt(hidden_size), in the compute dtype
+    query_scale: float = 1.0  # multiplies q before q.k
     attn_softcap: float | None = None
     final_softcap: float | None = None
     tie_embeddings: bool = True
@@ -56,11 +57,11 @@ class ModelConfig:
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = ()
     pad_id: int = 0
-    extras: tuple[tuple[str, object], ...] = field(default=())   # family-specific static values
+    extras: tuple[tuple[str, object], ...] = field(default=())  # family-specific static values
     # Layers whose weights differ in shape from others of their kind live in their own stack
     # ("group"); a layer may also read another layer's KV cache instead of keeping its own.
-    layer_groups: tuple[str, ...] = ()      # weight stack per layer; () = named after its kind
-    kv_sources: tuple[int, ...] = ()        # layer whose KV cache each layer attends over; () = itself
+    layer_groups: tuple[str, ...] = ()  # weight stack per layer; () = named after its kind
+    kv_sources: tuple[int, ...] = ()  # layer whose KV cache each layer attends over; () = itself
 
     # -- derived -------------------------------------------------------------------------------
     @property

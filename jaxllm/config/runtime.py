@@ -9,6 +9,7 @@ model, the KV caches and the engine are given. Nothing below the edge reads the 
 environment variable (cache folders, the compilation cache, the distributed runtime, the server's
 API key) asks here, so the list below is the whole list.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,13 +20,13 @@ from jaxllm.errors import ModelError
 
 VARIABLES = {
     "JAXLLM_KERNELS": "auto | xla | pallas: the Pallas kernels on GPUs and TPUs (auto), nowhere, or "
-                      "everywhere (the GPU's interpreted on a CPU)",
+    "everywhere (the GPU's interpreted on a CPU)",
     "JAXLLM_LAYER_SCAN": "auto | cond | period: how the layer scan reaches sliding and global layers",
     "JAXLLM_SCAN_UNROLL": "layers per iteration of the layer scan: a count, or full (unset: chosen per step)",
     "JAXLLM_INT8_WIDEN": "convert | magic | bits: how GPU kernels widen int8 (unset: each kernel's own)",
     "JAXLLM_TRITON_GEMM": "on | off: XLA's autotuned Triton GEMMs on GPUs beside cuBLAS (default off)",
     "JAXLLM_WIDEN_ONCE": "auto | on | off: int8 weights widened once a GPU decode call for XLA's GEMMs (auto: "
-                         "above 256 rows where the copy fits)",
+    "above 256 rows where the copy fits)",
     "JAXLLM_CACHE": "the folder of jaxllm's per-user caches (default $XDG_CACHE_HOME/jaxllm)",
     "JAXLLM_WEIGHT_CACHE": "on | off: keep models built from GGUF files in the weight cache",
     "JAXLLM_COMPILATION_CACHE": "the compilation cache's folder, or off",
@@ -97,6 +98,7 @@ class RuntimeConfig:
       step: `auto` where the widened copy fits the device's memory beside the call's own, `on`
       always, `off` never (see `PallasOps.loop_weights`).
     """
+
     kernels: str = "auto"
     layer_scan: str = "auto"
     scan_unroll: int | str | None = None
@@ -124,15 +126,19 @@ class RuntimeConfig:
         """The configuration the environment variables name (JAXLLM_KERNELS, JAXLLM_LAYER_SCAN,
         JAXLLM_SCAN_UNROLL, JAXLLM_INT8_WIDEN, JAXLLM_TRITON_GEMM, JAXLLM_WIDEN_ONCE), with
         `overrides` on top; a bad value is a one-line error naming the variable."""
+
         def word(name, default=None):
             v = env(name)
             return default if v is None else v.strip().lower()
-        raw = {"kernels": ("JAXLLM_KERNELS", word("JAXLLM_KERNELS", "auto")),
-               "layer_scan": ("JAXLLM_LAYER_SCAN", word("JAXLLM_LAYER_SCAN", "auto")),
-               "int8_widen": ("JAXLLM_INT8_WIDEN", word("JAXLLM_INT8_WIDEN")),
-               "scan_unroll": ("JAXLLM_SCAN_UNROLL", word("JAXLLM_SCAN_UNROLL")),
-               "triton_gemm": ("JAXLLM_TRITON_GEMM", word("JAXLLM_TRITON_GEMM", "off")),
-               "widen_once": ("JAXLLM_WIDEN_ONCE", word("JAXLLM_WIDEN_ONCE", "auto"))}
+
+        raw = {
+            "kernels": ("JAXLLM_KERNELS", word("JAXLLM_KERNELS", "auto")),
+            "layer_scan": ("JAXLLM_LAYER_SCAN", word("JAXLLM_LAYER_SCAN", "auto")),
+            "int8_widen": ("JAXLLM_INT8_WIDEN", word("JAXLLM_INT8_WIDEN")),
+            "scan_unroll": ("JAXLLM_SCAN_UNROLL", word("JAXLLM_SCAN_UNROLL")),
+            "triton_gemm": ("JAXLLM_TRITON_GEMM", word("JAXLLM_TRITON_GEMM", "off")),
+            "widen_once": ("JAXLLM_WIDEN_ONCE", word("JAXLLM_WIDEN_ONCE", "auto")),
+        }
         values = {k: v for k, (_, v) in raw.items()}
         values["triton_gemm"] = SWITCH.get(values["triton_gemm"], values["triton_gemm"])
         u = values["scan_unroll"]

@@ -2,6 +2,7 @@
 prompt is prefilled as itself (no row padded to the longest), a row that ends frees its slot for
 the next prompt, and prompts that share a prefix (a system prompt) prefill it once. What
 `Engine.generate_ids` runs for prompts of different lengths; equal lengths take the lockstep loop."""
+
 from __future__ import annotations
 
 import threading
@@ -13,11 +14,12 @@ from jaxllm.engine.request import Request
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.errors import JaxllmError
 
-MAX_SLOTS = 256          # prompts decoding at once, at most (the others queue for a slot)
+MAX_SLOTS = 256  # prompts decoding at once, at most (the others queue for a slot)
 
 
 class _NoText:
     """The text stream's tokenizer for a model without one: the engine decodes the ids itself."""
+
     def decode(self, ids) -> str:
         return ""
 
@@ -40,7 +42,9 @@ def run(engine, ids: list[list[int]], requests: list[Request]) -> tuple[list[Job
             if isinstance(ev, (Finished, Failed)):
                 events[i] = ev
                 ended.release()
+
         return put
+
     jobs = [Job(r, emit(i)) for i, r in enumerate(requests)]
     sched.start(warmup=False)
     try:

@@ -18,6 +18,7 @@ been launched (`commit`): the device runs calls in order, so a later request's c
 runs after them. Nothing is written into a registered block again: a sequence writes only its own
 positions, past every full block it shares.
 """
+
 from __future__ import annotations
 
 import collections
@@ -33,7 +34,7 @@ def block_hashes(tokens, block_size: int, n: int, parent: int = 0, start: int = 
     `start` is `parent`)."""
     out = []
     for j in range(start, start + n):
-        parent = hash((parent, tuple(tokens[j * block_size:(j + 1) * block_size])))
+        parent = hash((parent, tuple(tokens[j * block_size : (j + 1) * block_size])))
         out.append(parent)
     return out
 
@@ -41,15 +42,16 @@ def block_hashes(tokens, block_size: int, n: int, parent: int = 0, start: int = 
 @dataclass
 class Kind:
     """One attention kind's blocks."""
+
     name: str
     num_blocks: int
     width: int
     window: int | None
     refs: np.ndarray = None
     free: collections.deque = None
-    cached: dict = field(default_factory=dict)          # hash -> block
-    hash_of: dict = field(default_factory=dict)         # block -> hash (blocks in the prefix cache)
-    evictable: collections.OrderedDict = field(default_factory=collections.OrderedDict)   # cached, unheld: LRU
+    cached: dict = field(default_factory=dict)  # hash -> block
+    hash_of: dict = field(default_factory=dict)  # block -> hash (blocks in the prefix cache)
+    evictable: collections.OrderedDict = field(default_factory=collections.OrderedDict)  # cached, unheld: LRU
 
     def __post_init__(self):
         self.refs = np.zeros(self.num_blocks, np.int32)
@@ -101,9 +103,10 @@ class Kind:
 class Seq:
     """What a slot holds: per kind, logical block -> block (logical blocks [first, end) of the kind,
     `held`); the tokens whose blocks are hashed."""
-    blocks: dict                        # kind name -> {logical block: block}
-    held: dict = field(default_factory=dict)      # kind name -> [first, end)
-    hashes: list = field(default_factory=list)    # chained hashes of its full, registered blocks
+
+    blocks: dict  # kind name -> {logical block: block}
+    held: dict = field(default_factory=dict)  # kind name -> [first, end)
+    hashes: list = field(default_factory=list)  # chained hashes of its full, registered blocks
 
     def hold(self, name: str, j: int, b: int):
         self.blocks[name][j] = b
@@ -115,6 +118,7 @@ class Seq:
 class Hit:
     """A prefix found in the cache: its first `tokens` positions, and the blocks of each kind (by
     logical block) that hold them."""
+
     tokens: int
     blocks: dict
     hashes: list
@@ -130,8 +134,8 @@ class BlockManager:
         self.tables = {n: np.zeros((rows, k.width), np.int32) for n, k in self.kinds.items()}
         self.seqs: list[Seq | None] = [None] * rows
         self.prefix_caching = prefix_caching
-        self.version = 0                  # bumped whenever a table changes
-        self.queries = self.hits = 0      # prompt tokens looked up in the prefix cache, and found
+        self.version = 0  # bumped whenever a table changes
+        self.queries = self.hits = 0  # prompt tokens looked up in the prefix cache, and found
 
     # -- what there is -----------------------------------------------------------------------------
     def usage(self) -> float:
@@ -163,12 +167,15 @@ class BlockManager:
         for k in glob:
             j = next((i for i, h in enumerate(hashes[:j]) if h not in k.cached), j)
         while j > 0:
-            if all(hashes[i] in k.cached for k in self.kinds.values() if k.window is not None
-                   for i in range(k.floor(j * P, P), j)):
+            if all(
+                hashes[i] in k.cached
+                for k in self.kinds.values()
+                if k.window is not None
+                for i in range(k.floor(j * P, P), j)
+            ):
                 break
             j -= 1
-        blocks = {name: {i: k.cached[hashes[i]] for i in range(k.floor(j * P, P), j)}
-                  for name, k in self.kinds.items()}
+        blocks = {name: {i: k.cached[hashes[i]] for i in range(k.floor(j * P, P), j)} for name, k in self.kinds.items()}
         return Hit(j * P, blocks, hashes[:j])
 
     def admit(self, row: int, hit: Hit | None = None):
@@ -197,10 +204,10 @@ class BlockManager:
             have, table = seq.blocks[n], self.tables[n][row]
             floor = k.floor(lo, P)
             first, end = seq.held.get(n, (floor, floor))
-            if first < floor:                             # behind the window: released
+            if first < floor:  # behind the window: released
                 for j in range(first, min(floor, end)):
                     k.release(have.pop(j))
-                    if j + k.width >= end:                # no newer block of the row took its column
+                    if j + k.width >= end:  # no newer block of the row took its column
                         table[j % k.width] = NULL
                 first, end = (floor, end) if floor < end else (floor, floor)
                 seq.held[n] = (first, end)
@@ -257,7 +264,7 @@ class BlockManager:
                 else:
                     continue
                 self.tables[n][dst, j % k.width] = d.blocks[n][j]
-        d.hashes = list(s.hashes[:length // P])
+        d.hashes = list(s.hashes[: length // P])
         self.version += 1
         return copies
 

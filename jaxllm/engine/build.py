@@ -1,6 +1,7 @@
 """The one engine builder: an `EngineConfig` in, an `Engine` out, for a model's weights (`weights.
 load_model`) and for random weights of a named architecture (`weights.random`) alike, with its
 draft model, tokenizer, mesh and backend."""
+
 from __future__ import annotations
 
 from jaxllm.config.engine import EngineConfig
@@ -13,35 +14,52 @@ def build_engine(config: EngineConfig, progress=None) -> Engine:
     from jaxllm.engine.compilation_cache import enable
     from jaxllm.engine.speculative import Speculation
     from jaxllm.model.sharding import layout_for
+
     c = config
-    enable(c.compilation_cache)     # before the weights' conversions compile (the engine keeps its calls there)
+    enable(c.compilation_cache)  # before the weights' conversions compile (the engine keeps its calls there)
     layout = layout_for(c.tp, c.dp)
     prepare = ops.select(c.runtime, layout).prepare_weights
     dtype = DTYPES[c.dtype]
     if c.shape is not None:
         from jaxllm.tokenizer import IdsTokenizer, shape_tokenizer
+
         cfg, weights = _random(c.shape, c, layout, c.seed, c.shape_overrides)
         tok = IdsTokenizer() if c.tokenizer is None else shape_tokenizer(c.tokenizer, cfg.vocab_size)
         name = c.name
     else:
         from jaxllm.weights import load_model
+
         cfg, _, weights, tok, name = load_model(c.model_dir, dtype, c.quant, progress, layout)
-    weights = prepare(weights, donate=True)      # the loader's arrays: ours to consume
+    weights = prepare(weights, donate=True)  # the loader's arrays: ours to consume
     spec, draft, dcfg = None, None, None
     if c.speculative == "draft":
         if c.draft_shape is not None:
             dcfg, draft = _random(c.draft_shape, c, layout, c.seed + 1, {})
         else:
             from jaxllm.weights import load_model
+
             dcfg, _, draft, _, _ = load_model(c.draft_model_dir, dtype, c.quant, None, layout)
         draft = prepare(draft, donate=True)
     if c.speculative is not None:
         always = {"min_accept": 0.0, "max_batch": None} if c.draft_always else {"max_batch": c.speculative_max_batch}
         spec = Speculation(c.speculative, c.num_speculative_tokens, draft_cfg=dcfg, **always)
     max_ctx = c.max_ctx if c.max_ctx is not None else cfg.default_ctx
-    return Engine(cfg, weights, tok, dtype=c.dtype, max_ctx=int(max_ctx), name=name, quant=c.quant,
-                  layout=layout, kv_quant=c.kv_quant, kv_options=c.kv_options, speculation=spec,
-                  draft_weights=draft, runtime=c.runtime, compilation_cache=c.compilation_cache)
+    return Engine(
+        cfg,
+        weights,
+        tok,
+        dtype=c.dtype,
+        max_ctx=int(max_ctx),
+        name=name,
+        quant=c.quant,
+        layout=layout,
+        kv_quant=c.kv_quant,
+        kv_options=c.kv_options,
+        speculation=spec,
+        draft_weights=draft,
+        runtime=c.runtime,
+        compilation_cache=c.compilation_cache,
+    )
 
 
 def _random(shape: str, c: EngineConfig, layout, seed: int, overrides: dict):
@@ -50,6 +68,7 @@ def _random(shape: str, c: EngineConfig, layout, seed: int, overrides: dict):
     from jaxllm.model.sharding import check_divisible
     from jaxllm.weights.random import random_weights
     from jaxllm.weights.weights import is_quantized
+
     cfg, fam = load_preset(shape, **overrides)
     specs = fam.abstract(cfg)
     check_divisible(layout, specs)

@@ -16,6 +16,7 @@ The folder is `$JAXLLM_COMPILATION_CACHE`, else `$XDG_CACHE_HOME/jaxllm/xla` (`~
 `jaxllm.load(compilation_cache=DIR)` or `--compilation-cache DIR` moves it and `off` (or the
 variable set to `off`) turns it off.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,11 +32,11 @@ from jaxllm.config.runtime import cache_home, env
 
 log = logging.getLogger("jaxllm")
 OFF = ("off", "none", "0", "false", "no")
-MIN_COMPILE_SECONDS = 0.5           # compiles quicker than this are not worth a file
+MIN_COMPILE_SECONDS = 0.5  # compiles quicker than this are not worth a file
 # Environment that changes how XLA compiles (what picks the engine's code paths is its
 # `RuntimeConfig`, part of each key).
 KEY_ENV = ("XLA_FLAGS", "JAX_DEFAULT_MATMUL_PRECISION")
-KEEP_STEPS = True                   # whether engines keep and read back their executables (see above)
+KEEP_STEPS = True  # whether engines keep and read back their executables (see above)
 
 
 def default_dir() -> Path:
@@ -63,6 +64,7 @@ def enable(flag=None) -> Path | None:
         log.warning("compilation cache %s cannot be created (%s); compiling without it", path, e.strerror or e)
         return None
     import jax
+
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -80,6 +82,7 @@ class Compiles:
     compiled in this process (`compiled`; of them, `from_jax_cache` answered by JAX's persistent
     cache, traced and lowered but not compiled), or read back whole from the compiled-steps cache
     (`read`); and its KV pools' allocators, one a pool shape (`allocators`)."""
+
     compiled: int = 0
     from_jax_cache: int = 0
     read: int = 0
@@ -92,12 +95,12 @@ class Compiles:
         return self.compiled + self.read + self.allocators
 
     def add(self, kind: str, n: int = 1) -> None:
-        with self.lock:                  # calls compile on threads of their own
+        with self.lock:  # calls compile on threads of their own
             setattr(self, kind, getattr(self, kind) + n)
 
 
 # -- the engine's executables ------------------------------------------------------------------------
-PACKAGE = Path(__file__).resolve().parent.parent      # jaxllm/
+PACKAGE = Path(__file__).resolve().parent.parent  # jaxllm/
 
 
 def sources() -> list[Path]:
@@ -119,6 +122,7 @@ def source_digest() -> str:
 def describe(tree) -> str:
     """A pytree's structure, and each leaf's shape, dtype and sharding."""
     import jax
+
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     parts = [str(treedef)]
     for x in leaves:
@@ -130,9 +134,16 @@ def describe(tree) -> str:
 def executable_key(*material) -> str:
     import jax
     import jaxlib
+
     h = hashlib.sha256()
-    for part in (source_digest(), jax.__version__, jaxlib.__version__, str(jax.config.read("jax_enable_x64")),
-                 *(f"{k}={env(k, '')}" for k in KEY_ENV), *material):
+    for part in (
+        source_digest(),
+        jax.__version__,
+        jaxlib.__version__,
+        str(jax.config.read("jax_enable_x64")),
+        *(f"{k}={env(k, '')}" for k in KEY_ENV),
+        *material,
+    ):
         h.update(str(part).encode())
         h.update(b"\0")
     return h.hexdigest()
@@ -146,10 +157,11 @@ def load_executable(folder: Path | None, key: str):
     try:
         payload, in_tree, out_tree = pickle.loads(path.read_bytes())
         from jax.experimental.serialize_executable import deserialize_and_load
+
         return deserialize_and_load(payload, in_tree, out_tree)
     except FileNotFoundError:
         return None
-    except Exception as e:                      # damaged or from an incompatible runtime: compile anew
+    except Exception as e:  # damaged or from an incompatible runtime: compile anew
         log.warning("compiled step %s unreadable (%s: %s); compiling it again", path.name, type(e).__name__, e)
         path.unlink(missing_ok=True)
         return None
@@ -161,16 +173,17 @@ def store_executable(folder: Path | None, key: str, compiled) -> None:
         return
     try:
         from jax.experimental.serialize_executable import serialize
+
         blob = pickle.dumps(serialize(compiled))
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f"{key}.{os.getpid()}.tmp"
         tmp.write_bytes(blob)
         os.replace(tmp, folder / f"{key}.bin")
-    except Exception as e:                      # a read-only disk, or a step that cannot be serialized
+    except Exception as e:  # a read-only disk, or a step that cannot be serialized
         log.info("compiled step not kept (%s: %s)", type(e).__name__, e)
 
 
-_seen = threading.local()          # JAX's cache hits, per compiling thread
+_seen = threading.local()  # JAX's cache hits, per compiling thread
 _listening = False
 
 
@@ -187,6 +200,7 @@ def compile_and_keep(folder: Path | None, key: str, lowered, options: dict | Non
     global _listening
     if not _listening:
         import jax
+
         jax.monitoring.register_event_listener(_on_event)
         _listening = True
     before = getattr(_seen, "hits", 0)

@@ -21,6 +21,7 @@ bench and the server all drive this; the host decides which blocks each row hold
 A slot draws its k-th token with `fold_in(seed, k)`, so a request samples the same tokens whatever
 else shares the cache and however its steps are split into calls.
 """
+
 from __future__ import annotations
 
 import jax
@@ -50,7 +51,7 @@ from jaxllm.engine.speculative import (
 from jaxllm.kv.paged import PagedCache, copy_blocks
 from jaxllm.model.forward import forward, logits_from_hidden
 
-LOGIT_ELEMENTS = 1 << 26        # float32 logits made at once when scoring, at most (256 MiB)
+LOGIT_ELEMENTS = 1 << 26  # float32 logits made at once when scoring, at most (256 MiB)
 
 
 def is_eos(tok: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
@@ -75,8 +76,19 @@ def model_weights(weights, spec: Speculation | None):
     return tuple(weights) if spec is not None and spec.draft_cfg is not None else (weights, None)
 
 
-def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=None, *, ops, out: str = "sample",
-            logprobs: int = 0, spec: Speculation | None = None, dtype=jnp.bfloat16):
+def prefill(
+    cfg: ModelConfig,
+    weights,
+    state: State,
+    pieces: Pieces,
+    targets=None,
+    *,
+    ops,
+    out: str = "sample",
+    logprobs: int = 0,
+    spec: Speculation | None = None,
+    dtype=jnp.bfloat16,
+):
     """One forward over `pieces`, writing their K/V into the cache (and the draft model's).
 
     out="sample": final rows start their slots -> (state, first tokens [P]), or with `logprobs` n
@@ -96,8 +108,9 @@ def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=Non
     h, view = forward(cfg, weights, pieces.tokens, positions, PagedCache(state.cache.pools, tables), ops, dtype)
     state = state.replace(cache=state.cache.replace(pools=view.pools))
     if draft is not None and out == "sample":
-        _, dview = forward(spec.draft_cfg, draft, pieces.tokens, positions, PagedCache(state.draft_cache, tables),
-                           ops, dtype)
+        _, dview = forward(
+            spec.draft_cfg, draft, pieces.tokens, positions, PagedCache(state.draft_cache, tables), ops, dtype
+        )
         state = state.replace(draft_cache=dview.pools)
     if out == "logits":
         return state, logits_from_hidden(cfg, weights, h, ops)
@@ -111,39 +124,49 @@ def prefill(cfg: ModelConfig, weights, state: State, pieces: Pieces, targets=Non
     rules = None if sl.rules is None else _rules(pieces, P)
     step0 = pieces.step0
     x = first_logits if rules is None else apply_rules(first_logits, rules, step0, cfg.eos_ids, pieces.ignore_eos)
-    if sl.counts is not None:             # new prompts start their counts; prompt tokens are marked
+    if sl.counts is not None:  # new prompts start their counts; prompt tokens are marked
         sl = _count_prompt(sl, pieces, rows, positions)
         in_prompt = jnp.take(sl.in_prompt, rows, axis=0, mode="clip")
-        counts = jnp.take(sl.counts, rows, axis=0, mode="clip")     # a recomputed request's own so far
+        counts = jnp.take(sl.counts, rows, axis=0, mode="clip")  # a recomputed request's own so far
         pen = _penalties(pieces, P)
-        first = sample(mask_tokens(penalize(x, pen, counts, in_prompt), pieces.allowed), pieces.params, step0,
-                       ops.top_p_by)
-        sl = sl.replace(counts=sl.counts.at[jnp.where(pieces.final, rows, B), first].add(1, mode="drop"),
-                        penalties=jax.tree_util.tree_map(lambda a, v: a.at[rows].set(v, mode="drop"),
-                                                         sl.penalties, pen))
+        first = sample(
+            mask_tokens(penalize(x, pen, counts, in_prompt), pieces.allowed), pieces.params, step0, ops.top_p_by
+        )
+        sl = sl.replace(
+            counts=sl.counts.at[jnp.where(pieces.final, rows, B), first].add(1, mode="drop"),
+            penalties=jax.tree_util.tree_map(lambda a, v: a.at[rows].set(v, mode="drop"), sl.penalties, pen),
+        )
     else:
         first = sample(mask_tokens(x, pieces.allowed), pieces.params, step0, ops.top_p_by)
     live = pieces.final & ~ends_answer(first, cfg.eos_ids, pieces.ignore_eos, rules) & (pieces.max_new > 1)
 
     def put(a, v):
         return a.at[rows].set(v, mode="drop")
+
     end = pieces.start + pieces.length
-    slots = sl.replace(last=put(sl.last, first), pos=put(sl.pos, end), step=put(sl.step, step0 + 1),
-                       remaining=put(sl.remaining, pieces.max_new - 1), active=put(sl.active, live),
-                       ignore_eos=put(sl.ignore_eos, pieces.ignore_eos),
-                       params=jax.tree_util.tree_map(put, sl.params, pieces.params))
+    slots = sl.replace(
+        last=put(sl.last, first),
+        pos=put(sl.pos, end),
+        step=put(sl.step, step0 + 1),
+        remaining=put(sl.remaining, pieces.max_new - 1),
+        active=put(sl.active, live),
+        ignore_eos=put(sl.ignore_eos, pieces.ignore_eos),
+        params=jax.tree_util.tree_map(put, sl.params, pieces.params),
+    )
     if rules is not None:
         slots = slots.replace(rules=jax.tree_util.tree_map(put, sl.rules, rules))
-    if sl.hidden is not None:             # what `fork` draws the first tokens of a slot's copies from
-        slots = slots.replace(hidden=sl.hidden.at[jnp.where(pieces.final, rows, B)].set(
-            h_last.astype(sl.hidden.dtype), mode="drop"))
-    if sl.spec is not None:               # the prompt's tokens and the first one, for drafting
+    if sl.hidden is not None:  # what `fork` draws the first tokens of a slot's copies from
+        slots = slots.replace(
+            hidden=sl.hidden.at[jnp.where(pieces.final, rows, B)].set(h_last.astype(sl.hidden.dtype), mode="drop")
+        )
+    if sl.spec is not None:  # the prompt's tokens and the first one, for drafting
         hist = write_history(sl.spec.history, pieces.rows, positions, pieces.tokens)
         hist = write_history(hist, pieces.rows, jnp.where(pieces.final, end, -1)[:, None], first[:, None])
-        new_rows = jnp.where(pieces.first, rows, sl.last.shape[0])     # a new request's slot
+        new_rows = jnp.where(pieces.first, rows, sl.last.shape[0])  # a new request's slot
 
         def reset(a, v):
             return a.at[new_rows].set(v, mode="drop")
+
         sp = sl.spec
         slots = slots.replace(spec=sp.replace(history=hist, rate=reset(sp.rate, 1.0), idle=reset(sp.idle, 0)))
     if logprobs:
@@ -160,8 +183,7 @@ def _by_rows(slots: Slots, layout) -> Slots:
     call, compiled for the table's own layout, refuses it."""
     if layout is None:
         return slots
-    return jax.tree_util.tree_map(lambda a: jax.lax.with_sharding_constraint(a, layout.batch_sharding(a.shape)),
-                                  slots)
+    return jax.tree_util.tree_map(lambda a: jax.lax.with_sharding_constraint(a, layout.batch_sharding(a.shape)), slots)
 
 
 def _penalties(pieces: Pieces, P: int) -> Penalties:
@@ -183,8 +205,10 @@ def _count_prompt(sl: Slots, pieces: Pieces, rows, positions) -> Slots:
     out = positions >= pieces.out_start[:, None]
     at = jnp.where((positions >= 0) & ~out, rows[:, None], B)
     gen = jnp.where((positions >= 0) & out, rows[:, None], B)
-    return sl.replace(counts=counts.at[gen, pieces.tokens].add(1, mode="drop"),
-                      in_prompt=in_prompt.at[at, pieces.tokens].set(True, mode="drop"))
+    return sl.replace(
+        counts=counts.at[gen, pieces.tokens].add(1, mode="drop"),
+        in_prompt=in_prompt.at[at, pieces.tokens].set(True, mode="drop"),
+    )
 
 
 def _sampling_logits(eos_ids, logits, sl: Slots, drafts=None):
@@ -197,8 +221,9 @@ def _sampling_logits(eos_ids, logits, sl: Slots, drafts=None):
         B, T, V = logits.shape
         rep = jax.tree_util.tree_map(lambda a: jnp.repeat(a, T, axis=0), sl.rules)
         steps = (sl.step[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]).reshape(-1)
-        logits = apply_rules(logits.reshape(B * T, V), rep, steps, eos_ids,
-                             jnp.repeat(sl.ignore_eos, T)).reshape(B, T, V)
+        logits = apply_rules(logits.reshape(B * T, V), rep, steps, eos_ids, jnp.repeat(sl.ignore_eos, T)).reshape(
+            B, T, V
+        )
     return _penalized(logits, sl, drafts)
 
 
@@ -214,11 +239,13 @@ def _penalized(logits, sl: Slots, drafts=None):
     B, T, V = logits.shape
 
     def each_position():
-        fed = jnp.cumsum(jax.nn.one_hot(drafts, V, dtype=jnp.int32), axis=1)             # [B, K, V]
+        fed = jnp.cumsum(jax.nn.one_hot(drafts, V, dtype=jnp.int32), axis=1)  # [B, K, V]
         counts = sl.counts[:, None] + jnp.pad(fed, ((0, 0), (1, 0), (0, 0)))
         rep = jax.tree_util.tree_map(lambda a: jnp.repeat(a, T, axis=0), sl.penalties)
-        return penalize(logits.reshape(B * T, V), rep, counts.reshape(B * T, V),
-                        jnp.repeat(sl.in_prompt, T, axis=0)).reshape(B, T, V)
+        return penalize(
+            logits.reshape(B * T, V), rep, counts.reshape(B * T, V), jnp.repeat(sl.in_prompt, T, axis=0)
+        ).reshape(B, T, V)
+
     return jax.lax.cond(on, each_position, lambda: logits)
 
 
@@ -232,11 +259,12 @@ def _score(cfg: ModelConfig, weights, h, where, target, *, ops, top: int | None)
 
     def chunk(args):
         w, t = args
-        logits = logits_from_hidden(cfg, weights, flat[w], ops)                # [rows, V] float32
+        logits = logits_from_hidden(cfg, weights, flat[w], ops)  # [rows, V] float32
         if top is not None:
             return _lp(logits, t, top)
         picked = jnp.take_along_axis(logits, jnp.maximum(t, 0)[:, None], axis=-1)[:, 0]
         return jnp.where(t >= 0, jax.nn.logsumexp(logits, axis=-1) - picked, 0.0)
+
     res = jax.lax.map(chunk, (where.reshape(n // rows, rows), target.reshape(n // rows, rows)))
     return jax.tree_util.tree_map(lambda a: a.reshape(n, *a.shape[2:]), res)
 
@@ -275,13 +303,15 @@ def step_advance(cfg: ModelConfig, state: State, logits, ops, allowed=None, gree
     table advanced -> (state, tokens [B], live [B])."""
     sl = state.slots
     live = sl.active
-    tok = sample(mask_tokens(_sampling_logits(cfg.eos_ids, logits, sl), allowed), sl.params, sl.step, ops.top_p_by,
-                 greedy)
+    tok = sample(
+        mask_tokens(_sampling_logits(cfg.eos_ids, logits, sl), allowed), sl.params, sl.step, ops.top_p_by, greedy
+    )
     inc = live.astype(jnp.int32)
     remaining = sl.remaining - inc
     active = live & ~ends_answer(tok, cfg.eos_ids, sl.ignore_eos, sl.rules) & (remaining > 0)
-    slots = sl.replace(last=jnp.where(live, tok, sl.last), pos=sl.pos + inc, step=sl.step + inc,
-                       remaining=remaining, active=active)
+    slots = sl.replace(
+        last=jnp.where(live, tok, sl.last), pos=sl.pos + inc, step=sl.step + inc, remaining=remaining, active=active
+    )
     if sl.counts is not None:
         slots = slots.replace(counts=sl.counts.at[jnp.arange(tok.shape[0]), tok].add(inc))
     if sl.spec is not None:
@@ -290,8 +320,16 @@ def step_advance(cfg: ModelConfig, state: State, logits, ops, allowed=None, gree
     return state.replace(slots=slots), tok, live
 
 
-def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, ops, dtype=jnp.bfloat16, n_logprobs: int = 0,
-               allowed=None):
+def spec_cycle(
+    cfg: ModelConfig,
+    weights,
+    state: State,
+    spec: Speculation,
+    ops,
+    dtype=jnp.bfloat16,
+    n_logprobs: int = 0,
+    allowed=None,
+):
     """One speculative cycle for every live slot (or the plain step where drafting would not pay)
     -> (state, new tokens [B, K + 1], how many of them each row made [B], their LogProbs [B, K + 1]
     with the top n_logprobs, or None). A row that `allowed` masks (a grammar's, for its next token
@@ -306,15 +344,23 @@ def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, ops, 
 
     def plain(state):
         state, tok, live, logits = decode_step(cfg, weights, state, ops, dtype, allowed)
-        if draft is not None:      # the draft cache learns the token the model was fed
-            _, dview = forward(spec.draft_cfg, draft, sl.last[:, None], jnp.where(live, sl.pos, -1)[:, None],
-                               draft_view(state), ops, dtype)
+        if draft is not None:  # the draft cache learns the token the model was fed
+            _, dview = forward(
+                spec.draft_cfg,
+                draft,
+                sl.last[:, None],
+                jnp.where(live, sl.pos, -1)[:, None],
+                draft_view(state),
+                ops,
+                dtype,
+            )
             state = state.replace(draft_cache=dview.pools)
         new = jnp.zeros((B, K + 1), jnp.int32).at[:, 0].set(tok)
         lp = None
         if n_logprobs:
-            lp = jax.tree_util.tree_map(lambda z, v: z.at[:, 0].set(v), LogProbs.zeros((B, K + 1), n_logprobs),
-                                        _lp(logits, tok, n_logprobs))
+            lp = jax.tree_util.tree_map(
+                lambda z, v: z.at[:, 0].set(v), LogProbs.zeros((B, K + 1), n_logprobs), _lp(logits, tok, n_logprobs)
+            )
         return state, new, live.astype(jnp.int32), lp
 
     def verify(state, drafts, n_draft):
@@ -324,7 +370,7 @@ def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, ops, 
         h, cache = forward(cfg, weights, tokens, positions, state.cache, ops, dtype)
         logits = logits_from_hidden(cfg, weights, h, ops)
         scores = _sampling_logits(cfg.eos_ids, logits, sl, drafts)
-        if allowed is not None:             # a masked row drafted nothing: its one token comes from position 0
+        if allowed is not None:  # a masked row drafted nothing: its one token comes from position 0
             scores = scores.at[:, 0].set(mask_tokens(scores[:, 0], allowed))
         a, nxt = accept(scores, drafts, n_draft, sl.params, sl.step, ops.top_p_by)
         new = jnp.where(j < a[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), 0)
@@ -336,37 +382,58 @@ def spec_cycle(cfg: ModelConfig, weights, state: State, spec: Speculation, ops, 
         last = jnp.take_along_axis(new, jnp.maximum(n_new - 1, 0)[:, None], axis=1)[:, 0]
         remaining = sl.remaining - n_new
         hist = write_history(sl.spec.history, None, jnp.where(j < n_new[:, None], sl.pos[:, None] + 1 + j, -1), new)
-        slots = sl.replace(last=jnp.where(live, last, sl.last), pos=sl.pos + n_new, step=sl.step + n_new,
-                           remaining=remaining, active=live & ~jnp.any(eos, 1) & (remaining > 0),
-                           spec=update_rate(sl.spec.replace(history=hist), drafting, n_draft, a))
+        slots = sl.replace(
+            last=jnp.where(live, last, sl.last),
+            pos=sl.pos + n_new,
+            step=sl.step + n_new,
+            remaining=remaining,
+            active=live & ~jnp.any(eos, 1) & (remaining > 0),
+            spec=update_rate(sl.spec.replace(history=hist), drafting, n_draft, a),
+        )
         if sl.counts is not None:
-            slots = slots.replace(counts=sl.counts.at[jnp.arange(B)[:, None], new].add(
-                (j < n_new[:, None]).astype(jnp.int32)))
+            slots = slots.replace(
+                counts=sl.counts.at[jnp.arange(B)[:, None], new].add((j < n_new[:, None]).astype(jnp.int32))
+            )
         lp = _lp(logits, new, n_logprobs) if n_logprobs else None
         return state.replace(cache=cache, slots=slots), new, n_new, lp
 
-    if draft is None:               # n-gram lookup is cheap: look first, verify where something matched
+    if draft is None:  # n-gram lookup is cheap: look first, verify where something matched
         drafts, n_draft = ngram_draft(sl.spec.history, sl.pos, K, spec.ngram)
         n_draft = jnp.where(drafting, jnp.minimum(n_draft, sl.remaining - 1), 0)
         go = worth_verifying(sl.spec, n_draft, live, spec)
         return jax.lax.cond(go, lambda st: verify(st, drafts, n_draft), plain, state)
 
     def with_draft_model(state):
-        def step(carry, j):        # K greedy proposals, and the last one fed too (its K/V kept)
+        def step(carry, j):  # K greedy proposals, and the last one fed too (its K/V kept)
             tok, dcache = carry
             pos = jnp.where(live, sl.pos + j, -1)
             h, dcache = forward(spec.draft_cfg, draft, tok[:, None], pos[:, None], dcache, ops, dtype)
             nxt = jnp.argmax(logits_from_hidden(spec.draft_cfg, draft, h[:, 0], ops), axis=-1).astype(jnp.int32)
             return (nxt, dcache), nxt
+
         (_, dview), props = jax.lax.scan(step, (sl.last, draft_view(state)), jnp.arange(K + 1, dtype=jnp.int32))
         return verify(state.replace(draft_cache=dview.pools), props[:K].T, n_draft)
+
     n_draft = jnp.where(drafting, jnp.minimum(K, sl.remaining - 1), 0)
     return jax.lax.cond(worth_verifying(sl.spec, n_draft, live, spec), with_draft_model, plain, state)
 
 
-def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, allowed=None, *, ops, max_steps: int,
-           rows: int | None = None, logprobs: int = 0, spec: Speculation | None = None, dtype=jnp.bfloat16,
-           fixed: bool = False):
+def decode(
+    cfg: ModelConfig,
+    weights,
+    state: State,
+    n_steps,
+    stop=None,
+    allowed=None,
+    *,
+    ops,
+    max_steps: int,
+    rows: int | None = None,
+    logprobs: int = 0,
+    spec: Speculation | None = None,
+    dtype=jnp.bfloat16,
+    fixed: bool = False,
+):
     """Up to n_steps decode steps (speculative cycles, with `spec`) of the first `rows` slots (all
     for None; the others must not be live), ending once none is live or a row's next tokens would
     not fit the max_steps of the output. `stop` [rows]: slots to end first (a request cancelled or
@@ -385,11 +452,12 @@ def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, allowed=
     full = state
     B = full.slots.last.shape[0] if rows is None else rows
     out = (jnp.zeros((B, max_steps), jnp.int32), LogProbs.zeros((B, max_steps), logprobs) if logprobs else None)
-    main, draft = model_weights(weights, spec)      # as the loop reads them (`loop_weights`)
+    main, draft = model_weights(weights, spec)  # as the loop reads them (`loop_weights`)
     main = ops.loop_weights(main, B * (1 if spec is None else spec.k + 1), state, dtype)
     weights = main if draft is None else (main, draft)
 
     if spec is None:
+
         def cond(c):
             i, s, _, _ = c
             return (i < jnp.minimum(n_steps, max_steps)) & jnp.any(s.slots.active)
@@ -398,8 +466,9 @@ def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, allowed=
             i, s, out, count = c
             s, tok, live, logits = decode_step(cfg, weights, s, ops, dtype, allowed, greedy=fixed)
             new = (jnp.where(live, tok, 0), _lp(logits, tok, logprobs) if logprobs else None)
-            out = jax.tree_util.tree_map(lambda o, v: jax.lax.dynamic_update_slice_in_dim(o, v[:, None], i, axis=1),
-                                         out, new)
+            out = jax.tree_util.tree_map(
+                lambda o, v: jax.lax.dynamic_update_slice_in_dim(o, v[:, None], i, axis=1), out, new
+            )
             return i + 1, s, out, count + live.astype(jnp.int32)
     else:
         T = spec.k + 1
@@ -414,8 +483,9 @@ def decode(cfg: ModelConfig, weights, state: State, n_steps, stop=None, allowed=
             s, new, n_new, lp = spec_cycle(cfg, weights, s, spec, ops, dtype, logprobs, allowed)
             j = jnp.arange(T, dtype=jnp.int32)[None, :]
             cols = jnp.where(j < n_new[:, None], count[:, None] + j, max_steps)
-            out = jax.tree_util.tree_map(lambda o, v: o.at[jnp.arange(B)[:, None], cols].set(v, mode="drop"),
-                                         out, (new, lp))
+            out = jax.tree_util.tree_map(
+                lambda o, v: o.at[jnp.arange(B)[:, None], cols].set(v, mode="drop"), out, (new, lp)
+            )
             return i + 1, s, out, count + n_new
 
     init = (jnp.int32(0), _first_rows(state, rows, stop), out, jnp.zeros((B,), jnp.int32))
@@ -448,21 +518,41 @@ def _all_rows(full: State, state: State, layout) -> State:
     return state.replace(slots=_by_rows(slots, layout), cache=state.cache.replace(tables=full.cache.tables))
 
 
-def decode_forward(cfg: ModelConfig, weights, state: State, *, ops, rows: int | None = None,
-                   spec: Speculation | None = None, dtype=jnp.bfloat16):
+def decode_forward(
+    cfg: ModelConfig,
+    weights,
+    state: State,
+    *,
+    ops,
+    rows: int | None = None,
+    spec: Speculation | None = None,
+    dtype=jnp.bfloat16,
+):
     """The forward of a one-step decode block of the first `rows` slots, apart from its sampling
     (`decode_sample`), so that the host can write the next token's grammar masks while the device
     runs it. -> (state, float32 logits [rows, V], rows over the data axis)."""
     assert spec is None, "a decode block split in two has no speculation"
     s, logits = step_forward(cfg, weights, _first_rows(state, rows), ops, dtype)
-    if ops.layout is not None:         # the layout the sampling call is compiled for
+    if ops.layout is not None:  # the layout the sampling call is compiled for
         logits = jax.lax.with_sharding_constraint(logits, ops.layout.batch_sharding(logits.shape))
     return s.replace(slots=state.slots, cache=s.cache.replace(tables=state.cache.tables)), logits
 
 
-def decode_sample(cfg: ModelConfig, weights, state: State, logits, stop=None, allowed=None, *, ops,
-                  rows: int | None = None, logprobs: int = 0, greedy: bool = False, spec: Speculation | None = None,
-                  dtype=jnp.bfloat16):
+def decode_sample(
+    cfg: ModelConfig,
+    weights,
+    state: State,
+    logits,
+    stop=None,
+    allowed=None,
+    *,
+    ops,
+    rows: int | None = None,
+    logprobs: int = 0,
+    greedy: bool = False,
+    spec: Speculation | None = None,
+    dtype=jnp.bfloat16,
+):
     """The sampling of a one-step decode block whose forward `decode_forward` ran: each live slot's
     token from `logits` among those `allowed` lets it take, the slots advanced. -> what `decode`
     returns for a block of one step (tokens [rows, 1], count [rows], LogProbs [rows, 1] or None).
@@ -479,8 +569,9 @@ def decode_sample(cfg: ModelConfig, weights, state: State, logits, stop=None, al
 
 
 # -- drafting history ------------------------------------------------------------------------------
-def seed_history(cfg: ModelConfig, weights, state: State, rows, tokens, *, ops, spec: Speculation | None = None,
-                 dtype=jnp.bfloat16):
+def seed_history(
+    cfg: ModelConfig, weights, state: State, rows, tokens, *, ops, spec: Speculation | None = None, dtype=jnp.bfloat16
+):
     """The drafting history of slots rows [P] set to tokens [P, H]: the prompts of requests whose
     first positions came from the prefix cache, which no prefill piece of theirs writes (n-gram
     drafts look up the whole prompt)."""
@@ -490,8 +581,18 @@ def seed_history(cfg: ModelConfig, weights, state: State, rows, tokens, *, ops, 
 
 
 # -- fork ------------------------------------------------------------------------------------------
-def fork(cfg: ModelConfig, weights, state: State, forks: Forks, copies: dict, *, ops, logprobs: int = 0,
-         spec: Speculation | None = None, dtype=jnp.bfloat16):
+def fork(
+    cfg: ModelConfig,
+    weights,
+    state: State,
+    forks: Forks,
+    copies: dict,
+    *,
+    ops,
+    logprobs: int = 0,
+    spec: Speculation | None = None,
+    dtype=jnp.bfloat16,
+):
     """Each slot forks.src[f], which has just ended its prompt (its first token drawn, nothing
     decoded since), is copied into slot forks.dst[f]: its slot-table entry with the seed
     forks.seed[f], and the KV blocks `copies` names ({kind: (src blocks [F], dst blocks [F])}, a
@@ -517,16 +618,20 @@ def fork(cfg: ModelConfig, weights, state: State, forks: Forks, copies: dict, *,
     if child.counts is not None:
         x = penalize(x, child.penalties, jnp.zeros_like(child.counts), child.in_prompt)
     first = sample(mask_tokens(x, forks.allowed), child.params, step0, ops.top_p_by)
-    child = child.replace(last=first, active=(child.remaining > 0) & ~ends_answer(first, cfg.eos_ids, child.ignore_eos,
-                                                                                  child.rules))
+    child = child.replace(
+        last=first, active=(child.remaining > 0) & ~ends_answer(first, cfg.eos_ids, child.ignore_eos, child.rules)
+    )
     if child.counts is not None:
         child = child.replace(counts=jax.nn.one_hot(first, child.counts.shape[1], dtype=child.counts.dtype))
-    if child.spec is not None:           # its own first token in its history; its own counts of speculation
+    if child.spec is not None:  # its own first token in its history; its own counts of speculation
         hist = write_history(child.spec.history, None, child.pos[:, None], first[:, None])
         child = child.replace(spec=child.spec.replace(history=hist, stats=sl.spec.stats[jnp.clip(forks.dst, 0, B - 1)]))
     slots = jax.tree_util.tree_map(lambda a, v: a.at[forks.dst].set(v, mode="drop"), sl, child)
-    state = State(cache.replace(pools=_by_layout(cache.pools, ops.layout)), _by_rows(slots, ops.layout),
-                  None if draft is None else _by_layout(draft, ops.layout))
+    state = State(
+        cache.replace(pools=_by_layout(cache.pools, ops.layout)),
+        _by_rows(slots, ops.layout),
+        None if draft is None else _by_layout(draft, ops.layout),
+    )
     return state, ((first, _lp(logits, first, logprobs)) if logprobs else first)
 
 

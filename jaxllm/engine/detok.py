@@ -11,24 +11,24 @@ a stop string ever reaches the client. The concatenated deltas equal `Engine.gen
 out with it: a token whose text is held back waits with it, and after a stop string only the tokens
 that cover the text up to it count (those `Engine.generate` returns).
 """
+
 from __future__ import annotations
 
 REPLACEMENT = "\ufffd"
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: list[str] | None = None, skip_special: bool = True,
-                 include_stop: bool = False):
+    def __init__(self, tokenizer, stop: list[str] | None = None, skip_special: bool = True, include_stop: bool = False):
         self.tokenizer = tokenizer
         self.stop = list(stop or [])
         self.include_stop = include_stop  # the text ends after the stop string found, not before it
-        self.skip_special = skip_special   # False: special tokens (a family's tool-call markers) are text
+        self.skip_special = skip_special  # False: special tokens (a family's tool-call markers) are text
         self.ids: list[int] = []
-        self.ends: list[int] = []      # for ids[:len(ends)]: the length of the text up to each one
-        self.prefix = 0                # ids[prefix:read] were decoded already: the window's context
+        self.ends: list[int] = []  # for ids[:len(ends)]: the length of the text up to each one
+        self.prefix = 0  # ids[prefix:read] were decoded already: the window's context
         self.read = 0
-        self.text = ""                 # text of ids[:read]
-        self.sent = 0                  # characters of self.text already emitted
+        self.text = ""  # text of ids[:read]
+        self.sent = 0  # characters of self.text already emitted
         self.stopped = False
 
     def push(self, token: int) -> str:
@@ -40,7 +40,7 @@ class TextStream:
         self.ids.append(token)
         new = self._window_text()
         if not new or new.endswith(REPLACEMENT):
-            return ""                  # no complete character yet
+            return ""  # no complete character yet
         self._extend(new, len(self.ids))
         if self.stopped:
             return self._emit(len(self.text))
@@ -81,16 +81,16 @@ class TextStream:
 
     def _extend(self, new: str, read: int):
         self.text += new
-        self.ends += [len(self.text)] * (read - len(self.ends))     # tokens whose text is now known
+        self.ends += [len(self.text)] * (read - len(self.ends))  # tokens whose text is now known
         self.prefix, self.read = self.read, read
         cut = self._find_stop()
         if cut is not None:
             self.text, self.stopped = self.text[:cut], True
 
     def _window_text(self) -> str:
-        before = self._decode(self.ids[self.prefix:self.read])
-        after = self._decode(self.ids[self.prefix:])
-        return after[len(before):]
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        return after[len(before) :]
 
     def _decode(self, ids: list[int]) -> str:
         # stand-in tokenizers (random-weight models) take only the ids
@@ -99,7 +99,7 @@ class TextStream:
     def _emit(self, upto: int) -> str:
         if upto <= self.sent:
             return ""
-        delta, self.sent = self.text[self.sent:upto], upto
+        delta, self.sent = self.text[self.sent : upto], upto
         return delta
 
     def _find_stop(self) -> int | None:
@@ -110,7 +110,7 @@ class TextStream:
         hits = [(i, len(s)) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
         if not hits:
             return None
-        at, n = min(hits, key=lambda h: (h[0], -h[1]))       # the first to start (the longest of those)
+        at, n = min(hits, key=lambda h: (h[0], -h[1]))  # the first to start (the longest of those)
         return at + n if self.include_stop else at
 
     def _partial_stop(self, text: str) -> int:
@@ -119,7 +119,7 @@ class TextStream:
         last = text[-1:]
         for s in self.stop:
             for n in range(min(len(s) - 1, len(text)), best, -1):
-                if s[n - 1] == last and text.endswith(s[:n]):     # cheap test first
+                if s[n - 1] == last and text.endswith(s[:n]):  # cheap test first
                     best = n
                     break
         return best

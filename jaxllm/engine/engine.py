@@ -1,4 +1,5 @@
 """The engine: a loaded model plus the compiled prefill / decode-loop / forward functions."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,16 +51,18 @@ class GenerateStats:
     new_tokens: int = 0
     ttft_s: float = 0.0
     decode_s: float = 0.0
-    steps: int = 0             # decode steps after the first token
-    compile_s: float = 0.0     # compiling the calls this run needed (not part of ttft_s or decode_s)
-    spec: dict | None = None   # speculation: verify cycles, tokens drafted and accepted, summed over rows
+    steps: int = 0  # decode steps after the first token
+    compile_s: float = 0.0  # compiling the calls this run needed (not part of ttft_s or decode_s)
+    spec: dict | None = None  # speculation: verify cycles, tokens drafted and accepted, summed over rows
 
     def spec_summary(self) -> str:
         if not self.spec:
             return ""
         c, d, a = self.spec["cycles"], self.spec["drafted"], self.spec["accepted"]
-        return (f"; speculation: {a}/{d} drafts accepted ({a / max(d, 1):.0%}), "
-                f"{(a + c) / max(c, 1):.2f} tokens a verify cycle")
+        return (
+            f"; speculation: {a}/{d} drafts accepted ({a / max(d, 1):.0%}), "
+            f"{(a + c) / max(c, 1):.2f} tokens a verify cycle"
+        )
 
 
 def check_logprobs(logprobs) -> int:
@@ -68,7 +71,7 @@ def check_logprobs(logprobs) -> int:
         return 0
     if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_LOGPROBS:
         raise RequestError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {logprobs!r}")
-    return MAX_LOGPROBS                  # one compiled variant for every count; rows take what they asked
+    return MAX_LOGPROBS  # one compiled variant for every count; rows take what they asked
 
 
 def check_seed(seed) -> int:
@@ -78,8 +81,11 @@ def check_seed(seed) -> int:
 
 
 def check_penalties(presence, frequency, repetition) -> tuple[float, float, float]:
-    for name, v in (("presence_penalty", presence), ("frequency_penalty", frequency),
-                    ("repetition_penalty", repetition)):
+    for name, v in (
+        ("presence_penalty", presence),
+        ("frequency_penalty", frequency),
+        ("repetition_penalty", repetition),
+    ):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
             raise RequestError(f"{name} must be a finite number, got {v!r}")
     if repetition <= 0:
@@ -95,8 +101,9 @@ def check_rules(logit_bias, stop_token_ids, min_tokens, max_tokens: int, vocab: 
         if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab:
             raise RequestError(f"token ids in logit_bias and stop_token_ids must lie in [0, {vocab}), got {t!r}")
     if len(bias) > MAX_LOGIT_BIAS or len(stops) > MAX_STOP_TOKEN_IDS:
-        raise RequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens and stop_token_ids at most "
-                           f"{MAX_STOP_TOKEN_IDS}")
+        raise RequestError(
+            f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens and stop_token_ids at most {MAX_STOP_TOKEN_IDS}"
+        )
     if not all(isinstance(v, (int, float)) and np.isfinite(v) for v in bias.values()):
         raise RequestError("logit_bias values must be finite numbers")
     if not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_tokens:
@@ -108,15 +115,29 @@ class Engine:
     """A loaded model on its mesh, its KV policy, and the compiled calls of the engine core
     (`core.prefill`, `core.decode`, `core.fork`), which every front end drives through an `EngineCore`."""
 
-    def __init__(self, cfg: ModelConfig, weights, tokenizer, *, dtype="bfloat16", max_ctx: int | None = None,
-                 name="model", quant="none", layout=None, kv_quant="auto",
-                 kv_options: KVOptions | None = None, speculation: Speculation | None = None,
-                 draft_weights=None, runtime: RuntimeConfig | None = None, compilation_cache=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights,
+        tokenizer,
+        *,
+        dtype="bfloat16",
+        max_ctx: int | None = None,
+        name="model",
+        quant="none",
+        layout=None,
+        kv_quant="auto",
+        kv_options: KVOptions | None = None,
+        speculation: Speculation | None = None,
+        draft_weights=None,
+        runtime: RuntimeConfig | None = None,
+        compilation_cache=None,
+    ):
         """`compilation_cache`: the persistent compilation cache's folder, "off", or None for the
         environment's (`compilation_cache.resolve`): JAX's cache is pointed there, and the core's
         calls are kept there whole and read back."""
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
-        self.layout = layout or single_device_layout()   # weights must already lie on its mesh
+        self.layout = layout or single_device_layout()  # weights must already lie on its mesh
         # The backend, chosen once: weights must be laid out for it (`ops.prepare_weights`).
         self.runtime = RuntimeConfig() if runtime is None else runtime
         self.ops = backends.select(self.runtime, self.layout)
@@ -127,35 +148,55 @@ class Engine:
         self.kv_options = kv_options or KVOptions()
         if speculation is not None:
             check_draft(cfg, speculation, draft_weights)
-            self.kv_options = dataclasses.replace(self.kv_options,
-                                                  spec_tokens=max(self.kv_options.spec_tokens, speculation.k))
+            self.kv_options = dataclasses.replace(
+                self.kv_options, spec_tokens=max(self.kv_options.spec_tokens, speculation.k)
+            )
         self.kv_layout = choose_layout(kv_quant, max_ctx, self.kv_options)
         if max_ctx > cfg.max_position:
-            warnings.warn(f"max_ctx {max_ctx} is beyond the model's trained context of {cfg.max_position} "
-                          f"tokens; output quality past it is not guaranteed", stacklevel=2)
+            warnings.warn(
+                f"max_ctx {max_ctx} is beyond the model's trained context of {cfg.max_position} "
+                f"tokens; output quality past it is not guaranteed",
+                stacklevel=2,
+            )
         check_fits(self.kv_plan(1))
         self.stats = GenerateStats()
         d = self.dtype
         o = self.ops
-        self._fns = {"prefill": jax.jit(partial(core.prefill, cfg, ops=o, spec=speculation, dtype=d),
-                                        static_argnames=("out", "logprobs"), donate_argnames=("state",)),
-                     "decode": jax.jit(partial(core.decode, cfg, ops=o, spec=speculation, dtype=d),
-                                       static_argnames=("max_steps", "rows", "logprobs", "fixed"),
-                                       donate_argnames=("state",)),
-                     "fork": jax.jit(partial(core.fork, cfg, ops=o, spec=speculation, dtype=d),
-                                     static_argnames=("logprobs",), donate_argnames=("state",)),
-                     "seed_history": jax.jit(partial(core.seed_history, cfg, ops=o, spec=speculation, dtype=d),
-                                             donate_argnames=("state",)),
-                     "decode_forward": jax.jit(partial(core.decode_forward, cfg, ops=o, spec=speculation, dtype=d),
-                                               static_argnames=("rows",), donate_argnames=("state",)),
-                     "decode_sample": jax.jit(partial(core.decode_sample, cfg, ops=o, spec=speculation, dtype=d),
-                                              static_argnames=("rows", "logprobs", "greedy"),
-                                              donate_argnames=("state",))}
+        self._fns = {
+            "prefill": jax.jit(
+                partial(core.prefill, cfg, ops=o, spec=speculation, dtype=d),
+                static_argnames=("out", "logprobs"),
+                donate_argnames=("state",),
+            ),
+            "decode": jax.jit(
+                partial(core.decode, cfg, ops=o, spec=speculation, dtype=d),
+                static_argnames=("max_steps", "rows", "logprobs", "fixed"),
+                donate_argnames=("state",),
+            ),
+            "fork": jax.jit(
+                partial(core.fork, cfg, ops=o, spec=speculation, dtype=d),
+                static_argnames=("logprobs",),
+                donate_argnames=("state",),
+            ),
+            "seed_history": jax.jit(
+                partial(core.seed_history, cfg, ops=o, spec=speculation, dtype=d), donate_argnames=("state",)
+            ),
+            "decode_forward": jax.jit(
+                partial(core.decode_forward, cfg, ops=o, spec=speculation, dtype=d),
+                static_argnames=("rows",),
+                donate_argnames=("state",),
+            ),
+            "decode_sample": jax.jit(
+                partial(core.decode_sample, cfg, ops=o, spec=speculation, dtype=d),
+                static_argnames=("rows", "logprobs", "greedy"),
+                donate_argnames=("state",),
+            ),
+        }
         self._executables: dict = {}
-        self.compile_s = 0.0          # seconds spent compiling the core's calls so far
-        self.compiles = Compiles()    # the programs made so far, by where each came from
-        self.on_compile = None        # on_compile(n_calls) -> a callable to call when they are done
-        self.steps_cache = executables_folder(enable(compilation_cache))   # where calls are kept, or None
+        self.compile_s = 0.0  # seconds spent compiling the core's calls so far
+        self.compiles = Compiles()  # the programs made so far, by where each came from
+        self.on_compile = None  # on_compile(n_calls) -> a callable to call when they are done
+        self.steps_cache = executables_folder(enable(compilation_cache))  # where calls are kept, or None
 
     # -- the core's compiled calls ----------------------------------------------------------------
     @property
@@ -216,20 +257,33 @@ class Engine:
         mesh = self.layout.mesh
         devices = [(d.platform, d.device_kind, d.id) for d in mesh.devices.flat]
         return compilation_cache.executable_key(
-            name, sorted(static.items()), self.cfg, self.runtime, self.dtype_name, self.quant, self.kv_layout,
-            self.kv_options, self.spec, devices, mesh.shape, jax.process_count(),
-            backends.memory_limit(mesh.devices.flat[0]),       # the weights widened once where it leaves room
+            name,
+            sorted(static.items()),
+            self.cfg,
+            self.runtime,
+            self.dtype_name,
+            self.quant,
+            self.kv_layout,
+            self.kv_options,
+            self.spec,
+            devices,
+            mesh.shape,
+            jax.process_count(),
+            backends.memory_limit(mesh.devices.flat[0]),  # the weights widened once where it leaves room
             compilation_cache.describe(self.call_weights),
-            compilation_cache.describe(args))
+            compilation_cache.describe(args),
+        )
 
     def read_back(self, calls: list[tuple[str, tuple, dict]]) -> int:
         """Read back, on threads, the calls the compiled-steps cache holds (loading an executable
         onto the devices runs without the GIL). -> how many were read."""
         todo = {k: c for c in calls for k in [_signature(*c)] if k not in self._executables}
         keys = list(todo)
+
         def load(k):
             key = self._disk_key(*todo[k])
             return self._on_mesh(compilation_cache.load_executable(self.steps_cache, key), key)
+
         found = map_threads(load, keys)
         loaded = {k: exe for k, exe in zip(keys, found) if exe is not None}
         self._executables.update(loaded)
@@ -239,8 +293,9 @@ class Engine:
     def compiled(self, call: tuple[str, tuple, dict]) -> bool:
         return _signature(*call) in self._executables
 
-    def precompile(self, calls: list[tuple[str, tuple, dict]], threads: int | None = None,
-                   counted: bool = True, on_compiled=None) -> float:
+    def precompile(
+        self, calls: list[tuple[str, tuple, dict]], threads: int | None = None, counted: bool = True, on_compiled=None
+    ) -> float:
         """Compile every (name, args, static) call not compiled yet, together (`compile_all`), after
         reading back what the compiled-steps cache holds. args may be shape structs. `counted`:
         add the time to `compile_s`, which a caller timing its own calls reads (not for compiles
@@ -265,16 +320,22 @@ class Engine:
             t = time.perf_counter()
             exe = self._compile_lowered(self._disk_key(*todo[key]), lowered)
             name, args, static = todo[key]
-            shape = [tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(args[1:])[:1]]    # a prefill's [P, C]
+            shape = [tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(args[1:])[:1]]  # a prefill's [P, C]
             log.debug("compiled %s %s %s in %.1f s", name, static, shape, time.perf_counter() - t)
             self._executables[key] = exe
             if on_compiled is not None:
                 on_compiled()
             return exe
+
         compile_all(todo, lower, compile_and_keep, threads)
         dt = time.perf_counter() - t0
-        log.info("%d calls compiled in %.1f s (%.1f s of it tracing and lowering), %d read from the compiled-steps "
-                 "cache", len(todo), dt, traced, loaded)
+        log.info(
+            "%d calls compiled in %.1f s (%.1f s of it tracing and lowering), %d read from the compiled-steps cache",
+            len(todo),
+            dt,
+            traced,
+            loaded,
+        )
         if done is not None:
             done()
         if counted:
@@ -282,8 +343,15 @@ class Engine:
         return dt
 
     # -- the core's state on the mesh -----------------------------------------------------------
-    def core(self, num_slots: int, max_len: int, budget: int | None = None, span: int | None = None,
-             prefix_caching: bool = False, steady: int | None = None) -> EngineCore:
+    def core(
+        self,
+        num_slots: int,
+        max_len: int,
+        budget: int | None = None,
+        span: int | None = None,
+        prefix_caching: bool = False,
+        steady: int | None = None,
+    ) -> EngineCore:
         """`num_slots` rows of up to `max_len` positions and their slot table, on the mesh: each row
         with blocks of its own for its whole run (a lockstep batch), or (`budget`: bytes) a pool
         of that size from which the host hands rows blocks as they need them (`engine.blocks`;
@@ -298,8 +366,9 @@ class Engine:
             models.append(kind_specs(self.spec.draft_cfg, self.kv_layout, self.kv_options))
         return models
 
-    def pool_plan(self, rows: int, max_len: int, budget: int | None = None, span: int | None = None,
-                  steady: int | None = None) -> PoolPlan:
+    def pool_plan(
+        self, rows: int, max_len: int, budget: int | None = None, span: int | None = None, steady: int | None = None
+    ) -> PoolPlan:
         """The pools for `rows` sequences of up to `max_len` positions: every row its own blocks, or
         as many as `budget` bytes hold; with their bytes on each device of the mesh. `span`: the
         positions a call may write past a row's lowest position (a prefill piece's length; a
@@ -310,14 +379,16 @@ class Engine:
         if budget is None:
             plan = PoolPlan.for_rows(self.kv_specs(), self.kv_layout, o.block_size, itemsize, rows, max_len, span)
         else:
-            plan = PoolPlan.for_budget(self.kv_specs(), self.kv_layout, o.block_size, itemsize, rows, max_len,
-                                       span, budget, steady)
+            plan = PoolPlan.for_budget(
+                self.kv_specs(), self.kv_layout, o.block_size, itemsize, rows, max_len, span, budget, steady
+            )
         if self.layout.mesh.size == 1:
             return plan
         return dataclasses.replace(plan, per_device=per_device_bytes(self.state_shapes(plan).cache.pools))
 
-    def kv_budget(self, rows: int, max_len: int, span: int, memory, batched_tokens: int,
-                  steady: int | None = None) -> int:
+    def kv_budget(
+        self, rows: int, max_len: int, span: int, memory, batched_tokens: int, steady: int | None = None
+    ) -> int:
         """Bytes of a scheduler's KV pool (`memory.KVMemory`): its size where given; where the
         device says what its allocator may use, `utilization` of that less what is in use and room
         for the calls' own buffers (a prefill of `batched_tokens` tokens' activations, the decode
@@ -341,8 +412,13 @@ class Engine:
         o, kv_dtype = self.kv_options, self.ops.kv_dtype(self.dtype)
         models = self.kv_specs()
         pools = [make_pools(specs, plan.blocks, plan.block_size, kv_dtype, o.read) for specs in models]
-        slots = Slots.empty(plan.rows, plan.max_len, self.spec is not None, self.cfg.vocab_size,
-                            hidden=(self.cfg.hidden_size, self.dtype))
+        slots = Slots.empty(
+            plan.rows,
+            plan.max_len,
+            self.spec is not None,
+            self.cfg.vocab_size,
+            hidden=(self.cfg.hidden_size, self.dtype),
+        )
         return State(PagedCache(pools[0], tables), slots, pools[1] if len(pools) > 1 else None)
 
     def new_state(self, plan: PoolPlan, tables: dict | None = None) -> State:
@@ -351,9 +427,11 @@ class Engine:
         tables = static_tables(plan.widths, plan.rows) if tables is None else tables
         tables = {n: self.put_rows(t) for n, t in tables.items()}
         key = (plan.rows, plan.max_len, tuple(sorted(plan.blocks.items())), tuple(sorted(plan.widths.items())))
-        if key not in self._state_makers:        # one compiled allocator per pool shape
+        if key not in self._state_makers:  # one compiled allocator per pool shape
+
             def make(tables):
                 return self._make_state(plan, tables)
+
             shapes = jax.eval_shape(make, tables)
             self._state_makers[key] = jax.jit(make, out_shardings=self.state_shardings(shapes), donate_argnums=0)
             self.compiles.add("allocators")
@@ -363,8 +441,9 @@ class Engine:
         """The state `new_state` makes, as shape structs with their shardings (nothing allocated)."""
         tables = {n: jax.ShapeDtypeStruct((plan.rows, w), np.int32) for n, w in plan.widths.items()}
         shapes = jax.eval_shape(partial(self._make_state, plan), tables)
-        return jax.tree_util.tree_map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                                      shapes, self.state_shardings(shapes))
+        return jax.tree_util.tree_map(
+            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, self.state_shardings(shapes)
+        )
 
     def state_shardings(self, state: State) -> State:
         rows = jax.tree_util.tree_map(lambda a: self.layout.batch_sharding(a.shape), state.slots)
@@ -375,15 +454,19 @@ class Engine:
     def put_rows(self, tree):
         """Per-row host data (a pytree of arrays with the row axis first) -> global arrays split over
         the data axis like the cache rows."""
+
         def put(x):
             x = np.asarray(x)
             return self.layout.put(x, self.layout.batch_sharding(x.shape))
+
         return jax.tree_util.tree_map(put, tree)
 
     def row_shapes(self, tree):
         """Shape structs of per-row data (as `put_rows` would lay it out), to compile for ahead."""
+
         def shape(a):
             return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=self.layout.batch_sharding(np.shape(a)))
+
         return jax.tree_util.tree_map(shape, tree)
 
     def core_out_size(self, n_tokens: int, lo: int = 1) -> int:
@@ -439,8 +522,19 @@ class Engine:
             return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)
 
-    def generate(self, prompts, max_tokens=64, temperature=0.0, top_k=None, top_p=None, seed=0,
-                 stop=None, chat: bool | None = None, logprobs: int | None = None, **penalties) -> list[Completion]:
+    def generate(
+        self,
+        prompts,
+        max_tokens=64,
+        temperature=0.0,
+        top_k=None,
+        top_p=None,
+        seed=0,
+        stop=None,
+        chat: bool | None = None,
+        logprobs: int | None = None,
+        **penalties,
+    ) -> list[Completion]:
         """Strings (or lists of chat messages) -> a Completion each; `chat` as in `encode_prompt`,
         the rest as in `generate_ids`."""
         check_sampling(max_tokens, temperature, top_k, top_p)
@@ -451,10 +545,24 @@ class Engine:
         ids = [self.encode_prompt(p, chat) for p in prompts]
         return self.generate_ids(ids, max_tokens, temperature, top_k, top_p, seed, stop, logprobs, **penalties)
 
-    def generate_ids(self, ids: list[list[int]], max_tokens=64, temperature=0.0, top_k=None,
-                     top_p=None, seed=0, stop=None, logprobs: int | None = None, presence_penalty=0.0,
-                     frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None, stop_token_ids=None,
-                     min_tokens=0, min_p=0.0) -> list[Completion]:
+    def generate_ids(
+        self,
+        ids: list[list[int]],
+        max_tokens=64,
+        temperature=0.0,
+        top_k=None,
+        top_p=None,
+        seed=0,
+        stop=None,
+        logprobs: int | None = None,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        repetition_penalty=1.0,
+        logit_bias=None,
+        stop_token_ids=None,
+        min_tokens=0,
+        min_p=0.0,
+    ) -> list[Completion]:
         """Prompts of one length: the lockstep batch, every row with blocks of its own, prefilled in
         chunks, then decoded to completion in one on-device loop; what it needs compiled is
         compiled first, so `stats` times the run itself. Prompts of mixed lengths: the scheduler's
@@ -476,21 +584,40 @@ class Engine:
             raise RequestError("a prompt encoded to no tokens")
         n = max(lens)
         if n + max_tokens > self.max_ctx:
-            raise RequestError(f"a prompt of {n} tokens and max_tokens {max_tokens} need {n + max_tokens} "
-                               f"positions, more than max_ctx {self.max_ctx}: lower max_tokens to at most "
-                               f"{max(self.max_ctx - n, 0)} or raise max_ctx")
+            raise RequestError(
+                f"a prompt of {n} tokens and max_tokens {max_tokens} need {n + max_tokens} "
+                f"positions, more than max_ctx {self.max_ctx}: lower max_tokens to at most "
+                f"{max(self.max_ctx - n, 0)} or raise max_ctx"
+            )
         if len(set(lens)) > 1:
             from jaxllm.engine import batch
-            reqs = [Request(list(x), max_tokens, temperature, top_k, top_p, nth_seed(seed, b), *pen,
-                            logprobs=logprobs, logit_bias=bias, stop_token_ids=stops, min_tokens=min_tokens,
-                            min_p=min_p)
-                    for b, x in enumerate(ids)]
+
+            reqs = [
+                Request(
+                    list(x),
+                    max_tokens,
+                    temperature,
+                    top_k,
+                    top_p,
+                    nth_seed(seed, b),
+                    *pen,
+                    logprobs=logprobs,
+                    logit_bias=bias,
+                    stop_token_ids=stops,
+                    min_tokens=min_tokens,
+                    min_p=min_p,
+                )
+                for b, x in enumerate(ids)
+            ]
             outs, (ttft, decode_s, compile_s, spec) = batch.generate(self, ids, reqs)
             new = sum(len(t) for t, _ in outs)
-            self.stats = GenerateStats(len(ids), sum(lens), new, ttft, decode_s, max(len(t) for t, _ in outs),
-                                       compile_s, spec)
-            return [self._finish(x, toks, stop, lp if logprobs is not None else None, stops)
-                    for x, (toks, lp) in zip(ids, outs)]
+            self.stats = GenerateStats(
+                len(ids), sum(lens), new, ttft, decode_s, max(len(t) for t, _ in outs), compile_s, spec
+            )
+            return [
+                self._finish(x, toks, stop, lp if logprobs is not None else None, stops)
+                for x, (toks, lp) in zip(ids, outs)
+            ]
         B = len(ids)
         S = self.padded_len(n + max_tokens)
         check_fits(self.kv_plan(B, S))
@@ -498,24 +625,32 @@ class Engine:
         eng_core = self.core(B, S, span=self.chunking(n)[0])
         compile_s = eng_core.prepare(n, max_tokens - 1, n_lp)
         t0 = time.perf_counter()
-        first = eng_core.prefill_prompts(ids, params, np.full(B, max_tokens, np.int32), logprobs=n_lp,
-                                         penalties=Penalties.make(B, *pen),
-                                         rules=TokenRules.make(B, [bias] * B, [stops] * B, min_tokens))
+        first = eng_core.prefill_prompts(
+            ids,
+            params,
+            np.full(B, max_tokens, np.int32),
+            logprobs=n_lp,
+            penalties=Penalties.make(B, *pen),
+            rules=TokenRules.make(B, [bias] * B, [stops] * B, min_tokens),
+        )
         t1 = time.perf_counter()
-        eng_core.run_to_completion(max_tokens - 1, steps=0, logprobs=n_lp)      # the loop's first run, untimed
+        eng_core.run_to_completion(max_tokens - 1, steps=0, logprobs=n_lp)  # the loop's first run, untimed
         t1, t = time.perf_counter(), t1 - t0
         rest, count, rest_lp = eng_core.run_to_completion(max_tokens - 1, logprobs=n_lp)
         t2 = time.perf_counter()
-        self.stats = GenerateStats(B, sum(lens), int(B + count.sum()), t, t2 - t1, int(count.max(initial=0)),
-                                   compile_s, eng_core.spec_stats())
+        self.stats = GenerateStats(
+            B, sum(lens), int(B + count.sum()), t, t2 - t1, int(count.max(initial=0)), compile_s, eng_core.spec_stats()
+        )
         if not n_lp:
-            return [self._finish(ids[b], [int(first[b])] + rest[b, :count[b]].tolist(), stop, stops=stops)
-                    for b in range(B)]
+            return [
+                self._finish(ids[b], [int(first[b])] + rest[b, : count[b]].tolist(), stop, stops=stops)
+                for b in range(B)
+            ]
         first, first_lp = first
         lp = jax.tree_util.tree_map(lambda f, r: np.concatenate([f[:, None], r], axis=1), first_lp, rest_lp)
         outs = []
         for b in range(B):
-            new = [int(first[b])] + rest[b, :count[b]].tolist()
+            new = [int(first[b])] + rest[b, : count[b]].tolist()
             outs.append(self._finish(ids[b], new, stop, token_logprobs(lp, b, new, logprobs), stops))
         return outs
 
@@ -524,13 +659,14 @@ class Engine:
         if new_ids and (new_ids[-1] in self.cfg.eos_ids or new_ids[-1] in stops):
             new_ids, reason = new_ids[:-1], "stop"
         text = self.tokenizer.decode(new_ids) if self.tokenizer is not None else ""
-        for s in ([stop] if isinstance(stop, str) else stop or []):
+        for s in [stop] if isinstance(stop, str) else stop or []:
             i = text.find(s) if s else -1
             if i >= 0:
                 text, reason = text[:i], "stop"
                 new_ids = _ids_covering(self.tokenizer, new_ids, text)
-        return Completion(text, new_ids, reason, list(prompt_ids),
-                          None if logprobs is None else logprobs[:len(new_ids)])
+        return Completion(
+            text, new_ids, reason, list(prompt_ids), None if logprobs is None else logprobs[: len(new_ids)]
+        )
 
     def perplexity(self, text: str, window: int = 2048, stride: int | None = None):
         """Sliding-window perplexity of `text` -> PerplexityResult (.ppl .nll .num_scored_tokens)."""
@@ -544,14 +680,20 @@ def check_draft(cfg: ModelConfig, spec: Speculation, draft_weights) -> None:
         # Gemma 3 270M and 1B have 262144 ids, the larger Gemma 3 262208 (the same tokenizer, with
         # image tokens appended): every id a draft proposes is one of the model's.
         if spec.draft_cfg.vocab_size > cfg.vocab_size:
-            raise ModelError(f"the draft model's vocabulary ({spec.draft_cfg.vocab_size} tokens) is larger than "
-                             f"the model's ({cfg.vocab_size}): a draft model must share the tokenizer")
+            raise ModelError(
+                f"the draft model's vocabulary ({spec.draft_cfg.vocab_size} tokens) is larger than "
+                f"the model's ({cfg.vocab_size}): a draft model must share the tokenizer"
+            )
 
 
 def _signature(name: str, args, static: dict):
     leaves, tree = jax.tree_util.tree_flatten(args)
-    return (name, tuple(sorted(static.items())), tree,
-            tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))) for x in leaves))
+    return (
+        name,
+        tuple(sorted(static.items())),
+        tree,
+        tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))) for x in leaves),
+    )
 
 
 def _ids_covering(tok, ids, text):

@@ -1,6 +1,7 @@
 """Structured output on the engine's side: a request's place in its grammar (`Matcher`, which takes
 each token the request samples) and the token masks of a decode step's rows, computed together
 by llguidance (grammars are compiled from a request's fields by the server, `serve.grammar`)."""
+
 from __future__ import annotations
 
 import llguidance
@@ -13,7 +14,7 @@ class Matcher:
 
     def __init__(self, m: llguidance.LLMatcher, base: np.ndarray, words: int):
         self.m, self.base = m, base
-        self.words = words                  # of llguidance's masks: the tokenizer's ids, in 32s
+        self.words = words  # of llguidance's masks: the tokenizer's ids, in 32s
 
     def follow(self, tokens: list[int]) -> tuple[int, bool]:
         """Take a request's new tokens in order -> (how many of them the answer keeps: up to the one
@@ -22,7 +23,7 @@ class Matcher:
         for i, t in enumerate(tokens):
             if not self.m.consume_token(int(t)):
                 raise ValueError(f"the grammar refused token {t}: {self.m.get_error()}")
-            if self.m.is_stopped():         # complete: it can take nothing more (EOS, once taken, included)
+            if self.m.is_stopped():  # complete: it can take nothing more (EOS, once taken, included)
                 return i + 1, True
         return len(tokens), False
 

@@ -2,6 +2,7 @@
 slot table on an engine's mesh and advances them through the core's compiled calls (`core.prefill`,
 `core.decode`, `core.fork`); `Engine.generate`, `Engine.logits`, perplexity and the scheduler each
 drive one."""
+
 from __future__ import annotations
 
 import jax
@@ -25,11 +26,19 @@ class EngineCore:
     blocks its `BlockManager` hands the rows as they need them (`prefix_caching`: and reuses
     cached prefixes)."""
 
-    def __init__(self, engine, num_slots: int, max_len: int, budget: int | None = None, span: int | None = None,
-                 prefix_caching: bool = False, steady: int | None = None):
+    def __init__(
+        self,
+        engine,
+        num_slots: int,
+        max_len: int,
+        budget: int | None = None,
+        span: int | None = None,
+        prefix_caching: bool = False,
+        steady: int | None = None,
+    ):
         self.engine = engine
         self.num_slots, self.max_len = num_slots, max_len
-        if span is None:                 # a piece of a prompt at most, as long as a prefill takes
+        if span is None:  # a piece of a prompt at most, as long as a prefill takes
             span = min(max_len, engine.kv_options.prefill_chunk)
         self.plan = engine.pool_plan(num_slots, max_len, budget, span, steady)
         self.blocks = None if budget is None else BlockManager(self.plan, num_slots, prefix_caching)
@@ -61,8 +70,9 @@ class EngineCore:
         assert pieces.tokens.shape[1] <= self.plan.span, "a piece longer than the pools' span"
         e = self.engine
         static = {"out": out, **({"logprobs": logprobs} if logprobs else {})}
-        self.state, res = e.run("prefill", self._tables(), e.put_rows(pieces),
-                                None if targets is None else e.put_rows(targets), **static)
+        self.state, res = e.run(
+            "prefill", self._tables(), e.put_rows(pieces), None if targets is None else e.put_rows(targets), **static
+        )
         return res
 
     def fork(self, forks: Forks, copies: dict | None = None, logprobs: int = 0):
@@ -73,8 +83,10 @@ class EngineCore:
         pad = {n: [(0, np.iinfo(np.int32).max)] * F for n in self.plan.blocks}
         for n, pairs in (copies or {}).items():
             pad[n] = (pairs + pad[n])[:F]
-        arrays = {n: (np.asarray([s for s, _ in p], np.int32), np.asarray([d for _, d in p], np.int32))
-                  for n, p in pad.items()}
+        arrays = {
+            n: (np.asarray([s for s, _ in p], np.int32), np.asarray([d for _, d in p], np.int32))
+            for n, p in pad.items()
+        }
         static = {"logprobs": logprobs} if logprobs else {}
         self.state, res = e.run("fork", self._tables(), e.put_rows(forks), e.put_rows(arrays), **static)
         return res
@@ -85,18 +97,22 @@ class EngineCore:
         hist = np.zeros((1, self.state.slots.spec.history.shape[1]), np.int32)
         n = min(len(tokens), hist.shape[1])
         hist[0, :n] = tokens[:n]
-        self.state = e.run("seed_history", self._tables(), e.put_rows(np.asarray([row], np.int32)),
-                           e.put_rows(hist))
+        self.state = e.run("seed_history", self._tables(), e.put_rows(np.asarray([row], np.int32)), e.put_rows(hist))
 
-    def decode(self, n_steps: int | None, max_steps: int, stop=None, rows: int | None = None, logprobs: int = 0,
-               allowed=None):
+    def decode(
+        self, n_steps: int | None, max_steps: int, stop=None, rows: int | None = None, logprobs: int = 0, allowed=None
+    ):
         """-> (tokens [rows, max_steps], count [rows], LogProbs or None) on the device; see
         `core.decode`. A call with `allowed` is a variant of its own, compiled on first use.
         n_steps None: a fixed block of max_steps greedy steps (`core.decode`'s `fixed`)."""
         e = self.engine
         stop = None if stop is None else e.put_rows(np.asarray(stop, bool))
-        static = {"max_steps": max_steps, "rows": rows, **({"logprobs": logprobs} if logprobs else {}),
-                  **({"fixed": True} if n_steps is None else {})}
+        static = {
+            "max_steps": max_steps,
+            "rows": rows,
+            **({"logprobs": logprobs} if logprobs else {}),
+            **({"fixed": True} if n_steps is None else {}),
+        }
         masks = () if allowed is None else (e.put_rows(np.asarray(allowed, np.uint32)),)
         n = None if n_steps is None else np.int32(n_steps)
         self.state, toks, count, lp = e.run("decode", self._tables(), n, stop, *masks, **static)
@@ -109,8 +125,9 @@ class EngineCore:
         self.state, logits = e.run("decode_forward", self._tables(), rows=rows)
         return logits
 
-    def decode_sample(self, logits, stop=None, rows: int | None = None, logprobs: int = 0, allowed=None,
-                      greedy: bool = False):
+    def decode_sample(
+        self, logits, stop=None, rows: int | None = None, logprobs: int = 0, allowed=None, greedy: bool = False
+    ):
         """The sampling of the one-step block whose forward gave `logits`: -> as `decode` for one
         step (`greedy`: every live slot's temperature is 0; see `core.decode_sample`)."""
         e = self.engine
@@ -121,6 +138,7 @@ class EngineCore:
         return toks, count, lp
 
         # -- lockstep batches: every row a prompt, prefilled in chunks ----------------------------------
+
     def prepare(self, longest: int, n_steps: int, logprobs: int = 0) -> float:
         """Compile what `prefill_prompts` of prompts up to `longest` tokens and `run_to_completion(
         n_steps)` call, if not compiled yet. -> seconds it took."""
@@ -130,8 +148,9 @@ class EngineCore:
         lp = {"logprobs": logprobs} if logprobs else {}
         calls = [("prefill", (state, e.row_shapes(Pieces.shapes(B, C, rows=True)), None), {"out": "sample", **lp})]
         if n_steps >= 1:
-            calls.append(("decode", (state, np.int32(1), None),
-                          {"max_steps": self.out_size(n_steps), "rows": None, **lp}))
+            calls.append(
+                ("decode", (state, np.int32(1), None), {"max_steps": self.out_size(n_steps), "rows": None, **lp})
+            )
         return e.precompile(calls)
 
     def out_size(self, n_tokens: int) -> int:
@@ -143,10 +162,18 @@ class EngineCore:
     def _chunks(self, tokens: np.ndarray, lens: np.ndarray, chunk: int):
         """(start, tokens [B, chunk], lengths [B]) of each chunk of right-padded rows."""
         for s in range(0, tokens.shape[1], chunk):
-            yield s, tokens[:, s:s + chunk], np.clip(lens - s, 0, chunk).astype(np.int32)
+            yield s, tokens[:, s : s + chunk], np.clip(lens - s, 0, chunk).astype(np.int32)
 
-    def prefill_prompts(self, ids: list[list[int]], params: SamplingParams, max_new, ignore_eos=None,
-                        logprobs: int = 0, penalties: Penalties | None = None, rules: TokenRules | None = None):
+    def prefill_prompts(
+        self,
+        ids: list[list[int]],
+        params: SamplingParams,
+        max_new,
+        ignore_eos=None,
+        logprobs: int = 0,
+        penalties: Penalties | None = None,
+        rules: TokenRules | None = None,
+    ):
         """Prompt b into slot b, every slot at once, in chunks; -> each row's first token [B] (and
         with `logprobs` their LogProbs [B], host arrays)."""
         B = len(ids)
@@ -156,9 +183,13 @@ class EngineCore:
         firsts, finals = [], []
         for s, tok, length in self._chunks(tokens, lens, C):
             final = (length > 0) & (lens - s <= C)
-            rows = np.where(length > 0, np.arange(B), B).astype(np.int32)     # done rows: padding
-            firsts.append(self.prefill(Pieces.make(tok, s, length, final, rows, params, max_new, ignore_eos, penalties,
-                                                   rules), logprobs=logprobs))
+            rows = np.where(length > 0, np.arange(B), B).astype(np.int32)  # done rows: padding
+            firsts.append(
+                self.prefill(
+                    Pieces.make(tok, s, length, final, rows, params, max_new, ignore_eos, penalties, rules),
+                    logprobs=logprobs,
+                )
+            )
             finals.append(final)
         which = np.argmax(np.stack(finals), axis=0), np.arange(B)
         firsts = jax.tree_util.tree_map(lambda *a: np.stack([self.engine.layout.get(x) for x in a])[which], *firsts)
@@ -171,10 +202,14 @@ class EngineCore:
         with `logprobs`, else None)."""
         if n_steps < 1:
             B = self.num_slots
-            return (np.zeros((B, 0), np.int32), np.zeros((B,), np.int32),
-                    jax.tree_util.tree_map(np.asarray, LogProbs.zeros((B, 0), logprobs)) if logprobs else None)
-        toks, count, lp = self.decode(n_steps if steps is None else steps, self.out_size(n_steps), rows=None,
-                                      logprobs=logprobs)
+            return (
+                np.zeros((B, 0), np.int32),
+                np.zeros((B,), np.int32),
+                jax.tree_util.tree_map(np.asarray, LogProbs.zeros((B, 0), logprobs)) if logprobs else None,
+            )
+        toks, count, lp = self.decode(
+            n_steps if steps is None else steps, self.out_size(n_steps), rows=None, logprobs=logprobs
+        )
         return jax.tree_util.tree_map(self.engine.layout.get, (toks, count, lp))
 
     def logits(self, tokens: np.ndarray, lens: np.ndarray, chunk: int) -> np.ndarray:
@@ -206,5 +241,5 @@ class EngineCore:
 def pad_rows(ids, length: int, pad_id: int) -> np.ndarray:
     out = np.full((len(ids), length), pad_id, np.int32)
     for b, x in enumerate(ids):
-        out[b, :len(x)] = x
+        out[b, : len(x)] = x
     return out

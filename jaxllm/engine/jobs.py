@@ -1,4 +1,5 @@
 """A request as the scheduler holds it (`Job`), and the events it sends back to the handler."""
+
 from __future__ import annotations
 
 import functools
@@ -15,21 +16,22 @@ from jaxllm.engine.request import Request
 @dataclass
 class Delta:
     text: str
-    logprobs: list | None = None     # TokenLogprob of each token the text accounts for (when asked)
+    logprobs: list | None = None  # TokenLogprob of each token the text accounts for (when asked)
 
 
 @dataclass
 class Prompt:
     """The prompt was read, sent to a request that echoes it (its answer starts with it) or scores it:
     its tokens' TokenLogprob (the first without a value) where scored."""
+
     logprobs: list | None = None
 
 
 @dataclass
 class Finished:
-    finish_reason: str           # "stop" | "length"
+    finish_reason: str  # "stop" | "length"
     completion_tokens: int
-    cached_tokens: int = 0       # prompt tokens whose keys and values came from the prefix cache
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
 
 
 @dataclass
@@ -40,8 +42,8 @@ class Failed:
 
 
 _ids = itertools.count(1)
-ARRIVAL_GAP = 0.002      # seconds between arrivals that still count as one burst
-ARRIVAL_WAIT = 0.020     # the longest a burst holds the first prefill back
+ARRIVAL_GAP = 0.002  # seconds between arrivals that still count as one burst
+ARRIVAL_WAIT = 0.020  # the longest a burst holds the first prefill back
 # Clients whose answers just ended and that have not sent again (a benchmark's, a batch job's or an
 # agent's workers send their next request as each answer ends): the first prefill waits for them
 # while they keep coming RETURN_GAP apart, up to RETURN_WAIT in all.
@@ -53,37 +55,38 @@ RETURN_WAIT = 0.060
 class Job:
     """One answer of a request: the request's first (index 0), whose prompt is prefilled, holds the
     others' as `children`, which fork its slot."""
+
     req: Request
-    emit: Callable[[object], None]          # thread-safe: delivers an event to the request's handler
+    emit: Callable[[object], None]  # thread-safe: delivers an event to the request's handler
     cancelled: threading.Event = field(default_factory=threading.Event)
     text: TextStream | None = None
     n_tokens: int = 0
     slot: int = -1
-    prefilled: int = 0                      # prompt tokens the device has (cached or sent so far; a fork: all)
-    started: bool = False                   # its first token is being drawn: its slot may decode
-    launched: int = 0                       # tokens the calls launched so far sample for it, unless it ends first
-    done: bool = False                      # its last event went out
-    index: int = 0                          # which of the request's answers
-    parent: Job | None = None               # a child: the job whose slot it forks
+    prefilled: int = 0  # prompt tokens the device has (cached or sent so far; a fork: all)
+    started: bool = False  # its first token is being drawn: its slot may decode
+    launched: int = 0  # tokens the calls launched so far sample for it, unless it ends first
+    done: bool = False  # its last event went out
+    index: int = 0  # which of the request's answers
+    parent: Job | None = None  # a child: the job whose slot it forks
     children: list = field(default_factory=list)
-    answers_done: int = 0                   # the parent: answers of the request that ended
+    answers_done: int = 0  # the parent: answers of the request that ended
     id: int = field(default_factory=lambda: next(_ids))
     arrived: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None     # when its first tokens were read back
+    first_token_at: float | None = None  # when its first tokens were read back
     last_token_at: float | None = None
-    logprobs: list = field(default_factory=list)     # TokenLogprob of each token taken
-    logprobs_sent: int = 0                           # how many of them went out
-    prompt_logprobs: list = field(default_factory=list)   # an echo's, as its prefill reads them
-    matcher: object | None = None           # structured output: its `grammar.Matcher`, freed with the slot
-    out_ids: list = field(default_factory=list)   # every token sampled for it, as the output thread reads them
-    resumed: int = 0                        # of them, those prefilled again after a preemption
-    cached: int | None = None               # prompt tokens its first admission found in the prefix cache
-    admitted: int = 0                       # when it took its slot (an order: the newest are preempted first)
-    start_at: int = 0                       # where its prefill starts: past the cached prefix it took
-    sent: bool = False                      # its prefill's first piece was launched
-    hashes: list = field(default_factory=list)    # its prompt's full blocks' chained hashes (`blocks.block_hashes`)
-    held: list = field(default_factory=list)         # tokens read back, their text not out yet
-    held_lp: list = field(default_factory=list)      # their host LogProbs pieces
+    logprobs: list = field(default_factory=list)  # TokenLogprob of each token taken
+    logprobs_sent: int = 0  # how many of them went out
+    prompt_logprobs: list = field(default_factory=list)  # an echo's, as its prefill reads them
+    matcher: object | None = None  # structured output: its `grammar.Matcher`, freed with the slot
+    out_ids: list = field(default_factory=list)  # every token sampled for it, as the output thread reads them
+    resumed: int = 0  # of them, those prefilled again after a preemption
+    cached: int | None = None  # prompt tokens its first admission found in the prefix cache
+    admitted: int = 0  # when it took its slot (an order: the newest are preempted first)
+    start_at: int = 0  # where its prefill starts: past the cached prefix it took
+    sent: bool = False  # its prefill's first piece was launched
+    hashes: list = field(default_factory=list)  # its prompt's full blocks' chained hashes (`blocks.block_hashes`)
+    held: list = field(default_factory=list)  # tokens read back, their text not out yet
+    held_lp: list = field(default_factory=list)  # their host LogProbs pieces
 
     def cancel(self):
         self.cancelled.set()
@@ -92,7 +95,7 @@ class Job:
     def prompt(self) -> list[int]:
         """What its slot prefills: the request's prompt, and after a preemption the tokens it had
         sampled."""
-        return self.req.prompt_ids + self.out_ids[:self.resumed] if self.resumed else self.req.prompt_ids
+        return self.req.prompt_ids + self.out_ids[: self.resumed] if self.resumed else self.req.prompt_ids
 
     @property
     def choices(self) -> list[Job]:
@@ -104,9 +107,17 @@ class Job:
         delivers answer i's events. Cancelling one cancels them all. `matcher`: a constrained
         request's (each answer follows a copy of its own)."""
         job = Job(req, functools.partial(emit, 0), matcher=matcher)
-        job.children = [Job(req, functools.partial(emit, i), cancelled=job.cancelled, index=i, parent=job,
-                            matcher=None if matcher is None else matcher.copy())
-                        for i in range(1, req.n)]
+        job.children = [
+            Job(
+                req,
+                functools.partial(emit, i),
+                cancelled=job.cancelled,
+                index=i,
+                parent=job,
+                matcher=None if matcher is None else matcher.copy(),
+            )
+            for i in range(1, req.n)
+        ]
         return job
 
 

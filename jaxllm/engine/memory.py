@@ -14,6 +14,7 @@ A request takes no prefix from the cache where the cached positions would lose s
 asks of the prompt: its tokens scored (`echo` with log-probabilities) or counted by a penalty
 (`_reusable`). Its blocks still enter the cache for the others.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,10 +33,11 @@ class KVMemory:
     (where the device says what it has; elsewhere room for every slot at its longest); whether
     it caches prefixes (vLLM's `--gpu-memory-utilization`, `--kv-cache-memory-bytes`,
     `--enable-prefix-caching`)."""
+
     utilization: float = 0.9
     size: int | None = None
     prefix_caching: bool = True
-    every_slot: bool = False       # room for every slot at its longest, whatever the device has
+    every_slot: bool = False  # room for every slot at its longest, whatever the device has
 
 
 def deterministic_memory(memory: KVMemory) -> KVMemory:
@@ -65,7 +67,7 @@ class Memory:
         blocks free now, else None."""
         b = self.core.blocks
         prompt = job.prompt
-        hit = b.lookup(prompt[:self._reusable(job) + 1])
+        hit = b.lookup(prompt[: self._reusable(job) + 1])
         need = b.needed(hit.tokens, len(prompt) + 1, hit.blocks)
         others = 0 if job.resumed else len(job.children)
         for n, k in b.kinds.items():
@@ -90,7 +92,7 @@ class Memory:
             b.release(job.slot)
         b.admit(job.slot, hit)
         job.prefilled = job.start_at = 0 if hit is None else hit.tokens
-        if job.start_at and self.engine.spec is not None:      # n-gram drafts read the whole prompt
+        if job.start_at and self.engine.spec is not None:  # n-gram drafts read the whole prompt
             with self._device_call("history"):
                 self.core.seed_history(job.slot, job.prompt)
 
@@ -104,11 +106,14 @@ class Memory:
         for job in self.prefilling:
             if not job.sent:
                 b = job.start_at // P
-                if b < len(job.hashes) and (b + 1) * P <= self._reusable(job) and \
-                        pending.get(job.hashes[b], job) is not job:
+                if (
+                    b < len(job.hashes)
+                    and (b + 1) * P <= self._reusable(job)
+                    and pending.get(job.hashes[b], job) is not job
+                ):
                     held.add(job)
                     continue
-            for h in job.hashes[job.prefilled // P:]:
+            for h in job.hashes[job.prefilled // P :]:
                 pending.setdefault(h, job)
         return held
 
@@ -118,7 +123,7 @@ class Memory:
         then (what its answer reports as cached)."""
         b = self.core.blocks
         if b.prefix_caching:
-            hit = b.lookup(job.prompt[:self._reusable(job) + 1])
+            hit = b.lookup(job.prompt[: self._reusable(job) + 1])
             if hit.tokens > job.start_at:
                 self._take_prefix(job, hit)
         job.sent = True
@@ -151,10 +156,10 @@ class Memory:
         # a sliding kind's table holds the window and `span` positions past it
         span = plan.span if any(w is not None for w in plan.windows.values()) else None
         for job in sorted(jobs, key=lambda j: j.admitted):
-            if job.slot < 0:                      # preempted for an older one
+            if job.slot < 0:  # preempted for an older one
                 continue
             lo, hi = self._positions(job, tokens)
-            if span is not None and hi - lo > span:       # the calls in flight ran ahead: their tokens first
+            if span is not None and hi - lo > span:  # the calls in flight ran ahead: their tokens first
                 self._await_results()
                 lo, hi = self._positions(job, tokens)
             if job.done or job.slot < 0:
@@ -185,7 +190,7 @@ class Memory:
     # -- giving blocks back ------------------------------------------------------------------------
     def _release(self, job: Job):
         """`job`'s slot gives its blocks back, the full ones of tokens known into the prefix cache."""
-        seq = job.prompt + job.out_ids[job.resumed:]
+        seq = job.prompt + job.out_ids[job.resumed :]
         written = len(job.prompt) + max(len(job.out_ids) - job.resumed - 1, 0) if job.started else job.prefilled
         self.core.blocks.release(job.slot, seq, written)
 
@@ -195,14 +200,14 @@ class Memory:
         self._await_results()
         if job.slot < 0:
             return
-        if job.done or job.cancelled.is_set():      # it ended meanwhile: its slot is free for the taking
+        if job.done or job.cancelled.is_set():  # it ended meanwhile: its slot is free for the taking
             self._end(job, None)
             self._free(job)
             return
         log.info("preempting request %s (%d tokens sampled) for KV blocks", job.req.id, len(job.out_ids))
         self.preemptions += 1
         self.observer.preempted()
-        self.ahead = None                 # a forward launched ahead no longer matches the slots
+        self.ahead = None  # a forward launched ahead no longer matches the slots
         self._free(job, keep=True)
         job.resumed = len(job.out_ids)
         self._requeue(job)

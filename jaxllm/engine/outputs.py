@@ -1,4 +1,5 @@
 """What generation returns: a `Completion` per answer, with each token's `TokenLogprob` when asked."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,15 +9,16 @@ from dataclasses import dataclass, field
 class Completion:
     text: str
     token_ids: list[int]
-    finish_reason: str                 # "stop" (EOS, a stop token id or a stop string) | "length"
+    finish_reason: str  # "stop" (EOS, a stop token id or a stop string) | "length"
     prompt_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None     # one per token of token_ids, when asked for
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked for
 
 
 @dataclass
 class TokenLogprob:
     """A token's log-probability under the model (log_softmax of its raw logits, before temperature
     and top-k/top-p) and the `logprobs` most likely tokens at that position, most likely first."""
+
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
@@ -24,7 +26,15 @@ class TokenLogprob:
 
 def token_logprobs(lp, row: int, ids: list[int], top: int) -> list[TokenLogprob]:
     """Tokens `ids` of row `row` of host LogProbs [B, S], with `top` alternatives each."""
-    return [TokenLogprob(t, float(lp.token[row, i]),
-                         [(a, v) for a, v in zip(lp.top_ids[row, i, :top].tolist(), lp.top[row, i, :top].tolist())
-                          if v != float("-inf")])
-            for i, t in enumerate(ids)]
+    return [
+        TokenLogprob(
+            t,
+            float(lp.token[row, i]),
+            [
+                (a, v)
+                for a, v in zip(lp.top_ids[row, i, :top].tolist(), lp.top[row, i, :top].tolist())
+                if v != float("-inf")
+            ],
+        )
+        for i, t in enumerate(ids)
+    ]

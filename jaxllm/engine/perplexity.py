@@ -15,6 +15,7 @@ its own rows and positions, in the prompt chunks the engine uses, so perplexity 
 engine computes under its KV policy. The NLL is computed on the device, a few rows at a time and
 only at scored positions, so the [tokens, vocab] logits never exist whole and never reach the host.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,14 +25,14 @@ import numpy as np
 
 from jaxllm.errors import RequestError
 
-TOKENS_PER_FORWARD = 8192       # windows are batched up to this many tokens per forward
-SCORE_BYTES = 2 << 30           # and while one layer's f32 attention scores stay under this
+TOKENS_PER_FORWARD = 8192  # windows are batched up to this many tokens per forward
+SCORE_BYTES = 2 << 30  # and while one layer's f32 attention scores stay under this
 
 
 @dataclass(frozen=True)
 class PerplexityResult:
     ppl: float
-    nll: float                  # mean NLL per scored token (nats)
+    nll: float  # mean NLL per scored token (nats)
     num_scored_tokens: int
     window: int
     stride: int
@@ -42,15 +43,15 @@ class PerplexityResult:
 
 @dataclass(frozen=True)
 class Window:
-    begin: int                  # first text token in the window
-    end: int                    # one past the last
-    score_from: int             # text tokens [score_from, end) are scored here
+    begin: int  # first text token in the window
+    end: int  # one past the last
+    score_from: int  # text tokens [score_from, end) are scored here
 
 
 def plan_windows(n: int, window: int, stride: int, has_bos: bool) -> list[Window]:
     """The windows covering n text tokens; every scorable token is scored exactly once."""
     span = window - 1 if has_bos else window
-    step = min(stride, window - 1)      # without BOS a window's first token is context only
+    step = min(stride, window - 1)  # without BOS a window's first token is context only
     out, begin, prev_end = [], 0, 0
     while True:
         end = min(begin + span, n)
@@ -86,16 +87,14 @@ def bos_id(engine) -> int | None:
     return None if engine.cfg.bos_id is None else int(engine.cfg.bos_id)
 
 
-def perplexity_ids(engine, ids, window: int = 2048, stride: int | None = None,
-                   progress=None) -> PerplexityResult:
+def perplexity_ids(engine, ids, window: int = 2048, stride: int | None = None, progress=None) -> PerplexityResult:
     """Perplexity of a token sequence (no BOS in `ids`) under the protocol above."""
     window, stride = check_window(window, stride)
     cfg = engine.cfg
     ids = np.asarray(ids, np.int32).reshape(-1)
     bos = bos_id(engine)
     if ids.size < (1 if bos is not None else 2):
-        raise RequestError("the text is too short to score (it needs at least "
-                           f"{1 if bos is not None else 2} token(s))")
+        raise RequestError(f"the text is too short to score (it needs at least {1 if bos is not None else 2} token(s))")
     if ids.min() < 0 or ids.max() >= cfg.vocab_size:
         raise RequestError(f"token ids must lie in [0, {cfg.vocab_size})")
     wins = plan_windows(int(ids.size), window, stride, bos is not None)
@@ -106,11 +105,11 @@ def perplexity_ids(engine, ids, window: int = 2048, stride: int | None = None,
     heads = max(a.num_heads for a in cfg.attn if a is not None)
     B = max(1, min(len(wins), TOKENS_PER_FORWARD // T, SCORE_BYTES // (4 * heads * T * T)))
     C, Tp = engine.chunking(T)
-    scorer = engine.core(B, Tp, span=C)       # every window starts at 0, so rows need no clearing between batches
+    scorer = engine.core(B, Tp, span=C)  # every window starts at 0, so rows need no clearing between batches
     total, count = 0.0, 0
     for i in range(0, len(wins), B):
-        tokens, scored = pack(wins[i:i + B], ids, B, Tp, bos, cfg.pad_id)
-        lengths = np.asarray([min(w.end - w.begin + lead, T) for w in wins[i:i + B]] + [0] * B, np.int32)[:B]
+        tokens, scored = pack(wins[i : i + B], ids, B, Tp, bos, cfg.pad_id)
+        lengths = np.asarray([min(w.end - w.begin + lead, T) for w in wins[i : i + B]] + [0] * B, np.int32)[:B]
         total += window_batch_nll(engine, scorer, tokens, scored, lengths, C)
         count += int(scored.sum())
         if progress:
@@ -119,24 +118,24 @@ def perplexity_ids(engine, ids, window: int = 2048, stride: int | None = None,
     return PerplexityResult(math.exp(mean), mean, count, window, stride)
 
 
-def window_batch_nll(engine, scorer, tokens: np.ndarray, scored: np.ndarray, lengths: np.ndarray,
-                     chunk: int) -> float:
+def window_batch_nll(engine, scorer, tokens: np.ndarray, scored: np.ndarray, lengths: np.ndarray, chunk: int) -> float:
     """Summed NLL of the scored tokens of a [B, T] window batch (token t predicted at t-1), chunk by
     chunk through the scorer's cache."""
     from jaxllm.engine.slots import Pieces  # JAX, only here: `check_window` serves front ends before it loads
+
     total = 0.0
     for s in range(0, tokens.shape[1], chunk):
         # token t is scored from the hidden state at t - 1, which may lie in the chunk before
-        b, t = np.nonzero(scored[:, s + 1:s + chunk + 1])
+        b, t = np.nonzero(scored[:, s + 1 : s + chunk + 1])
         t = t + s + 1
         n = pow2_at_least(max(len(b), 16))
         where = np.zeros(n, np.int32)
         targets = np.full(n, -1, np.int32)
-        where[:len(b)] = b * chunk + (t - 1 - s)
-        targets[:len(b)] = tokens[b, t]
-        pieces = Pieces.make(tokens[:, s:s + chunk], s, np.clip(lengths - s, 0, chunk))
+        where[: len(b)] = b * chunk + (t - 1 - s)
+        targets[: len(b)] = tokens[b, t]
+        pieces = Pieces.make(tokens[:, s : s + chunk], s, np.clip(lengths - s, 0, chunk))
         nll = scorer.prefill(pieces, out="nll", targets=(where, targets))
-        total += float(np.asarray(engine.layout.get(nll), np.float64)[:len(b)].sum())
+        total += float(np.asarray(engine.layout.get(nll), np.float64)[: len(b)].sum())
     return total
 
 
@@ -148,13 +147,12 @@ def pack(wins: list[Window], ids: np.ndarray, B: int, T: int, bos, pad_id: int):
     for r, w in enumerate(wins):
         if lead:
             tokens[r, 0] = bos
-        tokens[r, lead:lead + w.end - w.begin] = ids[w.begin:w.end]
-        scored[r, lead + w.score_from - w.begin:lead + w.end - w.begin] = True
+        tokens[r, lead : lead + w.end - w.begin] = ids[w.begin : w.end]
+        scored[r, lead + w.score_from - w.begin : lead + w.end - w.begin] = True
     return tokens, scored
 
 
-def perplexity(engine, text: str, window: int = 2048, stride: int | None = None,
-               progress=None) -> PerplexityResult:
+def perplexity(engine, text: str, window: int = 2048, stride: int | None = None, progress=None) -> PerplexityResult:
     """Perplexity of `text`: tokenized once without BOS, then scored window by window."""
     if not isinstance(text, str):
         raise RequestError(f"perplexity text must be a string, got {type(text).__name__}")

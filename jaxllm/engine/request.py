@@ -1,5 +1,6 @@
 """A generation request as the engine's scheduler takes it: the prompt's token ids, how to sample,
 when to stop and what to report. The server's requests extend it with what only HTTP needs."""
+
 from __future__ import annotations
 
 import math
@@ -7,7 +8,7 @@ from dataclasses import dataclass, field
 
 from jaxllm.errors import RequestError
 
-SEED_MOD = 2 ** 32
+SEED_MOD = 2**32
 
 
 def check_sampling(max_tokens, temperature, top_k, top_p, min_p=0.0):
@@ -46,19 +47,19 @@ class Request:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     id: str = ""
-    skip_special: bool = True          # special tokens are left out of the text
-    logprobs: int | None = None        # alternatives listed per token (None: no log-probabilities)
-    echo: bool = False                 # the answer starts with the prompt (its scores, with logprobs)
-    n: int = 1                         # answers to the prompt (choice i samples with seed + i)
+    skip_special: bool = True  # special tokens are left out of the text
+    logprobs: int | None = None  # alternatives listed per token (None: no log-probabilities)
+    echo: bool = False  # the answer starts with the prompt (its scores, with logprobs)
+    n: int = 1  # answers to the prompt (choice i samples with seed + i)
     logit_bias: dict[int, float] = field(default_factory=dict)
     stop_token_ids: list[int] = field(default_factory=list)
     min_tokens: int = 0
-    min_p: float = 0.0                 # tokens below min_p times the likeliest one's probability are dropped
-    prompt_logprobs: int | None = None     # the prompt's tokens scored, with this many alternatives each
-    include_stop: bool = False         # a stop string that ends the text stays in it
+    min_p: float = 0.0  # tokens below min_p times the likeliest one's probability are dropped
+    prompt_logprobs: int | None = None  # the prompt's tokens scored, with this many alternatives each
+    include_stop: bool = False  # a stop string that ends the text stays in it
 
     def __post_init__(self):
-        if self.echo and self.logprobs is not None:       # an echo with log-probabilities scores its prompt
+        if self.echo and self.logprobs is not None:  # an echo with log-probabilities scores its prompt
             self.prompt_logprobs = max(self.logprobs, self.prompt_logprobs or 0)
 
     def choice_seed(self, i: int) -> int:

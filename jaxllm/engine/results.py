@@ -7,6 +7,7 @@ request's grammar take its tokens, turns them into text (stop strings, EOS, toke
 the events, once per request whichever thread ends it first. In the one-step blocks of constrained
 decoding a row's tokens are held back and sent a block's worth at a time (`_hold`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,13 +27,14 @@ log = logging.getLogger("jaxllm.engine")
 @dataclass
 class Launched:
     """A device call whose results the host has not read yet, and what the slots held then."""
-    kind: str                       # "prefill" | "decode"
+
+    kind: str  # "prefill" | "decode"
     result: object
-    jobs: list                      # prefill: the job of each piece; decode: the job of each slot
-    finals: list | None = None      # prefill: whether each piece ended its prompt
-    scored: list | None = None      # prefill: (start, length) of each piece whose tokens were scored, or None
-    record: dict | None = None      # this call's entry in `Scheduler.record`
-    hold: bool = False              # decode: a one-step block whose tokens the jobs hold back (`_hold`)
+    jobs: list  # prefill: the job of each piece; decode: the job of each slot
+    finals: list | None = None  # prefill: whether each piece ended its prompt
+    scored: list | None = None  # prefill: (start, length) of each piece whose tokens were scored, or None
+    record: dict | None = None  # this call's entry in `Scheduler.record`
+    hold: bool = False  # decode: a one-step block whose tokens the jobs hold back (`_hold`)
 
 
 class Results:
@@ -53,7 +55,7 @@ class Results:
         launched, the device still running it), "processing" (its results read back and handed out)."""
         try:
             self._read_loop()
-        except BaseException as e:           # a bug outside one call's results: nothing more is read
+        except BaseException as e:  # a bug outside one call's results: nothing more is read
             log.exception("the output thread failed")
             self._stopped("output", e)
 
@@ -69,11 +71,12 @@ class Results:
                     jax.block_until_ready(call.result)
                 with self._timed("output", "processing"):
                     self._collect(call)
-            except Exception:                  # the call failed on the device: its requests fail
+            except Exception:  # the call failed on the device: its requests fail
                 log.exception("reading a device call's results failed")
                 for job in call.jobs:
-                    if job is not None and self._end(job, Failed(500, "internal error while generating; "
-                                                                      "see the server log")):
+                    if job is not None and self._end(
+                        job, Failed(500, "internal error while generating; see the server log")
+                    ):
                         self._ended(job)
             finally:
                 with self.cond:
@@ -84,14 +87,14 @@ class Results:
         """Hand a call's tokens to the requests that held the slots when it was launched."""
         get = self.engine.layout.get
         if not any(j is not None and j.req.logprobs is not None for j in call.jobs):
-            call.result = _without_logprobs(call.kind, call.result)       # left on the device
+            call.result = _without_logprobs(call.kind, call.result)  # left on the device
         if call.kind == "fork":
             res = call.result if isinstance(call.result, tuple) else (call.result, None)
             first, lp = jax.tree_util.tree_map(get, res)
             for f, job in enumerate(call.jobs):
                 if job.done:
                     continue
-                if job.req.echo or job.req.scores_prompt:       # the prompt's scores, as its parent read them
+                if job.req.echo or job.req.scores_prompt:  # the prompt's scores, as its parent read them
                     job.emit(Prompt(job.parent.prompt_logprobs if job.req.scores_prompt else None))
                 self._take(job, [int(first[f])], _row(lp, f, None))
             return
@@ -113,15 +116,15 @@ class Results:
         for b, job in enumerate(call.jobs):
             if job is not None and count[b] and not job.done:
                 call.record["tokens"][job.id] = int(count[b])
-                (self._hold if call.hold else self._take)(job, toks[b, :count[b]].tolist(), _row(lp, b, count[b]))
+                (self._hold if call.hold else self._take)(job, toks[b, : count[b]].tolist(), _row(lp, b, count[b]))
 
     def _score_prompt(self, job: Job, scores, at: int, start: int, length: int):
         """Fold in the log-probabilities of a prompt piece's next tokens (flat rows at.. of scores)."""
         ids = job.prompt
         if start == 0:
             job.prompt_logprobs = [TokenLogprob(ids[0], None, [])]
-        nxt = ids[start + 1:start + length + 1]
-        piece = jax.tree_util.tree_map(lambda a: a[at:at + len(nxt)][None], scores)
+        nxt = ids[start + 1 : start + length + 1]
+        piece = jax.tree_util.tree_map(lambda a: a[at : at + len(nxt)][None], scores)
         job.prompt_logprobs += token_logprobs(piece, 0, nxt, job.req.prompt_logprobs)
 
     def _follow(self, job: Job, toks: list[int]) -> tuple[list[int], bool] | None:
@@ -132,7 +135,7 @@ class Results:
             return toks, False
         try:
             n, complete = job.matcher.follow(toks)
-        except ValueError as e:         # its grammar went past llguidance's limits or into a dead end
+        except ValueError as e:  # its grammar went past llguidance's limits or into a dead end
             why = (str(e).splitlines() or [""])[0][:300]
             log.info("request %s: structured output failed: %s", job.req.id, why)
             if self._end(job, Failed(400, f"structured output failed: {why}", type="invalid_request_error")):
@@ -147,15 +150,19 @@ class Results:
         their text and events wait, so that a step of one token costs the host a fraction of a
         block's work."""
         r = job.req
-        followed = self._follow(job, toks[:r.max_tokens - job.n_tokens - len(job.held)])
+        followed = self._follow(job, toks[: r.max_tokens - job.n_tokens - len(job.held)])
         if followed is None:
             return
         toks, complete = followed
         job.held += toks
-        job.held_lp.append(None if lp is None else jax.tree_util.tree_map(lambda a: a[:, :len(toks)], lp))
+        job.held_lp.append(None if lp is None else jax.tree_util.tree_map(lambda a: a[:, : len(toks)], lp))
         ends = set(r.stop_token_ids) | (set() if r.ignore_eos else self.eos)
-        if (complete or len(job.held) >= self.decode_steps or job.n_tokens + len(job.held) >= r.max_tokens
-                or any(t in ends for t in toks)):
+        if (
+            complete
+            or len(job.held) >= self.decode_steps
+            or job.n_tokens + len(job.held) >= r.max_tokens
+            or any(t in ends for t in toks)
+        ):
             self._take(job, [], None, complete)
 
     def _take(self, job: Job, toks: list[int], lp=None, complete: bool = False):
@@ -164,7 +171,7 @@ class Results:
         r = job.req
         held, held_lp = job.held, job.held_lp
         job.held, job.held_lp = [], []
-        followed = self._follow(job, toks[:r.max_tokens - job.n_tokens - len(held)])
+        followed = self._follow(job, toks[: r.max_tokens - job.n_tokens - len(held)])
         if followed is None:
             return
         toks, done = followed
@@ -175,10 +182,10 @@ class Results:
         eos = next((i for i, t in enumerate(toks) if t in ends), None)
         text, taken = job.text.push_many(toks if eos is None else toks[:eos])
         stopped = job.text.stopped
-        if lp is not None and r.logprobs is not None:       # the text's tokens, then the EOS that ended it
-            job.logprobs += token_logprobs(lp, 0, toks[:taken + (eos is not None and not stopped)], r.logprobs)
-        n = taken + (1 if eos is not None and not stopped else 0)       # an EOS counts as generated
-        if n or not r.max_tokens:          # (max_tokens 0: an echo's prompt alone, read now)
+        if lp is not None and r.logprobs is not None:  # the text's tokens, then the EOS that ended it
+            job.logprobs += token_logprobs(lp, 0, toks[: taken + (eos is not None and not stopped)], r.logprobs)
+        n = taken + (1 if eos is not None and not stopped else 0)  # an EOS counts as generated
+        if n or not r.max_tokens:  # (max_tokens 0: an echo's prompt alone, read now)
             now = time.monotonic()
             self.observer.tokens(job, n, now)
             job.first_token_at = job.first_token_at or now
@@ -199,16 +206,20 @@ class Results:
         if job.req.logprobs is None:
             return None
         settled = len(job.logprobs) if last and not job.text.stopped else job.text.settled()
-        out, job.logprobs_sent = job.logprobs[job.logprobs_sent:settled], max(job.logprobs_sent, settled)
+        out, job.logprobs_sent = job.logprobs[job.logprobs_sent : settled], max(job.logprobs_sent, settled)
         return out
 
     def _finish(self, job: Job, reason: str, text: list[str]):
-        text.append(job.text.finish())     # held-back text is final now (empty after a stop string)
+        text.append(job.text.finish())  # held-back text is final now (empty after a stop string)
         if job.text.stopped:
             reason = "stop"
         first = job.parent or job
-        if self._end(job, Finished(reason, job.n_tokens, first.cached or 0), "".join(text),
-                     self._settled_logprobs(job, last=True)):
+        if self._end(
+            job,
+            Finished(reason, job.n_tokens, first.cached or 0),
+            "".join(text),
+            self._settled_logprobs(job, last=True),
+        ):
             first.answers_done += 1
             complete = first.answers_done == len(first.choices)
             self.finished += complete
@@ -255,4 +266,4 @@ def _row(lp, b: int, n: int | None):
     """Row b of host LogProbs as [1, n] (its first n tokens of [B, S]; n None: its one token of [B])."""
     if lp is None:
         return None
-    return jax.tree_util.tree_map(lambda a: a[b][None, None] if n is None else a[b:b + 1, :n], lp)
+    return jax.tree_util.tree_map(lambda a: a[b][None, None] if n is None else a[b : b + 1, :n], lp)

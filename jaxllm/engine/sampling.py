@@ -3,6 +3,7 @@
 Each row carries its own parameters and seed, so a request samples the same tokens whether it runs
 alone or inside a batch (the server relies on this).
 """
+
 from __future__ import annotations
 
 import jax
@@ -15,21 +16,28 @@ from jaxllm.engine.request import nth_seed
 
 @pytree.dataclass
 class SamplingParams:
-    temperature: jax.Array   # [B] float32; 0 = greedy
-    top_k: jax.Array         # [B] int32; 0 = off
-    top_p: jax.Array         # [B] float32; 1 = off
-    seed: jax.Array          # [B] uint32
-    min_p: jax.Array         # [B] float32; 0 = off
+    temperature: jax.Array  # [B] float32; 0 = greedy
+    top_k: jax.Array  # [B] int32; 0 = off
+    top_p: jax.Array  # [B] float32; 1 = off
+    seed: jax.Array  # [B] uint32
+    min_p: jax.Array  # [B] float32; 0 = off
 
     @staticmethod
     def make(batch: int, temperature=0.0, top_k=None, top_p=None, seed=0, min_p=0.0) -> "SamplingParams":
         """One setting for `batch` rows; row b samples with seed + b (`nth_seed`, as choice b of a
         request does), so the rows draw apart and one seed reproduces them all."""
+
         def arr(v, dtype):
             return jnp.broadcast_to(jnp.asarray(v, dtype), (batch,))
+
         seeds = jnp.asarray(np.array([nth_seed(seed, b) for b in range(batch)], np.uint32))
-        return SamplingParams(arr(temperature, jnp.float32), arr(top_k or 0, jnp.int32),
-                              arr(1.0 if top_p is None else top_p, jnp.float32), seeds, arr(min_p, jnp.float32))
+        return SamplingParams(
+            arr(temperature, jnp.float32),
+            arr(top_k or 0, jnp.int32),
+            arr(1.0 if top_p is None else top_p, jnp.float32),
+            seeds,
+            arr(min_p, jnp.float32),
+        )
 
 
 def _keep_min_p(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
@@ -49,11 +57,13 @@ def _order_keys(x: jax.Array) -> jax.Array:
 def _largest_key(lo: jax.Array, hi: jax.Array, enough) -> jax.Array:
     """Per row, the largest key u in [lo, hi] with enough(u), where enough holds up to some key and
     not past it (lo where it fails at once): 32 halvings of a uint32 range, so the answer is exact."""
+
     def halve(_, bounds):
         lo, hi = bounds
         mid = hi - (hi - lo) // 2
         ok = enough(mid[:, None]) | (mid <= lo)
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
     return jax.lax.fori_loop(0, 32, halve, (lo, hi))[0]
 
 
@@ -65,8 +75,9 @@ def _budget(top_p, mass):
 def _kth_key(keys, k):
     """Each row's k-th largest key, by bisection (its smallest where no row has k < V)."""
     lo, hi = jnp.min(keys, axis=-1), jnp.max(keys, axis=-1)
-    return jax.lax.cond(jnp.any(k < keys.shape[-1]),
-                        lambda: _largest_key(lo, hi, lambda u: jnp.sum(keys >= u, -1) >= k), lambda: lo)
+    return jax.lax.cond(
+        jnp.any(k < keys.shape[-1]), lambda: _largest_key(lo, hi, lambda u: jnp.sum(keys >= u, -1) >= k), lambda: lo
+    )
 
 
 def _keep_by_bisection(scaled, k, top_p):
@@ -76,9 +87,11 @@ def _keep_by_bisection(scaled, k, top_p):
     kth, hi = _kth_key(keys, k), jnp.max(keys, axis=-1)
     e = jnp.where(keys >= kth[:, None], jnp.exp(scaled - jnp.max(scaled, -1, keepdims=True)), 0.0)
     budget = _budget(top_p, jnp.sum(e, -1))
-    cut = jax.lax.cond(jnp.any(top_p < 1),
-                       lambda: _largest_key(kth, hi, lambda u: jnp.sum(jnp.where(keys >= u, e, 0.0), -1) >= budget),
-                       lambda: kth)
+    cut = jax.lax.cond(
+        jnp.any(top_p < 1),
+        lambda: _largest_key(kth, hi, lambda u: jnp.sum(jnp.where(keys >= u, e, 0.0), -1) >= budget),
+        lambda: kth,
+    )
     return keys >= cut[:, None]
 
 
@@ -107,7 +120,7 @@ def filtered(logits: jax.Array, p: SamplingParams, by: str = "bisection") -> jax
     return jnp.where(keep, scaled, -jnp.inf)
 
 
-BLOCK_TOP_K = 128          # on GPUs, top-k up to this from the blocks with the largest maxima, above it a sort
+BLOCK_TOP_K = 128  # on GPUs, top-k up to this from the blocks with the largest maxima, above it a sort
 
 
 def _kth_from_blocks(scaled: jax.Array, k: jax.Array, cap: int = BLOCK_TOP_K, width: int = 128) -> jax.Array:
@@ -131,14 +144,16 @@ def _keep_top_k(scaled: jax.Array, k: jax.Array, by: str) -> jax.Array:
     if by != "sort":
         keys = _order_keys(scaled)
         return keys >= _kth_key(keys, k)[:, None]
-    kth = jax.lax.cond(jnp.any((k > BLOCK_TOP_K) & (k < V)),
-                       lambda: jnp.take_along_axis(jnp.sort(scaled, axis=-1)[:, ::-1], (k - 1)[:, None], -1),
-                       lambda: _kth_from_blocks(scaled, k))
+    kth = jax.lax.cond(
+        jnp.any((k > BLOCK_TOP_K) & (k < V)),
+        lambda: jnp.take_along_axis(jnp.sort(scaled, axis=-1)[:, ::-1], (k - 1)[:, None], -1),
+        lambda: _kth_from_blocks(scaled, k),
+    )
     return (scaled >= kth) | (k[:, None] >= V)
 
 
 def _row_keys(p: SamplingParams, step: jax.Array) -> jax.Array:
-    steps = jnp.broadcast_to(step, p.seed.shape)      # one step for all rows, or one per row
+    steps = jnp.broadcast_to(step, p.seed.shape)  # one step for all rows, or one per row
     return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(p.seed, steps)
 
 
@@ -161,8 +176,9 @@ def _draw_top_p(scaled: jax.Array, top_p: jax.Array, keys: jax.Array) -> jax.Arr
         floor, tok, done = state
         cand = jnp.argmax(jnp.where(scaled > floor[:, None], noisy, -jnp.inf), -1).astype(jnp.int32)
         v = jnp.take_along_axis(scaled, cand[:, None], -1)
-        ok = ((jnp.sum(jnp.where(scaled > v, e, 0.0), -1) < budget) | (v[:, 0] >= mx[:, 0])
-              | ~(v[:, 0] > floor))             # nothing above the floor (or NaNs): stop, never spin
+        ok = (
+            (jnp.sum(jnp.where(scaled > v, e, 0.0), -1) < budget) | (v[:, 0] >= mx[:, 0]) | ~(v[:, 0] > floor)
+        )  # nothing above the floor (or NaNs): stop, never spin
         return jnp.where(done | ok, floor, v[:, 0]), jnp.where(done, tok, cand), done | ok
 
     B = scaled.shape[0]
@@ -170,8 +186,9 @@ def _draw_top_p(scaled: jax.Array, top_p: jax.Array, keys: jax.Array) -> jax.Arr
     return jax.lax.while_loop(lambda s: ~jnp.all(s[2]), round_, first)[1]
 
 
-def sample(logits: jax.Array, p: SamplingParams, step: jax.Array, by: str = "bisection",
-           greedy: bool = False) -> jax.Array:
+def sample(
+    logits: jax.Array, p: SamplingParams, step: jax.Array, by: str = "bisection", greedy: bool = False
+) -> jax.Array:
     """logits [B, V] float32 -> tokens [B]; step is a scalar or per row [B]; `by` as in `filtered`;
     `greedy`: the caller knows no row samples (every temperature 0), so the argmax alone.
 
@@ -190,8 +207,9 @@ def sample(logits: jax.Array, p: SamplingParams, step: jax.Array, by: str = "bis
         scaled = _keep_min_p(logits / jnp.where(sampling, p.temperature, 1.0)[:, None], p.min_p)
         if top_k:
             V = logits.shape[-1]
-            scaled = jnp.where(_keep_top_k(scaled, jnp.where(p.top_k > 0, jnp.minimum(p.top_k, V), V), by),
-                               scaled, -jnp.inf)
+            scaled = jnp.where(
+                _keep_top_k(scaled, jnp.where(p.top_k > 0, jnp.minimum(p.top_k, V), V), by), scaled, -jnp.inf
+            )
         return _draw_top_p(scaled, jnp.where(sampling, p.top_p, 1.0), _row_keys(p, step))
 
     any_top_k = jnp.any(sampling & (p.top_k > 0) & (p.top_k < logits.shape[-1]))
@@ -203,14 +221,16 @@ def sample(logits: jax.Array, p: SamplingParams, step: jax.Array, by: str = "bis
 @pytree.dataclass
 class Penalties:
     """Per-row penalties on tokens already seen, as vLLM and OpenAI define them (neutral: 0, 0, 1)."""
-    presence: jax.Array      # [B] float32: subtracted once from each generated token's logit
-    frequency: jax.Array     # [B] float32: subtracted per time a token was generated
-    repetition: jax.Array    # [B] float32: Hugging Face's, on prompt and generated tokens
+
+    presence: jax.Array  # [B] float32: subtracted once from each generated token's logit
+    frequency: jax.Array  # [B] float32: subtracted per time a token was generated
+    repetition: jax.Array  # [B] float32: Hugging Face's, on prompt and generated tokens
 
     @staticmethod
     def make(batch: int, presence=0.0, frequency=0.0, repetition=1.0) -> Penalties:
         def arr(v):
             return jnp.broadcast_to(jnp.asarray(v, jnp.float32), (batch,))
+
         return Penalties(arr(presence), arr(frequency), arr(repetition))
 
     def any_on(self, rows: jax.Array | None = None) -> jax.Array:
@@ -245,8 +265,8 @@ def mask_tokens(logits: jax.Array, allowed: jax.Array | None) -> jax.Array:
     return jnp.where(bits.reshape(N, -1)[:, :V] == 1, logits, -jnp.inf)
 
 
-MAX_LOGIT_BIAS = 300       # logit_bias entries a row may have (OpenAI's limit)
-MAX_STOP_TOKEN_IDS = 16    # stop_token_ids a row may have
+MAX_LOGIT_BIAS = 300  # logit_bias entries a row may have (OpenAI's limit)
+MAX_STOP_TOKEN_IDS = 16  # stop_token_ids a row may have
 
 
 @pytree.dataclass
@@ -255,10 +275,11 @@ class TokenRules:
     logit_bias, kept sparse as token ids and their biases (id -1: unused), and vLLM's
     stop_token_ids (-1: unused), which end the answer as EOS does, and min_tokens, the tokens a row
     samples before EOS or a stop id may come."""
-    bias_ids: jax.Array      # [B, MAX_LOGIT_BIAS] int32
-    bias: jax.Array          # [B, MAX_LOGIT_BIAS] float32
-    stop_ids: jax.Array      # [B, MAX_STOP_TOKEN_IDS] int32
-    min_tokens: jax.Array    # [B] int32
+
+    bias_ids: jax.Array  # [B, MAX_LOGIT_BIAS] int32
+    bias: jax.Array  # [B, MAX_LOGIT_BIAS] float32
+    stop_ids: jax.Array  # [B, MAX_STOP_TOKEN_IDS] int32
+    min_tokens: jax.Array  # [B] int32
 
     @staticmethod
     def make(batch: int, logit_bias=None, stop_ids=None, min_tokens=None) -> "TokenRules":
@@ -268,16 +289,17 @@ class TokenRules:
         bias = np.zeros((batch, MAX_LOGIT_BIAS), np.float32)
         stops = np.full((batch, MAX_STOP_TOKEN_IDS), -1, np.int32)
         for b, row in enumerate(logit_bias or []):
-            ids[b, :len(row)] = list(row)
-            bias[b, :len(row)] = list(row.values())
+            ids[b, : len(row)] = list(row)
+            bias[b, : len(row)] = list(row.values())
         for b, row in enumerate(stop_ids or []):
-            stops[b, :len(row)] = row
+            stops[b, : len(row)] = row
         mins = np.zeros((batch,), np.int32) if min_tokens is None else np.asarray(min_tokens, np.int32)
         return TokenRules(ids, bias, stops, np.broadcast_to(mins, (batch,)).copy())
 
 
-def apply_rules(logits: jax.Array, rules: TokenRules, step: jax.Array, eos_ids: tuple[int, ...],
-                ignore_eos: jax.Array) -> jax.Array:
+def apply_rules(
+    logits: jax.Array, rules: TokenRules, step: jax.Array, eos_ids: tuple[int, ...], ignore_eos: jax.Array
+) -> jax.Array:
     """logits [N, V] float32 -> with each row's logit_bias added and, while the row's sampling step
     [N] is below its min_tokens, its stop ids and (unless it ignores EOS) the EOS ids at -inf.
     Both are scatters of the rows' own entries, unused ones aimed past the vocabulary and dropped,
@@ -291,21 +313,23 @@ def apply_rules(logits: jax.Array, rules: TokenRules, step: jax.Array, eos_ids: 
     return x.at[rows, jnp.where(early & (banned >= 0), banned, V)].set(-jnp.inf, mode="drop")
 
 
-MAX_LOGPROBS = 20          # top alternatives a token may report (OpenAI's limit)
+MAX_LOGPROBS = 20  # top alternatives a token may report (OpenAI's limit)
 
 
 @pytree.dataclass
 class LogProbs:
     """Log-probabilities under the model's own distribution (log_softmax of the raw float32 logits,
     before temperature, top-k/top-p or penalties: what vLLM reports by default)."""
-    token: jax.Array         # [...] of the chosen token
-    top_ids: jax.Array       # [..., n] int32: the n most likely tokens, most likely first
-    top: jax.Array           # [..., n] their log-probabilities
+
+    token: jax.Array  # [...] of the chosen token
+    top_ids: jax.Array  # [..., n] int32: the n most likely tokens, most likely first
+    top: jax.Array  # [..., n] their log-probabilities
 
     @staticmethod
     def zeros(shape: tuple, n: int) -> "LogProbs":
-        return LogProbs(jnp.zeros(shape, jnp.float32), jnp.zeros((*shape, n), jnp.int32),
-                        jnp.zeros((*shape, n), jnp.float32))
+        return LogProbs(
+            jnp.zeros(shape, jnp.float32), jnp.zeros((*shape, n), jnp.int32), jnp.zeros((*shape, n), jnp.float32)
+        )
 
 
 def top_k(x: jax.Array, n: int, width: int = 128) -> tuple[jax.Array, jax.Array]:
@@ -320,7 +344,7 @@ def top_k(x: jax.Array, n: int, width: int = 128) -> tuple[jax.Array, jax.Array]
     lead = x.shape[:-1]
     flat = x.reshape(-1, V)
     blocks = jnp.pad(flat, ((0, 0), (0, nb * width - V)), constant_values=-jnp.inf).reshape(-1, nb, width)
-    chosen = jnp.sort(jax.lax.top_k(jnp.max(blocks, -1), n)[1], axis=-1)            # [rows, n] in id order
+    chosen = jnp.sort(jax.lax.top_k(jnp.max(blocks, -1), n)[1], axis=-1)  # [rows, n] in id order
     cand = jnp.take_along_axis(blocks, chosen[:, :, None], axis=1).reshape(-1, n * width)
     vals, at = jax.lax.top_k(cand, n)
     ids = jnp.take_along_axis(chosen, at // width, axis=1) * width + at % width

@@ -47,6 +47,7 @@ the rest being its own scheduling; the output thread's time waiting for a call t
 ("idle"), for the device to finish it ("device"), and turning its results into events
 ("processing").
 """
+
 from __future__ import annotations
 
 import collections
@@ -75,10 +76,21 @@ log = logging.getLogger("jaxllm.engine")
 
 # -- the scheduler --------------------------------------------------------------------------------
 class Scheduler(Results, Warmup, Memory):
-    def __init__(self, engine, max_num_seqs: int, max_model_len: int, max_queue: int, decode_steps: int = 8,
-                 max_num_batched_tokens: int | None = None, record: int = 10_000, structured: bool = False,
-                 first_runs: bool | None = None, freeze_heap: bool = False, kv_memory: KVMemory | None = None,
-                 deterministic: bool = False):
+    def __init__(
+        self,
+        engine,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_queue: int,
+        decode_steps: int = 8,
+        max_num_batched_tokens: int | None = None,
+        record: int = 10_000,
+        structured: bool = False,
+        first_runs: bool | None = None,
+        freeze_heap: bool = False,
+        kv_memory: KVMemory | None = None,
+        deterministic: bool = False,
+    ):
         """`max_num_batched_tokens`: prompt tokens a prefill forward takes (None: the backend's,
         `XlaOps.prefill_tokens`). `structured`: requests may be constrained (a grammar engine serves
         them), so the calls of constrained steps are compiled before ready too. `first_runs`: run
@@ -87,7 +99,7 @@ class Scheduler(Results, Warmup, Memory):
         `kv_memory`: the size of the KV pool and whether it caches prefixes. `deterministic`: a
         request's answer is the same whatever runs beside it (`deterministic_memory`)."""
         self.engine = engine
-        self.text_tokenizer = engine.tokenizer        # what turns the requests' tokens into text
+        self.text_tokenizer = engine.tokenizer  # what turns the requests' tokens into text
         self.structured = structured
         self.observer = Observer()
         self.eos = set(engine.cfg.eos_ids)
@@ -96,10 +108,13 @@ class Scheduler(Results, Warmup, Memory):
         if deterministic and engine.spec is not None:
             raise ModelError("deterministic serving does not speculate: its drafts depend on the load")
         self.deterministic = deterministic
-        self.shapes = Shapes(max_num_batched_tokens, max_num_seqs,
-                             min(max_num_batched_tokens, engine.kv_options.prefill_chunk, max_model_len),
-                             deterministic=deterministic)
-        self.decode_steps = decode_steps          # steps (speculative cycles) a decode block
+        self.shapes = Shapes(
+            max_num_batched_tokens,
+            max_num_seqs,
+            min(max_num_batched_tokens, engine.kv_options.prefill_chunk, max_model_len),
+            deterministic=deterministic,
+        )
+        self.decode_steps = decode_steps  # steps (speculative cycles) a decode block
         tokens = decode_steps * (1 if engine.spec is None else engine.spec.k + 1)
         self.out_size = engine.core_out_size(tokens)
         # A call writes at most a piece of a prompt, or a decode block, past its rows' lowest
@@ -109,50 +124,60 @@ class Scheduler(Results, Warmup, Memory):
         if deterministic:
             kv_memory = deterministic_memory(kv_memory)
         budget = engine.kv_budget(max_num_seqs, max_model_len, span, kv_memory, max_num_batched_tokens, 8 * tokens)
-        self.core = engine.core(max_num_seqs, max_model_len, budget=budget, span=span,
-                                prefix_caching=kv_memory.prefix_caching, steady=8 * tokens)
+        self.core = engine.core(
+            max_num_seqs,
+            max_model_len,
+            budget=budget,
+            span=span,
+            prefix_caching=kv_memory.prefix_caching,
+            steady=8 * tokens,
+        )
         plan = self.core.plan
         if plan.sequences(max_model_len) < 1:
-            raise ModelError(f"the KV pool holds {plan.tokens:,} tokens, fewer than one sequence of --max-model-len "
-                             f"{max_model_len:,}: give it more memory (--kv-cache-memory, --gpu-memory-utilization) "
-                             f"or lower --max-model-len")
+            raise ModelError(
+                f"the KV pool holds {plan.tokens:,} tokens, fewer than one sequence of --max-model-len "
+                f"{max_model_len:,}: give it more memory (--kv-cache-memory, --gpu-memory-utilization) "
+                f"or lower --max-model-len"
+            )
         if deterministic and plan.sequences(max_model_len) < max_num_seqs:
-            raise ModelError(f"deterministic serving needs a KV pool of every slot at --max-model-len (no request "
-                             f"is preempted): {plan.sequences(max_model_len)} of {max_num_seqs} fit")
+            raise ModelError(
+                f"deterministic serving needs a KV pool of every slot at --max-model-len (no request "
+                f"is preempted): {plan.sequences(max_model_len)} of {max_num_seqs} fit"
+            )
         log.info("%s", plan.describe())
         self.admissions = self.preemptions = 0
-        self.slots: list[Job | None] = [None] * max_num_seqs      # the engine thread's
-        self.to_stop = np.zeros(max_num_seqs, bool)        # slots to end on the device at the next decode
-        self.prefilling: list[Job] = []                     # admitted, prompt not all sent
+        self.slots: list[Job | None] = [None] * max_num_seqs  # the engine thread's
+        self.to_stop = np.zeros(max_num_seqs, bool)  # slots to end on the device at the next decode
+        self.prefilling: list[Job] = []  # admitted, prompt not all sent
         self.max_queue = max_queue
         self.waiting: collections.deque[Job] = collections.deque()
         self.last_submit = 0.0
-        self.last_end = 0.0             # when the output thread last ended a request
-        self.returning = 0              # completed requests whose clients have not sent again (`_gather_arrivals`)
-        self.ended: collections.deque[Job] = collections.deque()   # finished by the output thread
+        self.last_end = 0.0  # when the output thread last ended a request
+        self.returning = 0  # completed requests whose clients have not sent again (`_gather_arrivals`)
+        self.ended: collections.deque[Job] = collections.deque()  # finished by the output thread
         self.cond = threading.Condition()
-        self.lock = threading.Lock()    # a request's end event goes out once
-        self.stopping = False          # no new requests
-        self.failure: str | None = None    # why the engine or output thread stopped on its own
-        self.progress_at = time.monotonic()     # when either thread last finished a piece of work
-        self.deadline = None           # running requests end with a 503 past this (monotonic)
+        self.lock = threading.Lock()  # a request's end event goes out once
+        self.stopping = False  # no new requests
+        self.failure: str | None = None  # why the engine or output thread stopped on its own
+        self.progress_at = time.monotonic()  # when either thread last finished a piece of work
+        self.deadline = None  # running requests end with a 503 past this (monotonic)
         self.done = False
         self.results: queue.Queue[Launched | None] = queue.Queue(maxsize=2)
-        self.launched = self.read = 0           # calls launched, and read back by the output thread
-        self.mask_words = -(-engine.cfg.vocab_size // 32)     # a grammar mask's row: one bit a token
-        self.ahead = None       # (rows, calls launched then, logits): a one-step block's forward, launched ahead
-        self.last_result = None     # what the last call launched returns (on the device)
-        self.wait_for = None        # the results of the call before a fixed block just launched
+        self.launched = self.read = 0  # calls launched, and read back by the output thread
+        self.mask_words = -(-engine.cfg.vocab_size // 32)  # a grammar mask's row: one bit a token
+        self.ahead = None  # (rows, calls launched then, logits): a one-step block's forward, launched ahead
+        self.last_result = None  # what the last call launched returns (on the device)
+        self.wait_for = None  # the results of the call before a fixed block just launched
         self.thread = threading.Thread(target=self._run, name="jaxllm-engine", daemon=True)
         self.output = threading.Thread(target=self._read_results, name="jaxllm-output", daemon=True)
         self.ready: set | None = None  # shapes compiled while the others compile (None: any shape)
-        self.compiling = 0             # shapes still compiling in the background
-        self.groups: dict = {}         # the calls of each shape (`warmup_calls`), once warmed up
-        self.unprimed: list = []       # shapes compiled, not yet run once (`prime`)
+        self.compiling = 0  # shapes still compiling in the background
+        self.groups: dict = {}  # the calls of each shape (`warmup_calls`), once warmed up
+        self.unprimed: list = []  # shapes compiled, not yet run once (`prime`)
         self.first_runs = engine.ops.first_run_costs if first_runs is None else first_runs
         self.freeze_heap = freeze_heap
-        self.finished = 0              # requests completed
-        self.generated = 0             # tokens sampled for requests (a freed slot stops adding)
+        self.finished = 0  # requests completed
+        self.generated = 0  # tokens sampled for requests (a freed slot stops adding)
         # What the device ran, in order: {"kind": "prefill", "pieces": [(job, start, length), ...]},
         # {"kind": "fork", "forks": [(job, its slot, the slot it forks), ...]} or {"kind": "decode",
         # "steps": n, "rows": r, "fixed": bool, "tokens": {job: count}} (filled when read back).
@@ -167,7 +192,7 @@ class Scheduler(Results, Warmup, Memory):
         with self.cond:
             if self.stopping:
                 raise QueueFull(self.failure or "the server is shutting down")
-            if len(self.waiting) >= self.max_queue:      # clients that left give their place back
+            if len(self.waiting) >= self.max_queue:  # clients that left give their place back
                 self.waiting = collections.deque(j for j in self.waiting if not j.cancelled.is_set())
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
@@ -179,10 +204,19 @@ class Scheduler(Results, Warmup, Memory):
     def load(self) -> dict:
         b = self.core.blocks
         with self.cond:
-            return {"running": sum(j is not None for j in self.slots), "waiting": len(self.waiting),
-                    "slots": len(self.slots), "finished": self.finished, "generated_tokens": self.generated,
-                    "compiling": self.compiling, "warming": len(self.unprimed), "kv_usage": round(b.usage(), 4),
-                    "preemptions": self.preemptions, "prefix_queries": b.queries, "prefix_hits": b.hits}
+            return {
+                "running": sum(j is not None for j in self.slots),
+                "waiting": len(self.waiting),
+                "slots": len(self.slots),
+                "finished": self.finished,
+                "generated_tokens": self.generated,
+                "compiling": self.compiling,
+                "warming": len(self.unprimed),
+                "kv_usage": round(b.usage(), 4),
+                "preemptions": self.preemptions,
+                "prefix_queries": b.queries,
+                "prefix_hits": b.hits,
+            }
 
     def health(self, stall: float) -> str | None:
         """Why the engine cannot serve (None: it can): a thread that stopped on its own, or work
@@ -218,10 +252,17 @@ class Scheduler(Results, Warmup, Memory):
     def start(self, warmup: bool = True):
         if warmup:
             t = self.warmup()
-            n = len(self.groups)            # prefill, decode and fixed decode shapes, and the fork
-            log.info("compiled %d of %d shapes of calls in %.1f s%s", n - self.compiling, n, t,
-                     f"; the {self.compiling} others compile in the background, their requests running on "
-                     "larger shapes meanwhile" if self.compiling else "")
+            n = len(self.groups)  # prefill, decode and fixed decode shapes, and the fork
+            log.info(
+                "compiled %d of %d shapes of calls in %.1f s%s",
+                n - self.compiling,
+                n,
+                t,
+                f"; the {self.compiling} others compile in the background, their requests running on "
+                "larger shapes meanwhile"
+                if self.compiling
+                else "",
+            )
         self.settle_heap("warm")
         self.thread.start()
         self.output.start()
@@ -264,8 +305,9 @@ class Scheduler(Results, Warmup, Memory):
             while True:
                 self.progress_at = time.monotonic()
                 with self.cond:
-                    while not (self.done or self.waiting or self.ended or self._busy() or self.deadline
-                               or self.unprimed):
+                    while not (
+                        self.done or self.waiting or self.ended or self._busy() or self.deadline or self.unprimed
+                    ):
                         with self._timed("engine", "idle"):
                             self.cond.wait()
                     if self.done:
@@ -278,28 +320,28 @@ class Scheduler(Results, Warmup, Memory):
                         self.cond.wait(0.05)
                     continue
                 try:
-                    if self.wait_for is not None:      # a fixed block was launched: plan the next call
-                        wait, self.wait_for = self.wait_for, None     # once the device has run the one before it
+                    if self.wait_for is not None:  # a fixed block was launched: plan the next call
+                        wait, self.wait_for = self.wait_for, None  # once the device has run the one before it
                         with self._timed("engine", "device"):
                             jax.block_until_ready(wait)
                     self._reap()
-                    if self.spec_unread and not self._busy():     # idle: report what the slots drafted
+                    if self.spec_unread and not self._busy():  # idle: report what the slots drafted
                         self._read_spec()
                     if self._prime_idle():
                         continue
                     if self._gather_arrivals():
-                        self._free_ended()         # the slots of requests that ended meanwhile
+                        self._free_ended()  # the slots of requests that ended meanwhile
                     self._admit()
-                    if not self._launch():         # nothing to run (draining, or only waiting on results)
+                    if not self._launch():  # nothing to run (draining, or only waiting on results)
                         with self.cond, self._timed("engine", "idle"):
                             self.cond.wait(0.05)
-                except Exception:                  # a device failure: fail the batch, keep serving
+                except Exception:  # a device failure: fail the batch, keep serving
                     log.exception("engine step failed")
                     self._fail_running(500, "internal error while generating; see the server log")
                     self.core.reset()
                     self.ahead = self.last_result = None
-                    self.spec_reported = dict.fromkeys(self.spec_reported, 0)     # a fresh core counts afresh
-        except BaseException as e:           # a bug outside one step: the thread cannot go on
+                    self.spec_reported = dict.fromkeys(self.spec_reported, 0)  # a fresh core counts afresh
+        except BaseException as e:  # a bug outside one step: the thread cannot go on
             error = e
             log.exception("the engine thread failed")
         finally:
@@ -331,10 +373,10 @@ class Scheduler(Results, Warmup, Memory):
                 now = time.monotonic()
                 gap, wait = (RETURN_GAP, RETURN_WAIT) if self.returning else (ARRIVAL_GAP, ARRIVAL_WAIT)
                 until = start + wait
-                if not any(j is not None and not j.done for j in self.slots):     # all answers read back
+                if not any(j is not None and not j.done for j in self.slots):  # all answers read back
                     until = min(max(self.last_submit, self.last_end) + gap, until)
                 if until <= now:
-                    self.returning = 0          # those not back by now are not coming soon
+                    self.returning = 0  # those not back by now are not coming soon
                     break
                 self.cond.wait(until - now)
         return True
@@ -377,13 +419,15 @@ class Scheduler(Results, Warmup, Memory):
             else:
                 return None
         hit = self._fits(job)
-        if hit is None and not self._busy():         # the pool is as free as it gets: it never will fit
+        if hit is None and not self._busy():  # the pool is as free as it gets: it never will fit
             with self.cond:
                 if not self.waiting or self.waiting[0] is not job:
                     return None
                 self.waiting.popleft()
-            why = (f"the request's prompt of {len(job.prompt)} tokens and its {len(job.choices)} answers need more "
-                   f"KV blocks than the server's whole pool holds; send fewer answers ('n') or a shorter prompt")
+            why = (
+                f"the request's prompt of {len(job.prompt)} tokens and its {len(job.choices)} answers need more "
+                f"KV blocks than the server's whole pool holds; send fewer answers ('n') or a shorter prompt"
+            )
             for c in job.choices:
                 self._end(c, Failed(400, why, type="invalid_request_error"))
             return None
@@ -398,11 +442,12 @@ class Scheduler(Results, Warmup, Memory):
         if prefilled:
             self._launch_prefill()
         decoding = self._to_decode()
-        if decoding:                       # blocks for a block's worth of tokens a row
-            decoding = self._decode_blocks(decoding, self.decode_steps * (1 if self.engine.spec is None
-                                                                          else self.engine.spec.k + 1))
+        if decoding:  # blocks for a block's worth of tokens a row
+            decoding = self._decode_blocks(
+                decoding, self.decode_steps * (1 if self.engine.spec is None else self.engine.spec.k + 1)
+            )
         constrained = any(j.matcher is not None for j in decoding)
-        if constrained:                    # their matchers must have taken their last tokens
+        if constrained:  # their matchers must have taken their last tokens
             if self._split_steps() and self.ahead is None and not self.prefilling:
                 self._launch_forward(self._decode_rows(max(j.slot for j in decoding) + 1))
             self._await_results()
@@ -414,21 +459,30 @@ class Scheduler(Results, Warmup, Memory):
         n = 1 if self.prefilling or constrained else self.decode_steps
         rows = self._decode_rows(max(j.slot for j in decoding) + 1)
         if constrained and self.ahead is not None and self.ahead[1] == self.launched:
-            rows = max(rows, self.ahead[0])     # the forward launched ahead covers these rows
+            rows = max(rows, self.ahead[0])  # the forward launched ahead covers these rows
         stop = self.to_stop[:rows].copy()
         self.to_stop[:rows] = False
         if constrained and self._split_steps():
             return self._launch_sampling(rows, stop, decoding)
         # a deterministic server passes masks with every block where requests may be constrained
         # (all ones for the others): one decode call whoever runs beside a request
-        allowed = masks([j.matcher if j in decoding else None for j in self.slots[:rows]], self.mask_words) \
-            if constrained or (self.deterministic and self.structured) else None
+        allowed = (
+            masks([j.matcher if j in decoding else None for j in self.slots[:rows]], self.mask_words)
+            if constrained or (self.deterministic and self.structured)
+            else None
+        )
         asked = self.deterministic or any(j.req.logprobs is not None for j in decoding)
         fixed = n == self.decode_steps and not constrained and self._fixed(rows, decoding)
         before = self.last_result
         with self._device_call("decode"):
-            toks = self.core.decode(None if fixed else n, n if fixed else self.out_size, stop, rows,
-                                    logprobs=LOGPROBS if asked else 0, allowed=allowed)
+            toks = self.core.decode(
+                None if fixed else n,
+                n if fixed else self.out_size,
+                stop,
+                rows,
+                logprobs=LOGPROBS if asked else 0,
+                allowed=allowed,
+            )
         self._put_decode(toks, n, rows, fixed=fixed)
         self.wait_for = before if fixed else None
         return True
@@ -482,7 +536,7 @@ class Scheduler(Results, Warmup, Memory):
         rec = {"kind": "decode", "steps": steps, "rows": rows, "fixed": fixed, "tokens": {}}
         self.record.append(rec)
         jobs = [j if j is not None and j.started else None for j in self.slots[:rows]]
-        for j in jobs:          # a live row samples one token a step (a speculative cycle: at least one)
+        for j in jobs:  # a live row samples one token a step (a speculative cycle: at least one)
             if j is not None:
                 j.launched += steps
         self._put(Launched("decode", toks, jobs, record=rec, hold=hold))
@@ -499,7 +553,7 @@ class Scheduler(Results, Warmup, Memory):
     def _put(self, call: Launched):
         self.launched += 1
         self.last_result = call.result
-        with self._timed("engine", "output"):       # the output thread two calls behind
+        with self._timed("engine", "output"):  # the output thread two calls behind
             self.results.put(call)
 
     def _await_results(self):
@@ -514,27 +568,32 @@ class Scheduler(Results, Warmup, Memory):
             if not job.sent:
                 self._refresh(job)
             hi = job.prefilled + min(len(job.prompt) - job.prefilled, self.shapes.max_piece)
-            if not self._take_blocks(job, job.prefilled, hi):       # blocks for its next piece at most
+            if not self._take_blocks(job, job.prefilled, hi):  # blocks for its next piece at most
                 self._unseat(job)
         ready = [j for j in self.prefilling if j not in held]
-        if ready and self.deterministic:        # a forward scores every prompt it holds or none
+        if ready and self.deterministic:  # a forward scores every prompt it holds or none
             ready = [j for j in ready if self._scored(j) == self._scored(ready[0])]
         if not ready:
             return
-        P, C, lengths = self.shapes.choose([len(j.prompt) - j.prefilled for j in ready],
-                                           self._prefill_shapes([self._scored(j) for j in ready]))
-        jobs = ready[:len(lengths)]
+        P, C, lengths = self.shapes.choose(
+            [len(j.prompt) - j.prefilled for j in ready], self._prefill_shapes([self._scored(j) for j in ready])
+        )
+        jobs = ready[: len(lengths)]
         B = self.core.num_slots
         tokens = np.full((P, C), self.engine.cfg.pad_id, np.int32)
         start, length, rows = np.zeros(P, np.int32), np.zeros(P, np.int32), np.full(P, B, np.int32)
         final, max_new, ignore = np.zeros(P, bool), np.ones(P, np.int32), np.zeros(P, bool)
-        temp, top_k, top_p, seed = np.zeros(P, np.float32), np.zeros(P, np.int32), np.ones(P, np.float32), \
-            np.zeros(P, np.uint32)
+        temp, top_k, top_p, seed = (
+            np.zeros(P, np.float32),
+            np.zeros(P, np.int32),
+            np.ones(P, np.float32),
+            np.zeros(P, np.uint32),
+        )
         min_p = np.zeros(P, np.float32)
         first, step0, out_start = np.zeros(P, bool), np.zeros(P, np.int32), np.full(P, np.iinfo(np.int32).max, np.int32)
         for i, (job, n) in enumerate(zip(jobs, lengths)):
             r, prompt = job.req, job.prompt
-            tokens[i, :n] = prompt[job.prefilled:job.prefilled + n]
+            tokens[i, :n] = prompt[job.prefilled : job.prefilled + n]
             start[i], length[i], rows[i] = job.prefilled, n, job.slot
             first[i] = job.prefilled == job.start_at
             job.prefilled += n
@@ -545,11 +604,18 @@ class Scheduler(Results, Warmup, Memory):
             top_p[i], min_p[i] = 1.0 if r.top_p is None else r.top_p, r.min_p
             self.core.blocks.commit(job.slot, prompt, job.prefilled)
         params = SamplingParams(temp, top_k, top_p, seed, min_p)
-        pen = Penalties(*(np.asarray([getattr(j.req, k) for j in jobs] + [d] * (P - len(jobs)), np.float32)
-                          for k, d in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                                       ("repetition_penalty", 1.0))))
-        rules = TokenRules.make(P, [j.req.logit_bias for j in jobs], [j.req.stop_token_ids for j in jobs],
-                                [j.req.min_tokens for j in jobs] + [0] * (P - len(jobs)))
+        pen = Penalties(
+            *(
+                np.asarray([getattr(j.req, k) for j in jobs] + [d] * (P - len(jobs)), np.float32)
+                for k, d in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))
+            )
+        )
+        rules = TokenRules.make(
+            P,
+            [j.req.logit_bias for j in jobs],
+            [j.req.stop_token_ids for j in jobs],
+            [j.req.min_tokens for j in jobs] + [0] * (P - len(jobs)),
+        )
         scored = [(int(s), int(n)) if self._scored(j) else None for j, s, n in zip(jobs, start, length)]
         targets = self._prompt_targets(jobs, scored, P, C) if any(scored) else None
         masked = [j.matcher if f else None for j, f in zip(jobs, final)]
@@ -557,13 +623,31 @@ class Scheduler(Results, Warmup, Memory):
         # compiled variant of each prefill shape, compiled before ready, whichever requests come.
         allowed = masks(masked + [None] * (P - len(jobs)), self.mask_words) if self.structured else None
         with self._device_call("prefill"):
-            drawn = self.core.prefill(Pieces.make(tokens, start, length, final, rows, params, max_new, ignore, pen,
-                                                  rules, allowed, first, step0, out_start),
-                                      targets=targets, logprobs=LOGPROBS)
+            drawn = self.core.prefill(
+                Pieces.make(
+                    tokens,
+                    start,
+                    length,
+                    final,
+                    rows,
+                    params,
+                    max_new,
+                    ignore,
+                    pen,
+                    rules,
+                    allowed,
+                    first,
+                    step0,
+                    out_start,
+                ),
+                targets=targets,
+                logprobs=LOGPROBS,
+            )
         self.prefilling = [j for j in self.prefilling if j.prefilled < len(j.prompt)]
-        self.record.append({"kind": "prefill", "pieces": [(j.id, int(s), int(n)) for j, s, n in
-                                                          zip(jobs, start, length)]})
-        self._put(Launched("prefill", drawn, jobs, finals=list(final[:len(jobs)]), scored=scored))
+        self.record.append(
+            {"kind": "prefill", "pieces": [(j.id, int(s), int(n)) for j, s, n in zip(jobs, start, length)]}
+        )
+        self._put(Launched("prefill", drawn, jobs, finals=list(final[: len(jobs)]), scored=scored))
         started = [j for j, f in zip(jobs, final) if f]
         for job in started:
             self._start(job)
@@ -591,10 +675,18 @@ class Scheduler(Results, Warmup, Memory):
         if not children:
             return
         F = self.core.num_slots
-        allowed = masks([c.matcher for c in children] + [None] * (F - len(children)), self.mask_words) \
-            if self.structured else None         # a constrained answer's first token too
-        forks = Forks.make(F, [c.parent.slot for c in children], [c.slot for c in children],
-                           [c.req.choice_seed(c.index) for c in children], allowed)
+        allowed = (
+            masks([c.matcher for c in children] + [None] * (F - len(children)), self.mask_words)
+            if self.structured
+            else None
+        )  # a constrained answer's first token too
+        forks = Forks.make(
+            F,
+            [c.parent.slot for c in children],
+            [c.slot for c in children],
+            [c.req.choice_seed(c.index) for c in children],
+            allowed,
+        )
         with self._device_call("fork"):
             first = self.core.fork(forks, copies, logprobs=LOGPROBS)
         for c in children:
@@ -617,8 +709,8 @@ class Scheduler(Results, Warmup, Memory):
         for i, (job, sc) in enumerate(zip(jobs, scored)):
             if sc is not None:
                 s, n = sc
-                nxt = job.req.prompt_ids[s + 1:s + n + 1]
-                target[i, :len(nxt)] = nxt
+                nxt = job.req.prompt_ids[s + 1 : s + n + 1]
+                target[i, : len(nxt)] = nxt
         return np.arange(P * C, dtype=np.int32), target.reshape(-1)
 
     def _read_spec(self):

@@ -1,5 +1,6 @@
 """The shapes of the server's device calls, few enough to compile them all before serving, and
 which one a prefill forward takes."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,9 +39,10 @@ class Shapes:
     same arithmetic alone or among others: prefill forwards of P pieces of DETERMINISTIC_PIECE
     tokens (P the rows an eighth of the budget holds: a lone short prompt pays for all of them),
     decode blocks over every slot."""
-    budget: int           # tokens a prefill forward may take (--max-num-batched-tokens)
+
+    budget: int  # tokens a prefill forward may take (--max-num-batched-tokens)
     slots: int
-    max_piece: int        # the longest piece of one prompt in a forward
+    max_piece: int  # the longest piece of one prompt in a forward
     short: int = 128
     deterministic: bool = False
 

@@ -16,6 +16,7 @@ Rejected drafts leave K/V at positions past the row's new position: the causal m
 them and the row overwrites them next; a sliding layer's table holds `spec_tokens` more positions
 than the window (`KVOptions.spec_tokens`), so they never displace keys a later query still sees.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,20 +30,21 @@ from jaxllm.config.model import ModelConfig
 from jaxllm.engine.sampling import SamplingParams, _row_keys, filtered
 from jaxllm.errors import ModelError
 
-PROBE_EVERY = 16         # a row that stopped drafting tries again this many cycles later
-MIN_ACCEPT = 0.15        # a row drafts while its running acceptance rate stays at or above this
-MAX_BATCH = 4            # speculate while at most this many rows are live (None: at any batch)
+PROBE_EVERY = 16  # a row that stopped drafting tries again this many cycles later
+MIN_ACCEPT = 0.15  # a row drafts while its running acceptance rate stays at or above this
+MAX_BATCH = 4  # speculate while at most this many rows are live (None: at any batch)
 
 
 @dataclass(frozen=True)
 class Speculation:
     """How the decode loop speculates (static: part of what is compiled)."""
+
     method: str = "ngram"
-    k: int = 4                            # tokens drafted a cycle
-    ngram: tuple[int, int] = (1, 3)       # n-gram lengths looked up, longest first
+    k: int = 4  # tokens drafted a cycle
+    ngram: tuple[int, int] = (1, 3)  # n-gram lengths looked up, longest first
     draft_cfg: ModelConfig | None = None  # the draft model's configuration (method "draft")
-    min_accept: float = MIN_ACCEPT        # 0: rows draft every cycle whatever they accept (a cycle's cost)
-    max_batch: int | None = MAX_BATCH     # cycles with more live rows run the plain step
+    min_accept: float = MIN_ACCEPT  # 0: rows draft every cycle whatever they accept (a cycle's cost)
+    max_batch: int | None = MAX_BATCH  # cycles with more live rows run the plain step
 
     def __post_init__(self):
         check_method(self.method, self.k)
@@ -58,15 +60,20 @@ class Speculation:
 @pytree.dataclass
 class SpecSlots:
     """What speculation keeps per slot [B, ...]."""
-    history: jax.Array       # [B, H] int32: the slot's tokens by position (prompt, then generated)
-    rate: jax.Array          # [B] float32: running acceptance rate of its drafts
-    idle: jax.Array          # [B] int32: cycles since it last drafted
-    stats: jax.Array         # [B, 3] int32: cycles, tokens drafted, drafts accepted (since the core was made)
+
+    history: jax.Array  # [B, H] int32: the slot's tokens by position (prompt, then generated)
+    rate: jax.Array  # [B] float32: running acceptance rate of its drafts
+    idle: jax.Array  # [B] int32: cycles since it last drafted
+    stats: jax.Array  # [B, 3] int32: cycles, tokens drafted, drafts accepted (since the core was made)
 
     @staticmethod
     def empty(batch: int, length: int) -> "SpecSlots":
-        return SpecSlots(jnp.zeros((batch, length), jnp.int32), jnp.ones((batch,), jnp.float32),
-                         jnp.zeros((batch,), jnp.int32), jnp.zeros((batch, 3), jnp.int32))
+        return SpecSlots(
+            jnp.zeros((batch, length), jnp.int32),
+            jnp.ones((batch,), jnp.float32),
+            jnp.zeros((batch,), jnp.int32),
+            jnp.zeros((batch, 3), jnp.int32),
+        )
 
 
 def write_history(history: jax.Array, rows, positions: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -89,7 +96,7 @@ def ngram_draft(history: jax.Array, pos: jax.Array, k: int, ngram: tuple[int, in
     best = jnp.full((B,), -1, jnp.int32)
     for n in range(ngram[1], ngram[0] - 1, -1):
         ok = (idx >= n - 1) & (idx < pos[:, None]) & (pos[:, None] >= n - 1)
-        for m in range(n):           # the token m before each candidate end, against the pattern's
+        for m in range(n):  # the token m before each candidate end, against the pattern's
             want = jnp.take_along_axis(history, jnp.maximum(pos - m, 0)[:, None], axis=1)
             ok &= jnp.roll(history, m, axis=1) == want
         end = jnp.max(jnp.where(ok, idx, -1), axis=1)
@@ -100,8 +107,9 @@ def ngram_draft(history: jax.Array, pos: jax.Array, k: int, ngram: tuple[int, in
 
 
 # -- acceptance -----------------------------------------------------------------------------------
-def accept(logits: jax.Array, drafts: jax.Array, n_draft: jax.Array, p: SamplingParams, step: jax.Array,
-           by: str = "bisection"):
+def accept(
+    logits: jax.Array, drafts: jax.Array, n_draft: jax.Array, p: SamplingParams, step: jax.Array, by: str = "bisection"
+):
     """logits [B, K + 1, V] of the model at the row's last token and after each draft, drafts [B, K]
     (the first n_draft[b] real). -> (accepted count a [B], the token after them [B]): greedy rows
     keep drafts equal to the argmax; sampled rows keep draft d with probability p(d), and the token
@@ -109,20 +117,20 @@ def accept(logits: jax.Array, drafts: jax.Array, n_draft: jax.Array, p: Sampling
     B, T, V = logits.shape
     K = T - 1
     valid = jnp.arange(K)[None, :] < n_draft[:, None]
-    greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)                          # [B, K+1]
+    greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, K+1]
     greedy_ok = (drafts == greedy_tok[:, :K]) & valid
     sampling = p.temperature > 0
 
     def sampled():
         rep = jax.tree_util.tree_map(lambda x: jnp.repeat(x, T, axis=0), p)
-        f = filtered(logits.reshape(B * T, V), rep, by).reshape(B, T, V)                     # -inf outside top-k/p
+        f = filtered(logits.reshape(B * T, V), rep, by).reshape(B, T, V)  # -inf outside top-k/p
         logp = jax.nn.log_softmax(f, axis=-1)
-        keys = jax.vmap(lambda key: jax.random.split(key, 2))(_row_keys(p, step))       # [B, 2]
+        keys = jax.vmap(lambda key: jax.random.split(key, 2))(_row_keys(p, step))  # [B, 2]
         u = jax.vmap(lambda key: jax.random.uniform(key, (K,)))(keys[:, 0])
         p_draft = jnp.exp(jnp.take_along_axis(logp[:, :K], drafts[..., None], axis=-1)[..., 0])
         ok = (u < p_draft) & valid
         a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
-        at = jnp.take_along_axis(f, a[:, None, None], axis=1)[:, 0]                     # [B, V]
+        at = jnp.take_along_axis(f, a[:, None, None], axis=1)[:, 0]  # [B, V]
         rejected = jnp.take_along_axis(drafts, jnp.minimum(a, K - 1)[:, None], axis=1)[:, 0]
         residual = jnp.where((a < n_draft)[:, None] & (jnp.arange(V)[None, :] == rejected[:, None]), -jnp.inf, at)
         nxt = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys[:, 1], residual).astype(jnp.int32)
@@ -160,6 +168,7 @@ def update_rate(spec: SpecSlots, drafting: jax.Array, n_draft: jax.Array, a: jax
     frac = a.astype(jnp.float32) / jnp.maximum(n_draft, 1).astype(jnp.float32)
     rate = jnp.where(tried, 0.7 * spec.rate + 0.3 * frac, spec.rate)
     idle = jnp.where(drafting, 0, spec.idle + 1)
-    stats = spec.stats + jnp.stack([tried.astype(jnp.int32), jnp.where(tried, n_draft, 0),
-                                    jnp.where(tried, a, 0)], axis=1)
+    stats = spec.stats + jnp.stack(
+        [tried.astype(jnp.int32), jnp.where(tried, n_draft, 0), jnp.where(tried, a, 0)], axis=1
+    )
     return spec.replace(rate=rate, idle=idle, stats=stats)

@@ -2,6 +2,7 @@
 before serving and the others on a thread of their own, and which compiled shape a call takes
 meanwhile. `Warmup` is the half of `Scheduler` that does this (the scheduler holds the state it
 uses: the engine and its core, the shapes, `ready` under the scheduler's condition)."""
+
 from __future__ import annotations
 
 import gc
@@ -42,42 +43,87 @@ class Warmup:
         state = self.core.state_shapes()
         lp = {"logprobs": LOGPROBS}
         words = self.mask_words if self.structured else 0
+
         def pieces(P, C):
             return e.row_shapes(Pieces.shapes(P, C, rows=True, mask_words=words))
 
-        def scored(P, C):           # `Scheduler._prompt_targets`: every token's flat index and target
+        def scored(P, C):  # `Scheduler._prompt_targets`: every token's flat index and target
             return e.row_shapes((np.zeros(P * C, np.int32), np.zeros(P * C, np.int32)))
-        groups = {(kind, P, C): [("prefill", (state, pieces(P, C), targets), {"out": "sample", **lp})]
-                  for P, C in self.shapes.prefills()
-                  for kind, targets in (("prefill", None), ("score", scored(P, C)))}
+
+        groups = {
+            (kind, P, C): [("prefill", (state, pieces(P, C), targets), {"out": "sample", **lp})]
+            for P, C in self.shapes.prefills()
+            for kind, targets in (("prefill", None), ("score", scored(P, C)))
+        }
         for n in self.shapes.decodes():
-            if self.deterministic:      # one decode call, whatever the requests ask (`Scheduler._launch`)
+            if self.deterministic:  # one decode call, whatever the requests ask (`Scheduler._launch`)
                 masked = (e.row_shapes(np.zeros((n, self.mask_words), np.uint32)),) if self.structured else ()
-                groups[("decode", n)] = [("decode", (state, np.int32(1), e.row_shapes(np.zeros(n, bool)), *masked),
-                                          {"max_steps": self.out_size, "rows": n, **lp})]
+                groups[("decode", n)] = [
+                    (
+                        "decode",
+                        (state, np.int32(1), e.row_shapes(np.zeros(n, bool)), *masked),
+                        {"max_steps": self.out_size, "rows": n, **lp},
+                    )
+                ]
                 continue
-            calls = [("decode", (state, np.int32(1), e.row_shapes(np.zeros(n, bool))),
-                      {"max_steps": self.out_size, "rows": n, **asked}) for asked in (lp, {})]
-            if self.structured and e.spec is None:       # the two calls of a constrained step
+            calls = [
+                (
+                    "decode",
+                    (state, np.int32(1), e.row_shapes(np.zeros(n, bool))),
+                    {"max_steps": self.out_size, "rows": n, **asked},
+                )
+                for asked in (lp, {})
+            ]
+            if self.structured and e.spec is None:  # the two calls of a constrained step
                 V = e.cfg.vocab_size
                 logits = jax.ShapeDtypeStruct((n, V), np.float32, sharding=e.layout.batch_sharding((n, V)))
                 calls.append(("decode_forward", (state,), {"rows": n}))
-                calls += [("decode_sample", (state, logits, e.row_shapes(np.zeros(n, bool)),
-                                             e.row_shapes(np.zeros((n, self.mask_words), np.uint32))),
-                           {"rows": n, **lp, **greedy}) for greedy in ({}, {"greedy": True})]
-            elif self.structured:                        # a speculating server's constrained blocks
-                calls += [("decode", (state, np.int32(1), e.row_shapes(np.zeros(n, bool)),
-                                      e.row_shapes(np.zeros((n, self.mask_words), np.uint32))),
-                           {"max_steps": self.out_size, "rows": n, **asked}) for asked in (lp, {})]
+                calls += [
+                    (
+                        "decode_sample",
+                        (
+                            state,
+                            logits,
+                            e.row_shapes(np.zeros(n, bool)),
+                            e.row_shapes(np.zeros((n, self.mask_words), np.uint32)),
+                        ),
+                        {"rows": n, **lp, **greedy},
+                    )
+                    for greedy in ({}, {"greedy": True})
+                ]
+            elif self.structured:  # a speculating server's constrained blocks
+                calls += [
+                    (
+                        "decode",
+                        (
+                            state,
+                            np.int32(1),
+                            e.row_shapes(np.zeros(n, bool)),
+                            e.row_shapes(np.zeros((n, self.mask_words), np.uint32)),
+                        ),
+                        {"max_steps": self.out_size, "rows": n, **asked},
+                    )
+                    for asked in (lp, {})
+                ]
             groups[("decode", n)] = calls
-            if e.spec is None:           # greedy blocks the device runs without the host (`core.decode`'s `fixed`)
-                groups[("fixed", n)] = [("decode", (state, None, e.row_shapes(np.zeros(n, bool))),
-                                         {"max_steps": self.decode_steps, "rows": n, **asked, "fixed": True})
-                                        for asked in (lp, {})]
-        if e.spec is not None:          # the drafting history of a request with a cached prefix
+            if e.spec is None:  # greedy blocks the device runs without the host (`core.decode`'s `fixed`)
+                groups[("fixed", n)] = [
+                    (
+                        "decode",
+                        (state, None, e.row_shapes(np.zeros(n, bool))),
+                        {"max_steps": self.decode_steps, "rows": n, **asked, "fixed": True},
+                    )
+                    for asked in (lp, {})
+                ]
+        if e.spec is not None:  # the drafting history of a request with a cached prefix
             H = state.slots.spec.history.shape[1]
-            groups[("history",)] = [("seed_history", (state, e.row_shapes(np.zeros(1, np.int32)),
-                                                      e.row_shapes(np.zeros((1, H), np.int32))), {})]
+            groups[("history",)] = [
+                (
+                    "seed_history",
+                    (state, e.row_shapes(np.zeros(1, np.int32)), e.row_shapes(np.zeros((1, H), np.int32))),
+                    {},
+                )
+            ]
         if self.core.num_slots > 1:
             F = self.core.num_slots
             forks = Forks.make(F, allowed=np.zeros((F, words), np.uint32) if words else None)
@@ -94,14 +140,16 @@ class Warmup:
         while the server serves, each taken up as soon as it is compiled. Without, everything
         before. -> seconds taken before serving."""
         groups = self.warmup_calls()
-        if self.engine.steps_cache is not None:        # what an earlier process kept: every shape at once
+        if self.engine.steps_cache is not None:  # what an earlier process kept: every shape at once
             self.engine.read_back([c for calls in groups.values() for c in calls])
         largest = {k for k in groups if k[0] in ("fork", "history")} | {("decode", self.shapes.decodes()[-1])}
         most = [(self.shapes.row_counts(C)[-1], C) for C in self.shapes.lengths()]
         largest |= {("prefill", P, C) for P, C in most} | {("score", *min(most, key=lambda s: s[0] * s[1]))}
         first = largest | {k for k, calls in groups.items() if all(map(self.engine.compiled, calls))}
-        def smallest_first(keys):          # a lone request's decode blocks and prefill first
+
+        def smallest_first(keys):  # a lone request's decode blocks and prefill first
             return sorted(keys, key=lambda k: (k[0] not in ("decode", "fixed"), k[1:], k[0]))
+
         rest = smallest_first(k for k in groups if k not in first) if background else []
         with self.cond:
             self.ready = None if not rest else set(first)
@@ -113,14 +161,18 @@ class Warmup:
             # runs 30 calls once in 1.6 s, the Qwen3-4B shape's server on one H100.
             now = [k for k in groups if k not in rest and (not background or k in largest)]
             primed = self.prime(now)
-            log.info("ran each of the %d calls compiled before serving once in %.2f s",
-                     sum(len(groups[k]) for k in now), primed)
+            log.info(
+                "ran each of the %d calls compiled before serving once in %.2f s",
+                sum(len(groups[k]) for k in now),
+                primed,
+            )
             t += primed
             self.unprimed = smallest_first(k for k in groups if k not in rest and k not in now)
         if rest:
             self.compiling = len(rest)
-            threading.Thread(target=self._compile_rest, args=([(k, groups[k]) for k in rest],),
-                             name="jaxllm-compile", daemon=True).start()
+            threading.Thread(
+                target=self._compile_rest, args=([(k, groups[k]) for k in rest],), name="jaxllm-compile", daemon=True
+            ).start()
         return t
 
     def _compile_rest(self, todo: list):
@@ -138,12 +190,13 @@ class Warmup:
                         if self.first_runs:
                             self.unprimed.append(key)
                         self.compiling -= 1
-                self.cond.notify()             # the engine thread runs them once when idle
-                if not self.compiling:         # every shape compiled: any shape from now on, as
-                    self.ready = None          # `load()` reports none compiling
+                self.cond.notify()  # the engine thread runs them once when idle
+                if not self.compiling:  # every shape compiled: any shape from now on, as
+                    self.ready = None  # `load()` reports none compiling
+
         try:
             self.engine.precompile([c for _, calls in todo for c in calls], counted=False, on_compiled=taken_up)
-        except Exception:                      # the shapes not compiled stay unused
+        except Exception:  # the shapes not compiled stay unused
             log.exception("compiling the server's smaller shapes failed; their requests run on larger ones")
             with self.cond:
                 self.compiling = 0
@@ -151,7 +204,7 @@ class Warmup:
         with self.cond:
             self.ready, self.compiling = None, 0
         log.info("the other %d shapes compiled in the background in %.1f s", len(todo), time.perf_counter() - t0)
-        if not self.first_runs:                # (else once the engine thread has run them)
+        if not self.first_runs:  # (else once the engine thread has run them)
             self.settle_heap("every shape compiled")
 
     def prime(self, keys: list) -> float:
@@ -166,7 +219,7 @@ class Warmup:
         for key in keys:
             for name, args, static in self.groups[key]:
                 idle = [self._idle_arg(a) for a in args[1:]]
-                if name == "seed_history":         # a slot past the table: nothing written
+                if name == "seed_history":  # a slot past the table: nothing written
                     idle[0] = self.engine.put_rows(np.full(1, core.num_slots, np.int32))
                 out = self.engine.run(name, core.state, *idle, **static)
                 core.state = out if name == "seed_history" else out[0]
@@ -179,13 +232,22 @@ class Warmup:
         words = 0 if getattr(a, "allowed", None) is None else a.allowed.shape[1]
         if isinstance(a, Pieces):
             P, C = a.tokens.shape
-            return e.put_rows(Pieces.make(np.zeros((P, C), np.int32), rows=np.full(P, B, np.int32),
-                                          allowed=np.zeros((P, words), np.uint32) if words else None))
+            return e.put_rows(
+                Pieces.make(
+                    np.zeros((P, C), np.int32),
+                    rows=np.full(P, B, np.int32),
+                    allowed=np.zeros((P, words), np.uint32) if words else None,
+                )
+            )
         if isinstance(a, Forks):
             F = a.src.shape[0]
             return e.put_rows(Forks.make(F, allowed=np.zeros((F, words), np.uint32) if words else None))
-        return jax.tree_util.tree_map(lambda x: e.layout.put(np.zeros(x.shape, x.dtype), x.sharding)
-                                      if isinstance(x, jax.ShapeDtypeStruct) else x, a)
+        return jax.tree_util.tree_map(
+            lambda x: (
+                e.layout.put(np.zeros(x.shape, x.dtype), x.sharding) if isinstance(x, jax.ShapeDtypeStruct) else x
+            ),
+            a,
+        )
 
     def settle_heap(self, what: str):
         """With `freeze_heap` (a process that serves for its lifetime): collect, then move every
@@ -201,8 +263,12 @@ class Warmup:
         t = time.perf_counter()
         gc.collect()
         gc.freeze()
-        log.info("%s: %d objects moved out of the garbage collector's passes in %.2f s", what, gc.get_freeze_count(),
-                 time.perf_counter() - t)
+        log.info(
+            "%s: %d objects moved out of the garbage collector's passes in %.2f s",
+            what,
+            gc.get_freeze_count(),
+            time.perf_counter() - t,
+        )
 
     def _prime_idle(self) -> bool:
         """With no slot in use and no request waiting, run the next shape compiled in the background
@@ -212,7 +278,7 @@ class Warmup:
             if not self.unprimed or self.waiting or any(j is not None for j in self.slots):
                 return False
             key = self.unprimed.pop(0)
-        self.ahead = None              # a forward launched ahead no longer matches the slot table
+        self.ahead = None  # a forward launched ahead no longer matches the slot table
         log.debug("ran the calls of %s, compiled in the background, once in %.3f s", key, self.prime([key]))
         if not self.unprimed and not self.compiling:
             log.info("every shape has run once")
@@ -245,5 +311,5 @@ class Warmup:
         ready = self.ready
         if ready is None:
             return None
-        plain = next((i for i, s in enumerate(scored) if s), len(scored))    # prompts before the first scored
+        plain = next((i for i, s in enumerate(scored) if s), len(scored))  # prompts before the first scored
         return lambda P, C: ("prefill" if P <= plain else "score", P, C) in ready

@@ -7,6 +7,7 @@ The cache is read through `load_block(start) -> (k, v, kv_pos)` (positions start
 gathered from the row's KV blocks by `kv.paged`), which dequantizes int8 or passes the compute
 dtype through: one loop serves both storage formats, and prefill (T > 1) as well as decode (T = 1).
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -62,8 +63,16 @@ def first_block(q_pos: jax.Array, block: int, window: int | None) -> jax.Array:
     return (jnp.clip(lo, 0, None) // block).astype(jnp.int32)
 
 
-def blockwise_attend(q: jax.Array, q_pos: jax.Array, load_block: BlockLoader, *, block: int, scale: float,
-                     softcap: float | None = None, window: int | None = None) -> jax.Array:
+def blockwise_attend(
+    q: jax.Array,
+    q_pos: jax.Array,
+    load_block: BlockLoader,
+    *,
+    block: int,
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+) -> jax.Array:
     """Grouped-query attention of q [B, T, H, hd] at absolute positions q_pos [B, T] (-1 = padding)
     over the positions `load_block` reads, `block` at a time -> [B, T, H, hd] in q's dtype.
 
@@ -81,7 +90,7 @@ def blockwise_attend(q: jax.Array, q_pos: jax.Array, load_block: BlockLoader, *,
         s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
         if softcap is not None:
             s = jnp.tanh(s / softcap) * softcap
-        mask = attention_mask(q_pos, kv_pos, window)[:, None, None]          # [B, 1, 1, T, blk]
+        mask = attention_mask(q_pos, kv_pos, window)[:, None, None]  # [B, 1, 1, T, blk]
         s = jnp.where(mask, s, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         corr = jnp.exp(m - m_new)
@@ -90,9 +99,12 @@ def blockwise_attend(q: jax.Array, q_pos: jax.Array, load_block: BlockLoader, *,
         pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return m_new, l, acc * corr[..., None] + pv
 
-    init = (jnp.full((B, K, G, T), NEG_INF, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
-            jnp.zeros((B, K, G, T, hd), jnp.float32))
+    init = (
+        jnp.full((B, K, G, T), NEG_INF, jnp.float32),
+        jnp.zeros((B, K, G, T), jnp.float32),
+        jnp.zeros((B, K, G, T, hd), jnp.float32),
+    )
     n = blocks_needed(q_pos, block)
     _, l, acc = jax.lax.fori_loop(jnp.minimum(first_block(q_pos, block, window), n), n, body, init)
-    o = acc / jnp.maximum(l, 1e-30)[..., None]                               # [B, K, G, T, hd]
+    o = acc / jnp.maximum(l, 1e-30)[..., None]  # [B, K, G, T, hd]
     return o.transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd).astype(q.dtype)

@@ -1,5 +1,6 @@
 """The storage format of each attention kind (`KVLayout`), chosen from `--kv-quant`, the context
 length and the tunables (`config.kv.KVOptions`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,7 +14,8 @@ class KVLayout:
     """How each attention kind stores its keys and values: global layers in the compute dtype or
     int8 (a float32 scale per token and head), sliding layers likewise (int8 only with int8 global
     layers and `KVOptions.int8_rings`). Sliding layers hold only their window in every layout."""
-    int8: bool                 # global layers
+
+    int8: bool  # global layers
     int8_sliding: bool = False
 
     @property

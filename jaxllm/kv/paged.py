@@ -20,6 +20,7 @@ rows in the batch. A layer's view (`LayerKV`) writes the step's keys and values 
 row's blocks, through the backend's paged attention where it has one, else XLA's blockwise loop
 (`kv.blockwise`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,13 +43,14 @@ NULL_BLOCK = 0
 @dataclass(frozen=True)
 class KindSpec:
     """One attention kind's pool in one model: its layers that keep KV, their heads and storage."""
-    name: str                 # "sliding" or "global"
+
+    name: str  # "sliding" or "global"
     layers: int
     kv_heads: int
     head_dim: int
     window: int | None
     int8: bool
-    keys_from_values: bool    # k_eq_v layers storing V alone (`KVOptions.store_keys` False)
+    keys_from_values: bool  # k_eq_v layers storing V alone (`KVOptions.store_keys` False)
 
     def block_bytes(self, block_size: int, itemsize: int) -> int:
         """Bytes one block of this kind takes over all its layers."""
@@ -68,19 +70,31 @@ def kind_specs(cfg: ModelConfig, layout: KVLayout, opts: KVOptions) -> list[Kind
         shared = a.k_eq_v and not opts.store_keys and not sliding
         if shared:
             check_keys_from_values(cfg, kind)
-        out.append(KindSpec(KIND_NAMES[kind], n, a.num_kv_heads, a.head_dim, a.window,
-                            layout.int8_sliding if sliding else layout.int8, shared))
+        out.append(
+            KindSpec(
+                KIND_NAMES[kind],
+                n,
+                a.num_kv_heads,
+                a.head_dim,
+                a.window,
+                layout.int8_sliding if sliding else layout.int8,
+                shared,
+            )
+        )
     return out
 
 
 def check_keys_from_values(cfg: ModelConfig, kind: int):
     a = cfg.attn[kind]
     if cfg.v_norm and not cfg.qk_norm:
-        raise ModelError("k_eq_v with a V norm but no K norm: keys cannot be rebuilt from the stored "
-                         "values; use KVOptions(store_keys=True)")
+        raise ModelError(
+            "k_eq_v with a V norm but no K norm: keys cannot be rebuilt from the stored "
+            "values; use KVOptions(store_keys=True)"
+        )
     if any(k == kind and cfg.kv_source(i) != i for i, k in enumerate(cfg.layer_kinds)) and a.k_eq_v:
-        raise ModelError("k_eq_v layers whose KV other layers read must store their keys: "
-                         "use KVOptions(store_keys=True)")
+        raise ModelError(
+            "k_eq_v layers whose KV other layers read must store their keys: use KVOptions(store_keys=True)"
+        )
 
 
 def table_width(window: int | None, block_size: int, max_len: int, span: int) -> int:
@@ -99,6 +113,7 @@ class KVPool:
     """One attention kind's blocks over its layers (see the module's docstring). `k` is None where
     keys are rebuilt from the values (`KindSpec.keys_from_values`); the scales are None unless int8.
     `read`: positions a step of XLA's attention reads."""
+
     k: jax.Array | None
     v: jax.Array
     k_scale: jax.Array | None = None
@@ -113,9 +128,15 @@ class KVPool:
 
         def scale():
             return jnp.ones(shape[:-1], jnp.float32) if spec.int8 else None
+
         shared = spec.keys_from_values
-        return cls(None if shared else jnp.zeros(shape, store), jnp.zeros(shape, store),
-                   None if shared else scale(), scale(), read=read)
+        return cls(
+            None if shared else jnp.zeros(shape, store),
+            jnp.zeros(shape, store),
+            None if shared else scale(),
+            scale(),
+            read=read,
+        )
 
     @property
     def block_size(self) -> int:
@@ -135,6 +156,7 @@ class LayerKV:
     """Layer `idx` of a kind's pool as the rows of a forward see it: `table` [B, width] their
     blocks. Writes go into the pool in place (a scatter XLA updates in place; slicing the layer out
     and putting it back would move every layer twice a step)."""
+
     pool: KVPool
     idx: jax.Array
     table: jax.Array
@@ -164,14 +186,24 @@ class LayerKV:
                 return put(buf, x), None
             xq, s = quantize_kv(x)
             return put(buf, xq), put(scale, s)
+
         nv, nvs = store(pool.v, pool.v_scale, v)
         if pool.keys_from_values:
             return self.replace(pool=pool.replace(v=nv, v_scale=nvs))
         nk, nks = store(pool.k, pool.k_scale, k)
         return self.replace(pool=pool.replace(k=nk, v=nv, k_scale=nks, v_scale=nvs))
 
-    def attend(self, q: jax.Array, positions: jax.Array, ops, *, scale: float, softcap, window,
-               keys: KeysFromValues | None = None) -> jax.Array:
+    def attend(
+        self,
+        q: jax.Array,
+        positions: jax.Array,
+        ops,
+        *,
+        scale: float,
+        softcap,
+        window,
+        keys: KeysFromValues | None = None,
+    ) -> jax.Array:
         """Attention of q [B, T, H, hd] at positions [B, T] over the row's blocks: the backend's
         paged attention where it has one, else XLA's blockwise loop. `keys`: how keys are rebuilt
         from the stored values, for a pool that keeps no keys."""
@@ -180,8 +212,9 @@ class LayerKV:
             return o
         P, M = self.pool.block_size, self.table.shape[1]
         read = min(self.pool.read, P * M)
-        return blockwise_attend(q, positions, self.loader(q.dtype, read, keys), block=read, scale=scale,
-                                softcap=softcap, window=window)
+        return blockwise_attend(
+            q, positions, self.loader(q.dtype, read, keys), block=read, scale=scale, softcap=softcap, window=window
+        )
 
     def loader(self, dtype, read: int, keys: KeysFromValues | None):
         """load(start) -> (k, v [B, read, K, hd] in `dtype`, positions [B, read]) of logical positions
@@ -192,13 +225,14 @@ class LayerKV:
 
         def load(start):
             cols = (start // P + jnp.arange(r, dtype=jnp.int32)) % M
-            blocks = table[:, cols]                                          # [B, r]
+            blocks = table[:, cols]  # [B, r]
 
             def gather(a):
                 if a is None:
                     return None
-                x = a[self.idx, blocks]                                      # [B, r, P, ...]
+                x = a[self.idx, blocks]  # [B, r, P, ...]
                 return x.reshape(B, r * P, *x.shape[3:])
+
             pos = jnp.broadcast_to(start + jnp.arange(read, dtype=jnp.int32), (B, read))
             v = dequantize_kv(gather(pool.v), gather(pool.v_scale), dtype)
             if keys is None:
@@ -206,13 +240,15 @@ class LayerKV:
             else:
                 k = rebuild_keys(v, pos, keys)
             return k, v, pos
+
         return load
 
     def arrays(self) -> dict:
         """The pool's arrays a kernel reads or writes in place (those it has)."""
         p = self.pool
-        return {n: a for n, a in (("k", p.k), ("v", p.v), ("k_scale", p.k_scale), ("v_scale", p.v_scale))
-                if a is not None}
+        return {
+            n: a for n, a in (("k", p.k), ("v", p.v), ("k_scale", p.k_scale), ("v_scale", p.v_scale)) if a is not None
+        }
 
     def with_arrays(self, arrays: dict) -> "LayerKV":
         return self.replace(pool=self.pool.replace(**arrays))
@@ -230,6 +266,7 @@ def rebuild_keys(v: jax.Array, positions: jax.Array, keys: KeysFromValues) -> ja
 class PagedCache:
     """What a forward works on: every kind's pool (by kind name) and the block tables of the
     forward's rows ({kind name: [B, width]})."""
+
     pools: dict
     tables: dict
 
@@ -251,9 +288,11 @@ def copy_blocks(pools: dict, copies: dict) -> dict:
     sharding."""
     out = dict(pools)
     for name, (src, dst) in copies.items():
+
         def leaf(x):
             N = x.shape[1]
             return x.at[:, dst].set(jnp.take(x, jnp.clip(src, 0, N - 1), axis=1), mode="drop")
+
         out[name] = jax.tree_util.tree_map(leaf, pools[name])
     return out
 

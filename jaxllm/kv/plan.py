@@ -7,6 +7,7 @@ a memory budget (`PoolPlan.for_budget`): sliding kinds get room for every slot's
 and global kinds the rest, so a pool holds as many tokens of global KV as the budget allows
 whatever the requests' lengths.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,7 +20,7 @@ from jaxllm.errors import RequestError
 from jaxllm.kv.options import KVLayout
 from jaxllm.kv.paged import KindSpec, table_width
 
-GiB = 1024 ** 3
+GiB = 1024**3
 
 
 @dataclass(frozen=True)
@@ -27,16 +28,17 @@ class PoolPlan:
     """The pools of a model (and its draft model, whose blocks the same tables name): per kind
     name, its blocks (block 0, the null block, included), table width, window and bytes a block
     takes over every layer of every model."""
+
     layout: KVLayout
     block_size: int
-    rows: int                  # slots (sequences at once)
-    max_len: int               # positions a sequence may reach
-    span: int                  # positions a call may write past a row's lowest (sliding tables hold them)
+    rows: int  # slots (sequences at once)
+    max_len: int  # positions a sequence may reach
+    span: int  # positions a call may write past a row's lowest (sliding tables hold them)
     blocks: dict
     widths: dict
     windows: dict
     block_bytes: dict
-    per_device: int | None = None   # bytes on the device that holds the most (None: one device)
+    per_device: int | None = None  # bytes on the device that holds the most (None: one device)
 
     @staticmethod
     def kinds(models: list[list[KindSpec]], block_size: int, itemsize: int, max_len: int, span: int):
@@ -51,23 +53,34 @@ class PoolPlan:
         return widths, windows, block_bytes
 
     @classmethod
-    def for_rows(cls, models, layout: KVLayout, block_size: int, itemsize: int, rows: int, max_len: int,
-                 span: int) -> "PoolPlan":
+    def for_rows(
+        cls, models, layout: KVLayout, block_size: int, itemsize: int, rows: int, max_len: int, span: int
+    ) -> "PoolPlan":
         """Every row its own blocks for `max_len` positions (a lockstep batch)."""
         widths, windows, block_bytes = cls.kinds(models, block_size, itemsize, max_len, span)
         blocks = {n: rows * w + 1 for n, w in widths.items()}
         return cls(layout, block_size, rows, max_len, span, blocks, widths, windows, block_bytes)
 
     @classmethod
-    def for_budget(cls, models, layout: KVLayout, block_size: int, itemsize: int, rows: int, max_len: int,
-                   span: int, budget: int, steady: int | None = None) -> "PoolPlan":
+    def for_budget(
+        cls,
+        models,
+        layout: KVLayout,
+        block_size: int,
+        itemsize: int,
+        rows: int,
+        max_len: int,
+        span: int,
+        budget: int,
+        steady: int | None = None,
+    ) -> "PoolPlan":
         """As many blocks as `budget` bytes hold: sliding kinds the windows of the slots, global
         kinds the rest."""
         widths, windows, block_bytes = cls.kinds(models, block_size, itemsize, max_len, span)
         slid = [n for n, w in windows.items() if w is not None]
         glob = [n for n, w in windows.items() if w is None]
         g_bytes = sum(block_bytes[n] for n in glob)
-        seq_g = -(-max_len // block_size) * g_bytes                          # a sequence's global KV
+        seq_g = -(-max_len // block_size) * g_bytes  # a sequence's global KV
         # A decoding sequence's window (and the `steady` positions a call writes past it); a prefill
         # piece holds up to `span` more of its prompt's positions while it is written.
         held = {n: table_width(windows[n], block_size, max_len, steady or span) for n in slid}
@@ -119,11 +132,14 @@ class PoolPlan:
         return "" if self.device_bytes == self.total else f", {self.device_bytes / GiB:.2f} GiB a device"
 
     def describe(self) -> str:
-        kinds = ", ".join(f"{n} {self.blocks[n] - 1:,} blocks ({self.block_bytes[n]:,} bytes each)"
-                          for n in sorted(self.blocks))
-        return (f"KV pool: {self.layout.name}, {self.block_size}-token blocks: {kinds}; "
-                f"{self.total / GiB:.2f} GiB{self.where()}; holds {self.tokens:,} tokens, "
-                f"{self.sequences(self.max_len):,} sequences of {self.max_len:,}")
+        kinds = ", ".join(
+            f"{n} {self.blocks[n] - 1:,} blocks ({self.block_bytes[n]:,} bytes each)" for n in sorted(self.blocks)
+        )
+        return (
+            f"KV pool: {self.layout.name}, {self.block_size}-token blocks: {kinds}; "
+            f"{self.total / GiB:.2f} GiB{self.where()}; holds {self.tokens:,} tokens, "
+            f"{self.sequences(self.max_len):,} sequences of {self.max_len:,}"
+        )
 
 
 def per_device_bytes(shapes) -> int:
@@ -152,7 +168,7 @@ def free_memory(device=None) -> int | None:
 def device_stats(device) -> dict | None:
     try:
         return device.memory_stats()
-    except Exception:           # some backends do not implement memory statistics
+    except Exception:  # some backends do not implement memory statistics
         return None
 
 
@@ -160,10 +176,12 @@ def check_fits(plan: PoolPlan, device=None, free: int | None = None):
     """A clear error where a device cannot hold its share of the pools."""
     free = free_memory(device) if free is None else free
     if free is not None and plan.device_bytes > free:
-        raise RequestError(f"the KV cache for {plan.rows} x {plan.max_len:,} tokens needs "
-                           f"{plan.total / GiB:.2f} GiB ({plan.layout.name}{plan.where()}) but only "
-                           f"{free / GiB:.2f} GiB of device memory is free; lower --max-ctx or --batch, "
-                           f"or use --kv-quant int8")
+        raise RequestError(
+            f"the KV cache for {plan.rows} x {plan.max_len:,} tokens needs "
+            f"{plan.total / GiB:.2f} GiB ({plan.layout.name}{plan.where()}) but only "
+            f"{free / GiB:.2f} GiB of device memory is free; lower --max-ctx or --batch, "
+            f"or use --kv-quant int8"
+        )
 
 
 def report(plan: PoolPlan, file=None):

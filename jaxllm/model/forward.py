@@ -7,6 +7,7 @@ kind's stack. With a single branch (Qwen3) there is no switch at all. The scan c
 stream and the stream normed for the layer ahead: each layer ends with its residual add and the
 next layer's input norm (the final norm after the last), one operation of the backend.
 """
+
 from __future__ import annotations
 
 import jax
@@ -49,6 +50,7 @@ def next_input_norms(cfg: ModelConfig, weights: dict) -> dict:
         if i + 1 == cfg.num_layers:
             return weights["final_norm"]
         return weights["layers"][cfg.group_of(i + 1)]["attn_norm"][int(idx[i + 1])]
+
     groups = {}
     for i in range(cfg.num_layers):
         groups.setdefault(cfg.group_of(i), []).append(after(i))
@@ -60,8 +62,9 @@ def cache_positions(cache: PagedCache) -> int:
     return max((p.num_blocks * p.block_size for p in cache.pools.values()), default=0)
 
 
-def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.Array, cache: PagedCache, ops,
-            dtype=jnp.bfloat16):
+def forward(
+    cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.Array, cache: PagedCache, ops, dtype=jnp.bfloat16
+):
     """tokens/positions [B, T] -> hidden states [B, T, D] and the updated cache, on backend `ops`.
 
     Each token's keys and values are written into its row's KV blocks at its position (a negative
@@ -72,7 +75,7 @@ def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.A
     x = embed(cfg, weights, tokens, dtype, ops)
     xs = jax.tree_util.tree_map(jnp.asarray, schedule(cfg))
     if getattr(hooks, "layer_inputs", None) is not None:
-        xs["inputs"] = hooks.layer_inputs(cfg, weights, tokens, x, ops)     # leading axis: layers
+        xs["inputs"] = hooks.layer_inputs(cfg, weights, tokens, x, ops)  # leading axis: layers
     layer_fn = getattr(hooks, "decoder_layer", None)
     brs = branches(cfg)
     unroll = ops.scan_unroll(cfg.num_layers, *tokens.shape)
@@ -92,13 +95,14 @@ def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.A
             else:
                 xh, lc = layer_fn(cfg, b, w, *xh, positions, lc, s.get("inputs"), ops)
             return xh, (caches.with_layer(name, lc) if b.own_kv else caches)
+
         return run
 
     def step(carry, s):
         xh, caches = carry
         if len(brs) == 1:
             xh, caches = branch(brs[0])(xh, caches, s)
-        elif len(brs) == 2:            # sliding or global
+        elif len(brs) == 2:  # sliding or global
             xh, caches = jax.lax.cond(s["branch"] == 0, branch(brs[0]), branch(brs[1]), xh, caches, s)
         else:
             xh, caches = jax.lax.switch(s["branch"], [branch(b) for b in brs], xh, caches, s)
@@ -112,8 +116,10 @@ def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.A
             c, i = carry
             c, _ = step(c, {"idx": i, "cache_idx": i})
             return (c, i + 1), None
-        (((x, _), cache), _), _ = jax.lax.scan(counted, (carry0, jnp.int32(0)), None, length=cfg.num_layers,
-                                               unroll=unroll)
+
+        (((x, _), cache), _), _ = jax.lax.scan(
+            counted, (carry0, jnp.int32(0)), None, length=cfg.num_layers, unroll=unroll
+        )
         return x, cache
     if p is None:
         ((x, _), cache), _ = jax.lax.scan(step, carry0, xs, unroll=unroll)
@@ -127,7 +133,8 @@ def forward(cfg: ModelConfig, weights: dict, tokens: jax.Array, positions: jax.A
         for j in range(p):
             carry = branch(brs[pattern[j]])(*carry, jax.tree_util.tree_map(lambda a: a[j], s))
         return carry, None
-    periods = jax.tree_util.tree_map(lambda a: a[:n * p].reshape((n, p) + a.shape[1:]), xs)
+
+    periods = jax.tree_util.tree_map(lambda a: a[: n * p].reshape((n, p) + a.shape[1:]), xs)
     carry, _ = jax.lax.scan(period_step, carry0, periods, unroll=max(1, unroll // p))
     for i in range(n * p, cfg.num_layers):
         carry = branch(brs[pattern[i % p]])(*carry, jax.tree_util.tree_map(lambda a: a[i], xs))

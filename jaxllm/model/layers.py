@@ -2,6 +2,7 @@
 MLP, and the pre-norm decoder layer. Every hot operation goes through the backend (`ops`), which
 may keep its own forms of weights and activations between its operations; the model only passes
 them on."""
+
 from __future__ import annotations
 
 import jax
@@ -11,12 +12,21 @@ from jaxllm.ops.xla import HeadPrep, KeysFromValues, inv_frequencies
 
 
 def head_prep(cfg: ModelConfig, w: dict, inv_freq) -> HeadPrep:
-    norm = (lambda n: w.get(n)) if cfg.qk_norm else (lambda n: None)   # no K norm: a layer reading another's KV
+    norm = (lambda n: w.get(n)) if cfg.qk_norm else (lambda n: None)  # no K norm: a layer reading another's KV
     return HeadPrep(inv_freq, norm("q_norm"), norm("k_norm"), cfg.v_norm, cfg.norm_eps, cfg.norm_offset)
 
 
-def attention_block(cfg: ModelConfig, kind: int, w: dict, h, positions: jax.Array, layer_cache, ops,
-                    own_kv: bool = True, partials: bool = False):
+def attention_block(
+    cfg: ModelConfig,
+    kind: int,
+    w: dict,
+    h,
+    positions: jax.Array,
+    layer_cache,
+    ops,
+    own_kv: bool = True,
+    partials: bool = False,
+):
     """Project, write this step's K/V into the layer's KV blocks (`kv.paged.LayerKV`), attend over
     the row's blocks, project out (with `partials`, possibly in the backend's own form, for
     `add_norm`). With `own_kv=False` the layer only projects Q and attends over what an earlier
@@ -26,18 +36,19 @@ def attention_block(cfg: ModelConfig, kind: int, w: dict, h, positions: jax.Arra
     if own_kv:
         names = ["q", "k"] + ([] if a.k_eq_v else ["v"])
         q, k, *v = ops.linears(h, [w[n] for n in names], partials=True)
-        v = k if a.k_eq_v else v[0]                 # no V projection: V is the raw K
+        v = k if a.k_eq_v else v[0]  # no V projection: V is the raw K
     else:
         q, k, v = ops.linear(h, w["q"], partials=True), None, None
     q, k, v, layer_cache = ops.head_prologue(q, k, v, head_prep(cfg, w, inv_freq), positions, layer_cache)
-    if k is not None:                               # not written by the backend's prologue
+    if k is not None:  # not written by the backend's prologue
         layer_cache = layer_cache.write(k, v, positions)
     keys = None
-    if layer_cache.keys_from_values:                # a pool of values alone: keys rebuilt from them
+    if layer_cache.keys_from_values:  # a pool of values alone: keys rebuilt from them
         k_norm = ops.weight(w["k_norm"]) if cfg.qk_norm and "k_norm" in w else None
         keys = KeysFromValues(inv_freq, k_norm, cfg.norm_eps, cfg.norm_offset)
-    o = layer_cache.attend(q, positions, ops, scale=cfg.query_scale, softcap=cfg.attn_softcap, window=a.window,
-                           keys=keys)
+    o = layer_cache.attend(
+        q, positions, ops, scale=cfg.query_scale, softcap=cfg.attn_softcap, window=a.window, keys=keys
+    )
     return ops.linear(o, w["o"], 2, partials), layer_cache
 
 

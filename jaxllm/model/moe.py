@@ -7,6 +7,7 @@ as [E, F, D] (plain arrays, or int8 `QuantArray`s whose scale is per expert and 
 activation is ever built. At decode (few tokens) each token instead gathers its k experts' weights,
 so memory traffic is k experts per token, not the whole stack.
 """
+
 from __future__ import annotations
 
 import jax
@@ -21,8 +22,7 @@ def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, expert: jax.Array) -
     -> float32 [M, *out]; `expert` [M] names each row's expert, for the int8 scales."""
     E, K, out = w.shape[0], w.shape[1], w.shape[2:]
     q = w.q if isinstance(w, QuantArray) else w
-    y = jax.lax.ragged_dot(x, q.reshape(E, K, -1).astype(x.dtype), group_sizes,
-                           preferred_element_type=jnp.float32)
+    y = jax.lax.ragged_dot(x, q.reshape(E, K, -1).astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
     if isinstance(w, QuantArray):
         y = y * w.scale.reshape(E, -1)[expert]
     return y.reshape(x.shape[0], *out)
@@ -44,13 +44,13 @@ def _grouped(x, top_idx, top_w, gate_up, down, act):
     N, k = top_idx.shape
     E = gate_up.shape[0]
     flat = top_idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)            # pairs grouped by expert
+    order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
     expert = flat[order]
     token = order // k
     group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    gu = grouped_matmul(x[token], gate_up, group_sizes, expert)          # [N*k, 2, F]
+    gu = grouped_matmul(x[token], gate_up, group_sizes, expert)  # [N*k, 2, F]
     h = (activation(act, gu[:, 0]) * gu[:, 1]).astype(x.dtype)
-    y = grouped_matmul(h, down, group_sizes, expert)                      # [N*k, D]
+    y = grouped_matmul(h, down, group_sizes, expert)  # [N*k, D]
     y = y * top_w.reshape(-1)[order][:, None].astype(jnp.float32)
     return jnp.zeros((N, x.shape[-1]), jnp.float32).at[token].add(y).astype(x.dtype)
 
@@ -64,12 +64,12 @@ def _take(w, idx, dtype):
 
 def _gathered(x, top_idx, top_w, gate_up, down, act):
     """Reads only the k chosen experts' weights per token: what decode wants from memory."""
-    wgu, sgu = _take(gate_up, top_idx, x.dtype)                   # [N, k, D, 2, F]
+    wgu, sgu = _take(gate_up, top_idx, x.dtype)  # [N, k, D, 2, F]
     gu = jnp.einsum("nd,nkdcf->nkcf", x, wgu, preferred_element_type=jnp.float32)
     if sgu is not None:
         gu = gu * sgu
     h = (activation(act, gu[..., 0, :]) * gu[..., 1, :]).astype(x.dtype)
-    wd, sd = _take(down, top_idx, x.dtype)                        # [N, k, F, D]
+    wd, sd = _take(down, top_idx, x.dtype)  # [N, k, F, D]
     y = jnp.einsum("nkf,nkfd->nkd", h, wd, preferred_element_type=jnp.float32)
     if sd is not None:
         y = y * sd

@@ -9,6 +9,7 @@ even when sliding and global layers have different shapes (Gemma 4). A family ma
 further groups (`ModelConfig.layer_groups`, e.g. Gemma 4's KV-sharing layers, which have no K/V
 weights and a wider MLP); each group is then its own stack.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,11 +23,11 @@ from jaxllm.config.model import KIND_NAMES, AttnSpec, ModelConfig
 @dataclass(frozen=True)
 class ParamSpec:
     shape: tuple[int, ...]
-    axes: tuple[str | None, ...]          # logical axis names, for sharding rules
-    n_contract: int = 0                   # >0: a matmul weight, int8-quantizable over these dims
-    init: str = "normal"                  # normal | zeros | ones
-    n_batch: int = 0                      # leading dims of independent matrices (MoE experts), before
-                                          # the contracted ones; each keeps its own int8 scales
+    axes: tuple[str | None, ...]  # logical axis names, for sharding rules
+    n_contract: int = 0  # >0: a matmul weight, int8-quantizable over these dims
+    init: str = "normal"  # normal | zeros | ones
+    n_batch: int = 0  # leading dims of independent matrices (MoE experts), before
+    # the contracted ones; each keeps its own int8 scales
 
 
 def attention_params(cfg: ModelConfig, a: AttnSpec) -> dict[str, ParamSpec]:
@@ -69,15 +70,18 @@ def stack(spec: ParamSpec, n: int) -> ParamSpec:
     return ParamSpec((n, *spec.shape), ("layers", *spec.axes), spec.n_contract, spec.init, spec.n_batch)
 
 
-def abstract_weights(cfg: ModelConfig, layer_fn: Callable = layer_params, extra_top=None,
-                     layers: dict | None = None) -> dict:
+def abstract_weights(
+    cfg: ModelConfig, layer_fn: Callable = layer_params, extra_top=None, layers: dict | None = None
+) -> dict:
     """The full weight description; a family may pass its own `layer_fn` and extra top-level specs,
     or its own stacked `layers` when it groups layers other than by attention kind."""
     V, D = cfg.vocab_size, cfg.hidden_size
     norm_init = "zeros" if cfg.norm_offset else "ones"
     if layers is None:
-        layers = {KIND_NAMES[k]: {n: stack(s, cfg.layers_of_kind(k)) for n, s in layer_fn(cfg, k).items()}
-                  for k in cfg.kinds_used}
+        layers = {
+            KIND_NAMES[k]: {n: stack(s, cfg.layers_of_kind(k)) for n, s in layer_fn(cfg, k).items()}
+            for k in cfg.kinds_used
+        }
     tree = {
         "embed": ParamSpec((V, D), ("vocab", "embed")),
         "final_norm": ParamSpec((D,), ("embed",), init=norm_init),

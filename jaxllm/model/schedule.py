@@ -1,6 +1,7 @@
 """Which path each layer takes through the layer scan: its branch (weight group, attention kind,
 own KV cache or another layer's), its index in its group's weight stack and the index of the KV
 cache it attends over in its kind's stack."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ MAX_PERIOD = 16
 class Branch:
     """One path through a layer: its weight stack (group), attention kind, and whether it keeps a KV
     cache of its own or attends over another layer's."""
+
     group: str
     kind: int
     own_kv: bool = True
@@ -52,8 +54,9 @@ def schedule(cfg: ModelConfig) -> dict:
             n_cache[k] += 1
         src = cfg.kv_source(i)
         if src not in slot or cfg.layer_kinds[src] != k:
-            raise ModelError(f"layer {i} reads the KV cache of layer {src}, which is not an earlier "
-                             f"layer of the same attention kind")
+            raise ModelError(
+                f"layer {i} reads the KV cache of layer {src}, which is not an earlier layer of the same attention kind"
+            )
         out["kind"].append(k)
         out["branch"].append(brs.index(b))
         out["idx"].append(n_group.get(b.group, 0))
@@ -73,5 +76,6 @@ def layer_period(cfg: ModelConfig) -> int | None:
     """The shortest period of the layers' branch pattern (every layer on the branch of its place in
     the period, a last partial period included), or None above `MAX_PERIOD` layers."""
     b = schedule(cfg)["branch"]
-    return next((p for p in range(1, min(MAX_PERIOD, len(b)) + 1)
-                 if all(b[i] == b[i % p] for i in range(len(b)))), None)
+    return next(
+        (p for p in range(1, min(MAX_PERIOD, len(b)) + 1) if all(b[i] == b[i % p] for i in range(len(b)))), None
+    )

@@ -6,6 +6,7 @@ array from its actual shape: an axis the mesh does not divide is replicated (KV 
 TP degree, an odd vocabulary), except the axes in MUST_SPLIT, whose replication would silently
 multiply the work of every device, so a TP degree that cannot divide them is refused.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ RULES: dict[str, str | None] = {
     "mlp": "model",
     "vocab": "model",
     "expert": "model",
-    "moe_mlp": "model",            # used only when the experts themselves cannot be split
+    "moe_mlp": "model",  # used only when the experts themselves cannot be split
     "embed": None,
     "head_dim": None,
     "layers": None,
@@ -53,19 +54,20 @@ def make_mesh(tp: int | None = None, dp: int = 1, devices=None) -> Mesh:
         raise ModelError(f"--tp {tp} x dp {dp} needs {tp * dp} devices, but {n} are available")
     if grow and n % tp == 0:
         dp = n // tp
-    arr = np.asarray(devices[:tp * dp], dtype=object).reshape(dp, tp)
+    arr = np.asarray(devices[: tp * dp], dtype=object).reshape(dp, tp)
     return Mesh(arr, ("data", "model"))
 
 
 @dataclass(frozen=True)
 class Layout:
     """A mesh plus the rules: turns logical axes into NamedShardings and moves host data on/off."""
+
     mesh: Mesh
     rules: tuple[tuple[str, str | None], ...] = tuple(RULES.items())
 
     @property
     def platform(self) -> str:
-        """"cpu", "gpu" or "tpu": the devices' (one kind to a mesh)."""
+        """ "cpu", "gpu" or "tpu": the devices' (one kind to a mesh)."""
         return self.mesh.devices.flat[0].platform
 
     @property
@@ -116,8 +118,7 @@ class Layout:
     # -- caches and activations -----------------------------------------------------------------
     def cache_shardings(self, cache_shapes) -> dict:
         """Shardings for KV pools (arrays or ShapeDtypeStructs), their leaves named by `CACHE_AXES`."""
-        return jax.tree_util.tree_map(lambda a: self.sharding(a.shape, cache_leaf_axes(len(a.shape))),
-                                      cache_shapes)
+        return jax.tree_util.tree_map(lambda a: self.sharding(a.shape, cache_leaf_axes(len(a.shape))), cache_shapes)
 
     def batch_sharding(self, shape) -> NamedSharding:
         return self.sharding(shape, ("batch",) + (None,) * (len(shape) - 1))
@@ -135,15 +136,16 @@ class Layout:
         if x.sharding.is_fully_replicated:
             return np.asarray(x.addressable_data(0))
         from jax.experimental import multihost_utils
+
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def scale_shape_axes(spec: ParamSpec) -> tuple[tuple[int, ...], tuple]:
     """Shape and axes of a weight's int8 scales: the output dims, after any stacked layer axis."""
     lead = 1 if spec.axes and spec.axes[0] == "layers" else 0
-    if spec.n_contract == 0:       # an embedding table: one scale per row, [V, 1]
-        return spec.shape[:lead + 1] + (1,), spec.axes[:lead + 1] + (None,)
-    lead += getattr(spec, "n_batch", 0)      # independent matrices (experts) keep their own scales
+    if spec.n_contract == 0:  # an embedding table: one scale per row, [V, 1]
+        return spec.shape[: lead + 1] + (1,), spec.axes[: lead + 1] + (None,)
+    lead += getattr(spec, "n_batch", 0)  # independent matrices (experts) keep their own scales
     keep = slice(lead + spec.n_contract, None)
     return spec.shape[:lead] + spec.shape[keep], spec.axes[:lead] + spec.axes[keep]
 
@@ -160,6 +162,6 @@ def layout_for(tp: int | None, dp: int = 1) -> Layout:
 def check_divisible(layout: Layout, tree: dict) -> None:
     """Raise the one-line ModelError for an impossible split before any weight is read."""
     specs = jax.tree_util.tree_leaves(tree, is_leaf=is_spec)
-    order = list(MUST_SPLIT)      # report query heads before MLP width before the rest
+    order = list(MUST_SPLIT)  # report query heads before MLP width before the rest
     for s in sorted(specs, key=lambda s: min([order.index(a) for a in s.axes if a in order] or [9])):
         layout.spec(s.shape, s.axes)

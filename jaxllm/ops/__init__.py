@@ -8,6 +8,7 @@ tables and the Triton-lowering patch;
 `ops.tpu` the Pallas (Mosaic) kernels for TPUs, over XLA's operations elsewhere. Each is imported
 only when `select` chooses it, so a process loads Pallas only for the backend it runs.
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,12 +48,15 @@ def select(runtime: RuntimeConfig | None = None, layout=None) -> XlaOps:
     runtime = RuntimeConfig() if runtime is None else runtime
     if runtime.kernels != "xla" and _platform(layout) == "tpu":
         from jaxllm.ops.tpu.backend import TpuOps
+
         return TpuOps(runtime, layout)
     if uses_kernels(runtime, layout):
         from jaxllm.ops.gpu.backend import PallasOps
+
         return PallasOps(runtime, layout)
     if runtime.kernels == "auto" and _platform(layout) == "cpu" and (layout is None or layout.mesh.size == 1):
         from jaxllm.ops.cpu import CpuOps
+
         return CpuOps(runtime, layout)
     return XlaOps(runtime, layout)
 
@@ -60,5 +64,10 @@ def select(runtime: RuntimeConfig | None = None, layout=None) -> XlaOps:
 def selections() -> list[dict]:
     """Every kernel choice made so far in this process (none where no kernel backend ran)."""
     import sys
-    return [s for name in ("jaxllm.ops.gpu", "jaxllm.ops.tpu") if (m := sys.modules.get(name)) is not None
-            for s in m.selections()]
+
+    return [
+        s
+        for name in ("jaxllm.ops.gpu", "jaxllm.ops.tpu")
+        if (m := sys.modules.get(name)) is not None
+        for s in m.selections()
+    ]

@@ -7,6 +7,7 @@ head was half of a decode step of the embedded model. Here the head goes over th
 pieces whose widened copy stays in cache, each widened inside the step. On one 2-core CPU that
 measured 18 ms a step against 47 for the head of a [1, 640] state.
 """
+
 from __future__ import annotations
 
 import jax
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 from jaxllm.ops.xla import XlaOps
 from jaxllm.quant import QuantArray
 
-HEAD_PIECE = 4096         # vocabulary rows widened at a time (of 640: 10 MiB in float32)
+HEAD_PIECE = 4096  # vocabulary rows widened at a time (of 640: 10 MiB in float32)
 
 
 class CpuOps(XlaOps):
@@ -30,10 +31,11 @@ class CpuOps(XlaOps):
 def head_in_pieces(h: jax.Array, table: QuantArray, tied: bool) -> jax.Array:
     """float32 logits [..., V] of h [..., D] against an int8 table ([V, D] tied, [D, V] untied),
     HEAD_PIECE vocabulary entries at a time."""
-    q = table.q if tied else table.q.T                                   # [V, D]
+    q = table.q if tied else table.q.T  # [V, D]
     V, D = q.shape
     pieces = q.reshape(V // HEAD_PIECE, HEAD_PIECE, D)
-    out = jax.lax.map(lambda w: jnp.einsum("...d,vd->...v", h, w.astype(h.dtype),
-                                           preferred_element_type=jnp.float32), pieces)   # [n, ..., P]
+    out = jax.lax.map(
+        lambda w: jnp.einsum("...d,vd->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32), pieces
+    )  # [n, ..., P]
     out = jnp.moveaxis(out, 0, -2).reshape(*h.shape[:-1], V)
     return out * (table.scale[:, 0] if tied else table.scale)

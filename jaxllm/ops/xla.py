@@ -1,6 +1,7 @@
 """The XLA backend: the reference implementation of every operation the model calls, the path on
 CPUs, and what the GPU and TPU backends fall back to. The math here is plain `jax.numpy`; XLA fuses
 it (the int8 dequantization into the dot's epilogue, the norms into their neighbours)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,7 +21,7 @@ NEG_INF = -1e30
 # float32, converting the whole buffer there and back, so every token written into a bfloat16 cache
 # cost a pass over the cache; an integer buffer is updated in place.
 PACKED = jnp.uint16
-CPU_COND_POSITIONS = 2048            # `XlaOps.layer_scan`: a CPU's smaller caches take a conditional per layer
+CPU_COND_POSITIONS = 2048  # `XlaOps.layer_scan`: a CPU's smaller caches take a conditional per layer
 
 
 # -- the math ----------------------------------------------------------------------------------------
@@ -48,7 +49,7 @@ def inv_frequencies(rope: RopeSpec, head_dim: int) -> np.ndarray:
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """x [B, T, H, hd], positions [B, T] (absolute). Rotates halves, as HF's rotate_half does."""
-    ang = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)      # [B, T, hd/2]
+    ang = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [B, T, hd/2]
     cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -102,15 +103,16 @@ def matmul(x: jax.Array, w, n_contract: int = 1, out_major: bool = False, out_dt
     if isinstance(w, QuantArray):
         y = jax.lax.dot_general(x, w.q.astype(x.dtype), ((xa, wa), ((), ())), preferred_element_type=jnp.float32)
         return (y * w.scale).astype(x.dtype)
-    return jax.lax.dot_general(x, w.astype(x.dtype), ((xa, wa), ((), ())),
-                               preferred_element_type=out_dtype).astype(x.dtype)
+    return jax.lax.dot_general(x, w.astype(x.dtype), ((xa, wa), ((), ())), preferred_element_type=out_dtype).astype(
+        x.dtype
+    )
 
 
 def memory_limit(device) -> int | None:
     """The bytes `device` lets this process allocate, where its runtime says (None elsewhere)."""
     try:
         return (device.memory_stats() or {}).get("bytes_limit")
-    except Exception:       # a backend without memory statistics
+    except Exception:  # a backend without memory statistics
         return None
 
 
@@ -137,7 +139,8 @@ class HeadPrep:
     frequencies over the two halves of the head, and whether values get a weightless norm. A
     backend may hand the norm weights over in its own form (see `Ops.layer_weights`); `norm_layer`
     is for its kernels."""
-    inv_freq: np.ndarray                  # [hd / 2]
+
+    inv_freq: np.ndarray  # [hd / 2]
     q_norm: object = None
     k_norm: object = None
     v_norm: bool = False
@@ -150,8 +153,9 @@ class HeadPrep:
 class KeysFromValues:
     """Keys as `rope(rms_norm(v) * (offset + norm_w))` of the stored values (norm_w None: no norm),
     for a cache that keeps only values (K = V before the norms)."""
-    inv_freq: np.ndarray          # [hd / 2]
-    norm_w: jax.Array | None      # [hd]
+
+    inv_freq: np.ndarray  # [hd / 2]
+    norm_w: jax.Array | None  # [hd]
     eps: float = 1e-6
     offset: float = 0.0
 
@@ -162,6 +166,7 @@ class XlaOps:
     """The operations the model calls, in XLA. `layout` is the `model.sharding.Layout` whose mesh
     what is traced runs on (None: one device). The GPU backend (`ops.gpu.backend.PallasOps`)
     subclasses this and overrides what its kernels do faster; everything else is this."""
+
     runtime: RuntimeConfig = RuntimeConfig()
     layout: object = None
     name = "xla"
@@ -350,6 +355,7 @@ class XlaOps:
         if layout is None or layout.tp == 1:
             return None
         from jax.sharding import PartitionSpec as P
+
         q, scale = (table.q, table.scale) if isinstance(table, QuantArray) else (table, None)
         tspec = layout.spec(q.shape, ("vocab", "embed"))
         if tspec[0] is None:
@@ -369,5 +375,6 @@ class XlaOps:
 
         in_specs = (tspec, ispec) + ((tspec,) if scale is not None else ())
         args = (q, ids) + ((scale,) if scale is not None else ())
-        return jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=P(*ispec, None),
-                             check_vma=False)(*args)
+        return jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=P(*ispec, None), check_vma=False)(
+            *args
+        )

@@ -1,5 +1,6 @@
 """The OpenAI response shapes the server writes: whole answers, stream chunks, usage, tool calls and
 log-probabilities (`protocol` parses the requests they answer)."""
+
 from __future__ import annotations
 
 from jaxllm.serve.output import Parts
@@ -9,8 +10,12 @@ from jaxllm.tokenizer import Tokenizer
 
 def usage(n_prompt: int, n_completion: int, cached: int = 0) -> dict:
     """OpenAI's usage, with the prompt tokens whose KV came from the prefix cache."""
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
-            "total_tokens": n_prompt + n_completion, "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": n_prompt,
+        "completion_tokens": n_completion,
+        "total_tokens": n_prompt + n_completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def tool_call_json(c) -> dict:
@@ -28,29 +33,46 @@ def chat_message(req: GenRequest, text: str, parts: Parts | None) -> dict:
     return msg
 
 
-def choice(req: GenRequest, index: int, text: str, finish_reason: str, parts: Parts | None = None,
-           logprobs: dict | None = None) -> dict:
+def choice(
+    req: GenRequest, index: int, text: str, finish_reason: str, parts: Parts | None = None, logprobs: dict | None = None
+) -> dict:
     """One answer of a response; `parts`: a chat answer read by its `OutputPlan`; `logprobs`: from
     `LogprobWriter`."""
     if req.kind == "completion":
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if parts is not None and parts.calls:
         finish_reason = "tool_calls"
-    return {"index": index, "message": chat_message(req, text, parts), "logprobs": logprobs,
-            "finish_reason": finish_reason}
+    return {
+        "index": index,
+        "message": chat_message(req, text, parts),
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
 
 
 def full_response(req: GenRequest, choices: list[dict], n_completion: int, cached: int = 0) -> dict:
     """The whole response: its `choice`s, in index order, and the usage (the prompt counted once,
     the tokens of every answer)."""
     obj = "text_completion" if req.kind == "completion" else "chat.completion"
-    return {"id": req.id, "object": obj, "created": req.created, "model": req.model, "choices": choices,
-            "usage": usage(len(req.prompt_ids), n_completion, cached)}
+    return {
+        "id": req.id,
+        "object": obj,
+        "created": req.created,
+        "model": req.model,
+        "choices": choices,
+        "usage": usage(len(req.prompt_ids), n_completion, cached),
+    }
 
 
-def stream_chunk(req: GenRequest, text: str | None, finish_reason: str | None = None,
-                 role: bool = False, delta: dict | None = None, logprobs: dict | None = None,
-                 index: int = 0) -> dict:
+def stream_chunk(
+    req: GenRequest,
+    text: str | None,
+    finish_reason: str | None = None,
+    role: bool = False,
+    delta: dict | None = None,
+    logprobs: dict | None = None,
+    index: int = 0,
+) -> dict:
     """One SSE chunk of answer `index`, with a text delta (or a chat `delta`, the role announcement,
     or the finish reason), and the log-probabilities of the tokens it brings."""
     if req.kind == "completion":
@@ -81,17 +103,27 @@ class LogprobWriter:
     def text(self, token_id: int) -> str:
         if isinstance(self.tokenizer, Tokenizer):
             return self.tokenizer.piece(token_id)
-        return self.tokenizer.decode([token_id])     # stand-in tokenizers take only the ids
+        return self.tokenizer.decode([token_id])  # stand-in tokenizers take only the ids
 
     def __call__(self, entries: list) -> dict:
         if self.kind == "chat":
-            return {"content": [{**self._chat(e.token_id, e.logprob),
-                                 "top_logprobs": [self._chat(i, v) for i, v in e.top[:self.n]]} for e in entries]}
+            return {
+                "content": [
+                    {
+                        **self._chat(e.token_id, e.logprob),
+                        "top_logprobs": [self._chat(i, v) for i, v in e.top[: self.n]],
+                    }
+                    for e in entries
+                ]
+            }
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for e in entries:
             s = self.text(e.token_id)
-            top = None if e.logprob is None else \
-                {s: _floor(e.logprob), **{self.text(i): _floor(v) for i, v in e.top[:self.n]}}
+            top = (
+                None
+                if e.logprob is None
+                else {s: _floor(e.logprob), **{self.text(i): _floor(v) for i, v in e.top[: self.n]}}
+            )
             out["tokens"].append(s)
             out["token_logprobs"].append(None if e.logprob is None else _floor(e.logprob))
             out["top_logprobs"].append(top)
@@ -115,7 +147,7 @@ def prompt_logprobs_json(req: GenRequest, entries: list, tokenizer) -> list:
         if e.logprob is None:
             out.append(None)
             continue
-        top = e.top[:req.shown_prompt_logprobs]
+        top = e.top[: req.shown_prompt_logprobs]
         rank = next((r for r, (i, _) in enumerate(e.top, 1) if i == e.token_id), None)
         row = {str(e.token_id): {"logprob": _floor(e.logprob), "rank": rank, "decoded_token": text(e.token_id)}}
         for r, (i, v) in enumerate(top, 1):
@@ -179,8 +211,9 @@ class AnswerStream:
             return self._parts(self.reader.push(text), entries)
         lp = self.writer(entries) if entries else None
         if self.req.kind == "chat":
-            return [stream_chunk(self.req, None, delta={"content": text} if text else {}, logprobs=lp,
-                                 index=self.index)]
+            return [
+                stream_chunk(self.req, None, delta={"content": text} if text else {}, logprobs=lp, index=self.index)
+            ]
         return [stream_chunk(self.req, text, logprobs=lp, index=self.index)]
 
     def finish(self, reason: str) -> tuple[list[dict], str]:
@@ -194,11 +227,19 @@ class AnswerStream:
     def _parts(self, parts: Parts, entries=None) -> list[dict]:
         lp = self.writer(entries) if entries else None
         ds = self.deltas(parts) or ([{}] if lp else [])
-        return [stream_chunk(self.req, None, delta=d, logprobs=lp if i == 0 else None, index=self.index)
-                for i, d in enumerate(ds)]
+        return [
+            stream_chunk(self.req, None, delta=d, logprobs=lp if i == 0 else None, index=self.index)
+            for i, d in enumerate(ds)
+        ]
 
 
 def usage_chunk(req: GenRequest, n_completion: int, cached: int = 0) -> dict:
     obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
-    return {"id": req.id, "object": obj, "created": req.created, "model": req.model, "choices": [],
-            "usage": usage(len(req.prompt_ids), n_completion, cached)}
+    return {
+        "id": req.id,
+        "object": obj,
+        "created": req.created,
+        "model": req.model,
+        "choices": [],
+        "usage": usage(len(req.prompt_ids), n_completion, cached),
+    }

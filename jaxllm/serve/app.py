@@ -4,6 +4,7 @@ Handlers validate a request, hand it to the engine thread as a `Job`, and turn t
 back into an OpenAI response or an SSE stream. Every client error is an `ApiError`, answered with
 OpenAI's error body and never logged as a traceback.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -47,28 +48,28 @@ class ServeOptions:
     served_name: str
     max_model_len: int
     max_num_seqs: int = 8
-    max_num_batched_tokens: int | None = None      # None: the backend's (`XlaOps.prefill_tokens`)
+    max_num_batched_tokens: int | None = None  # None: the backend's (`XlaOps.prefill_tokens`)
     max_queue: int = 64
     api_key: str | None = None
     max_request_bytes: int = 4 << 20
     request_timeout: float | None = 600.0
-    body_timeout: float = 30.0          # seconds a request body may stall between two reads
-    body_deadline: float = 60.0         # seconds a whole request body may take
+    body_timeout: float = 30.0  # seconds a request body may stall between two reads
+    body_deadline: float = 60.0  # seconds a whole request body may take
     shutdown_timeout: float = 30.0
-    stall_timeout: float = 120.0        # /health says 503 after this long without progress with work waiting
+    stall_timeout: float = 120.0  # /health says 503 after this long without progress with work waiting
     decode_steps: int = 8
     warmup: bool = True
-    started: float | None = None        # process start (time.monotonic()), for the time to ready
-    freeze_heap: bool = False           # for a process that serves for its lifetime: `Warmup.settle_heap`
-    kv_memory: KVMemory = KVMemory()    # the KV pool's size, and whether it caches prefixes
-    max_stored_responses: int = 1000    # /v1/responses kept for previous_response_id, the oldest dropped first
-    deterministic: bool = False         # an answer is the same whatever runs beside it (`Scheduler`)
+    started: float | None = None  # process start (time.monotonic()), for the time to ready
+    freeze_heap: bool = False  # for a process that serves for its lifetime: `Warmup.settle_heap`
+    kv_memory: KVMemory = KVMemory()  # the KV pool's size, and whether it caches prefixes
+    max_stored_responses: int = 1000  # /v1/responses kept for previous_response_id, the oldest dropped first
+    deterministic: bool = False  # an answer is the same whatever runs beside it (`Scheduler`)
 
 
-SHUTDOWN_JOIN_S = 2.0       # seconds the engine's threads get to stop (a device call may run longer)
-DISCARD_LIMIT = 64 << 20   # bytes of a refused request's body read and thrown away, so the client reads the refusal
-BIG_BODY = 64 << 10         # bytes of a request body from which it is parsed on the big bodies' thread
-DISCONNECT_CHECK = 0.5      # seconds between two looks at whether a non-streaming client is still there
+SHUTDOWN_JOIN_S = 2.0  # seconds the engine's threads get to stop (a device call may run longer)
+DISCARD_LIMIT = 64 << 20  # bytes of a refused request's body read and thrown away, so the client reads the refusal
+BIG_BODY = 64 << 10  # bytes of a request body from which it is parsed on the big bodies' thread
+DISCONNECT_CHECK = 0.5  # seconds between two looks at whether a non-streaming client is still there
 
 
 class TimedOut(Exception):
@@ -82,16 +83,24 @@ class ClientGone(Exception):
 class Server:
     def __init__(self, engine, opts: ServeOptions):
         self.engine, self.opts = engine, opts
-        self.grammars = Grammars.for_engine(engine)           # structured output (None: no tokenizer)
-        self.scheduler = Scheduler(engine, opts.max_num_seqs, opts.max_model_len, opts.max_queue,
-                                   opts.decode_steps, opts.max_num_batched_tokens,
-                                   structured=self.grammars is not None, freeze_heap=opts.freeze_heap,
-                                   kv_memory=opts.kv_memory, deterministic=opts.deterministic)
+        self.grammars = Grammars.for_engine(engine)  # structured output (None: no tokenizer)
+        self.scheduler = Scheduler(
+            engine,
+            opts.max_num_seqs,
+            opts.max_model_len,
+            opts.max_queue,
+            opts.decode_steps,
+            opts.max_num_batched_tokens,
+            structured=self.grammars is not None,
+            freeze_heap=opts.freeze_heap,
+            kv_memory=opts.kv_memory,
+            deterministic=opts.deterministic,
+        )
         self.metrics = self.scheduler.observer = Metrics(self.scheduler, opts.served_name)
-        self.features = chat_features(engine.cfg.family)      # reasoning and tool calls in chat answers
+        self.features = chat_features(engine.cfg.family)  # reasoning and tool calls in chat answers
         self.started = time.time()
         self.stored = ResponseStore(opts.max_stored_responses)
-        self.wakeups: Wakeups | None = None                   # the event loop's, made by its first request
+        self.wakeups: Wakeups | None = None  # the event loop's, made by its first request
         # Requests are parsed (chat template, tokenizer) off the event loop, one at a time on a thread
         # of their own, as vLLM's server tokenizes. A worker thread each, as Starlette's pool gives,
         # let a burst of sixteen requests' threads take turns at the GIL ahead of the engine thread
@@ -114,7 +123,7 @@ class Server:
         grammar = threading.Thread(target=self.grammars.prepare, name="jaxllm-grammar") if self.grammars else None
         if grammar is not None:
             grammar.start()
-        getattr(self.engine.tokenizer, "max_bytes_per_token", None)      # computed once (1 s for 262144 tokens)
+        getattr(self.engine.tokenizer, "max_bytes_per_token", None)  # computed once (1 s for 262144 tokens)
         self.scheduler.start(self.opts.warmup)
         if grammar is not None:
             grammar.join()
@@ -127,8 +136,12 @@ class Server:
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            raise ApiError(
+                401,
+                "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     async def read_json(self, request: Request):
         """The request's JSON body, after its API key is checked. A request refused before its body
@@ -143,24 +156,26 @@ class Server:
         except ApiError as e:
             refused = e
         limit = self.opts.max_request_bytes
-        too_big = ApiError(413, f"request body is larger than the limit of {limit} bytes",
-                           code="request_too_large")
+        too_big = ApiError(413, f"request body is larger than the limit of {limit} bytes", code="request_too_large")
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > limit:
             if int(length) > DISCARD_LIMIT:
-                raise refused or too_big          # too much to read for nothing: the client sees a reset
+                raise refused or too_big  # too much to read for nothing: the client sees a reset
             refused = refused or too_big
         # JSON only: a browser's cross-origin POST that needs no preflight can only send text/plain,
         # a form or multipart, so another site's page cannot make a keyless server generate
         media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
         if media != "application/json":
-            refused = refused or ApiError(415, f"the request body must be sent with 'Content-Type: application/json', "
-                                               f"not {short(media or 'none')}", code="unsupported_media_type")
+            refused = refused or ApiError(
+                415,
+                f"the request body must be sent with 'Content-Type: application/json', not {short(media or 'none')}",
+                code="unsupported_media_type",
+            )
         chunks, size = [], 0
         gap, whole = self.opts.body_timeout, self.opts.body_deadline
         loop = asyncio.get_running_loop()
         end = loop.time() + whole
-        try:          # a deadline on this task, moved at each read (`wait_for` would start a task a read)
+        try:  # a deadline on this task, moved at each read (`wait_for` would start a task a read)
             async with asyncio.timeout(min(gap, whole)) as stalled:
                 async for chunk in request.stream():
                     size += len(chunk)
@@ -175,8 +190,13 @@ class Server:
             if refused is not None:
                 raise refused from None
             why = f"took more than {whole:g} s" if loop.time() >= end - 0.01 else f"stalled for more than {gap:g} s"
-            raise ApiError(408, f"the request body {why}", type="timeout_error", code="request_timeout",
-                           headers={"Connection": "close"}) from None      # the rest of it is not read
+            raise ApiError(
+                408,
+                f"the request body {why}",
+                type="timeout_error",
+                code="request_timeout",
+                headers={"Connection": "close"},
+            ) from None  # the rest of it is not read
         except ClientDisconnect:
             raise ClientGone from None
         if refused is not None:
@@ -193,7 +213,7 @@ class Server:
             raise bad("the request body is nested too deeply") from None
         if isinstance(body, (dict, list)) and too_deep(body):
             raise bad(f"the request body is nested too deeply (more than {MAX_DEPTH} levels)")
-        try:                          # "\ud800" escapes parse, but no tokenizer can take them
+        try:  # "\ud800" escapes parse, but no tokenizer can take them
             json.dumps(body, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
             raise bad("the request body holds an unpaired UTF-16 surrogate escape") from None
@@ -216,8 +236,9 @@ class Server:
         """fn(*args) on a parse thread (the big bodies' for a body of BIG_BODY bytes or more): a
         request's chat template and tokenizer, off the event loop."""
         big = getattr(request.state, "body_bytes", 0) >= BIG_BODY
-        return await asyncio.get_running_loop().run_in_executor(self.big_parser if big else self.parser,
-                                                                functools.partial(fn, *args))
+        return await asyncio.get_running_loop().run_in_executor(
+            self.big_parser if big else self.parser, functools.partial(fn, *args)
+        )
 
     def deadline(self) -> float:
         t = self.opts.request_timeout
@@ -237,8 +258,12 @@ class Server:
                 raise ClientGone
 
     def timeout_error(self) -> ApiError:
-        return ApiError(504, f"the request did not finish within {self.opts.request_timeout:g} s",
-                        type="timeout_error", code="timeout")
+        return ApiError(
+            504,
+            f"the request did not finish within {self.opts.request_timeout:g} s",
+            type="timeout_error",
+            code="timeout",
+        )
 
     # -- routes ----------------------------------------------------------------------------------
     async def health(self, request: Request):
@@ -250,8 +275,13 @@ class Server:
         return JSONResponse({"status": "ok", **self.scheduler.load()})
 
     def model_card(self) -> dict:
-        return {"id": self.opts.served_name, "object": "model", "created": int(self.started), "owned_by": "jaxllm",
-                "max_model_len": self.opts.max_model_len}
+        return {
+            "id": self.opts.served_name,
+            "object": "model",
+            "created": int(self.started),
+            "owned_by": "jaxllm",
+            "max_model_len": self.opts.max_model_len,
+        }
 
     async def models(self, request: Request):
         self.check_auth(request)
@@ -261,8 +291,12 @@ class Server:
         self.check_auth(request)
         name = request.path_params["model_id"]
         if name != self.opts.served_name:
-            raise ApiError(404, f"The model '{name}' does not exist; this server serves '{self.opts.served_name}'",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"The model '{name}' does not exist; this server serves '{self.opts.served_name}'",
+                param="model",
+                code="model_not_found",
+            )
         return JSONResponse(self.model_card())
 
     async def metrics_text(self, request: Request):
@@ -270,8 +304,11 @@ class Server:
 
     async def tokenize(self, request: Request):
         body = await self.read_json(request)
-        return JSONResponse(await self.parsed(request, tokenize, body, self.engine, self.opts.served_name,
-                                                self.opts.max_model_len, self.features))
+        return JSONResponse(
+            await self.parsed(
+                request, tokenize, body, self.engine, self.opts.served_name, self.opts.max_model_len, self.features
+            )
+        )
 
     async def detokenize(self, request: Request):
         body = await self.read_json(request)
@@ -285,8 +322,16 @@ class Server:
 
     async def generate(self, request: Request, kind: str):
         body = await self.read_json(request)
-        parse = functools.partial(parse_request, kind, body, self.engine, self.opts.served_name,
-                                  self.opts.max_model_len, self.features, self.opts.max_num_seqs)
+        parse = functools.partial(
+            parse_request,
+            kind,
+            body,
+            self.engine,
+            self.opts.served_name,
+            self.opts.max_model_len,
+            self.features,
+            self.opts.max_num_seqs,
+        )
         return await self.run(request, parse, self.collect, self.stream)
 
     async def run(self, request: Request, parse, collect, stream):
@@ -296,29 +341,33 @@ class Server:
         inbox = self.inbox()
         try:
             req, job = await self.parsed(request, self.parse_and_submit, parse, inbox)
-            if job is None:                          # its grammar compiled here, never on the engine thread
+            if job is None:  # its grammar compiled here, never on the engine thread
                 if self.grammars is None:
-                    raise bad("this model has no tokenizer, so its answers cannot be constrained",
-                              req.constraint.field)
+                    raise bad("this model has no tokenizer, so its answers cannot be constrained", req.constraint.field)
                 matcher = await run_in_threadpool(self.grammars.matcher, req.constraint)
                 job = self.submit(req, inbox, matcher)
         except QueueFull as e:
             if self.scheduler.stopping:
                 raise ApiError(503, str(e), type="server_error") from None
-            raise ApiError(429, f"{e}; retry later", type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": "1"}) from None
+            raise ApiError(
+                429, f"{e}; retry later", type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}
+            ) from None
         deadline = self.deadline()
         if req.stream:
             # the background cancel also covers a client gone before the stream's first chunk
-            return StreamingResponse(stream(req, job, inbox, deadline), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"}, background=BackgroundTask(_cancel, job))
+            return StreamingResponse(
+                stream(req, job, inbox, deadline),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+                background=BackgroundTask(_cancel, job),
+            )
         try:
             return await collect(request, req, job, inbox, deadline)
         except ClientGone:
             self.metrics.failed("abort")
-            return Response(status_code=499)     # nobody reads it; the slot is freed below
+            return Response(status_code=499)  # nobody reads it; the slot is freed below
         finally:
-            job.cancel()              # frees the slot if the client left or the deadline passed
+            job.cancel()  # frees the slot if the client left or the deadline passed
 
     async def collect(self, request: Request, req: GenRequest, job: Job, inbox: Inbox, deadline: float):
         """The request's answers (events tagged with their index) -> one response. A client that
@@ -338,7 +387,7 @@ class Server:
             except TimedOut:
                 self.metrics.failed("timeout")
                 raise self.timeout_error() from None
-            if isinstance(ev, Prompt):            # the prompt read: echoed first, its scores where asked
+            if isinstance(ev, Prompt):  # the prompt read: echoed first, its scores where asked
                 prompts[i] = ev.logprobs
                 if req.echo:
                     texts[i].insert(0, req.prompt_text)
@@ -354,7 +403,7 @@ class Server:
         choices = []
         for i in range(req.n):
             text, parts = "".join(texts[i]), None
-            if req.output is not None:            # reasoning and tool calls read out of the answer
+            if req.output is not None:  # reasoning and tool calls read out of the answer
                 reader = req.output.reader()
                 parts = reader.push(text)
                 parts.add(reader.finish())
@@ -362,9 +411,13 @@ class Server:
             choices.append(choice(req, i, text, finished[i].finish_reason, parts, lp))
             if req.shown_prompt_logprobs is not None:
                 choices[i]["prompt_logprobs"] = prompt_logprobs_json(req, prompts[i] or [], self.engine.tokenizer)
-        body = full_response(req, choices, sum(f.completion_tokens for f in finished.values()),
-                             max(f.cached_tokens for f in finished.values()))
-        if req.kind == "chat" and req.shown_prompt_logprobs is not None:      # vLLM's place for a chat's
+        body = full_response(
+            req,
+            choices,
+            sum(f.completion_tokens for f in finished.values()),
+            max(f.cached_tokens for f in finished.values()),
+        )
+        if req.kind == "chat" and req.shown_prompt_logprobs is not None:  # vLLM's place for a chat's
             body["prompt_logprobs"] = [c.pop("prompt_logprobs") for c in choices][0]
         self.metrics.finished(job, choices[0]["finish_reason"])
         return JSONResponse(body)
@@ -377,6 +430,7 @@ class Server:
 
         def sse(obj):
             out.append(f"data: {json.dumps(obj, ensure_ascii=False)}\n\n")
+
         answers = [AnswerStream(req, i, self.engine.tokenizer) for i in range(req.n)]
         reasons: dict[int, str] = {}
         n_completion = cached = 0
@@ -400,8 +454,9 @@ class Server:
                     sse(answers[i].prompt_scores(prompt_logprobs_json(req, ev.logprobs or [], self.engine.tokenizer)))
                 if isinstance(ev, Delta) or (isinstance(ev, Prompt) and req.echo):
                     text = ev.text if isinstance(ev, Delta) else req.prompt_text
-                    for c in answers[i].text(text, ev.logprobs if isinstance(ev, Delta) or req.logprobs is not None
-                                             else None):
+                    for c in answers[i].text(
+                        text, ev.logprobs if isinstance(ev, Delta) or req.logprobs is not None else None
+                    ):
                         sse(c)
                 elif isinstance(ev, Finished):
                     last, reasons[i] = answers[i].finish(ev.finish_reason)
@@ -424,18 +479,28 @@ class Server:
             out.append("data: [DONE]\n\n")
             yield "".join(out)
         finally:
-            if not ended:                        # the client went away mid-stream
+            if not ended:  # the client went away mid-stream
                 self.metrics.failed("abort")
             job.cancel()
 
     # -- the Responses API (responses.py): the chat route's request and scheduling ----------------
     async def create_response(self, request: Request):
         turn = Turn.read(await self.read_json(request), self.stored)
-        parse = functools.partial(turn.request, self.engine, self.opts.served_name, self.opts.max_model_len,
-                                  self.features, self.opts.max_num_seqs)
+        parse = functools.partial(
+            turn.request,
+            self.engine,
+            self.opts.served_name,
+            self.opts.max_model_len,
+            self.features,
+            self.opts.max_num_seqs,
+        )
         try:
-            return await self.run(request, parse, functools.partial(self.whole_response, turn),
-                                  functools.partial(self.response_events, turn))
+            return await self.run(
+                request,
+                parse,
+                functools.partial(self.whole_response, turn),
+                functools.partial(self.response_events, turn),
+            )
         except ApiError as e:
             raise turn.renamed(e) from None
 
@@ -443,8 +508,9 @@ class Server:
         self.check_auth(request)
         return JSONResponse(self.stored.response(request.path_params["response_id"]))
 
-    async def whole_response(self, turn: Turn, request: Request, req: GenRequest, job: Job, inbox: Inbox,
-                             deadline: float):
+    async def whole_response(
+        self, turn: Turn, request: Request, req: GenRequest, job: Job, inbox: Inbox, deadline: float
+    ):
         """The Response object, built from the engine's events as its stream would be."""
         answer = turn.answer(req, self.engine.tokenizer)
         checked = time.monotonic()
@@ -490,7 +556,7 @@ class Server:
                     self.stored.keep(answer)
             yield "".join(out)
         finally:
-            if not answer.ended:                 # the client went away mid-stream
+            if not answer.ended:  # the client went away mid-stream
                 self.metrics.failed("abort")
             job.cancel()
 
@@ -526,15 +592,18 @@ async def _api_error(request: Request, exc: ApiError):
 
 
 async def _http_error(request: Request, exc: HTTPException):
-    msg = {404: f"no route {request.method} {request.url.path}",
-           405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
-    return JSONResponse(ApiError(exc.status_code, msg).body(), status_code=exc.status_code,
-                        headers=getattr(exc, "headers", None))
+    msg = {
+        404: f"no route {request.method} {request.url.path}",
+        405: f"method {request.method} is not allowed on {request.url.path}",
+    }.get(exc.status_code, exc.detail)
+    return JSONResponse(
+        ApiError(exc.status_code, msg).body(), status_code=exc.status_code, headers=getattr(exc, "headers", None)
+    )
 
 
 async def _client_gone(request: Request, exc: ClientGone):
     log.info("%s %s: the client left before its request was read", request.method, request.url.path)
-    return Response(status_code=499)          # nobody reads it
+    return Response(status_code=499)  # nobody reads it
 
 
 async def _internal_error(request: Request, exc: Exception):
@@ -556,11 +625,19 @@ def build_app(engine, opts: ServeOptions) -> Starlette:
         await run_in_threadpool(server.start)
         ready = "" if opts.started is None else f"; ready {time.monotonic() - opts.started:.1f} s after start"
         plan = server.scheduler.core.plan
-        log.info("serving %s: %d slots; a KV pool (%s) of %s tokens, %d sequences of --max-model-len %d; prefix "
-                 "caching %s; prefill forwards of up to %d tokens%s", opts.served_name, opts.max_num_seqs,
-                 engine.kv_layout.name, f"{plan.tokens:,}", plan.sequences(opts.max_model_len), opts.max_model_len,
-                 "on" if server.scheduler.core.blocks.prefix_caching else "off", server.scheduler.shapes.budget,
-                 ready + ("; deterministic" if opts.deterministic else ""))
+        log.info(
+            "serving %s: %d slots; a KV pool (%s) of %s tokens, %d sequences of --max-model-len %d; prefix "
+            "caching %s; prefill forwards of up to %d tokens%s",
+            opts.served_name,
+            opts.max_num_seqs,
+            engine.kv_layout.name,
+            f"{plan.tokens:,}",
+            plan.sequences(opts.max_model_len),
+            opts.max_model_len,
+            "on" if server.scheduler.core.blocks.prefix_caching else "off",
+            server.scheduler.shapes.budget,
+            ready + ("; deterministic" if opts.deterministic else ""),
+        )
         yield
         server.scheduler.shutdown(timeout=SHUTDOWN_JOIN_S)
         server.parser.shutdown(wait=False)
@@ -578,8 +655,15 @@ def build_app(engine, opts: ServeOptions) -> Starlette:
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={ApiError: _api_error, HTTPException: _http_error, ClientGone: _client_gone,
-                                        Exception: _internal_error})
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={
+            ApiError: _api_error,
+            HTTPException: _http_error,
+            ClientGone: _client_gone,
+            Exception: _internal_error,
+        },
+    )
     app.state.server = server
     return app

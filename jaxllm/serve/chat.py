@@ -7,6 +7,7 @@ the prompt; "required" and a named function write the start of a call into the a
 family's call marker, and the name), so the model goes on from inside a call. Without constrained
 decoding the call's arguments are the model's own: one that does not parse comes back as content.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,9 @@ TEMPLATE_KWARGS = ("enable_thinking",)
 def message_text(content, where: str) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
         return "".join(p["text"] for p in content)
     raise bad(f"{where}.content must be a string or a list of text parts", "messages")
 
@@ -41,11 +43,18 @@ def _tool_calls(calls, where: str) -> list[dict]:
     for j, c in enumerate(calls):
         w = f"{where}.tool_calls[{j}]"
         f = c.get("function") if isinstance(c, dict) else None
-        if (not isinstance(c, dict) or set(c) - {"id", "type", "function", "index"}
-                or c.get("type", "function") != "function"
-                or not isinstance(f, dict) or set(f) != {"name", "arguments"} or not isinstance(c.get("id"), str)):
-            raise bad(f"{w} must be {{'id': str, 'type': 'function', 'function': {{'name': str, 'arguments': str}}}}",
-                      "messages")
+        if (
+            not isinstance(c, dict)
+            or set(c) - {"id", "type", "function", "index"}
+            or c.get("type", "function") != "function"
+            or not isinstance(f, dict)
+            or set(f) != {"name", "arguments"}
+            or not isinstance(c.get("id"), str)
+        ):
+            raise bad(
+                f"{w} must be {{'id': str, 'type': 'function', 'function': {{'name': str, 'arguments': str}}}}",
+                "messages",
+            )
         if not isinstance(f["name"], str) or not isinstance(f["arguments"], str):
             raise bad(f"{w}.function.name and .arguments must be strings", "messages")
         try:
@@ -72,8 +81,10 @@ def chat_messages(body: dict, features: ChatFeatures) -> list[dict]:
         role = m.get("role")
         if role not in ROLES:
             raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", "messages")
-        allowed = {"role", "content", "name"} | {"assistant": {"tool_calls", "reasoning_content", *ECHOED},
-                                                  "tool": {"tool_call_id"}}.get(role, set())
+        allowed = {"role", "content", "name"} | {
+            "assistant": {"tool_calls", "reasoning_content", *ECHOED},
+            "tool": {"tool_call_id"},
+        }.get(role, set())
         extra = sorted(set(m) - allowed)
         if extra:
             raise bad(f"{where} has unknown field '{extra[0]}'", "messages")
@@ -81,11 +92,14 @@ def chat_messages(body: dict, features: ChatFeatures) -> list[dict]:
         if echoed:
             raise bad(f"{where}.{echoed} is not supported (only null or empty)", "messages")
         if (role == "tool" or m.get("tool_calls")) and features.tools is None:
-            raise bad(f"{where}: this model has no tool-call format, so tool calls and results cannot be sent",
-                      "messages")
+            raise bad(
+                f"{where}: this model has no tool-call format, so tool calls and results cannot be sent", "messages"
+            )
         content = m.get("content")
-        msg = {"role": "system" if role == "developer" else role,
-               "content": "" if content is None and role == "assistant" else message_text(content, where)}
+        msg = {
+            "role": "system" if role == "developer" else role,
+            "content": "" if content is None and role == "assistant" else message_text(content, where),
+        }
         if m.get("name") is not None:
             if not isinstance(m["name"], str):
                 raise bad(f"{where}.name must be a string", "messages")
@@ -115,8 +129,12 @@ def tools_field(body: dict, features: ChatFeatures) -> list[dict] | None:
     out, names = [], set()
     for i, t in enumerate(tools):
         f = t.get("function") if isinstance(t, dict) else None
-        if (not isinstance(t, dict) or set(t) != {"type", "function"} or t["type"] != "function"
-                or not isinstance(f, dict)):
+        if (
+            not isinstance(t, dict)
+            or set(t) != {"type", "function"}
+            or t["type"] != "function"
+            or not isinstance(f, dict)
+        ):
             raise bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., ...}}}}", "tools")
         check_fields(f, {"name", "description", "parameters", "strict"}, f"tools[{i}].function.")
         name = f.get("name")
@@ -129,8 +147,10 @@ def tools_field(body: dict, features: ChatFeatures) -> list[dict] | None:
         if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
             raise bad(f"tools[{i}].function.parameters must be a JSON Schema object", "tools")
         if f.get("strict"):
-            raise bad(f"tools[{i}].function.strict = true is not supported: arguments are not constrained to "
-                      f"the schema", "tools")
+            raise bad(
+                f"tools[{i}].function.strict = true is not supported: arguments are not constrained to the schema",
+                "tools",
+            )
         names.add(name)
         out.append({"type": "function", "function": {k: v for k, v in f.items() if k != "strict" and v is not None}})
     return out
@@ -146,13 +166,21 @@ def tool_choice_field(body: dict, tools: list[dict] | None) -> tuple[str, str | 
             raise bad(f"'tool_choice' = {v!r} needs 'tools'", "tool_choice")
         return v, None
     f = v.get("function") if isinstance(v, dict) else None
-    if isinstance(v, dict) and set(v) == {"type", "function"} and v["type"] == "function" and isinstance(f, dict) \
-            and set(f) == {"name"} and isinstance(f["name"], str):
+    if (
+        isinstance(v, dict)
+        and set(v) == {"type", "function"}
+        and v["type"] == "function"
+        and isinstance(f, dict)
+        and set(f) == {"name"}
+        and isinstance(f["name"], str)
+    ):
         if f["name"] not in [t["function"]["name"] for t in tools or []]:
             raise bad(f"'tool_choice' names the function {f['name']!r}, which is not in 'tools'", "tool_choice")
         return "named", f["name"]
-    raise bad("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
-              "tool_choice")
+    raise bad(
+        "'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+        "tool_choice",
+    )
 
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -178,19 +206,31 @@ def template_kwargs_field(body: dict, features: ChatFeatures, template_variables
         check_fields(v, set(TEMPLATE_KWARGS), "chat_template_kwargs.")
         if v.get("enable_thinking") is not None:
             if features.reasoning is None:
-                raise bad("this model does not think, so 'chat_template_kwargs.enable_thinking' is not supported",
-                          "chat_template_kwargs")
+                raise bad(
+                    "this model does not think, so 'chat_template_kwargs.enable_thinking' is not supported",
+                    "chat_template_kwargs",
+                )
             out["enable_thinking"] = bool_field(v, "enable_thinking")
     # OpenAI's `reasoning_effort`: thinking off at "none", on otherwise, for a model that thinks and
     # whose template can turn it off; for the rest it cannot change what kind of answer comes
-    if "enable_thinking" not in out and effort is not None and features.reasoning is not None \
-            and "enable_thinking" in template_variables:
+    if (
+        "enable_thinking" not in out
+        and effort is not None
+        and features.reasoning is not None
+        and "enable_thinking" in template_variables
+    ):
         out["enable_thinking"] = effort != "none"
     return out
 
 
-def chat_prompt(body: dict, engine, features: ChatFeatures, add_generation_prompt: bool = True,
-                add_special: bool = False, max_model_len: int | None = None) -> tuple[list[int], OutputPlan | None]:
+def chat_prompt(
+    body: dict,
+    engine,
+    features: ChatFeatures,
+    add_generation_prompt: bool = True,
+    add_special: bool = False,
+    max_model_len: int | None = None,
+) -> tuple[list[int], OutputPlan | None]:
     """The prompt's token ids and how to read the answer (None: as plain text). The template writes
     BOS itself, so the tokenizer adds no special tokens unless `add_special`. `max_model_len`: a
     rendered prompt too long for it is refused before it is tokenized (`check_prompt_size`)."""
@@ -209,8 +249,9 @@ def chat_prompt(body: dict, engine, features: ChatFeatures, add_generation_promp
     if kwargs and "enable_thinking" not in names:
         raise bad("this model's chat template does not read 'enable_thinking'", "chat_template_kwargs")
     try:
-        text = engine.tokenizer.render_chat(messages, add_generation_prompt, tools=tools if mode != "none" else None,
-                                            **kwargs)
+        text = engine.tokenizer.render_chat(
+            messages, add_generation_prompt, tools=tools if mode != "none" else None, **kwargs
+        )
     except JaxllmError as e:
         raise bad(str(e), "messages") from None
     prefix = features.tools.forced_prefix(name) if mode in ("required", "named") else ""
@@ -220,7 +261,11 @@ def chat_prompt(body: dict, engine, features: ChatFeatures, add_generation_promp
         raise bad("'messages' render to an empty prompt", "messages")
     r = features.reasoning
     thinking = r is not None and not prefix and kwargs.get("enable_thinking", r.default)
-    plan = OutputPlan(tools=features.tools if mode != "none" else None, reasoning=r if thinking else None,
-                      prefix=prefix, parallel=parallel is not False,
-                      thinking_open=bool(thinking) and text.rstrip().endswith(r.start))
+    plan = OutputPlan(
+        tools=features.tools if mode != "none" else None,
+        reasoning=r if thinking else None,
+        prefix=prefix,
+        parallel=parallel is not False,
+        thinking_open=bool(thinking) and text.rstrip().endswith(r.start),
+    )
     return ids, (plan if plan.tools or plan.reasoning else None)

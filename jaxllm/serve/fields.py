@@ -1,5 +1,6 @@
 """Request-body checks shared by the routes: the error a client gets, and typed field readers
 that name the field in their one-line message."""
+
 from __future__ import annotations
 
 import math
@@ -9,8 +10,15 @@ import re
 class ApiError(Exception):
     """An error that reaches the client as an OpenAI error body with an HTTP status."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
@@ -31,7 +39,7 @@ def is_num(v) -> bool:
     return (is_int(v) or isinstance(v, float)) and math.isfinite(v)
 
 
-MAX_DEPTH = 64     # JSON levels a request body may nest: the schemas, tools and messages in it are walked recursively
+MAX_DEPTH = 64  # JSON levels a request body may nest: the schemas, tools and messages in it are walked recursively
 
 
 def too_deep(v, limit: int = MAX_DEPTH) -> bool:
@@ -93,12 +101,15 @@ def check_prompt_size(text: str, tokenizer, max_model_len: int | None, param: st
     """A prompt whose UTF-8 alone is more than `max_model_len` tokens can hold (at the tokenizer's
     `max_bytes_per_token`) is refused before it is tokenized, which for megabytes takes seconds."""
     per = getattr(tokenizer, "max_bytes_per_token", None) if max_model_len else None
-    if per is None or len(text) * 4 <= max_model_len * per:       # a character is at most 4 bytes
+    if per is None or len(text) * 4 <= max_model_len * per:  # a character is at most 4 bytes
         return
     size = len(text.encode("utf-8", "surrogatepass"))
     if size > max_model_len * per:
-        raise bad(f"This model's maximum context length is {max_model_len} tokens, but the prompt's {size:,} bytes "
-                  f"are more than that many tokens can hold (at most {per} bytes a token)", param)
+        raise bad(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt's {size:,} bytes "
+            f"are more than that many tokens can hold (at most {per} bytes a token)",
+            param,
+        )
 
 
 def check_fields(body: dict, allowed: set[str], where: str = "") -> None:
@@ -106,5 +117,7 @@ def check_fields(body: dict, allowed: set[str], where: str = "") -> None:
     otherwise be silently ignored."""
     unknown = sorted(k for k in body if k not in allowed)
     if unknown:
-        raise bad(f"unknown field '{where}{short(unknown[0])[1:-1]}' (this server refuses fields it does not "
-                  f"implement)", re.match(r"[^.\[]*", where).group() or unknown[0])
+        raise bad(
+            f"unknown field '{where}{short(unknown[0])[1:-1]}' (this server refuses fields it does not implement)",
+            re.match(r"[^.\[]*", where).group() or unknown[0],
+        )

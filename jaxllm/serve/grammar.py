@@ -17,6 +17,7 @@ properties, whitespace); the answer still matches the schema as sent.
 Compiling is done off the engine thread (the request handler's thread pool), once per constraint:
 `Grammars` keeps the compiled matchers by their spec and hands each request a copy.
 """
+
 from __future__ import annotations
 
 import collections
@@ -32,7 +33,7 @@ import numpy as np
 from jaxllm.engine.grammar import Matcher, masks
 from jaxllm.serve.fields import MAX_DEPTH, bad, too_deep
 
-GUIDED = ("guided_json", "guided_regex", "guided_grammar", "guided_choice")       # vLLM's names
+GUIDED = ("guided_json", "guided_regex", "guided_grammar", "guided_choice")  # vLLM's names
 # JSON as json.dumps writes it: one space after ',' and ':', no other whitespace (a small model
 # given whitespace pads an answer with newlines up to its token limit). `oneOf` is taken as `anyOf`
 # (what schemas of tagged unions mean), which llguidance otherwise refuses. A schema's "x-guidance"
@@ -47,25 +48,31 @@ log = logging.getLogger("jaxllm.serve")
 @dataclass(frozen=True)
 class Constraint:
     """What one request's answer must match, as the request gave it."""
-    field: str          # the request field it came from, named by its errors
-    kind: str           # "json" | "regex" | "grammar" | "choice"
-    spec: str           # the JSON schema (as JSON text), the regex, the grammar, the choices (a JSON list)
+
+    field: str  # the request field it came from, named by its errors
+    kind: str  # "json" | "regex" | "grammar" | "choice"
+    spec: str  # the JSON schema (as JSON text), the regex, the grammar, the choices (a JSON list)
 
 
 def constraint_field(body: dict) -> Constraint | None:
     """The request's constraint, None without one; at most one field may set one."""
-    found = [c for c in [_response_format(body.get("response_format"))] +
-             [_guided(name, body[name]) for name in GUIDED if body.get(name) is not None] if c is not None]
+    found = [
+        c
+        for c in [_response_format(body.get("response_format"))]
+        + [_guided(name, body[name]) for name in GUIDED if body.get(name) is not None]
+        if c is not None
+    ]
     if len(found) > 1:
-        raise bad(f"'{found[0].field}' and '{found[1].field}' both constrain the answer; send at most one",
-                  found[1].field)
+        raise bad(
+            f"'{found[0].field}' and '{found[1].field}' both constrain the answer; send at most one", found[1].field
+        )
     return found[0] if found else None
 
 
 def _schema_text(schema, field: str, where: str | None = None) -> str:
     if not isinstance(schema, dict):
         raise bad(f"'{where or field}' must be a JSON Schema object", field)
-    return json.dumps(schema, ensure_ascii=False)      # as sent: properties come in their order
+    return json.dumps(schema, ensure_ascii=False)  # as sent: properties come in their order
 
 
 def _response_format(v) -> Constraint | None:
@@ -122,21 +129,36 @@ class JsonBounds:
     """The server's bounds on what a JSON schema leaves open. Each applies only where the schema
     states no bound of that kind, so a schema allows more by saying so (its own `maxLength`,
     `maxItems`, `minimum`/`maximum`, `multipleOf`, `additionalProperties`, `maxProperties`)."""
-    digits: int = 15            # an integer or number: within 10^15 - 1 of its one stated end (of 0 with none)
-    decimals: int = 8           # a number's decimals, as `multipleOf` 10^-decimals (llguidance's most: 10)
-    string: int = 256           # a string's `maxLength`, unless a pattern, format, enum or const fixes it
-    items: int = 16             # an array's `maxItems`
-    properties: int = 16        # `maxProperties` of a map: an object that lists no properties
-    depth: int = 4              # arrays and objects nested in a value the schema leaves free
+
+    digits: int = 15  # an integer or number: within 10^15 - 1 of its one stated end (of 0 with none)
+    decimals: int = 8  # a number's decimals, as `multipleOf` 10^-decimals (llguidance's most: 10)
+    string: int = 256  # a string's `maxLength`, unless a pattern, format, enum or const fixes it
+    items: int = 16  # an array's `maxItems`
+    properties: int = 16  # `maxProperties` of a map: an object that lists no properties
+    depth: int = 4  # arrays and objects nested in a value the schema leaves free
     # Beyond these, closed objects: an object that lists its properties takes no others (xgrammar's
     # default; OpenAI's strict mode requires it), and a value the schema leaves free (`{}`, `true`, an
     # array without `items`, a map's values) is any JSON value within the same bounds.
 
 
-ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "$schema", "$id", "$anchor", "$defs",
-               "definitions", "deprecated", "readOnly", "writeOnly", "x-guidance"}
+ANNOTATIONS = {
+    "title",
+    "description",
+    "default",
+    "examples",
+    "$comment",
+    "$schema",
+    "$id",
+    "$anchor",
+    "$defs",
+    "definitions",
+    "deprecated",
+    "readOnly",
+    "writeOnly",
+    "x-guidance",
+}
 SCALARS = ["null", "boolean", "number", "string"]
-SAFE_NUMBER = 2 ** 53               # bounds past this are not exact in llguidance's f64, so left as stated
+SAFE_NUMBER = 2**53  # bounds past this are not exact in llguidance's f64, so left as stated
 
 
 def bounded(schema: dict, b: JsonBounds) -> dict:
@@ -147,7 +169,7 @@ def bounded(schema: dict, b: JsonBounds) -> dict:
         return schema
     used = []
 
-    def free(x) -> bool:                # a subschema that allows any value
+    def free(x) -> bool:  # a subschema that allows any value
         return x is True or (isinstance(x, dict) and set(x) <= ANNOTATIONS - {"$defs", "definitions"})
 
     def sub(x):
@@ -164,7 +186,7 @@ def bounded(schema: dict, b: JsonBounds) -> dict:
         for key in ("items", "prefixItems", "anyOf", "oneOf", "allOf"):
             if isinstance(s.get(key), list):
                 s[key] = [sub(v) for v in s[key]]
-        for key in ("items", "additionalProperties"):      # not inside `not` or `if`: a bound there widens
+        for key in ("items", "additionalProperties"):  # not inside `not` or `if`: a bound there widens
             if isinstance(s.get(key), (dict, bool)) and s[key] is not False:
                 s[key] = sub(s[key])
         types = s.get("type") if isinstance(s.get("type"), list) else [s.get("type")]
@@ -202,8 +224,11 @@ def _any_value(depth: int) -> dict:
     """Any JSON value with arrays and objects nested `depth` deep at most."""
     if depth == 0:
         return {"type": SCALARS}
-    return {"type": [*SCALARS, "array", "object"], "items": _any_ref(depth - 1),
-            "additionalProperties": _any_ref(depth - 1)}
+    return {
+        "type": [*SCALARS, "array", "object"],
+        "items": _any_ref(depth - 1),
+        "additionalProperties": _any_ref(depth - 1),
+    }
 
 
 def _number_bounds(s: dict, b: JsonBounds, fractional: bool) -> dict:
@@ -216,13 +241,13 @@ def _number_bounds(s: dict, b: JsonBounds, fractional: bool) -> dict:
     if any(v is not None and abs(v) > SAFE_NUMBER for v in (lo, hi)):
         return {}
     step = _num(s.get("multipleOf"))
-    span = max(10 ** b.digits - 1, int(step or 0) + 1)
+    span = max(10**b.digits - 1, int(step or 0) + 1)
     out = {}
     if hi is None:
         out["maximum"] = hi = max(lo, 0) + span if lo is not None else span
     if lo is None:
         out["minimum"] = lo = min(hi, 0) - span
-    decimals = 10.0 ** -b.decimals
+    decimals = 10.0**-b.decimals
     if fractional and step is None and hi - lo > decimals:
         out["multipleOf"] = decimals
     return out if max(abs(lo), abs(hi)) <= SAFE_NUMBER else {}
@@ -252,11 +277,15 @@ def _intersects(schema) -> bool:
     if not isinstance(schema, dict):
         return False
     combined = {"allOf", "anyOf", "oneOf", "$ref"} & set(schema)
-    if (isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1) or \
-            (combined and set(schema) - ANNOTATIONS - combined) or len(combined) > 1:
+    if (
+        (isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1)
+        or (combined and set(schema) - ANNOTATIONS - combined)
+        or len(combined) > 1
+    ):
         return True
-    return any(_intersects(v) for k, v in schema.items() if k not in ("enum", "const", "x-guidance", "default",
-                                                                         "examples"))
+    return any(
+        _intersects(v) for k, v in schema.items() if k not in ("enum", "const", "x-guidance", "default", "examples")
+    )
 
 
 def _num(v) -> float | None:
@@ -282,7 +311,7 @@ def _grammar(c: Constraint, bounds: JsonBounds | None = None) -> str:
         return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_json_options(schema))
     if c.kind == "choice":
         return llguidance.grammar_from("choice", json.loads(c.spec))
-    return llguidance.grammar_from("regex" if c.kind == "regex" else "grammar", c.spec)   # Lark, or GBNF
+    return llguidance.grammar_from("regex" if c.kind == "regex" else "grammar", c.spec)  # Lark, or GBNF
 
 
 def one_line(message: str, limit: int = 300) -> str:
@@ -293,15 +322,16 @@ def one_line(message: str, limit: int = 300) -> str:
         return "rejected by the grammar engine"
     why = next((s for s in lines[1:] if s.lower().startswith("error")), "")
     out = lines[0] + (f" {why}" if why and why not in lines[0] else "")
-    return out if len(out) <= limit else out[:limit - 3] + "..."
+    return out if len(out) <= limit else out[: limit - 3] + "..."
 
 
 class Grammars:
     """llguidance's view of the model's tokenizer, and the constraints compiled so far."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids, cache_size: int = 128,
-                 bounds: JsonBounds | None = JsonBounds()):
-        self.hf = tokenizer.tok                 # a `tokenizers.Tokenizer`
+    def __init__(
+        self, tokenizer, vocab_size: int, eos_ids, cache_size: int = 128, bounds: JsonBounds | None = JsonBounds()
+    ):
+        self.hf = tokenizer.tok  # a `tokenizers.Tokenizer`
         self.bounds = bounds
         self.vocab_size, self.eos_ids = vocab_size, [int(i) for i in eos_ids]
         self.words = -(-vocab_size // 32)
@@ -309,8 +339,8 @@ class Grammars:
         self.compiled: collections.OrderedDict[tuple, llguidance.LLMatcher] = collections.OrderedDict()
         self.lock = threading.Lock()
         self._ll = None
-        self.base: np.ndarray | None = None     # [words]: the tokens any grammar may allow
-        self.unavailable: str | None = None     # why llguidance could not read the tokenizer
+        self.base: np.ndarray | None = None  # [words]: the tokens any grammar may allow
+        self.unavailable: str | None = None  # why llguidance could not read the tokenizer
 
     @staticmethod
     def for_engine(engine) -> Grammars | None:
@@ -328,10 +358,9 @@ class Grammars:
             if self._ll is None and self.unavailable is None:
                 try:
                     self._ll, self.base = self._tokenizer()
-                except Exception as e:          # noqa: BLE001 (llguidance raises plain exceptions)
+                except Exception as e:  # noqa: BLE001 (llguidance raises plain exceptions)
                     self.unavailable = one_line(str(e))
-                    log.warning("structured output is off: llguidance cannot read the tokenizer (%s)",
-                                self.unavailable)
+                    log.warning("structured output is off: llguidance cannot read the tokenizer (%s)", self.unavailable)
         return time.perf_counter() - t0
 
     def _tokenizer(self):
@@ -351,8 +380,10 @@ class Grammars:
         constraint is a 400 naming its field, with llguidance's reason."""
         self.prepare()
         if self.unavailable is not None:
-            raise bad(f"'{c.field}': structured output is not available for this model's tokenizer "
-                      f"({self.unavailable})", c.field)
+            raise bad(
+                f"'{c.field}': structured output is not available for this model's tokenizer ({self.unavailable})",
+                c.field,
+            )
         key = (c.kind, c.spec)
         with self.lock:
             template = self.compiled.get(key)
@@ -365,7 +396,7 @@ class Grammars:
                 while len(self.compiled) > self.cache_size:
                     self.compiled.popitem(last=False)
         m = Matcher(template.deep_copy(), self.base, -(-self.hf.get_vocab_size(with_added_tokens=True) // 32))
-        if not masks([m], m.words).any():       # only special tokens could begin it (answers hold none)
+        if not masks([m], m.words).any():  # only special tokens could begin it (answers hold none)
             why = one_line(m.m.get_error()) if m.m.is_error() else "its first token would have to be a special token"
             raise bad(f"'{c.field}' allows no answer this model can write: {why}", c.field)
         return m
@@ -392,5 +423,6 @@ class Grammars:
 
 
 def _what(c: Constraint) -> str:
-    return {"json": "JSON schema", "regex": "regular expression", "grammar": "grammar",
-            "choice": "list of choices"}[c.kind]
+    return {"json": "JSON schema", "regex": "regular expression", "grammar": "grammar", "choice": "list of choices"}[
+        c.kind
+    ]

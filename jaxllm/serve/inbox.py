@@ -1,5 +1,6 @@
 """How events from the scheduler's threads reach the request handlers on the event loop: an
 `Inbox` a handler, woken through one shared `Wakeups`."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,17 +18,17 @@ class Wakeups:
         self.due: collections.deque[Inbox] = collections.deque()
         self.scheduled = False
 
-    def wake(self, inbox: Inbox):              # any thread
+    def wake(self, inbox: Inbox):  # any thread
         self.due.append(inbox)
         if not self.scheduled:
             self.scheduled = True
             try:
                 self.loop.call_soon_threadsafe(self._run)
-            except RuntimeError:                # the event loop is gone (shutdown)
+            except RuntimeError:  # the event loop is gone (shutdown)
                 pass
 
-    def _run(self):                             # the event loop
-        self.scheduled = False                  # before draining: an inbox due after this schedules again
+    def _run(self):  # the event loop
+        self.scheduled = False  # before draining: an inbox due after this schedules again
         while self.due:
             self.due.popleft().wake()
 
@@ -40,11 +41,11 @@ class Inbox:
         self.events: collections.deque = collections.deque()
         self.waiter: asyncio.Future | None = None
 
-    def put(self, event):                       # the engine or output thread
+    def put(self, event):  # the engine or output thread
         self.events.append(event)
         self.wakeups.wake(self)
 
-    def wake(self):                             # the event loop
+    def wake(self):  # the event loop
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 

@@ -5,6 +5,7 @@ an embedding application) count apart. The scheduler reports tokens as its outpu
 them back (`Observer`); the HTTP handlers report how each request ended; the gauges are read from
 the scheduler when scraped.
 """
+
 from __future__ import annotations
 
 import time
@@ -22,13 +23,78 @@ from jaxllm.engine.jobs import Job, Observer
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 SUCCESS = ("stop", "length", "tool_calls")
-FAILURE = ("abort", "timeout", "error")     # the client left; the request timed out; a 5xx ended it
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)
+FAILURE = ("abort", "timeout", "error")  # the client left; the request timed out; a 5xx ended it
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 class Metrics(Observer):
@@ -48,22 +114,36 @@ class Metrics(Observer):
             Gauge(metric, doc, m, registry=reg).labels(**name).set_function(fn)
 
         success = counter("jaxllm:request_success", "Requests that finished, by finish reason", ["finished_reason"])
-        failure = counter("jaxllm:request_failure", "Requests ended early: the client left (abort), the request "
-                          "timed out, or an error ended it", ["reason"])
+        failure = counter(
+            "jaxllm:request_failure",
+            "Requests ended early: the client left (abort), the request timed out, or an error ended it",
+            ["reason"],
+        )
         self.success = {r: success.labels(**name, finished_reason=r) for r in SUCCESS}
         self.failure = {r: failure.labels(**name, reason=r) for r in FAILURE}
         self.prompt_tokens = counter("jaxllm:prompt_tokens", "Prompt tokens prefilled").labels(**name)
         self.generation_tokens = counter("jaxllm:generation_tokens", "Tokens generated").labels(**name)
-        self.ttft = histogram("jaxllm:time_to_first_token_seconds", "From arrival to the first token, queueing "
-                              "included", TTFT_BUCKETS)
-        self.itl = histogram("jaxllm:inter_token_latency_seconds", "Between a request's successive arrivals of "
-                             "tokens (a decode block brings several at once)", ITL_BUCKETS)
-        self.tpot = histogram("jaxllm:request_time_per_output_token_seconds", "A finished request's time after "
-                              "its first token, per later token", ITL_BUCKETS)
-        self.e2e = histogram("jaxllm:e2e_request_latency_seconds", "From arrival to the last token of a finished "
-                             "request", E2E_BUCKETS)
-        gauge("jaxllm:slot_usage_perc", "Fraction of the slots (--max-num-seqs) in use",
-              lambda: scheduler.load()["running"] / len(scheduler.slots))
+        self.ttft = histogram(
+            "jaxllm:time_to_first_token_seconds", "From arrival to the first token, queueing included", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "jaxllm:inter_token_latency_seconds",
+            "Between a request's successive arrivals of tokens (a decode block brings several at once)",
+            ITL_BUCKETS,
+        )
+        self.tpot = histogram(
+            "jaxllm:request_time_per_output_token_seconds",
+            "A finished request's time after its first token, per later token",
+            ITL_BUCKETS,
+        )
+        self.e2e = histogram(
+            "jaxllm:e2e_request_latency_seconds", "From arrival to the last token of a finished request", E2E_BUCKETS
+        )
+        gauge(
+            "jaxllm:slot_usage_perc",
+            "Fraction of the slots (--max-num-seqs) in use",
+            lambda: scheduler.load()["running"] / len(scheduler.slots),
+        )
         # The load a router reads to pick a replica (the Gateway API Inference Extension reads vLLM's
         # names), under vLLM's names and ours.
         blocks = scheduler.core.blocks
@@ -72,18 +152,27 @@ class Metrics(Observer):
             gauge(f"{p}:num_requests_running", "Requests holding a slot", lambda: scheduler.load()["running"])
             gauge(f"{p}:num_requests_waiting", "Requests queued for a slot", lambda: scheduler.load()["waiting"])
             gauge(f"{p}:kv_cache_usage_perc", "Fraction of the KV blocks held by requests", blocks.usage)
-        self.prefix_queries = [counter(f"{p}:prefix_cache_queries", "Prompt tokens looked up in the prefix "
-                                       "cache").labels(**name) for p in both]
-        self.prefix_hits = [counter(f"{p}:prefix_cache_hits", "Prompt tokens found in the prefix cache").labels(**name)
-                            for p in both]
-        self.preemptions = [counter(f"{p}:num_preemptions", "Running requests preempted for KV blocks (computed "
-                                    "again later)").labels(**name) for p in both]
+        self.prefix_queries = [
+            counter(f"{p}:prefix_cache_queries", "Prompt tokens looked up in the prefix cache").labels(**name)
+            for p in both
+        ]
+        self.prefix_hits = [
+            counter(f"{p}:prefix_cache_hits", "Prompt tokens found in the prefix cache").labels(**name) for p in both
+        ]
+        self.preemptions = [
+            counter(f"{p}:num_preemptions", "Running requests preempted for KV blocks (computed again later)").labels(
+                **name
+            )
+            for p in both
+        ]
         # Where the scheduler's two threads spend their time (`Scheduler` names the parts): with the
         # wall time, what keeps the device waiting (the engine thread's time outside device calls).
-        self.thread_seconds = counter("jaxllm:scheduler_thread_seconds", "Seconds the scheduler's engine and "
-                                      "output threads spent on each part of their work", ["thread", "part"])
-        self.core_calls = counter("jaxllm:scheduler_calls", "Calls of the engine core launched, by kind",
-                                  ["kind"])
+        self.thread_seconds = counter(
+            "jaxllm:scheduler_thread_seconds",
+            "Seconds the scheduler's engine and output threads spent on each part of their work",
+            ["thread", "part"],
+        )
+        self.core_calls = counter("jaxllm:scheduler_calls", "Calls of the engine core launched, by kind", ["kind"])
         self.model_name = model_name
         self.spec_counters = None
         if scheduler.engine.spec is not None:
@@ -99,7 +188,7 @@ class Metrics(Observer):
     # -- from the scheduler's threads ------------------------------------------------------------
     def tokens(self, job: Job, n: int, now: float):
         if job.first_token_at is None:
-            if job.parent is None:         # a request's first answer: its prompt was prefilled once
+            if job.parent is None:  # a request's first answer: its prompt was prefilled once
                 self.ttft.observe(now - job.arrived)
                 self.prompt_tokens.inc(len(job.req.prompt_ids))
         else:

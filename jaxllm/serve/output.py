@@ -9,6 +9,7 @@ deltas add up to the whole response. Text that could be the start of a marker is
 the next text tells; reasoning loses the newlines around it, and with tools the content loses the
 whitespace around it, as the families' templates write them back.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -20,9 +21,9 @@ from jaxllm.serve.tools import ToolCall, ToolCallStream, ToolFormat, partial_suf
 class Reasoning:
     start: str
     end: str
-    label: str = ""                 # a word the model writes first inside the block (not reasoning)
-    default: bool = True            # the template thinks unless told `enable_thinking: false`
-    decode_special: bool = False    # the markers are special tokens
+    label: str = ""  # a word the model writes first inside the block (not reasoning)
+    default: bool = True  # the template thinks unless told `enable_thinking: false`
+    decode_special: bool = False  # the markers are special tokens
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,9 @@ class ChatFeatures:
 
 FEATURES = {
     "qwen3": ChatFeatures(tool_format("qwen3"), Reasoning("<think>", "</think>")),
-    "gemma4": ChatFeatures(tool_format("gemma4"), Reasoning("<|channel>", "<channel|>", "thought", default=False,
-                                                            decode_special=True)),
+    "gemma4": ChatFeatures(
+        tool_format("gemma4"), Reasoning("<|channel>", "<channel|>", "thought", default=False, decode_special=True)
+    ),
 }
 
 
@@ -45,11 +47,12 @@ def chat_features(family: str) -> ChatFeatures:
 @dataclass(frozen=True)
 class OutputPlan:
     """How one request's answer is read (`None` parts are not looked for)."""
+
     tools: ToolFormat | None = None
     reasoning: Reasoning | None = None
-    prefix: str = ""                # the answer's start, written into the prompt (a forced tool call)
+    prefix: str = ""  # the answer's start, written into the prompt (a forced tool call)
     parallel: bool = True
-    thinking_open: bool = False     # the prompt ends inside the reasoning block
+    thinking_open: bool = False  # the prompt ends inside the reasoning block
 
     def reader(self) -> ChatOutput:
         return ChatOutput(self)
@@ -128,7 +131,7 @@ class Trim:
             return ""
         body = text.rstrip()
         out = (self.held + body) if body else ""
-        self.held = (self.held if not body else "") + text[len(body):]
+        self.held = (self.held if not body else "") + text[len(body) :]
         return out
 
 
@@ -138,9 +141,9 @@ class ReasoningStream:
 
     def __init__(self, fmt: Reasoning, open_: bool = False):
         self.fmt = fmt
-        self.state = "label" if open_ else "head"   # head -> label -> reasoning -> after -> content
+        self.state = "label" if open_ else "head"  # head -> label -> reasoning -> after -> content
         self.buf = ""
-        self.held = ""                              # reasoning newlines that may end the block
+        self.held = ""  # reasoning newlines that may end the block
 
     def push(self, text: str) -> list[tuple[str, str]]:
         self.buf += text
@@ -149,13 +152,13 @@ class ReasoningStream:
             before = (self.state, len(self.buf))
             getattr(self, "_" + self.state)(out)
             if (self.state, len(self.buf)) == before:
-                break                               # waiting for more text
+                break  # waiting for more text
         return [(k, s) for k, s in out if s]
 
     def finish(self) -> list[tuple[str, str]]:
         if self.state in ("head", "after", "content"):
             out = [("content", self.buf.lstrip() if self.state == "after" else self.buf)]
-        else:                                       # the block never closed: it is all reasoning
+        else:  # the block never closed: it is all reasoning
             text = self.buf
             if self.state == "label":
                 text = text.lstrip("\n")
@@ -167,7 +170,7 @@ class ReasoningStream:
         """Before anything: the block starts here, or there is none."""
         lead = self.buf.lstrip()
         if lead.startswith(self.fmt.start):
-            self.buf, self.state = lead[len(self.fmt.start):], "label"
+            self.buf, self.state = lead[len(self.fmt.start) :], "label"
         elif lead and not self.fmt.start.startswith(lead):
             self.state = "content"
 
@@ -175,9 +178,9 @@ class ReasoningStream:
         """Just inside the block: newlines and the family's label word are not reasoning."""
         want = self.fmt.label + "\n" if self.fmt.label else ""
         if want and want.startswith(self.buf):
-            return                                  # the label may still be arriving
+            return  # the label may still be arriving
         if want and self.buf.startswith(want):
-            self.buf = self.buf[len(want):]
+            self.buf = self.buf[len(want) :]
         self.buf = self.buf.lstrip("\n")
         if self.buf:
             self.state = "reasoning"
@@ -186,7 +189,7 @@ class ReasoningStream:
         i = self.buf.find(self.fmt.end)
         if i >= 0:
             out.append(("reasoning", self._hold(self.buf[:i], final=True)))
-            self.buf, self.state = self.buf[i + len(self.fmt.end):], "after"
+            self.buf, self.state = self.buf[i + len(self.fmt.end) :], "after"
             return
         cut = len(self.buf) - partial_suffix(self.buf, self.fmt.end)
         out.append(("reasoning", self._hold(self.buf[:cut], final=False)))
@@ -198,7 +201,7 @@ class ReasoningStream:
         if final:
             return text.rstrip("\n")
         body = text.rstrip("\n")
-        self.held = text[len(body):]
+        self.held = text[len(body) :]
         return body
 
     def _after(self, out):

@@ -4,6 +4,7 @@ Validation is strict: a field this server does not know is refused with 400 nami
 as `max_token` would otherwise be silently ignored), and an OpenAI feature it does not implement is
 accepted only at its neutral value (e.g. `n: 1`, `suffix: null`, `presence_penalty: 0`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,51 +35,99 @@ from jaxllm.serve.grammar import GUIDED, Constraint, constraint_field
 from jaxllm.serve.output import ChatFeatures, OutputPlan, chat_features
 from jaxllm.tokenizer import Tokenizer
 
-SEED_RANGE = (-2 ** 63, 2 ** 64 - 1)       # what OpenAI and vLLM take (an int64, or a uint64); used modulo 2**32
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what OpenAI and vLLM take (an int64, or a uint64); used modulo 2**32
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
-LOGPROB_FLOOR = -9999.0       # what -inf is written as (JSON has no infinity; OpenAI's value)
+LOGPROB_FLOOR = -9999.0  # what -inf is written as (JSON has no infinity; OpenAI's value)
 
 
 @dataclass
 class GenRequest(Request):
     """One validated generation request, ready for the scheduler, with what the HTTP answer needs."""
-    kind: str = "completion"           # "completion" | "chat"
+
+    kind: str = "completion"  # "completion" | "chat"
     model: str = ""
     stream: bool = False
     include_usage: bool = False
     created: int = 0
-    output: OutputPlan | None = None   # chat: how the answer is read (reasoning, tool calls)
-    prompt_text: str = ""              # what `echo` writes back
-    constraint: Constraint | None = None   # structured output: what the answer must match
-    shown_prompt_logprobs: int | None = None   # vLLM's `prompt_logprobs` as asked: the response lists them
+    output: OutputPlan | None = None  # chat: how the answer is read (reasoning, tool calls)
+    prompt_text: str = ""  # what `echo` writes back
+    constraint: Constraint | None = None  # structured output: what the answer must match
+    shown_prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs` as asked: the response lists them
 
 
 # The fields each route takes: OpenAI's, as its API reference lists them, and vLLM's extras that its
 # users send (docs/server.md has the table). Every other field is refused by name: a typo such as
 # `max_token` would otherwise be silently ignored.
-COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "n", "stop", "stream", "stream_options",
-                 "user", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "response_format",
-                 *GUIDED,
-                 # vLLM's sampling extras
-                 "top_k", "min_p", "ignore_eos", "repetition_penalty", "min_tokens", "stop_token_ids",
-                 "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
-                 "truncate_prompt_tokens", "prompt_logprobs"}
+COMMON_FIELDS = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "n",
+    "stop",
+    "stream",
+    "stream_options",
+    "user",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "response_format",
+    *GUIDED,
+    # vLLM's sampling extras
+    "top_k",
+    "min_p",
+    "ignore_eos",
+    "repetition_penalty",
+    "min_tokens",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "truncate_prompt_tokens",
+    "prompt_logprobs",
+}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 # OpenAI's fields that cannot change what a self-hosted model answers: accepted (their types
 # checked), logged at debug level, not used.
-IGNORED = {"store": bool, "metadata": dict, "service_tier": str, "safety_identifier": str, "prompt_cache_key": str,
-           "prompt_cache_retention": str, "prompt_cache_options": dict, "verbosity": str, "moderation": dict}
+IGNORED = {
+    "store": bool,
+    "metadata": dict,
+    "service_tier": str,
+    "safety_identifier": str,
+    "prompt_cache_key": str,
+    "prompt_cache_retention": str,
+    "prompt_cache_options": dict,
+    "verbosity": str,
+    "moderation": dict,
+}
 # OpenAI's fields whose being ignored would change the answer: refused unless absent or null.
-REFUSED = {"audio": "audio output is not supported: this model writes text",
-           "prediction": "predicted outputs are not supported by this server",
-           "web_search_options": "web search is not available on this server",
-           "functions": "the deprecated 'functions' is not supported; send 'tools'",
-           "function_call": "the deprecated 'function_call' is not supported; send 'tool_choice'"}
-CHAT_FIELDS = COMMON_FIELDS | set(IGNORED) | set(REFUSED) | {
-    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-    "modalities", "reasoning_effort", "chat_template_kwargs"}
-MAX_METADATA = 16            # OpenAI's limits on `metadata`: 16 pairs, keys of 64 and values of 512 characters
+REFUSED = {
+    "audio": "audio output is not supported: this model writes text",
+    "prediction": "predicted outputs are not supported by this server",
+    "web_search_options": "web search is not available on this server",
+    "functions": "the deprecated 'functions' is not supported; send 'tools'",
+    "function_call": "the deprecated 'function_call' is not supported; send 'tool_choice'",
+}
+CHAT_FIELDS = (
+    COMMON_FIELDS
+    | set(IGNORED)
+    | set(REFUSED)
+    | {
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "modalities",
+        "reasoning_effort",
+        "chat_template_kwargs",
+    }
+)
+MAX_METADATA = 16  # OpenAI's limits on `metadata`: 16 pairs, keys of 64 and values of 512 characters
 log = logging.getLogger("jaxllm.serve")
 
 
@@ -103,10 +152,16 @@ def _check_unsupported(body: dict) -> None:
             what = {bool: "true or false", dict: "an object", str: "a string"}[IGNORED[k]]
             raise bad(f"'{k}' must be {what}", k)
     meta = body.get("metadata")
-    if meta is not None and (len(meta) > MAX_METADATA or not all(
-            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in meta.items())):
-        raise bad(f"'metadata' must map at most {MAX_METADATA} keys of up to 64 characters to strings of up to "
-                  f"512", "metadata")
+    if meta is not None and (
+        len(meta) > MAX_METADATA
+        or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in meta.items()
+        )
+    ):
+        raise bad(
+            f"'metadata' must map at most {MAX_METADATA} keys of up to 64 characters to strings of up to 512",
+            "metadata",
+        )
     if ignored:
         log.debug("fields accepted and not used by a self-hosted model: %s", ", ".join(ignored))
 
@@ -152,8 +207,7 @@ def _logit_bias(body, vocab_size: int) -> dict[int, float]:
         if tok in out:
             raise bad(f"'logit_bias' names token {tok} twice", "logit_bias")
         if not is_num(bias) or not -100 <= bias <= 100:
-            raise bad(f"'logit_bias' values must be numbers in [-100, 100], got {bias!r} for token {tok}",
-                      "logit_bias")
+            raise bad(f"'logit_bias' values must be numbers in [-100, 100], got {bias!r} for token {tok}", "logit_bias")
         out[tok] = float(bias)
     return out
 
@@ -184,11 +238,11 @@ def _sampling(body, vocab_size: int) -> dict:
     if min_p is not None and not 0 <= min_p <= 1:
         raise bad(f"'min_p' must be in [0, 1], got {min_p}", "min_p")
     seed = int_field(body, "seed", lo=SEED_RANGE[0], hi=SEED_RANGE[1])
-    temperature = 1.0 if temperature is None else temperature     # OpenAI's default
+    temperature = 1.0 if temperature is None else temperature  # OpenAI's default
     if seed is None:
         seed = secrets.randbelow(SEED_MOD)
     if top_k is not None and not 0 < top_k < vocab_size:
-        top_k = None                  # -1, 0 and anything >= the vocabulary all mean "no top-k"
+        top_k = None  # -1, 0 and anything >= the vocabulary all mean "no top-k"
     penalties = {}
     for name in ("presence_penalty", "frequency_penalty"):
         v = num_field(body, name)
@@ -198,8 +252,15 @@ def _sampling(body, vocab_size: int) -> dict:
     rp = num_field(body, "repetition_penalty")
     if rp is not None and rp <= 0:
         raise bad(f"'repetition_penalty' must be > 0, got {rp}", "repetition_penalty")
-    return {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p or 0.0, "seed": seed % SEED_MOD,
-            "repetition_penalty": 1.0 if rp is None else rp, **penalties}
+    return {
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "min_p": min_p or 0.0,
+        "seed": seed % SEED_MOD,
+        "repetition_penalty": 1.0 if rp is None else rp,
+        **penalties,
+    }
 
 
 def _logprobs(kind: str, body) -> int | None:
@@ -267,8 +328,15 @@ def _prompt_text(body: dict, ids: list[int], engine) -> str:
 
 
 # -- the whole request ----------------------------------------------------------------------------
-def parse_request(kind: str, body, engine, served_name: str, max_model_len: int,
-                  features: ChatFeatures | None = None, max_num_seqs: int | None = None) -> GenRequest:
+def parse_request(
+    kind: str,
+    body,
+    engine,
+    served_name: str,
+    max_model_len: int,
+    features: ChatFeatures | None = None,
+    max_num_seqs: int | None = None,
+) -> GenRequest:
     """Validate a decoded JSON body for /v1/completions (kind 'completion') or /v1/chat/completions;
     `features`: what the model family's chat answers hold (by default from the engine's family);
     `max_num_seqs`: the slots, which bound `n`."""
@@ -294,44 +362,79 @@ def parse_request(kind: str, body, engine, served_name: str, max_model_len: int,
         max_tokens = mct if mct is not None else max_tokens
     constraint = constraint_field(body)
     plan, prompt_text = None, ""
-    limit = None if body.get("truncate_prompt_tokens") is not None else max_model_len    # no cheap refusal
+    limit = None if body.get("truncate_prompt_tokens") is not None else max_model_len  # no cheap refusal
     if kind == "completion":
         ids = completion_prompt_ids(body, engine, limit)
         if echo:
             prompt_text = _prompt_text(body, ids, engine)
     else:
         ids, plan = chat_prompt(body, engine, features or chat_features(engine.cfg.family), max_model_len=limit)
-        if constraint is not None and plan is not None:     # a constrained answer is all content
+        if constraint is not None and plan is not None:  # a constrained answer is all content
             if plan.tools is not None:
-                raise bad(f"'{constraint.field}' cannot be combined with 'tools' (unless 'tool_choice' is "
-                          f"'none'): the answer is either constrained or free to call tools", constraint.field)
+                raise bad(
+                    f"'{constraint.field}' cannot be combined with 'tools' (unless 'tool_choice' is "
+                    f"'none'): the answer is either constrained or free to call tools",
+                    constraint.field,
+                )
             plan = None
     kept = _truncated(body, ids, max_model_len)
-    if echo and len(kept) < len(ids):            # the prompt echoed as the model read it
+    if echo and len(kept) < len(ids):  # the prompt echoed as the model read it
         prompt_text = _prompt_text({"prompt": kept}, kept, engine)
     ids = kept
-    max_tokens = _fit_context(len(ids), max_tokens, max_model_len, default=16 if kind == "completion" else None,
-                              prompt_param="prompt" if kind == "completion" else "messages",
-                              tokens_param="max_completion_tokens" if body.get("max_completion_tokens") is not None
-                              else "max_tokens")
+    max_tokens = _fit_context(
+        len(ids),
+        max_tokens,
+        max_model_len,
+        default=16 if kind == "completion" else None,
+        prompt_param="prompt" if kind == "completion" else "messages",
+        tokens_param="max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens",
+    )
     if min_tokens > max_tokens:
         raise bad(f"'min_tokens' ({min_tokens}) must not be more than max_tokens ({max_tokens})", "min_tokens")
     rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
     special = plan is not None and any(p is not None and p.decode_special for p in (plan.tools, plan.reasoning))
     skip_special = bool_field(body, "skip_special_tokens", True) and not special
     prompt_lp = int_field(body, "prompt_logprobs", lo=0, hi=MAX_LOGPROBS)
-    bool_field(body, "spaces_between_special_tokens", True)   # the tokenizer's own joining, as vLLM's fast ones
-    return GenRequest(ids, max_tokens, kind=kind, model=served_name, stop=stop, ignore_eos=ignore_eos, stream=stream,
-                      include_usage=include_usage, id=rid, created=int(time.time()), skip_special=skip_special,
-                      include_stop=bool_field(body, "include_stop_str_in_output"),
-                      prompt_logprobs=prompt_lp, shown_prompt_logprobs=prompt_lp,
-                      output=plan, logprobs=logprobs, echo=echo, prompt_text=prompt_text, n=n, logit_bias=logit_bias,
-                      stop_token_ids=stop_token_ids, min_tokens=min_tokens, constraint=constraint, **sampling)
+    bool_field(body, "spaces_between_special_tokens", True)  # the tokenizer's own joining, as vLLM's fast ones
+    return GenRequest(
+        ids,
+        max_tokens,
+        kind=kind,
+        model=served_name,
+        stop=stop,
+        ignore_eos=ignore_eos,
+        stream=stream,
+        include_usage=include_usage,
+        id=rid,
+        created=int(time.time()),
+        skip_special=skip_special,
+        include_stop=bool_field(body, "include_stop_str_in_output"),
+        prompt_logprobs=prompt_lp,
+        shown_prompt_logprobs=prompt_lp,
+        output=plan,
+        logprobs=logprobs,
+        echo=echo,
+        prompt_text=prompt_text,
+        n=n,
+        logit_bias=logit_bias,
+        stop_token_ids=stop_token_ids,
+        min_tokens=min_tokens,
+        constraint=constraint,
+        **sampling,
+    )
 
 
 # -- /tokenize and /detokenize (vLLM's) ------------------------------------------------------------
-TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs",
-                   "tools", "chat_template_kwargs"}
+TOKENIZE_FIELDS = {
+    "model",
+    "prompt",
+    "messages",
+    "add_special_tokens",
+    "add_generation_prompt",
+    "return_token_strs",
+    "tools",
+    "chat_template_kwargs",
+}
 CHAT_ONLY = ("add_generation_prompt", "tools", "chat_template_kwargs")
 
 
@@ -340,8 +443,12 @@ def _check_model(body: dict, served_name: str) -> None:
     if model is not None and not isinstance(model, str):
         raise bad(f"'model' must be a string, got {model!r}", "model")
     if model not in (None, served_name):
-        raise ApiError(404, f"The model '{model}' does not exist; this server serves '{served_name}'",
-                       param="model", code="model_not_found")
+        raise ApiError(
+            404,
+            f"The model '{model}' does not exist; this server serves '{served_name}'",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def _tokenizer(engine, param: str):
@@ -370,8 +477,13 @@ def tokenize(body, engine, served_name: str, max_model_len: int, features: ChatF
         except JaxllmError as e:
             raise bad(str(e), "prompt") from None
     else:
-        ids, _ = chat_prompt(body, engine, features, bool_field(body, "add_generation_prompt", True),
-                             bool_field(body, "add_special_tokens"))
+        ids, _ = chat_prompt(
+            body,
+            engine,
+            features,
+            bool_field(body, "add_generation_prompt", True),
+            bool_field(body, "add_special_tokens"),
+        )
     strs = None
     if bool_field(body, "return_token_strs"):
         strs = [tok.tok.id_to_token(i) if isinstance(tok, Tokenizer) else str(i) for i in ids]
@@ -406,17 +518,29 @@ def _truncated(body: dict, ids: list[int], max_model_len: int) -> list[int]:
     return ids[-k:]
 
 
-def _fit_context(n_prompt: int, max_tokens: int | None, limit: int, default: int | None,
-                 prompt_param: str, tokens_param: str = "max_tokens") -> int:
+def _fit_context(
+    n_prompt: int,
+    max_tokens: int | None,
+    limit: int,
+    default: int | None,
+    prompt_param: str,
+    tokens_param: str = "max_tokens",
+) -> int:
     if n_prompt >= limit:
-        raise bad(f"This model's maximum context length is {limit} tokens, but the prompt has {n_prompt} "
-                  f"tokens (at least one new token must fit)", prompt_param)
-    if max_tokens is None:            # vLLM's defaults: 16 for completions, the rest of the context for chat
+        raise bad(
+            f"This model's maximum context length is {limit} tokens, but the prompt has {n_prompt} "
+            f"tokens (at least one new token must fit)",
+            prompt_param,
+        )
+    if max_tokens is None:  # vLLM's defaults: 16 for completions, the rest of the context for chat
         return min(default or limit, limit - n_prompt)
     if n_prompt + max_tokens > limit:
-        raise bad(f"This model's maximum context length is {limit} tokens, but {short(n_prompt + max_tokens)} were "
-                  f"requested ({n_prompt} in the prompt + {short(max_tokens)} {tokens_param}); reduce the prompt or "
-                  f"{tokens_param}", tokens_param)
+        raise bad(
+            f"This model's maximum context length is {limit} tokens, but {short(n_prompt + max_tokens)} were "
+            f"requested ({n_prompt} in the prompt + {short(max_tokens)} {tokens_param}); reduce the prompt or "
+            f"{tokens_param}",
+            tokens_param,
+        )
     return max_tokens
 
 

@@ -9,6 +9,7 @@ a whole response is built by the same events, so it is what a stream of the same
 to. Responses are kept in memory (`ResponseStore`) with the conversation they end, which a
 request's `previous_response_id` continues.
 """
+
 from __future__ import annotations
 
 import collections
@@ -26,39 +27,84 @@ from jaxllm.serve.protocol import GenRequest, parse_request
 
 # Responses fields that are chat fields of the same name and meaning: handed to the chat request
 # as sent, which checks them (those a self-hosted model cannot act on are accepted and ignored there).
-SHARED = ("model", "temperature", "top_p", "parallel_tool_calls", "stream", "user", "store", "metadata",
-          "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
-          "moderation")
+SHARED = (
+    "model",
+    "temperature",
+    "top_p",
+    "parallel_tool_calls",
+    "stream",
+    "user",
+    "store",
+    "metadata",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "prompt_cache_options",
+    "moderation",
+)
 # Responses-only fields that cannot change the answer here: their types checked, not used.
 # (`max_tool_calls` bounds calls of built-in tools, which this server has none of.)
-IGNORED = {"max_tool_calls": is_int, "stream_options": lambda v: isinstance(v, dict),
-           "access_programs": lambda v: isinstance(v, dict), "background_options": lambda v: isinstance(v, dict),
-           "image": lambda v: isinstance(v, dict)}
+IGNORED = {
+    "max_tool_calls": is_int,
+    "stream_options": lambda v: isinstance(v, dict),
+    "access_programs": lambda v: isinstance(v, dict),
+    "background_options": lambda v: isinstance(v, dict),
+    "image": lambda v: isinstance(v, dict),
+}
 # Fields whose being ignored would change the answer: refused unless at their neutral value.
 REFUSED = {
-    "background": (lambda v: v is False, "background responses are not supported: the answer comes with the "
-                                         "request"),
-    "truncation": (lambda v: v == "disabled", "only 'disabled' is supported: a conversation longer than the "
-                                              "context is refused, never cut"),
+    "background": (lambda v: v is False, "background responses are not supported: the answer comes with the request"),
+    "truncation": (
+        lambda v: v == "disabled",
+        "only 'disabled' is supported: a conversation longer than the context is refused, never cut",
+    ),
     "conversation": (lambda v: False, "conversations are not kept here; send 'previous_response_id' or the items"),
     "prompt": (lambda v: False, "prompt templates are not kept here; send 'instructions' and 'input'"),
     "context_management": (lambda v: v == [], "context compaction is not supported"),
 }
-FIELDS = {*SHARED, *IGNORED, *REFUSED, "input", "instructions", "max_output_tokens", "previous_response_id",
-          "reasoning", "text", "tools", "tool_choice", "include", "top_logprobs"}
+FIELDS = {
+    *SHARED,
+    *IGNORED,
+    *REFUSED,
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "previous_response_id",
+    "reasoning",
+    "text",
+    "tools",
+    "tool_choice",
+    "include",
+    "top_logprobs",
+}
 LOGPROBS = "message.output_text.logprobs"
 # `include` values that name outputs of built-in tools or input images, which no answer here has
-NOTHING_TO_INCLUDE = {"file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
-                      "message.input_image.image_url", "computer_call_output.output.image_url",
-                      "code_interpreter_call.outputs"}
+NOTHING_TO_INCLUDE = {
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+}
 MEDIA = ("input_image", "input_file", "input_audio")
 SUMMARIES = (None, "auto", "concise", "detailed")
 # a chat error's words -> the Responses field they came from
-RENAMED = [(r"\bresponse_format\.json_schema\b", "text.format"), (r"\bresponse_format\b", "text.format"),
-           (r"\bmax_tokens\b", "max_output_tokens"), (r"\breasoning_effort\b", "reasoning.effort"),
-           (r"(tools\[\d+\])\.function\.", r"\1."), (r"\bmessages\b", "input")]
-PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
-          "reasoning_effort": "reasoning.effort"}
+RENAMED = [
+    (r"\bresponse_format\.json_schema\b", "text.format"),
+    (r"\bresponse_format\b", "text.format"),
+    (r"\bmax_tokens\b", "max_output_tokens"),
+    (r"\breasoning_effort\b", "reasoning.effort"),
+    (r"(tools\[\d+\])\.function\.", r"\1."),
+    (r"\bmessages\b", "input"),
+]
+PARAMS = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "reasoning_effort": "reasoning.effort",
+}
 
 
 def _known(obj: dict, allowed: set[str], where: str, param: str) -> None:
@@ -86,8 +132,11 @@ def _checked(body) -> None:
         if not isinstance(include, list) or not all(isinstance(v, str) for v in include):
             raise bad("'include' must be a list of strings", "include")
         if "reasoning.encrypted_content" in include:
-            raise bad("'include' = reasoning.encrypted_content: reasoning comes as plain text in the reasoning "
-                      "items' content; send those items back, or 'previous_response_id'", "include")
+            raise bad(
+                "'include' = reasoning.encrypted_content: reasoning comes as plain text in the reasoning "
+                "items' content; send those items back, or 'previous_response_id'",
+                "include",
+            )
         other = [v for v in include if v != LOGPROBS and v not in NOTHING_TO_INCLUDE]
         if other:
             raise bad(f"'include' has an unknown value {other[0]!r}", "include")
@@ -119,8 +168,9 @@ def _reasoning_text(item: dict, where: str) -> str:
         raise bad(f"{where}.encrypted_content: this server makes and reads no encrypted reasoning", "input")
     for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
         parts = item.get(key) or []
-        if not isinstance(parts, list) or not all(isinstance(p, dict) and p.get("type") == kind
-                                                  and isinstance(p.get("text"), str) for p in parts):
+        if not isinstance(parts, list) or not all(
+            isinstance(p, dict) and p.get("type") == kind and isinstance(p.get("text"), str) for p in parts
+        ):
             raise bad(f"{where}.{key} must be a list of {kind} parts", "input")
         if parts:
             return "".join(p["text"] for p in parts)
@@ -144,8 +194,9 @@ def input_messages(items) -> tuple[list[dict], list[list[str]]]:
         if kind == "message":
             _known(it, {"type", "role", "content", "id", "status", "phase"}, f"{w}.", "input")
             if it.get("role") not in ("user", "system", "developer", "assistant"):
-                raise bad(f"{w}.role must be one of user, system, developer, assistant, got {it.get('role')!r}",
-                          "input")
+                raise bad(
+                    f"{w}.role must be one of user, system, developer, assistant, got {it.get('role')!r}", "input"
+                )
             msgs.append({"role": it["role"], "content": _text(it.get("content"), f"{w}.content")})
             origins.append([w])
         elif kind == "function_call":
@@ -153,8 +204,11 @@ def input_messages(items) -> tuple[list[dict], list[list[str]]]:
             bad_key = next((k for k in ("call_id", "name", "arguments") if not isinstance(it.get(k), str)), None)
             if bad_key:
                 raise bad(f"{w}.{bad_key} must be a string", "input")
-            call = {"id": it["call_id"], "type": "function",
-                    "function": {"name": it["name"], "arguments": it["arguments"]}}
+            call = {
+                "id": it["call_id"],
+                "type": "function",
+                "function": {"name": it["name"], "arguments": it["arguments"]},
+            }
             if msgs and msgs[-1]["role"] == "assistant":
                 msgs[-1].setdefault("tool_calls", []).append(call)
                 origins[-1].append(w)
@@ -175,8 +229,11 @@ def input_messages(items) -> tuple[list[dict], list[list[str]]]:
         elif kind == "item_reference":
             raise bad(f"{w}: item references are not supported; send the item, or 'previous_response_id'", "input")
         else:
-            raise bad(f"{w}: items of type {kind!r} are not supported here (message, function_call, "
-                      f"function_call_output, reasoning)", "input")
+            raise bad(
+                f"{w}: items of type {kind!r} are not supported here (message, function_call, "
+                f"function_call_output, reasoning)",
+                "input",
+            )
         if reasoning and msgs[-1]["role"] == "assistant" and "reasoning_content" not in msgs[-1]:
             msgs[-1]["reasoning_content"] = reasoning
         reasoning = None
@@ -192,8 +249,12 @@ def chat_tools(tools) -> list[dict]:
     for i, t in enumerate(tools):
         kind = t.get("type") if isinstance(t, dict) else None
         if kind != "function":
-            raise bad(f"tools[{i}]: the tool {kind!r} is not available on this server; only function tools are"
-                      if isinstance(kind, str) else f"tools[{i}] must be {{'type': 'function', 'name': ...}}", "tools")
+            raise bad(
+                f"tools[{i}]: the tool {kind!r} is not available on this server; only function tools are"
+                if isinstance(kind, str)
+                else f"tools[{i}] must be {{'type': 'function', 'name': ...}}",
+                "tools",
+            )
         out.append({"type": "function", "function": {k: v for k, v in t.items() if k != "type"}})
     return out
 
@@ -203,8 +264,11 @@ def chat_tool_choice(v):
         _known(v, {"type", "name"}, "tool_choice.", "tool_choice")
         return {"type": "function", "function": {"name": v.get("name")}}
     if isinstance(v, dict):
-        raise bad(f"'tool_choice' of type {v.get('type')!r} is not supported: send 'none', 'auto', 'required' or "
-                  f"{{'type': 'function', 'name': ...}}", "tool_choice")
+        raise bad(
+            f"'tool_choice' of type {v.get('type')!r} is not supported: send 'none', 'auto', 'required' or "
+            f"{{'type': 'function', 'name': ...}}",
+            "tool_choice",
+        )
     return v
 
 
@@ -229,22 +293,28 @@ def chat_reasoning(r) -> dict:
     if not isinstance(r, dict):
         raise bad("'reasoning' must be an object", "reasoning")
     _known(r, {"effort", "summary", "generate_summary", "context", "mode"}, "reasoning.", "reasoning")
-    for key, ok in (("summary", SUMMARIES), ("generate_summary", SUMMARIES), ("context", (None, "auto")),
-                    ("mode", (None, "standard"))):
+    for key, ok in (
+        ("summary", SUMMARIES),
+        ("generate_summary", SUMMARIES),
+        ("context", (None, "auto")),
+        ("mode", (None, "standard")),
+    ):
         if r.get(key) not in ok:
-            raise bad(f"'reasoning.{key}' must be one of {', '.join(v for v in ok if v)}, got {r.get(key)!r}",
-                      "reasoning")
+            raise bad(
+                f"'reasoning.{key}' must be one of {', '.join(v for v in ok if v)}, got {r.get(key)!r}", "reasoning"
+            )
     return {} if r.get("effort") is None else {"reasoning_effort": r["effort"]}
 
 
 @dataclass
 class Turn:
     """One Responses request and the chat request it is served as."""
+
     id: str
-    body: dict                      # the request as sent (what the Response object echoes)
-    chat: dict                      # the chat request
-    origins: list[list[str]]        # chat message i came from origins[i] (`input_messages`)
-    history: list[dict]             # the conversation so far, instructions left out: what is kept
+    body: dict  # the request as sent (what the Response object echoes)
+    chat: dict  # the chat request
+    origins: list[list[str]]  # chat message i came from origins[i] (`input_messages`)
+    history: list[dict]  # the conversation so far, instructions left out: what is kept
 
     @classmethod
     def read(cls, body, store: ResponseStore) -> Turn:
@@ -262,7 +332,7 @@ class Turn:
         instructions = body.get("instructions")
         if instructions is not None and not isinstance(instructions, str):
             raise bad("'instructions' must be a string", "instructions")
-        if instructions:                # OpenAI's: this request's instructions, never an earlier one's
+        if instructions:  # OpenAI's: this request's instructions, never an earlier one's
             msgs, origins = [{"role": "system", "content": instructions}] + msgs, [["instructions"]] + origins
         chat = {k: body[k] for k in SHARED if k in body}
         chat["messages"] = msgs
@@ -291,11 +361,13 @@ class Turn:
     def renamed(self, e: ApiError) -> ApiError:
         """A chat route's error in the Responses request's words: `messages[i]` as the item it came
         from, chat fields as the Responses fields they were sent as."""
+
         def origin(m):
             where = self.origins[int(m[1])] if int(m[1]) < len(self.origins) else ["input"]
             if m[3] is not None and int(m[3]) + 1 < len(where):
-                return where[int(m[3]) + 1]           # the function_call item of that tool call
+                return where[int(m[3]) + 1]  # the function_call item of that tool call
             return where[0] + (m[2] or "")
+
         msg = re.sub(r"messages\[(\d+)\](\.tool_calls\[(\d+)\]\.function)?", origin, e.message)
         for pattern, new in RENAMED:
             msg = re.sub(pattern, new, msg)
@@ -321,8 +393,8 @@ class Answer:
         self.reader = None if req.output is None else req.output.reader()
         self.writer = None if req.logprobs is None else LogprobWriter(req, tokenizer)
         self.items: list[dict] = []
-        self.open: dict | None = None               # the item being written
-        self.pending: list = []                     # log-probabilities of tokens whose text is held back
+        self.open: dict | None = None  # the item being written
+        self.pending: list = []  # log-probabilities of tokens whose text is held back
         self.seq = 0
         self.finished: Finished | None = None
         self.completed_at: int | None = None
@@ -339,8 +411,10 @@ class Answer:
         return "tool_calls" if called else self.finished.finish_reason
 
     def start(self) -> list[dict]:
-        return [self._event("response.created", response=self.response()),
-                self._event("response.in_progress", response=self.response())]
+        return [
+            self._event("response.created", response=self.response()),
+            self._event("response.in_progress", response=self.response()),
+        ]
 
     def on(self, ev) -> list[dict]:
         """An engine event (`Delta`, `Finished`, `Failed`; others carry nothing here) -> stream events."""
@@ -351,7 +425,7 @@ class Answer:
             self.finished, self.completed_at = ev, int(time.time())
             out += self._close()
             if not any(it["type"] in ("message", "function_call") for it in self.items):
-                out += self._write("message", "") + self._close()       # an empty answer is an empty message
+                out += self._write("message", "") + self._close()  # an empty answer is an empty message
             obj = self.response()
             return out + [self._event("response." + obj["status"], response=obj)]
         if isinstance(ev, Failed):
@@ -372,7 +446,7 @@ class Answer:
         if parts.content:
             out += self._write("message", parts.content, entries)
         elif parts.reasoning or parts.calls:
-            self.pending = []                       # those tokens wrote reasoning or calls, not text
+            self.pending = []  # those tokens wrote reasoning or calls, not text
         else:
             self.pending += entries
         for c in parts.calls:
@@ -399,17 +473,28 @@ class Answer:
 
     def _open(self, kind: str) -> list[dict]:
         if kind == "reasoning":
-            item = {"id": _id("rs"), "type": "reasoning", "summary": [], "status": "in_progress",
-                    "content": [{"type": "reasoning_text", "text": ""}]}
+            item = {
+                "id": _id("rs"),
+                "type": "reasoning",
+                "summary": [],
+                "status": "in_progress",
+                "content": [{"type": "reasoning_text", "text": ""}],
+            }
         else:
-            item = {"id": _id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
-                    "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}
+            item = {
+                "id": _id("msg"),
+                "type": "message",
+                "role": "assistant",
+                "status": "in_progress",
+                "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}],
+            }
         self.items.append(item)
         self.open = item
         where = {"item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0}
-        return [self._event("response.output_item.added", output_index=len(self.items) - 1,
-                            item={**item, "content": []}),
-                self._event("response.content_part.added", **where, part=dict(item["content"][0]))]
+        return [
+            self._event("response.output_item.added", output_index=len(self.items) - 1, item={**item, "content": []}),
+            self._event("response.content_part.added", **where, part=dict(item["content"][0])),
+        ]
 
     def _close(self) -> list[dict]:
         item, self.open = self.open, None
@@ -419,56 +504,98 @@ class Answer:
         item["status"] = "incomplete" if cut else "completed"
         part, index = item["content"][0], self.items.index(item)
         where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-        done = self._event("response.reasoning_text.done", **where, text=part["text"]) if item["type"] == "reasoning" \
+        done = (
+            self._event("response.reasoning_text.done", **where, text=part["text"])
+            if item["type"] == "reasoning"
             else self._event("response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"])
-        return [done, self._event("response.content_part.done", **where, part=part),
-                self._event("response.output_item.done", output_index=index, item=item)]
+        )
+        return [
+            done,
+            self._event("response.content_part.done", **where, part=part),
+            self._event("response.output_item.done", output_index=index, item=item),
+        ]
 
     def _call(self, call) -> list[dict]:
         out = self._close()
-        item = {"id": _id("fc"), "type": "function_call", "call_id": call.id, "name": call.name,
-                "arguments": call.arguments, "status": "completed"}
+        item = {
+            "id": _id("fc"),
+            "type": "function_call",
+            "call_id": call.id,
+            "name": call.name,
+            "arguments": call.arguments,
+            "status": "completed",
+        }
         self.items.append(item)
         where = {"item_id": item["id"], "output_index": len(self.items) - 1}
         return out + [
-            self._event("response.output_item.added", output_index=where["output_index"],
-                        item={**item, "arguments": "", "status": "in_progress"}),
+            self._event(
+                "response.output_item.added",
+                output_index=where["output_index"],
+                item={**item, "arguments": "", "status": "in_progress"},
+            ),
             self._event("response.function_call_arguments.delta", **where, delta=call.arguments),
             self._event("response.function_call_arguments.done", **where, name=call.name, arguments=call.arguments),
-            self._event("response.output_item.done", output_index=where["output_index"], item=item)]
+            self._event("response.output_item.done", output_index=where["output_index"], item=item),
+        ]
 
     # -- the Response object ----------------------------------------------------------------------
     def usage(self) -> dict:
         f = self.finished
         reasoning = "".join(it["content"][0]["text"] for it in self.items if it["type"] == "reasoning")
-        thought = len(self.tokenizer.encode(reasoning, add_special=False)) if reasoning else 0   # re-tokenized
+        thought = len(self.tokenizer.encode(reasoning, add_special=False)) if reasoning else 0  # re-tokenized
         n_in = len(self.req.prompt_ids)
-        return {"input_tokens": n_in,
-                "input_tokens_details": {"cached_tokens": f.cached_tokens, "cache_write_tokens": 0},
-                "output_tokens": f.completion_tokens, "output_tokens_details": {"reasoning_tokens": thought},
-                "total_tokens": n_in + f.completion_tokens}
+        return {
+            "input_tokens": n_in,
+            "input_tokens_details": {"cached_tokens": f.cached_tokens, "cache_write_tokens": 0},
+            "output_tokens": f.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": thought},
+            "total_tokens": n_in + f.completion_tokens,
+        }
 
     def response(self) -> dict:
         b, f = self.turn.body, self.finished
-        status = ("failed" if self.error is not None else "in_progress" if f is None
-                  else "incomplete" if f.finish_reason == "length" else "completed")
+        status = (
+            "failed"
+            if self.error is not None
+            else "in_progress"
+            if f is None
+            else "incomplete"
+            if f.finish_reason == "length"
+            else "completed"
+        )
         return {
-            "id": self.turn.id, "object": "response", "created_at": self.req.created, "status": status,
-            "completed_at": self.completed_at, "background": False, "model": self.req.model,
+            "id": self.turn.id,
+            "object": "response",
+            "created_at": self.req.created,
+            "status": status,
+            "completed_at": self.completed_at,
+            "background": False,
+            "model": self.req.model,
             "output": self.items if f is not None or self.error is not None else [],
             "usage": self.usage() if f is not None else None,
             "error": None if self.error is None else {"code": "server_error", "message": self.error.message},
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
-            "metadata": b.get("metadata") or {}, "parallel_tool_calls": b.get("parallel_tool_calls") is not False,
-            "previous_response_id": b.get("previous_response_id"), "reasoning": b.get("reasoning"),
-            "temperature": _or(b.get("temperature"), 1.0), "top_p": _or(b.get("top_p"), 1.0),
-            "text": b.get("text") or {"format": {"type": "text"}}, "tool_choice": b.get("tool_choice") or "auto",
-            "tools": [{"type": "function", "description": None, "parameters": None, "strict": None, **t}
-                      for t in b.get("tools") or []],
-            "top_logprobs": b.get("top_logprobs"), "truncation": b.get("truncation") or "disabled",
-            "user": b.get("user"), "service_tier": b.get("service_tier"),
-            "safety_identifier": b.get("safety_identifier"), "prompt_cache_key": b.get("prompt_cache_key")}
+            "instructions": b.get("instructions"),
+            "max_output_tokens": b.get("max_output_tokens"),
+            "metadata": b.get("metadata") or {},
+            "parallel_tool_calls": b.get("parallel_tool_calls") is not False,
+            "previous_response_id": b.get("previous_response_id"),
+            "reasoning": b.get("reasoning"),
+            "temperature": _or(b.get("temperature"), 1.0),
+            "top_p": _or(b.get("top_p"), 1.0),
+            "text": b.get("text") or {"format": {"type": "text"}},
+            "tool_choice": b.get("tool_choice") or "auto",
+            "tools": [
+                {"type": "function", "description": None, "parameters": None, "strict": None, **t}
+                for t in b.get("tools") or []
+            ],
+            "top_logprobs": b.get("top_logprobs"),
+            "truncation": b.get("truncation") or "disabled",
+            "user": b.get("user"),
+            "service_tier": b.get("service_tier"),
+            "safety_identifier": b.get("safety_identifier"),
+            "prompt_cache_key": b.get("prompt_cache_key"),
+        }
 
     def conversation(self) -> list[dict]:
         """The conversation this response ends, as chat messages: its input and its output as one
@@ -478,9 +605,11 @@ class Answer:
         reasoning = "".join(it["content"][0]["text"] for it in self.items if it["type"] == "reasoning")
         if reasoning:
             msg["reasoning_content"] = reasoning
-        calls = [{"id": it["call_id"], "type": "function",
-                  "function": {"name": it["name"], "arguments": it["arguments"]}}
-                 for it in self.items if it["type"] == "function_call"]
+        calls = [
+            {"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
+            for it in self.items
+            if it["type"] == "function_call"
+        ]
         if calls:
             msg["tool_calls"] = calls
         return self.turn.history + [msg]
@@ -514,14 +643,22 @@ class ResponseStore:
 
     def conversation(self, rid: str) -> list[dict]:
         if rid not in self.kept:
-            raise ApiError(404, f"previous response '{rid}' not found: the server keeps the last {self.capacity} "
-                                f"responses (--max-stored-responses), in memory, unless sent with 'store': false",
-                           param="previous_response_id", code="previous_response_not_found")
+            raise ApiError(
+                404,
+                f"previous response '{rid}' not found: the server keeps the last {self.capacity} "
+                f"responses (--max-stored-responses), in memory, unless sent with 'store': false",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
         return self.kept[rid][0]
 
     def response(self, rid: str) -> dict:
         if rid not in self.kept:
-            raise ApiError(404, f"response '{rid}' not found: the server keeps the last {self.capacity} responses "
-                                f"(--max-stored-responses), unless sent with 'store': false", param="response_id",
-                           code="not_found")
+            raise ApiError(
+                404,
+                f"response '{rid}' not found: the server keeps the last {self.capacity} responses "
+                f"(--max-stored-responses), unless sent with 'store': false",
+                param="response_id",
+                code="not_found",
+            )
         return self.kept[rid][1]

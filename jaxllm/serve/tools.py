@@ -13,6 +13,7 @@ A format names the markers around one call and reads the call between them:
 whole response. A call is handed out once its end marker arrives and it parses; one that does not
 parse (or never ends) is returned as content, never as an error.
 """
+
 from __future__ import annotations
 
 import abc
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class ToolCall:
     name: str
-    arguments: str                  # a JSON object, as OpenAI's function.arguments
+    arguments: str  # a JSON object, as OpenAI's function.arguments
     id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
 
 
@@ -33,7 +34,7 @@ class ToolFormat(abc.ABC):
     family: str
     start: str
     end: str
-    decode_special = False          # the markers are special tokens: decode the output with them
+    decode_special = False  # the markers are special tokens: decode the output with them
 
     @abc.abstractmethod
     def parse(self, body: str) -> tuple[str, dict] | None:
@@ -55,7 +56,7 @@ class Qwen3Tools(ToolFormat):
         if not isinstance(obj, dict) or not set(obj) <= {"name", "arguments"}:
             return None
         name, args = obj.get("name"), obj.get("arguments", {})
-        if isinstance(args, str):                   # arguments sent as a JSON string
+        if isinstance(args, str):  # arguments sent as a JSON string
             try:
                 args = json.loads(args)
             except ValueError:
@@ -111,7 +112,7 @@ class Gemma4Tools(ToolFormat):
         j = s.find(self.QUOTE, i + len(self.QUOTE))
         if j < 0:
             raise ValueError("unterminated string")
-        return s[i + len(self.QUOTE):j], j + len(self.QUOTE)
+        return s[i + len(self.QUOTE) : j], j + len(self.QUOTE)
 
     def _object(self, s: str, i: int):
         out, i = {}, self._skip(s, i + 1)
@@ -206,12 +207,12 @@ class ToolCallStream:
                     self.buf = self.buf[cut:]
                     break
                 out.append(("content", self.buf[:i]))
-                self.buf, self.inside = self.buf[i + len(fmt.start):], True
+                self.buf, self.inside = self.buf[i + len(fmt.start) :], True
             else:
                 j = self.buf.find(fmt.end)
                 if j < 0:
                     break
-                body, self.buf, self.inside = self.buf[:j], self.buf[j + len(fmt.end):], False
+                body, self.buf, self.inside = self.buf[:j], self.buf[j + len(fmt.end) :], False
                 out.append(self._call(body))
         return [(k, v) for k, v in out if v]
 
@@ -226,7 +227,7 @@ class ToolCallStream:
         if parsed is None:
             return "content", self.fmt.start + body + self.fmt.end
         self.calls += 1
-        if self.calls > 1 and not self.parallel:      # parallel_tool_calls: false keeps the first
+        if self.calls > 1 and not self.parallel:  # parallel_tool_calls: false keeps the first
             return "content", ""
         name, args = parsed
         return "call", ToolCall(name, json.dumps(args, ensure_ascii=False))

@@ -3,6 +3,7 @@ and produce (config, family, weights, tokenizer).
 
 Finding a model and reading its config import no JAX (the families do, when a config is mapped),
 so front ends check a model path before JAX loads."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,10 +17,12 @@ __all__ = ["SAVED_META", "ModelFiles", "locate", "read_config", "read_dir", "rea
 def read_config(model_dir):
     """The model's `ModelConfig` from its config.json or GGUF metadata alone, no weight or
     tokenizer read: what a front end checks its limits against before loading."""
-    files = locate(model_dir)                   # a missing model is refused before JAX loads
+    files = locate(model_dir)  # a missing model is refused before JAX loads
     from jaxllm.model.families import family_for
+
     if files.kind == "gguf":
         from jaxllm.weights.gguf import read_gguf_config
+
         hf = read_gguf_config(files.path)
     else:
         hf = read_hf_config(files.path)[0]
@@ -34,6 +37,7 @@ def load_model(model_dir, dtype, quant: str, progress=None, layout=None, weight_
     from jaxllm.weights import weight_cache as wcache
     from jaxllm.weights.saved import load_saved
     from jaxllm.weights.weights import build_weights
+
     entry = wcache.entry_for(model_dir, quant, dtype, weight_cache)
     if entry is not None:
         hit = wcache.read(entry, dtype, layout)
@@ -55,22 +59,27 @@ def read_gguf(path: Path | SplitFile):
     from jaxllm.tokenizer import Tokenizer
     from jaxllm.weights.gguf import iter_gguf_tensors, load_gguf_tokenizer, read_gguf_config
     from jaxllm.weights.safetensors_source import DictSource
+
     hf = read_gguf_config(path)
     fam = family_for(hf)
     info = load_gguf_tokenizer(path)
     cfg = fam.config_from_hf(hf, {"eos_token_id": list(info.eos_ids)})
     source = DictSource(dict(iter_gguf_tensors(path)))
-    tok = Tokenizer(info.tokenizer, bos_id=info.bos_id, eos_ids=info.eos_ids, add_bos=info.add_bos,
-                    chat_template=info.chat_template or fam.CHAT_TEMPLATE,
-                    bos_token=info.tokenizer.id_to_token(info.bos_id) if info.bos_id is not None else None,
-                    chat_tuned=info.chat_tuned)
+    tok = Tokenizer(
+        info.tokenizer,
+        bos_id=info.bos_id,
+        eos_ids=info.eos_ids,
+        add_bos=info.add_bos,
+        chat_template=info.chat_template or fam.CHAT_TEMPLATE,
+        bos_token=info.tokenizer.id_to_token(info.bos_id) if info.bos_id is not None else None,
+        chat_tuned=info.chat_tuned,
+    )
     return cfg, fam, source, tok
 
 
 def read_hf(path: Path):
     """(config, family, tensor source, tokenizer) of a Hugging Face directory."""
     from jaxllm.weights.safetensors_source import SafetensorsSource
+
     cfg, fam, tok = read_dir(path)
     return cfg, fam, SafetensorsSource(path), tok
-
-

@@ -40,8 +40,9 @@ def default_model_file() -> SplitFile:
         raise ModelError(f"the embedded default model is incomplete ({err}); reinstall: {_INSTALL_HINT}") from None
     missing = [p.name for p in parts if not p.is_file()]
     if missing:
-        raise ModelError(f"the embedded default model is incomplete (missing {', '.join(missing)}); "
-                         f"reinstall: {_INSTALL_HINT}")
-    with contextlib.suppress(OSError):     # the whole copy earlier versions assembled there
+        raise ModelError(
+            f"the embedded default model is incomplete (missing {', '.join(missing)}); reinstall: {_INSTALL_HINT}"
+        )
+    with contextlib.suppress(OSError):  # the whole copy earlier versions assembled there
         (cache_dir() / pkg.MODEL_NAME).unlink(missing_ok=True)
     return SplitFile(pkg.MODEL_NAME, parts)

@@ -1,5 +1,6 @@
 """Where a model's files are (a directory, a .gguf file, a hub id or the embedded default) and what
 its directory says of it, with no JAX."""
+
 from __future__ import annotations
 
 import os
@@ -9,19 +10,20 @@ from pathlib import Path
 from jaxllm.errors import ModelError
 from jaxllm.weights.gguf_file import SplitFile
 
-SAVED_META = "jaxllm.json"      # marks a directory written by jaxllm.convert (see `saved`)
+SAVED_META = "jaxllm.json"  # marks a directory written by jaxllm.convert (see `saved`)
 
 
 @dataclass
 class ModelFiles:
     name: str
     path: Path | SplitFile
-    kind: str          # "hf" | "gguf" | "saved" (written by jaxllm.convert)
+    kind: str  # "hf" | "gguf" | "saved" (written by jaxllm.convert)
 
 
 def locate(model_dir: str | os.PathLike | None) -> ModelFiles:
     if model_dir is None:
         from jaxllm.weights.default import DEFAULT_MODEL_NAME, default_model_file
+
         return ModelFiles(DEFAULT_MODEL_NAME, default_model_file(), "gguf")
     p = Path(model_dir).expanduser()
     if p.is_file() and p.suffix == ".gguf":
@@ -35,12 +37,14 @@ def locate(model_dir: str | os.PathLike | None) -> ModelFiles:
     s = str(model_dir)
     if s.count("/") == 1 and not s.startswith((".", "/", "~")):
         from jaxllm.weights.hub import resolve_hub_id
+
         return ModelFiles(s, resolve_hub_id(s), "hf")
     raise ModelError(f"model path {s} does not exist")
 
 
 def read_hf_config(d: Path) -> tuple[dict, dict]:
     from jaxllm.tokenizer import read_json
+
     return read_json(d / "config.json"), read_json(d / "generation_config.json")
 
 
@@ -48,8 +52,9 @@ def read_dir(path: Path):
     """(config, family, tokenizer) of a directory with a config.json (Hugging Face or saved)."""
     from jaxllm.model.families import family_for
     from jaxllm.tokenizer import Tokenizer
+
     hf, gen = read_hf_config(path)
-    fam = family_for(hf)            # refuses unknown architectures before any weight is read
+    fam = family_for(hf)  # refuses unknown architectures before any weight is read
     cfg = fam.config_from_hf(hf, gen)
     tok = Tokenizer.from_hf_dir(path, fam.CHAT_TEMPLATE)
     if tok is not None and tok.eos_ids:

@@ -104,8 +104,7 @@ def _checked_metadata(path) -> tuple[object, dict]:
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelError(
-            f"unsupported GGUF architecture {arch!r} in {_name(path)} "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            f"unsupported GGUF architecture {arch!r} in {_name(path)} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
     return reader, meta
 
@@ -224,7 +223,7 @@ def _hf_name(gguf_name: str) -> str | None:
     return None
 
 
-_DEQUANT_CHUNK = 1 << 22        # elements a step: big enough that numpy's per-call cost vanishes
+_DEQUANT_CHUNK = 1 << 22  # elements a step: big enough that numpy's per-call cost vanishes
 
 
 def _dequantize(data: np.ndarray, qtype) -> np.ndarray:
@@ -241,7 +240,7 @@ def _dequantize(data: np.ndarray, qtype) -> np.ndarray:
     step = max(1, _DEQUANT_CHUNK // max(1, rows.shape[1]))
     out = np.empty((rows.shape[0], rows.shape[1] // kind.type_size * kind.block_size), np.float32)
     for i in range(0, rows.shape[0], step):
-        out[i:i + step] = kind.dequantize_rows(rows[i:i + step])
+        out[i : i + step] = kind.dequantize_rows(rows[i : i + step])
     return out.reshape(*data.shape[:-1], out.shape[-1])
 
 
@@ -299,8 +298,11 @@ def _chat_tuned(meta: dict) -> bool:
     """Whether a GGUF's model is chat-tuned: the file carries a chat template, or its name says so."""
     if meta.get("tokenizer.chat_template"):
         return True
-    words = {w for key in ("general.finetune", "general.name", "general.basename")
-             for w in re.split(r"[^a-z0-9]+", str(meta.get(key) or "").lower())}
+    words = {
+        w
+        for key in ("general.finetune", "general.name", "general.basename")
+        for w in re.split(r"[^a-z0-9]+", str(meta.get(key) or "").lower())
+    }
     return bool(words & _CHAT_TUNE_WORDS)
 
 
@@ -310,9 +312,7 @@ def _merges_from_vocab(vocab: dict[str, int], scores: dict[str, float]) -> list[
     merges = []
     for piece, score in scores.items():
         local = [
-            (piece[:i], piece[i:], score)
-            for i in range(1, len(piece))
-            if piece[:i] in vocab and piece[i:] in vocab
+            (piece[:i], piece[i:], score) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab
         ]
         local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
         merges.extend(local)

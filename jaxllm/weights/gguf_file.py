@@ -7,6 +7,7 @@ still the gguf package's.
 A file may come in consecutive parts (`SplitFile`: the embedded model, as its wheels install it);
 they are mapped where they lie, so the model is never copied whole onto the disk.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -17,8 +18,19 @@ from pathlib import Path
 import numpy as np
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
-       7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_NP = {
+    0: np.uint8,
+    1: np.int8,
+    2: np.uint16,
+    3: np.int16,
+    4: np.uint32,
+    5: np.int32,
+    6: np.float32,
+    7: np.bool_,
+    10: np.uint64,
+    11: np.int64,
+    12: np.float64,
+}
 STRING, ARRAY = 8, 9
 
 
@@ -29,7 +41,8 @@ class GGUFFormatError(ValueError):
 @dataclass(frozen=True)
 class SplitFile:
     """A file stored as consecutive parts, read as one where the parts lie."""
-    name: str                   # the whole file's name
+
+    name: str  # the whole file's name
     parts: tuple[Path, ...]
 
 
@@ -51,11 +64,11 @@ class Parts:
             return self.arrays[0][:0]
         i = bisect.bisect_right(self.starts, begin) - 1
         if end <= self.starts[i + 1]:
-            return self.arrays[i][begin - self.starts[i]:end - self.starts[i]]
+            return self.arrays[i][begin - self.starts[i] : end - self.starts[i]]
         pieces = []
         while begin < end:
             stop = min(end, self.starts[i + 1])
-            pieces.append(self.arrays[i][begin - self.starts[i]:stop - self.starts[i]])
+            pieces.append(self.arrays[i][begin - self.starts[i] : stop - self.starts[i]])
             begin, i = stop, i + 1
         return np.concatenate(pieces)
 
@@ -63,8 +76,8 @@ class Parts:
 @dataclass
 class TensorInfo:
     name: str
-    shape: tuple[int, ...]      # ggml order (innermost first), as gguf reports it
-    tensor_type: object         # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # ggml order (innermost first), as gguf reports it
+    tensor_type: object  # gguf.GGMLQuantizationType
     data_offset: int
     n_bytes: int
     file: GGUFFile = field(repr=False)
@@ -78,10 +91,11 @@ class TensorInfo:
 class GGUFFile:
     def __init__(self, path: Path | SplitFile):
         import gguf
+
         self.path = path if isinstance(path, SplitFile) else Path(path)
         parts = self.path.parts if isinstance(path, SplitFile) else (self.path,)
         self.buf = Parts([np.memmap(p, dtype=np.uint8, mode="r") for p in parts])
-        self.mv = memoryview(self.buf.arrays[0])     # the header, as long as it lies in the first part
+        self.mv = memoryview(self.buf.arrays[0])  # the header, as long as it lies in the first part
         self.pos = 0
         if bytes(self._take(4)) != b"GGUF":
             raise GGUFFormatError("not a GGUF file")
@@ -113,6 +127,7 @@ class GGUFFile:
 
     def tensor_data(self, t: TensorInfo) -> np.ndarray:
         import gguf
+
         raw = self.buf.read(t.data_offset, t.data_offset + t.n_bytes)
         shape = tuple(reversed(t.shape))
         if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
@@ -125,7 +140,7 @@ class GGUFFile:
         end = self.pos + n
         if end > len(self.buf):
             raise GGUFFormatError("truncated GGUF header")
-        out = self.mv[self.pos:end] if end <= len(self.mv) else memoryview(self.buf.read(self.pos, end))
+        out = self.mv[self.pos : end] if end <= len(self.mv) else memoryview(self.buf.read(self.pos, end))
         self.pos = end
         return out
 

@@ -1,4 +1,5 @@
 """Hugging Face hub ids as --model-dir: the local cache first, a download when online."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,5 +22,6 @@ def resolve_hub_id(repo_id: str) -> Path:
         return Path(snapshot_download(repo_id, allow_patterns=PATTERNS))
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelError(f"'{repo_id}' is not a local path, not in the Hugging Face cache, and could not "
-                         f"be downloaded ({first})") from None
+        raise ModelError(
+            f"'{repo_id}' is not a local path, not in the Hugging Face cache, and could not be downloaded ({first})"
+        ) from None

@@ -6,6 +6,7 @@ the stack as a sharded layer. The host never holds more than one layer in float3
 multi-process run each process transfers only the shards its own devices hold
 (`jax.make_array_from_callback` asks for exactly those).
 """
+
 from __future__ import annotations
 
 from functools import lru_cache
@@ -19,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.quant import quantize_np, quantize_rows_np
 
-ROW_BLOCK = 4096       # rows of an embedding / output head converted at a time
+ROW_BLOCK = 4096  # rows of an embedding / output head converted at a time
 
 
 @lru_cache(maxsize=None)
@@ -29,8 +30,11 @@ def _zeros(shape, dtype, sharding):
 
 @lru_cache(maxsize=None)
 def _setter(sharding):
-    return jax.jit(lambda stack, layer, i: jax.lax.dynamic_update_index_in_dim(stack, layer, i, 0),
-                   out_shardings=sharding, donate_argnums=0)
+    return jax.jit(
+        lambda stack, layer, i: jax.lax.dynamic_update_index_in_dim(stack, layer, i, 0),
+        out_shardings=sharding,
+        donate_argnums=0,
+    )
 
 
 def layer_sharding(s: NamedSharding) -> NamedSharding:
@@ -56,6 +60,7 @@ def place_stacked(pieces: list[Callable[[], tuple[np.ndarray, ...]]], shapes, dt
 
 def np_dtype(dtype):
     import ml_dtypes
+
     return ml_dtypes.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(jnp.dtype(dtype).name)
 
 
@@ -75,13 +80,13 @@ def rows_to_host(raw, transpose: bool, dtype, mode: str | None) -> tuple[np.ndar
     q = np.empty((D, V) if transpose else (V, D), np.int8 if mode else np_dtype(dtype))
     scale = np.empty((V, 1), np.float32) if mode else None
     for r0 in range(0, V, ROW_BLOCK):
-        block = np.asarray(raw[r0:r0 + ROW_BLOCK], np.float32)
+        block = np.asarray(raw[r0 : r0 + ROW_BLOCK], np.float32)
         if mode:
-            block, scale[r0:r0 + len(block)] = quantize_rows_np(block)
+            block, scale[r0 : r0 + len(block)] = quantize_rows_np(block)
         if transpose:
-            q[:, r0:r0 + len(block)] = block.T
+            q[:, r0 : r0 + len(block)] = block.T
         else:
-            q[r0:r0 + len(block)] = block
+            q[r0 : r0 + len(block)] = block
     if not mode:
         return (q,)
     return (q, scale[:, 0] if mode == "cols" else scale)

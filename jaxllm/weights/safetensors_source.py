@@ -1,4 +1,5 @@
 """Tensor sources: a name -> numpy lookup over a checkpoint, read one tensor at a time."""
+
 from __future__ import annotations
 
 import json
@@ -15,6 +16,7 @@ class SafetensorsSource:
 
     def __init__(self, model_dir: Path):
         from safetensors import safe_open
+
         self._open = safe_open
         self._handles: dict[Path, object] = {}
         index = model_dir / "model.safetensors.index.json"
@@ -86,6 +88,7 @@ def _header(path: Path) -> tuple[int, dict]:
 def _read_bf16(path: Path, name: str) -> np.ndarray:
     """numpy has no bfloat16, so view the mapped bytes through ml_dtypes (a jax dependency)."""
     import ml_dtypes
+
     n, header = _header(path)
     info = header[name]
     begin, end = info["data_offsets"]

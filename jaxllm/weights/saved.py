@@ -8,6 +8,7 @@ Layout of a saved directory:
                                       "files": the size of every file under weights/}
     weights/                         orbax checkpoint of the weights (QuantArray as {"q", "scale"})
 """
+
 from __future__ import annotations
 
 import gc
@@ -41,20 +42,24 @@ def read_meta(d: Path) -> dict:
 
 def to_plain(tree):
     """QuantArray leaves -> {"q", "scale"} dicts: the saved tree needs no custom pytree types."""
-    return jax.tree_util.tree_map(lambda x: {"q": x.q, "scale": x.scale} if isinstance(x, QuantArray) else x,
-                                  tree, is_leaf=lambda x: isinstance(x, QuantArray))
+    return jax.tree_util.tree_map(
+        lambda x: {"q": x.q, "scale": x.scale} if isinstance(x, QuantArray) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, QuantArray),
+    )
 
 
 def save_weights(d: Path, weights, meta: dict, compress: bool = True) -> None:
     """compress: zstd on every array. Off, the directory is ~20% larger and restores ~3x faster
     (decoding was most of a restore of int8 weights, which hardly compress)."""
     import orbax.checkpoint as ocp
+
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=compress)) as ckpt:
         ckpt.save((d / WEIGHTS).absolute(), to_plain(weights))
-    files = {p.relative_to(d / WEIGHTS).as_posix(): p.stat().st_size
-             for p in sorted((d / WEIGHTS).rglob("*")) if p.is_file()}
-    (d / META).write_text(json.dumps({"format": "jaxllm", "version": VERSION, **meta, "files": files},
-                                     indent=1) + "\n")
+    files = {
+        p.relative_to(d / WEIGHTS).as_posix(): p.stat().st_size for p in sorted((d / WEIGHTS).rglob("*")) if p.is_file()
+    }
+    (d / META).write_text(json.dumps({"format": "jaxllm", "version": VERSION, **meta, "files": files}, indent=1) + "\n")
 
 
 def _check_files(d: Path, meta: dict) -> None:
@@ -78,8 +83,7 @@ def _check_shapes(stored, plain) -> None:
     for k, want in jax.tree_util.tree_leaves_with_path(plain):
         key = jax.tree_util.keystr(k)
         if got.get(key) != tuple(want.shape):
-            raise ModelError(f"it holds {got.get(key, 'nothing')} for {key}, the config asks for "
-                             f"{tuple(want.shape)}")
+            raise ModelError(f"it holds {got.get(key, 'nothing')} for {key}, the config asks for {tuple(want.shape)}")
 
 
 def _late_read_after_failure(unraisable) -> bool:
@@ -92,8 +96,12 @@ def _late_read_after_failure(unraisable) -> bool:
         return True
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return (isinstance(e, RuntimeError) and str(e) == "Event loop is closed" and tb is not None
-            and tb.tb_frame.f_code.co_name == "_check_closed")
+    return (
+        isinstance(e, RuntimeError)
+        and str(e) == "Event loop is closed"
+        and tb is not None
+        and tb.tb_frame.f_code.co_name == "_check_closed"
+    )
 
 
 def _quiet_late_reads():
@@ -108,6 +116,7 @@ def _quiet_late_reads():
     def quiet(unraisable):
         if not _late_read_after_failure(unraisable):
             hook(unraisable)
+
     quiet._jaxllm_late_reads = True
     sys.unraisablehook = quiet
     return hook
@@ -117,6 +126,7 @@ def load_saved(d: Path, dtype, quant: str, layout=None):
     """(config, family, weights, tokenizer) of a saved directory."""
     from jaxllm.model.sharding import single_device_layout
     from jaxllm.weights.files import read_dir
+
     cfg, family, tok = read_dir(d)
     weights = restore_weights(d, cfg, family, quant, dtype, layout or single_device_layout())
     return cfg, family, weights, tok
@@ -129,18 +139,23 @@ def restore_weights(d: Path, cfg, family, quant: str, dtype, layout):
 
     from jaxllm.model.sharding import check_divisible, scale_shape_axes
     from jaxllm.weights.weights import is_quantized
+
     meta = read_meta(d)
     if meta.get("quant") != quant:
-        raise ModelError(f"{d} holds {meta.get('quant')} weights; load it with quant={meta.get('quant')!r} "
-                         f"(--quant {meta.get('quant')}) or convert the source again")
+        raise ModelError(
+            f"{d} holds {meta.get('quant')} weights; load it with quant={meta.get('quant')!r} "
+            f"(--quant {meta.get('quant')}) or convert the source again"
+        )
     tree = family.abstract(cfg)
     check_divisible(layout, tree)
 
     def target(spec):
         sh = layout.param_sharding(spec, is_quantized(spec, quant))
         if isinstance(sh, QuantArray):
-            return {"q": jax.ShapeDtypeStruct(spec.shape, jnp.int8, sharding=sh.q),
-                    "scale": jax.ShapeDtypeStruct(scale_shape_axes(spec)[0], jnp.float32, sharding=sh.scale)}
+            return {
+                "q": jax.ShapeDtypeStruct(spec.shape, jnp.int8, sharding=sh.q),
+                "scale": jax.ShapeDtypeStruct(scale_shape_axes(spec)[0], jnp.float32, sharding=sh.scale),
+            }
         return jax.ShapeDtypeStruct(spec.shape, dtype, sharding=sh)
 
     plain = map_specs(target, tree)
@@ -155,10 +170,10 @@ def restore_weights(d: Path, cfg, family, quant: str, dtype, layout):
                 _check_shapes(ckpt.metadata(path), plain)
                 restored = ckpt.restore(path, plain)
             failure = None
-        except Exception as e:       # orbax/tensorstore raise many types for a damaged directory
+        except Exception as e:  # orbax/tensorstore raise many types for a damaged directory
             failure = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         if failure is not None:
-            gc.collect()             # the dropped reads go now, while their warnings are ignored
+            gc.collect()  # the dropped reads go now, while their warnings are ignored
     if failure is not None:
         raise ModelError(f"{d / WEIGHTS}: unreadable or incomplete saved checkpoint ({failure})")
     if getattr(sys.unraisablehook, "_jaxllm_late_reads", False):
@@ -166,13 +181,21 @@ def restore_weights(d: Path, cfg, family, quant: str, dtype, layout):
 
     def rebuild(spec, x):
         return QuantArray(x["q"], x["scale"], spec.n_contract) if isinstance(x, dict) else x
+
     specs, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda s: hasattr(s, "n_contract"))
-    return jax.tree_util.tree_unflatten(treedef, [rebuild(s, x) for s, x in
-                                                  zip(specs, treedef.flatten_up_to(restored))])
+    return jax.tree_util.tree_unflatten(
+        treedef, [rebuild(s, x) for s, x in zip(specs, treedef.flatten_up_to(restored))]
+    )
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "chat_template.jinja", "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 def write_source_files(files, dst: Path, tok) -> None:
@@ -183,11 +206,20 @@ def write_source_files(files, dst: Path, tok) -> None:
                 shutil.copy2(files.path / name, dst / name)
         return
     from jaxllm.weights.gguf import read_gguf_config
+
     (dst / "config.json").write_text(json.dumps(read_gguf_config(files.path), indent=1, default=str))
     tok.tok.save(str(dst / "tokenizer.json"))
     # A template here marks the model chat-tuned when read back (`Tokenizer.from_hf_dir`), so a base
     # model's is left out: the family's fallback is supplied again.
-    (dst / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": tok.bos_token, "eos_token": tok.eos_token, "add_bos_token": tok.add_bos,
-        "chat_template": tok.chat_template if tok.chat_tuned else None}, indent=1))
+    (dst / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": tok.bos_token,
+                "eos_token": tok.eos_token,
+                "add_bos_token": tok.add_bos,
+                "chat_template": tok.chat_template if tok.chat_tuned else None,
+            },
+            indent=1,
+        )
+    )
     (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": list(tok.eos_ids)}))

@@ -26,6 +26,7 @@ read back is deleted and rebuilt, with one warning; a cache that cannot be writt
 warning. `JAXLLM_WEIGHT_CACHE=off`, or `load_model(..., weight_cache=False)`, turns the cache off.
 It is never used in a multi-process run, where every process must take the same path through a load.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,16 +47,23 @@ ENV = "JAXLLM_WEIGHT_CACHE"
 FORMAT = 1
 # What decides the bytes of an entry: dequantization, conversion, quantization, the saved format
 # and the config/tokenizer files; plus every family module (jaxllm/models/*.py).
-CODE_MODULES = ("jaxllm.weights.gguf", "jaxllm.weights.gguf_file", "jaxllm.weights.place",
-                "jaxllm.weights.saved", "jaxllm.weights.weights", "jaxllm.model.params", "jaxllm.quant")
-STALE_TMP_S = 24 * 3600     # a temporary directory this old belongs to a writer that died
-HEADROOM = 1 << 30          # free space an entry must leave on its disk
+CODE_MODULES = (
+    "jaxllm.weights.gguf",
+    "jaxllm.weights.gguf_file",
+    "jaxllm.weights.place",
+    "jaxllm.weights.saved",
+    "jaxllm.weights.weights",
+    "jaxllm.model.params",
+    "jaxllm.quant",
+)
+STALE_TMP_S = 24 * 3600  # a temporary directory this old belongs to a writer that died
+HEADROOM = 1 << 30  # free space an entry must leave on its disk
 
 
 @dataclass(frozen=True)
 class Entry:
-    path: Path          # the entry's directory, present or not
-    name: str           # display name of the model
+    path: Path  # the entry's directory, present or not
+    name: str  # display name of the model
     digest: str
     quant: str
     dtype: str
@@ -72,6 +80,7 @@ def enabled(flag: bool | None = None) -> bool:
     if not flag:
         return False
     import jax
+
     return jax.process_count() == 1
 
 
@@ -79,6 +88,7 @@ def entry_for(model_dir, quant: str, dtype, flag: bool | None = None) -> Entry |
     """The cache entry of a GGUF source (the embedded default or a .gguf file); None for any other
     source or when the cache is off."""
     import jax.numpy as jnp
+
     if not enabled(flag):
         return None
     source = _source(model_dir)
@@ -91,7 +101,7 @@ def entry_for(model_dir, quant: str, dtype, flag: bool | None = None) -> Entry |
 
 
 def _stem(digest: str, quant: str, dtype: str) -> str:
-    return f"{digest[:32]}-{quant}-{dtype}"     # the full digest is in the entry's jaxllm.json
+    return f"{digest[:32]}-{quant}-{dtype}"  # the full digest is in the entry's jaxllm.json
 
 
 def _source(model_dir) -> tuple[str, str] | None:
@@ -99,6 +109,7 @@ def _source(model_dir) -> tuple[str, str] | None:
     follows reports why)."""
     if model_dir is None:
         from jaxllm.weights.default import DEFAULT_MODEL_NAME, default_model_digest
+
         digest = default_model_digest()
         return None if digest is None else (DEFAULT_MODEL_NAME, digest)
     p = Path(model_dir).expanduser()
@@ -187,15 +198,16 @@ def read(entry: Entry, dtype, layout):
     from jaxllm.model.sharding import check_divisible, single_device_layout
     from jaxllm.weights.files import read_dir
     from jaxllm.weights.saved import read_meta, restore_weights
+
     if not entry.path.is_dir():
         return None
     layout = layout or single_device_layout()
     try:
         _check_meta(entry, read_meta(entry.path))
         cfg, family, tok = read_dir(entry.path)
-    except Exception as e:          # damage surfaces as anything from json to tokenizers errors
+    except Exception as e:  # damage surfaces as anything from json to tokenizers errors
         return _damaged(entry, e)
-    check_divisible(layout, family.abstract(cfg))   # a split the model cannot take is the caller's error
+    check_divisible(layout, family.abstract(cfg))  # a split the model cannot take is the caller's error
     try:
         weights = restore_weights(entry.path, cfg, family, entry.quant, dtype, layout)
     except Exception as e:
@@ -205,8 +217,9 @@ def read(entry: Entry, dtype, layout):
 
 def _damaged(entry: Entry, e: Exception) -> None:
     reason = _one_line(e).replace(f"{entry.path}{os.sep}", "")
-    warnings.warn(f"weight cache entry {entry.path} is damaged ({reason}); building it again from the "
-                  f"GGUF file", stacklevel=4)
+    warnings.warn(
+        f"weight cache entry {entry.path} is damaged ({reason}); building it again from the GGUF file", stacklevel=4
+    )
     _remove(entry.path)
 
 
@@ -225,6 +238,7 @@ def write(entry: Entry, files, cfg, weights, tok) -> None:
     """Save the model just built from `files` as the entry. Never fails the load: a cache that
     cannot be written is one warning."""
     from jaxllm.weights.saved import save_weights, write_source_files
+
     root = entry.path.parent
     tmp = root / f".{entry.path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     try:
@@ -234,10 +248,13 @@ def write(entry: Entry, files, cfg, weights, tok) -> None:
         write_source_files(files, tmp, tok)
         save_weights(tmp, weights, {"family": cfg.family, "source": files.name, **_meta(entry)}, compress=False)
         _publish(tmp, entry.path)
-    except Exception as e:          # orbax and tensorstore raise their own types for a full disk
-        warnings.warn(f"could not write the weight cache in {root} ({_one_line(e)}); the next load of "
-                      f"{entry.name} will build its weights again (set JAXLLM_CACHE elsewhere, or "
-                      f"{ENV}=off)", stacklevel=3)
+    except Exception as e:  # orbax and tensorstore raise their own types for a full disk
+        warnings.warn(
+            f"could not write the weight cache in {root} ({_one_line(e)}); the next load of "
+            f"{entry.name} will build its weights again (set JAXLLM_CACHE elsewhere, or "
+            f"{ENV}=off)",
+            stacklevel=3,
+        )
         return
     finally:
         _remove(tmp)
@@ -246,11 +263,14 @@ def write(entry: Entry, files, cfg, weights, tok) -> None:
 
 def _check_space(root: Path, weights) -> None:
     import jax
+
     need = sum(x.nbytes for x in jax.tree_util.tree_leaves(weights))
     free = shutil.disk_usage(root).free
     if free < need + HEADROOM:
-        raise OSError(f"{free / 2**30:.1f} GiB free, the weights need {need / 2**30:.1f} GiB and "
-                      f"{HEADROOM / 2**30:.0f} GiB is kept free")
+        raise OSError(
+            f"{free / 2**30:.1f} GiB free, the weights need {need / 2**30:.1f} GiB and "
+            f"{HEADROOM / 2**30:.0f} GiB is kept free"
+        )
 
 
 def _publish(tmp: Path, final: Path) -> None:

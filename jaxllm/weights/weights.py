@@ -4,6 +4,7 @@ Tensors are read one at a time, converted to our layout ([in..., out...] for mat
 or cast right away, and only then stacked per attention kind, so the float32 copy of a tensor
 never outlives its own conversion.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -88,8 +89,9 @@ def finish(arrays: list[np.ndarray], spec: ParamSpec, stacked: bool, dtype, quan
     """Quantize (matmul weights under int8) or cast each piece, then stack the layers (host arrays,
     for callers that already hold every layer in memory)."""
     if is_quantized(spec, quant):
-        pieces = [quantize_np(a, spec.n_contract, spec.n_batch) if spec.n_contract else quantize_rows_np(a)
-                  for a in arrays]
+        pieces = [
+            quantize_np(a, spec.n_contract, spec.n_batch) if spec.n_contract else quantize_rows_np(a) for a in arrays
+        ]
         q, s = [p[0] for p in pieces], [p[1] for p in pieces]
         if stacked:
             return QuantArray(jnp.asarray(np.stack(q)), jnp.asarray(np.stack(s)), spec.n_contract)
@@ -107,8 +109,10 @@ def place_weight(source, names, spec: ParamSpec, stacked: bool, dtype, quant: st
         shapes = [spec.shape] + ([scale_shape_axes(spec)[0]] if int8 else [])
         dtypes = [jnp.int8, jnp.float32] if int8 else [dtype]
         nb = getattr(spec, "n_batch", 0)
-        pieces = [lambda nm=nm: convert_layer(fetch(source, nm, spec, True, convert), spec.n_contract,
-                                              dtype, int8, nb) for nm in names]
+        pieces = [
+            lambda nm=nm: convert_layer(fetch(source, nm, spec, True, convert), spec.n_contract, dtype, int8, nb)
+            for nm in names
+        ]
         arrays = place_stacked(pieces, shapes, dtypes, shardings)
     elif len(spec.shape) == 2 and "vocab" in spec.axes and convert is None:
         fetch_check(source, names[0], spec, False)
@@ -118,17 +122,24 @@ def place_weight(source, names, spec: ParamSpec, stacked: bool, dtype, quant: st
         arrays = [from_host(a, sh) for a, sh in zip(host, shardings)]
     else:
         a = fetch(source, names[0], spec, False, convert)
-        host = convert_layer(a, spec.n_contract, dtype, int8) if spec.n_contract or not int8 \
-            else quantize_rows_np(a)
+        host = convert_layer(a, spec.n_contract, dtype, int8) if spec.n_contract or not int8 else quantize_rows_np(a)
         arrays = [from_host(h, sh) for h, sh in zip(host, shardings)]
     return QuantArray(arrays[0], arrays[1], spec.n_contract) if int8 else arrays[0]
 
 
-def build_weights(cfg: ModelConfig, family, source, dtype, quant: str = "none",
-                  progress: Callable[[int, int], None] | None = None, layout=None) -> dict:
+def build_weights(
+    cfg: ModelConfig,
+    family,
+    source,
+    dtype,
+    quant: str = "none",
+    progress: Callable[[int, int], None] | None = None,
+    layout=None,
+) -> dict:
     """Fill the family's abstract weights from `source` (safetensors or dequantized GGUF), placed
     on the devices of `layout` (default: the first device)."""
     from jaxllm.model.sharding import check_divisible, single_device_layout
+
     layout = layout or single_device_layout()
     tree = family.abstract(cfg)
     check_divisible(layout, tree)

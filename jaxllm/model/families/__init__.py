@@ -1,5 +1,6 @@
 """Model families. Each family file states only what differs: config mapping, tensor names, and the
 few functions whose math differs. Detection reads config.json's model_type / architectures."""
+
 from __future__ import annotations
 
 from jaxllm.errors import ModelError

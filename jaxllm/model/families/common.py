@@ -1,4 +1,5 @@
 """Helpers the family files share for reading config.json."""
+
 from __future__ import annotations
 
 from jaxllm.config.model import GLOBAL, SLIDING, RopeSpec
@@ -9,12 +10,18 @@ ROPE_TYPES = {"default", "linear", "proportional"}
 # Tensor names every supported family shares (Hugging Face's Llama-style layout, under the model
 # prefix); a family adds or overrides the rest.
 HF_NAMES = {
-    "embed": "embed_tokens.weight", "final_norm": "norm.weight", "lm_head": "lm_head.weight",
+    "embed": "embed_tokens.weight",
+    "final_norm": "norm.weight",
+    "lm_head": "lm_head.weight",
     "attn_norm": "layers.{i}.input_layernorm.weight",
-    "q": "layers.{i}.self_attn.q_proj.weight", "k": "layers.{i}.self_attn.k_proj.weight",
-    "v": "layers.{i}.self_attn.v_proj.weight", "o": "layers.{i}.self_attn.o_proj.weight",
-    "q_norm": "layers.{i}.self_attn.q_norm.weight", "k_norm": "layers.{i}.self_attn.k_norm.weight",
-    "gate": "layers.{i}.mlp.gate_proj.weight", "up": "layers.{i}.mlp.up_proj.weight",
+    "q": "layers.{i}.self_attn.q_proj.weight",
+    "k": "layers.{i}.self_attn.k_proj.weight",
+    "v": "layers.{i}.self_attn.v_proj.weight",
+    "o": "layers.{i}.self_attn.o_proj.weight",
+    "q_norm": "layers.{i}.self_attn.q_norm.weight",
+    "k_norm": "layers.{i}.self_attn.k_norm.weight",
+    "gate": "layers.{i}.mlp.gate_proj.weight",
+    "up": "layers.{i}.mlp.up_proj.weight",
     "down": "layers.{i}.mlp.down_proj.weight",
 }
 
@@ -38,17 +45,19 @@ def rope_spec(params: dict | None, theta_default: float) -> RopeSpec:
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind not in ROPE_TYPES:
         raise ModelError(f"unsupported rope_type {kind!r} (supported: {', '.join(sorted(ROPE_TYPES))})")
-    return RopeSpec(theta=float(params.get("rope_theta", theta_default)), kind=kind,
-                    factor=float(params.get("factor", 1.0)) if kind != "default" else 1.0,
-                    partial=float(params.get("partial_rotary_factor", 1.0)))
+    return RopeSpec(
+        theta=float(params.get("rope_theta", theta_default)),
+        kind=kind,
+        factor=float(params.get("factor", 1.0)) if kind != "default" else 1.0,
+        partial=float(params.get("partial_rotary_factor", 1.0)),
+    )
 
 
 def per_kind_rope(hf: dict, global_theta: float, local_theta: float) -> tuple[RopeSpec, RopeSpec]:
     """(sliding, global) rope specs from any of the layouts transformers has written over time."""
     rp = hf.get("rope_parameters")
     if isinstance(rp, dict) and ("full_attention" in rp or "sliding_attention" in rp):
-        return (rope_spec(rp.get("sliding_attention"), local_theta),
-                rope_spec(rp.get("full_attention"), global_theta))
+        return (rope_spec(rp.get("sliding_attention"), local_theta), rope_spec(rp.get("full_attention"), global_theta))
     if isinstance(rp, dict):
         g = rope_spec(rp, hf.get("rope_theta", global_theta))
     else:
@@ -74,7 +83,7 @@ def layer_kinds(hf: dict, n_layers: int, pattern: int | None) -> tuple[int, ...]
 def eos_ids(*values) -> tuple[int, ...]:
     out: list[int] = []
     for v in values:
-        for i in (v if isinstance(v, (list, tuple)) else [v]):
+        for i in v if isinstance(v, (list, tuple)) else [v]:
             if i is not None and int(i) not in out:
                 out.append(int(i))
     return tuple(out)

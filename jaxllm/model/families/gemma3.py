@@ -1,5 +1,6 @@
 """Gemma 3 text: (1+w) RMSNorms around attention and MLP, sqrt(D) embedding scale,
 query_pre_attn_scalar, GELU-tanh, interleaved sliding/global layers with their own RoPE."""
+
 from __future__ import annotations
 
 from jaxllm.config.model import AttnSpec, ModelConfig
@@ -17,7 +18,7 @@ def hf_name(param: str, layer: int | None) -> str:
 
 
 def config_from_hf(hf: dict, generation: dict | None = None) -> ModelConfig:
-    if "text_config" in hf:                       # multimodal checkpoint: the text tower's config
+    if "text_config" in hf:  # multimodal checkpoint: the text tower's config
         hf = {**hf["text_config"], "eos_token_id": hf["text_config"].get("eos_token_id", hf.get("eos_token_id"))}
     n = int(need(hf, "num_hidden_layers"))
     heads = int(need(hf, "num_attention_heads"))
@@ -29,18 +30,29 @@ def config_from_hf(hf: dict, generation: dict | None = None) -> ModelConfig:
     kinds = layer_kinds(hf, n, int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))))
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     return ModelConfig(
-        family="gemma3", vocab_size=int(need(hf, "vocab_size")), hidden_size=D,
-        intermediate_size=int(need(hf, "intermediate_size")), num_layers=n, layer_kinds=kinds,
+        family="gemma3",
+        vocab_size=int(need(hf, "vocab_size")),
+        hidden_size=D,
+        intermediate_size=int(need(hf, "intermediate_size")),
+        num_layers=n,
+        layer_kinds=kinds,
         attn=(AttnSpec(heads, kv, hd, local, window=window), AttnSpec(heads, kv, hd, glob)),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), norm_offset=1.0, sandwich_norms=True,
-        qk_norm=True, activation="gelu_tanh" if "gelu" in act else act, embed_scale=D ** 0.5,
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        norm_offset=1.0,
+        sandwich_norms=True,
+        qk_norm=True,
+        activation="gelu_tanh" if "gelu" in act else act,
+        embed_scale=D**0.5,
         query_scale=float(hf.get("query_pre_attn_scalar", hd)) ** -0.5,
         # Gemma 3 configs carry attn_logit_softcapping, but the reference model never applies it.
-        attn_softcap=None, final_softcap=hf.get("final_logit_softcapping"),
+        attn_softcap=None,
+        final_softcap=hf.get("final_logit_softcapping"),
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        max_position=int(hf.get("max_position_embeddings", 32768)), bos_id=hf.get("bos_token_id", 2),
+        max_position=int(hf.get("max_position_embeddings", 32768)),
+        bos_id=hf.get("bos_token_id", 2),
         eos_ids=eos_ids(hf.get("eos_token_id", 1), (generation or {}).get("eos_token_id")),
-        pad_id=int(hf.get("pad_token_id") or 0))
+        pad_id=int(hf.get("pad_token_id") or 0),
+    )
 
 
 def abstract(cfg: ModelConfig) -> dict:

@@ -10,6 +10,7 @@
   earlier layer of their kind, keep no cache and no K/V weights, and (`use_double_wide_mlp`) have a
   twice-as-wide MLP; they form their own weight stacks ("sliding_shared", "global_shared").
 """
+
 from __future__ import annotations
 
 import jax
@@ -26,21 +27,30 @@ from jaxllm.ops.xla import activation, rms_norm
 
 # "unified" (Gemma 4 12B) is the same text model without per-layer inputs and MoE
 MODEL_TYPES = ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text")
-ARCHITECTURES = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "Gemma4UnifiedForCausalLM",
-                 "Gemma4UnifiedForConditionalGeneration")
+ARCHITECTURES = (
+    "Gemma4ForCausalLM",
+    "Gemma4ForConditionalGeneration",
+    "Gemma4UnifiedForCausalLM",
+    "Gemma4UnifiedForConditionalGeneration",
+)
 
 NAMES = {
-    **HF_NAMES, **GEMMA_NORM_NAMES,
-    "ple_embed": "embed_tokens_per_layer.weight", "ple_proj": "per_layer_model_projection.weight",
+    **HF_NAMES,
+    **GEMMA_NORM_NAMES,
+    "ple_embed": "embed_tokens_per_layer.weight",
+    "ple_proj": "per_layer_model_projection.weight",
     "ple_norm": "per_layer_projection_norm.weight",
     "layer_scalar": "layers.{i}.layer_scalar",
-    "router": "layers.{i}.router.proj.weight", "router_scale": "layers.{i}.router.scale",
+    "router": "layers.{i}.router.proj.weight",
+    "router_scale": "layers.{i}.router.scale",
     "expert_scale": "layers.{i}.router.per_expert_scale",
-    "experts_gate_up": "layers.{i}.experts.gate_up_proj", "experts_down": "layers.{i}.experts.down_proj",
+    "experts_gate_up": "layers.{i}.experts.gate_up_proj",
+    "experts_down": "layers.{i}.experts.down_proj",
     "dense_out_norm": "layers.{i}.post_feedforward_layernorm_1.weight",
     "moe_norm": "layers.{i}.pre_feedforward_layernorm_2.weight",
     "moe_out_norm": "layers.{i}.post_feedforward_layernorm_2.weight",
-    "ple_gate": "layers.{i}.per_layer_input_gate.weight", "ple_out": "layers.{i}.per_layer_projection.weight",
+    "ple_gate": "layers.{i}.per_layer_input_gate.weight",
+    "ple_out": "layers.{i}.per_layer_projection.weight",
     "ple_post_norm": "layers.{i}.post_per_layer_input_norm.weight",
 }
 
@@ -61,8 +71,9 @@ def _global_attention_shape(hf: dict, kinds, heads_kv: int) -> tuple[int, int]:
         glob = {tuple(sorted(over.get(i, {}).items())) for i, k in enumerate(kinds) if k == GLOBAL}
         slid = [i for i, k in enumerate(kinds) if k == SLIDING and over.get(i)]
         if len(glob) != 1 or slid:
-            raise ModelError("config.json: per_layer_config must give every global layer the same "
-                             "overrides and no sliding layer any")
+            raise ModelError(
+                "config.json: per_layer_config must give every global layer the same overrides and no sliding layer any"
+            )
         g = dict(next(iter(glob)))
         return int(g.get("head_dim", hf.get("head_dim", 256))), int(g.get("num_key_value_heads", heads_kv))
     gkv = hf.get("num_global_key_value_heads") if hf.get("attention_k_eq_v") else None
@@ -78,14 +89,15 @@ def _kv_sources(kinds, n_shared: int) -> tuple[int, ...]:
     for i in range(first, n):
         earlier = [j for j in range(first) if kinds[j] == kinds[i]]
         if not earlier:
-            raise ModelError(f"config.json: KV-shared layer {i} has no earlier {KIND_NAMES[kinds[i]]} "
-                             f"layer to share with")
+            raise ModelError(
+                f"config.json: KV-shared layer {i} has no earlier {KIND_NAMES[kinds[i]]} layer to share with"
+            )
         out[i] = earlier[-1]
     return tuple(out)
 
 
 def config_from_hf(hf: dict, generation: dict | None = None) -> ModelConfig:
-    if "text_config" in hf:                       # multimodal checkpoint: the text tower's config
+    if "text_config" in hf:  # multimodal checkpoint: the text tower's config
         text = hf["text_config"]
         hf = {**text, "eos_token_id": list(eos_ids(text.get("eos_token_id"), hf.get("eos_token_id")))}
     if hf.get("use_bidirectional_attention") == "all":
@@ -96,7 +108,7 @@ def config_from_hf(hf: dict, generation: dict | None = None) -> ModelConfig:
     hd = int(hf.get("head_dim") or 256)
     kv = int(hf.get("num_key_value_heads") or heads)
     kinds = list(layer_kinds(hf, n, int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))))
-    kinds[-1] = GLOBAL                          # transformers forces the last layer global
+    kinds[-1] = GLOBAL  # transformers forces the last layer global
     kinds = tuple(kinds)
     ghd, gkv = _global_attention_shape(hf, kinds, kv)
     if hf.get("rope_parameters"):
@@ -115,21 +127,43 @@ def config_from_hf(hf: dict, generation: dict | None = None) -> ModelConfig:
         if not f_moe:
             raise ModelError("config.json lacks required field 'moe_intermediate_size'")
     if hf.get("hidden_size_per_layer_input"):
-        extras.append(("ple", (int(hf["hidden_size_per_layer_input"]),
-                               int(hf.get("vocab_size_per_layer_input") or need(hf, "vocab_size")))))
+        extras.append(
+            (
+                "ple",
+                (
+                    int(hf["hidden_size_per_layer_input"]),
+                    int(hf.get("vocab_size_per_layer_input") or need(hf, "vocab_size")),
+                ),
+            )
+        )
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     return ModelConfig(
-        family="gemma4", vocab_size=int(need(hf, "vocab_size")), hidden_size=D,
-        intermediate_size=int(need(hf, "intermediate_size")), num_layers=n, layer_kinds=kinds,
+        family="gemma4",
+        vocab_size=int(need(hf, "vocab_size")),
+        hidden_size=D,
+        intermediate_size=int(need(hf, "intermediate_size")),
+        num_layers=n,
+        layer_kinds=kinds,
         attn=(AttnSpec(heads, kv, hd, local, window=window), AttnSpec(heads, gkv, ghd, glob, k_eq_v=k_eq_v)),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), norm_offset=0.0, sandwich_norms=True,
-        qk_norm=True, v_norm=True, activation="gelu_tanh" if "gelu" in act else act, embed_scale=D ** 0.5,
-        query_scale=1.0, attn_softcap=None, final_softcap=hf.get("final_logit_softcapping"),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        norm_offset=0.0,
+        sandwich_norms=True,
+        qk_norm=True,
+        v_norm=True,
+        activation="gelu_tanh" if "gelu" in act else act,
+        embed_scale=D**0.5,
+        query_scale=1.0,
+        attn_softcap=None,
+        final_softcap=hf.get("final_logit_softcapping"),
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        max_position=int(hf.get("max_position_embeddings", 131072)), bos_id=hf.get("bos_token_id", 2),
+        max_position=int(hf.get("max_position_embeddings", 131072)),
+        bos_id=hf.get("bos_token_id", 2),
         eos_ids=eos_ids(hf.get("eos_token_id", 1), (generation or {}).get("eos_token_id")),
-        pad_id=int(hf.get("pad_token_id") or 0), extras=tuple(extras),
-        layer_groups=groups if n_shared else (), kv_sources=sources if n_shared else ())
+        pad_id=int(hf.get("pad_token_id") or 0),
+        extras=tuple(extras),
+        layer_groups=groups if n_shared else (),
+        kv_sources=sources if n_shared else (),
+    )
 
 
 # -- weights ------------------------------------------------------------------------------------
@@ -143,10 +177,15 @@ def layer_params(cfg: ModelConfig, b: Branch) -> dict[str, ParamSpec]:
     wide = cfg.extra("double_wide_mlp") and not b.own_kv
     F = cfg.intermediate_size * (2 if wide else 1)
     p = {
-        "attn_norm": _norm(D), "post_attn_norm": _norm(D), "mlp_norm": _norm(D), "post_mlp_norm": _norm(D),
-        "q": ParamSpec((D, H, hd), ("embed", "q_heads", "head_dim"), 1), "q_norm": _norm(hd, "head_dim"),
+        "attn_norm": _norm(D),
+        "post_attn_norm": _norm(D),
+        "mlp_norm": _norm(D),
+        "post_mlp_norm": _norm(D),
+        "q": ParamSpec((D, H, hd), ("embed", "q_heads", "head_dim"), 1),
+        "q_norm": _norm(hd, "head_dim"),
         "o": ParamSpec((H, hd, D), ("q_heads", "head_dim", "embed"), 2),
-        "gate": ParamSpec((D, F), ("embed", "mlp"), 1), "up": ParamSpec((D, F), ("embed", "mlp"), 1),
+        "gate": ParamSpec((D, F), ("embed", "mlp"), 1),
+        "up": ParamSpec((D, F), ("embed", "mlp"), 1),
         "down": ParamSpec((F, D), ("mlp", "embed"), 1),
         "layer_scalar": ParamSpec((1,), (None,), init="ones"),
     }
@@ -157,18 +196,28 @@ def layer_params(cfg: ModelConfig, b: Branch) -> dict[str, ParamSpec]:
             p["v"] = ParamSpec((D, K, hd), ("embed", "kv_heads", "head_dim"), 1)
     if cfg.extra("moe"):
         E, _, Fm = cfg.extra("moe")
-        p.update({
-            # The router stays as stored ([E, D], unquantized): routing decisions are sensitive.
-            "router": ParamSpec((E, D), ("expert", "embed")), "router_scale": _norm(D),
-            "expert_scale": ParamSpec((E,), ("expert",), init="ones"),
-            "experts_gate_up": ParamSpec((E, D, 2, Fm), ("expert", "embed", None, "moe_mlp"), 1, n_batch=1),
-            "experts_down": ParamSpec((E, Fm, D), ("expert", "moe_mlp", "embed"), 1, n_batch=1),
-            "dense_out_norm": _norm(D), "moe_norm": _norm(D), "moe_out_norm": _norm(D),
-        })
+        p.update(
+            {
+                # The router stays as stored ([E, D], unquantized): routing decisions are sensitive.
+                "router": ParamSpec((E, D), ("expert", "embed")),
+                "router_scale": _norm(D),
+                "expert_scale": ParamSpec((E,), ("expert",), init="ones"),
+                "experts_gate_up": ParamSpec((E, D, 2, Fm), ("expert", "embed", None, "moe_mlp"), 1, n_batch=1),
+                "experts_down": ParamSpec((E, Fm, D), ("expert", "moe_mlp", "embed"), 1, n_batch=1),
+                "dense_out_norm": _norm(D),
+                "moe_norm": _norm(D),
+                "moe_out_norm": _norm(D),
+            }
+        )
     if cfg.extra("ple"):
         P, _ = cfg.extra("ple")
-        p.update({"ple_gate": ParamSpec((D, P), ("embed", None), 1),
-                  "ple_out": ParamSpec((P, D), (None, "embed"), 1), "ple_post_norm": _norm(D)})
+        p.update(
+            {
+                "ple_gate": ParamSpec((D, P), ("embed", None), 1),
+                "ple_out": ParamSpec((P, D), (None, "embed"), 1),
+                "ple_post_norm": _norm(D),
+            }
+        )
     return p
 
 
@@ -181,9 +230,11 @@ def abstract(cfg: ModelConfig) -> dict:
     if cfg.extra("ple"):
         P, Vp = cfg.extra("ple")
         L, D = cfg.num_layers, cfg.hidden_size
-        top = {"ple_embed": ParamSpec((Vp, L * P), ("vocab", None)),
-               "ple_proj": ParamSpec((D, L, P), ("embed", None, None), 1),
-               "ple_norm": _norm(P, None)}
+        top = {
+            "ple_embed": ParamSpec((Vp, L * P), ("vocab", None)),
+            "ple_proj": ParamSpec((D, L, P), ("embed", None, None), 1),
+            "ple_norm": _norm(P, None),
+        }
     return abstract_weights(cfg, extra_top=top, layers=layers)
 
 
@@ -195,10 +246,10 @@ def layer_inputs(cfg: ModelConfig, weights: dict, tokens: jax.Array, x: jax.Arra
     P, _ = cfg.extra("ple")
     B, T = tokens.shape
     L, D, dt = cfg.num_layers, cfg.hidden_size, x.dtype
-    tok = jnp.take(weights["ple_embed"], tokens, axis=0).astype(dt) * jnp.asarray(P ** 0.5, dt)
-    proj = ops.linear(x, weights["ple_proj"]) * jnp.asarray(D ** -0.5, dt)
+    tok = jnp.take(weights["ple_embed"], tokens, axis=0).astype(dt) * jnp.asarray(P**0.5, dt)
+    proj = ops.linear(x, weights["ple_proj"]) * jnp.asarray(D**-0.5, dt)
     proj = rms_norm(proj, weights["ple_norm"], cfg.norm_eps)
-    ple = (proj + tok.reshape(B, T, L, P)) * jnp.asarray(2.0 ** -0.5, dt)
+    ple = (proj + tok.reshape(B, T, L, P)) * jnp.asarray(2.0**-0.5, dt)
     return jnp.moveaxis(ple, 2, 0)
 
 
@@ -206,7 +257,7 @@ def route(cfg: ModelConfig, w: dict, x: jax.Array):
     """x [N, D] -> (top-k expert ids [N, k], their weights [N, k] float32)."""
     _, k, _ = cfg.extra("moe")
     D = cfg.hidden_size
-    h = rms_norm(x, None, cfg.norm_eps) * w["router_scale"].astype(x.dtype) * jnp.asarray(D ** -0.5, x.dtype)
+    h = rms_norm(x, None, cfg.norm_eps) * w["router_scale"].astype(x.dtype) * jnp.asarray(D**-0.5, x.dtype)
     scores = jnp.einsum("nd,ed->ne", h, w["router"].astype(x.dtype), preferred_element_type=jnp.float32)
     top_w, top_i = jax.lax.top_k(jax.nn.softmax(scores, axis=-1), k)
     top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
@@ -227,8 +278,7 @@ def decoder_layer(cfg: ModelConfig, b: Branch, w: dict, x, h, positions, layer_c
     (PLE) and the layer's output scalar; -> (x', x' normed for the next layer), the cache."""
     eps = cfg.norm_eps
     h = ops.layer_input(x, h, w["attn_norm"], eps)
-    a, layer_cache = attention_block(cfg, b.kind, w, h, positions, layer_cache, ops, own_kv=b.own_kv,
-                                     partials=True)
+    a, layer_cache = attention_block(cfg, b.kind, w, h, positions, layer_cache, ops, own_kv=b.own_kv, partials=True)
     x, h = ops.add_norm(x, a, w["post_attn_norm"], w["mlp_norm"], eps)
     m = ops.gated_mlp(h, w["gate"], w["up"], w["down"], cfg.activation)
     if cfg.extra("moe"):

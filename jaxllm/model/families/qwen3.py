@@ -1,4 +1,5 @@
 """Qwen3 dense: GQA with per-head Q/K RMSNorm, SwiGLU, RoPE; plain pre-norm residual blocks."""
+
 from __future__ import annotations
 
 from jaxllm.config.model import GLOBAL, SLIDING, AttnSpec, ModelConfig
@@ -28,19 +29,27 @@ def config_from_hf(hf: dict, generation: dict | None = None) -> ModelConfig:
     glob = AttnSpec(heads, kv, hd, rope)
     slide = AttnSpec(heads, kv, hd, rope, window=hf.get("sliding_window"))
     return ModelConfig(
-        family="qwen3", vocab_size=int(need(hf, "vocab_size")), hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(need(hf, "intermediate_size")), num_layers=n, layer_kinds=kinds,
-        attn=(slide, glob), norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qk_norm=True,
-        activation="silu", query_scale=hd ** -0.5,
+        family="qwen3",
+        vocab_size=int(need(hf, "vocab_size")),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(need(hf, "intermediate_size")),
+        num_layers=n,
+        layer_kinds=kinds,
+        attn=(slide, glob),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        qk_norm=True,
+        activation="silu",
+        query_scale=hd**-0.5,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position=int(hf.get("max_position_embeddings", 32768)),
         bos_id=hf.get("bos_token_id"),
         eos_ids=eos_ids(hf.get("eos_token_id"), (generation or {}).get("eos_token_id")),
-        pad_id=int(hf.get("pad_token_id") or 0))
+        pad_id=int(hf.get("pad_token_id") or 0),
+    )
 
 
 def abstract(cfg: ModelConfig) -> dict:
     return abstract_weights(cfg)
 
 
-CHAT_TEMPLATE = None   # Qwen3 checkpoints carry theirs in tokenizer_config.json
+CHAT_TEMPLATE = None  # Qwen3 checkpoints carry theirs in tokenizer_config.json

@@ -2,6 +2,7 @@
 architecture (`gemma4-31b`, `qwen3-4b`, ...) or any config.json path can be built with random
 weights on a machine that has no checkpoint (`jaxllm.load(shape=...)`): benchmarks,
 memory planning, compile checks."""
+
 from __future__ import annotations
 
 import json
@@ -50,6 +51,7 @@ def preset_hf_config(name: str, **overrides) -> dict:
 def load_preset(name: str, **overrides) -> tuple[ModelConfig, object]:
     """-> (ModelConfig, family module) of a preset name or a config.json path."""
     from jaxllm.model.families import family_for  # JAX: `read` checks a name before it loads
+
     hf = preset_hf_config(name, **overrides)
     try:
         fam = family_for(hf)

@@ -8,6 +8,7 @@ tiles are chosen for the device kind. Every choice is logged once per shape on t
 logger and kept in `selections()`, so a run can say what it ran; a shape a kernel does not take
 goes to XLA, logged the same way.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +27,8 @@ log = logging.getLogger("jaxllm.kernels")
 
 @dataclass(frozen=True)
 class Scope:
-    layout: object = None            # the `model.sharding.Layout` traced for (None: one device)
-    widen: str | None = None         # `RuntimeConfig.int8_widen`
+    layout: object = None  # the `model.sharding.Layout` traced for (None: one device)
+    widen: str | None = None  # `RuntimeConfig.int8_widen`
 
 
 _scope: contextvars.ContextVar = contextvars.ContextVar("gpu_scope", default=Scope())
@@ -97,7 +98,7 @@ def pallas_call(kernel, **kw):
     kernel is traced once per shape, and lowered once per program (a function its layers call)."""
     try:
         key = (_static(kernel), _static(kw), interpret())
-    except TypeError:                    # parameters without value identity: no reuse
+    except TypeError:  # parameters without value identity: no reuse
         key = None
     call = _calls.get(key) if key is not None else None
     if call is None:
@@ -109,6 +110,7 @@ def pallas_call(kernel, **kw):
         if not interpret():
             offsets.check(*args)
         return call(*args)
+
     return run
 
 

@@ -24,6 +24,7 @@ width, its dots summed): one piece, or where keys are rebuilt, the dimensions Ro
 half and, apart, those it leaves as they are. Gemma 4's global layers rotate a quarter of them
 (`partial_rotary_factor` 0.25), so only that quarter pays for the rotation and its angle table.
 """
+
 from __future__ import annotations
 
 import functools
@@ -67,20 +68,23 @@ def head_pieces(hd: int, inv_freq: np.ndarray | None) -> tuple[int, tuple[tuple[
     return rot, (((0, rot), (w, rot)) + tuple(_pieces(w - rot, rot)) + tuple(_pieces(w - rot, w + rot)))
 
 
-def _kernel(*refs, names, G, hd, P, M, bs, chunk, scale, softcap, window, precision, keys, way, kway, pieces,
-            prefetch, ahead):
+def _kernel(
+    *refs, names, G, hd, P, M, bs, chunk, scale, softcap, window, precision, keys, way, kway, pieces, prefetch, ahead
+):
     r = dict(zip(names, refs))
-    o_ref, m_ref, l_ref = refs[len(names):]
+    o_ref, m_ref, l_ref = refs[len(names) :]
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     gp = max(16, _pow2(G))
     layer, pos = r["layer"][0], r["pos"][b]
     gmask = jnp.arange(gp) < G
-    pw = [max(16, _pow2(w)) for _, w in pieces]                 # each piece's load width
+    pw = [max(16, _pow2(w)) for _, w in pieces]  # each piece's load width
     pm = [jnp.arange(p) < w for p, (_, w) in zip(pw, pieces)]
     pds = [pl.ds(jnp.int32(st), p) for p, (st, _) in zip(pw, pieces)]
     cols = [(st + jnp.arange(p))[None, :] for p, (st, _) in zip(pw, pieces)]
-    qs = [plgpu.load(r["q"].at[b, h, pl.ds(0, gp), d], mask=gmask[:, None] & m[None, :], other=0.0)
-          for d, m in zip(pds, pm)]
+    qs = [
+        plgpu.load(r["q"].at[b, h, pl.ds(0, gp), d], mask=gmask[:, None] & m[None, :], other=0.0)
+        for d, m in zip(pds, pm)
+    ]
     dt = qs[0].dtype
     # The positions the query sees, [lo, hi) (none for a negative position), and this chunk's tiles
     # of them, counted from the tile of the first.
@@ -100,16 +104,24 @@ def _kernel(*refs, names, G, hd, P, M, bs, chunk, scale, softcap, window, precis
 
     def load_kv(name, rows, valid):
         if sliced:
-            return [plgpu.load(r[name].at[layer, rows, h, d],
-                               mask=valid[:, None] if f else valid[:, None] & m[None, :], other=0)
-                    for d, m, f in zip(pds, pm, full)]
-        return [plgpu.load(r[name].at[layer, rows[:, None], h, c],
-                           mask=valid[:, None] if f else valid[:, None] & m[None, :], other=0)
-                for c, m, f in zip(cols, pm, full)]
+            return [
+                plgpu.load(
+                    r[name].at[layer, rows, h, d], mask=valid[:, None] if f else valid[:, None] & m[None, :], other=0
+                )
+                for d, m, f in zip(pds, pm, full)
+            ]
+        return [
+            plgpu.load(
+                r[name].at[layer, rows[:, None], h, c],
+                mask=valid[:, None] if f else valid[:, None] & m[None, :],
+                other=0,
+            )
+            for c, m, f in zip(cols, pm, full)
+        ]
 
     def rebuilt_keys(vals, vscale, t):
         x = [widening.widen(a, jnp.float32, kway) * (1.0 if vscale is None else vscale[:, None]) for a in vals]
-        x = [a.astype(dt).astype(jnp.float32) for a in x]          # the values as the model holds them
+        x = [a.astype(dt).astype(jnp.float32) for a in x]  # the values as the model holds them
         eps, offset, has_norm = keys
         if has_norm:
             ms = sum(jnp.sum(a * a, axis=1) for a in x) / hd
@@ -154,8 +166,12 @@ def _kernel(*refs, names, G, hd, P, M, bs, chunk, scale, softcap, window, precis
             ks, kscale = rebuilt_keys(vals, vscale, t), None
         else:
             ks, kscale = [widening.widen(a, dt, way) for a in tiles["k"]], tiles.get("k_scale")
-        s = sum(jax.lax.dot_general(qa, ka, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                                    precision=precision) for qa, ka in zip(qs, ks))
+        s = sum(
+            jax.lax.dot_general(
+                qa, ka, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
+            )
+            for qa, ka in zip(qs, ks)
+        )
         if kscale is not None:
             s = s * kscale[None, :]
         s = s * scale
@@ -166,25 +182,36 @@ def _kernel(*refs, names, G, hd, P, M, bs, chunk, scale, softcap, window, precis
         corr = jnp.exp(m - m_new)
         p = jnp.where(valid[None, :], jnp.exp(s - m_new[:, None]), 0.0)
         l = l * corr + jnp.sum(p, axis=1)
-        if vscale is not None:                    # fold V's scales into the probabilities
+        if vscale is not None:  # fold V's scales into the probabilities
             p = p * vscale[None, :]
-        accs = [acc * corr[:, None] + jax.lax.dot_general(
-            p.astype(dt), widening.widen(va, dt, way), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
-            precision=precision) for acc, va in zip(accs, vals)]
+        accs = [
+            acc * corr[:, None]
+            + jax.lax.dot_general(
+                p.astype(dt),
+                widening.widen(va, dt, way),
+                (((1,), (0,)), ((), ())),
+                preferred_element_type=jnp.float32,
+                precision=precision,
+            )
+            for acc, va in zip(accs, vals)
+        ]
         return accs, m_new, l
 
-    init = ([jnp.zeros((gp, p), jnp.float32) for p in pw], jnp.full((gp,), NEG, jnp.float32),
-            jnp.zeros((gp,), jnp.float32))
+    init = (
+        [jnp.zeros((gp, p), jnp.float32) for p in pw],
+        jnp.full((gp,), NEG, jnp.float32),
+        jnp.zeros((gp,), jnp.float32),
+    )
     ids = functools.partial(pages.tile_pages, r["table"], b, bs=bs, P=P, M=M)
     if prefetch:
         # Tile t + 1's loads in flight while tile t is computed; its block ids loaded `ahead` tiles before.
         def body(t, blocks, c):
             return (*attend_tile(t, c[3], c[:3]), fetch(t + 1, blocks))
+
         accs, m, l, _ = pages.fori(t_lo, t_hi, lambda t: ids(t + 1), ahead, body, (*init, fetch(t_lo, ids(t_lo))))
     else:
         # Triton's pipelining issues tile t + 1's loads during tile t: their block ids `ahead` tiles before.
-        accs, m, l = pages.fori(t_lo, t_hi, ids, ahead, lambda t, blocks, c: attend_tile(t, fetch(t, blocks), c),
-                                init)
+        accs, m, l = pages.fori(t_lo, t_hi, ids, ahead, lambda t, blocks, c: attend_tile(t, fetch(t, blocks), c), init)
     for acc, d, dmask in zip(accs, pds, pm):
         plgpu.store(o_ref.at[sp, b, h, pl.ds(0, gp), d], acc, mask=gmask[:, None] & dmask[None, :])
     plgpu.store(m_ref.at[sp, b, h, pl.ds(0, gp)], m, mask=gmask)
@@ -204,7 +231,7 @@ def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, n, hd, dc):
     den = jnp.sum(l * wts)
     o = plgpu.load(o_ref.at[pl.ds(0, npd), b, j, pl.ds(c * dc, dc)], mask=nm[:, None] & dm[None, :], other=0.0)
     acc = jnp.sum(o * wts[:, None], axis=0)
-    out = jnp.where(den > 0, acc / jnp.where(den > 0, den, 1.0), 0.0)    # 0: a row with no key to read
+    out = jnp.where(den > 0, acc / jnp.where(den > 0, den, 1.0), 0.0)  # 0: a row with no key to read
     plgpu.store(out_ref.at[b, j, pl.ds(c * dc, dc)], out.astype(out_ref.dtype), mask=dm)
 
 
@@ -215,13 +242,15 @@ def merge_chunks(o, m, l, dtype):
     and 1.6 at batch 8 against 2.3 and 1.8 with 4 warps (batch 64: 2.3 either way)."""
     n, B, K, G = m.shape
     hd = o.size // m.size
-    dc = min(_pow2(hd), max(16, 4096 // _pow2(n)))          # about 4096 partial values a program
+    dc = min(_pow2(hd), max(16, 4096 // _pow2(n)))  # about 4096 partial values a program
     kernel = functools.partial(_merge_kernel, n=n, hd=hd, dc=dc)
-    return pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((B, K * G, hd), dtype),
-                       grid=(B, K * G, pl.cdiv(hd, dc)),
-                       compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
-                       name="merge_chunks")(
-        o.reshape(n, B, K * G, hd), m.reshape(n, B, K * G), l.reshape(n, B, K * G))
+    return pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((B, K * G, hd), dtype),
+        grid=(B, K * G, pl.cdiv(hd, dc)),
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        name="merge_chunks",
+    )(o.reshape(n, B, K * G, hd), m.reshape(n, B, K * G), l.reshape(n, B, K * G))
 
 
 def choose_split(B: int, K: int, tiles: int) -> int:
@@ -230,10 +259,24 @@ def choose_split(B: int, K: int, tiles: int) -> int:
     return max(1, min(want, tiles))
 
 
-def decode_attention(q, pool: dict, layer, table, pos, *, scale: float, softcap=None, window=None,
-                     keys: KeysFromValues | None = None, block: int | None = None, splits: int | None = None,
-                     warps: int | None = None, widen: str | None = None, prefetch: bool | None = None,
-                     ahead: int | None = None):
+def decode_attention(
+    q,
+    pool: dict,
+    layer,
+    table,
+    pos,
+    *,
+    scale: float,
+    softcap=None,
+    window=None,
+    keys: KeysFromValues | None = None,
+    block: int | None = None,
+    splits: int | None = None,
+    warps: int | None = None,
+    widen: str | None = None,
+    prefetch: bool | None = None,
+    ahead: int | None = None,
+):
     """q [B, H, hd] at positions pos [B] over layer `layer` [] of a kind's pool, `pool` its arrays
     (`kv.paged.LayerKV.arrays`: v [L, N, P, K, hd], k unless `keys` says how to rebuild keys from
     the values, k_scale and v_scale [L, N, P, K] where int8), through the rows' block table
@@ -284,32 +327,64 @@ def decode_attention(q, pool: dict, layer, table, pos, *, scale: float, softcap=
     n = -(-tiles // chunk)
     kind = ("sliding" if window is not None else "global") + (" keys-from-values" if keys else "")
     way, kway = widen or widening.default(), widen or widening.default("magic")
-    note("decode attention", (B, H, K, M * P, hd, str(pool["v"].dtype), kind),
-         f"pallas block={bs} page={P} warps={warps} splits={n}"
-         + (f" widen={way}" if int8 and way != "convert" else "")
-         + (f" keys-widen={kway}" if keys is not None and int8 else "")
-         + (" prefetch" if prefetch else ""))
+    note(
+        "decode attention",
+        (B, H, K, M * P, hd, str(pool["v"].dtype), kind),
+        f"pallas block={bs} page={P} warps={warps} splits={n}"
+        + (f" widen={way}" if int8 and way != "convert" else "")
+        + (f" keys-widen={kway}" if keys is not None and int8 else "")
+        + (" prefetch" if prefetch else ""),
+    )
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     rot, pieces = head_pieces(hd, None if keys is None else keys.inv_freq)
-    ins = {"layer": jnp.reshape(layer, (1,)).astype(jnp.int32), "pos": pos.astype(jnp.int32),
-           "table": table.astype(jnp.int32), "q": q.reshape(B, K, G, hd)}
+    ins = {
+        "layer": jnp.reshape(layer, (1,)).astype(jnp.int32),
+        "pos": pos.astype(jnp.int32),
+        "table": table.astype(jnp.int32),
+        "q": q.reshape(B, K, G, hd),
+    }
     ins.update({name: pages.flat(a) for name, a in pool.items() if a is not None})
     if keys is not None:
-        inv_freq = np.asarray(keys.inv_freq, np.float32)[:rot]          # the rotated dimensions' only
+        inv_freq = np.asarray(keys.inv_freq, np.float32)[:rot]  # the rotated dimensions' only
         ang = np.arange(bs, dtype=np.float32)[:, None] * inv_freq[None, :]
-        ins.update(inv_freq=jnp.asarray(inv_freq), norm_w=keys.norm_w,
-                   rope_j=jnp.asarray(np.stack([np.cos(ang), np.sin(ang)]), jnp.float32))
+        ins.update(
+            inv_freq=jnp.asarray(inv_freq),
+            norm_w=keys.norm_w,
+            rope_j=jnp.asarray(np.stack([np.cos(ang), np.sin(ang)]), jnp.float32),
+        )
         ins.pop("k", None)
         ins.pop("k_scale", None)
     ins = {k: v for k, v in ins.items() if v is not None}
-    kernel = functools.partial(_kernel, names=tuple(ins), G=G, hd=hd, P=P, M=M, bs=bs, chunk=chunk, scale=scale,
-                               softcap=softcap, window=window, precision=precision,
-                               keys=None if keys is None else (keys.eps, keys.offset, keys.norm_w is not None),
-                               way=way, kway=kway, pieces=pieces, prefetch=prefetch, ahead=ahead)
-    out_shape = (jax.ShapeDtypeStruct((n, B, K, G, hd), jnp.float32),
-                 jax.ShapeDtypeStruct((n, B, K, G), jnp.float32),
-                 jax.ShapeDtypeStruct((n, B, K, G), jnp.float32))
-    o, m, l = pallas_call(kernel, out_shape=out_shape, grid=(B, K, n),
-                          compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=2),
-                          name="decode_attention")(*ins.values())
+    kernel = functools.partial(
+        _kernel,
+        names=tuple(ins),
+        G=G,
+        hd=hd,
+        P=P,
+        M=M,
+        bs=bs,
+        chunk=chunk,
+        scale=scale,
+        softcap=softcap,
+        window=window,
+        precision=precision,
+        keys=None if keys is None else (keys.eps, keys.offset, keys.norm_w is not None),
+        way=way,
+        kway=kway,
+        pieces=pieces,
+        prefetch=prefetch,
+        ahead=ahead,
+    )
+    out_shape = (
+        jax.ShapeDtypeStruct((n, B, K, G, hd), jnp.float32),
+        jax.ShapeDtypeStruct((n, B, K, G), jnp.float32),
+        jax.ShapeDtypeStruct((n, B, K, G), jnp.float32),
+    )
+    o, m, l = pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(B, K, n),
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=2),
+        name="decode_attention",
+    )(*ins.values())
     return merge_chunks(o, m, l, q.dtype).reshape(B, H, hd)

@@ -6,6 +6,7 @@ Q/K/V matmul (`Normed`), leave K-split matmul outputs unsummed for the kernel do
 (`Partials`) and write the decode step's keys and values in the prologue kernel. Those forms stay
 inside this backend: whatever leaves it for XLA goes through `value` or `weight` first.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +28,15 @@ from jaxllm.quant import QuantArray
 # norm in the Q/K/V matmul, the per-head ones in the prologue, those around the residual add): the
 # backend hands these over as `Stacked` views, for the kernels to read in place.
 MATMUL_WEIGHTS = ("q", "k", "v", "o", "gate", "up", "down", "ple_gate", "ple_out")
-IN_PLACE = MATMUL_WEIGHTS + ("attn_norm", "q_norm", "k_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm",
-                             "next_norm")
+IN_PLACE = MATMUL_WEIGHTS + (
+    "attn_norm",
+    "q_norm",
+    "k_norm",
+    "post_attn_norm",
+    "mlp_norm",
+    "post_mlp_norm",
+    "next_norm",
+)
 
 
 def _is_quant(w) -> bool:
@@ -98,14 +106,16 @@ class PallasOps(XlaOps):
         note("widen once", (rows, f"{need / 2**30:.1f} GiB"), why)
         if why != "on":
             return weights
-        return jax.tree_util.tree_map(lambda w: dataclasses.replace(w, q=w.q.astype(dtype)) if _is_quant(w) else w,
-                                      weights, is_leaf=_is_quant)
+        return jax.tree_util.tree_map(
+            lambda w: dataclasses.replace(w, q=w.q.astype(dtype)) if _is_quant(w) else w, weights, is_leaf=_is_quant
+        )
 
     def layer_weights(self, group: dict, idx) -> dict:
         def one(name, w):
             if isinstance(w, OutMajor):
                 return Stacked(w.w, idx, name, out_major=True)
             return Stacked(w, idx, name) if name in IN_PLACE else jax.tree_util.tree_map(lambda a: a[idx], w)
+
         return {name: one(name, w) for name, w in group.items()}
 
     def weight(self, w):
@@ -120,7 +130,7 @@ class PallasOps(XlaOps):
 
     def next_input(self, x, next_norm, eps: float, offset: float = 0.0):
         if _rows(x) <= k.NORM_ROWS:
-            return x, None                 # the next layer's Q/K/V kernel normalizes its rows
+            return x, None  # the next layer's Q/K/V kernel normalizes its rows
         return x, self.rms_norm(x, next_norm, eps, offset)
 
     def layer_input(self, x, h, norm, eps: float, offset: float = 0.0):
@@ -186,8 +196,7 @@ class PallasOps(XlaOps):
 
     def paged_attention(self, q, layer_kv, positions, *, scale, softcap, window, keys=None):
         with self._scope():
-            return k.paged_attention(q, layer_kv, positions, scale=scale, softcap=softcap, window=window,
-                                     keys=keys)
+            return k.paged_attention(q, layer_kv, positions, scale=scale, softcap=softcap, window=window, keys=keys)
 
     def output_head(self, h, table, tied: bool):
         with self._scope():

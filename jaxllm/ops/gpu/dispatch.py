@@ -8,6 +8,7 @@ their output sharded like their output axis; row-parallel ones (O, down) contrac
 and sum the partial products over the "model" axis; attention runs on each device's heads, over
 its KV heads of the pools (whose blocks every device holds) through the rows' block tables.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +28,8 @@ from jaxllm.ops.gpu.types import Normed, Partials, Stacked
 from jaxllm.ops.xla import HeadPrep
 from jaxllm.quant import QuantArray
 
-MAX_ROWS = 256         # above this many rows (a prefill) a step is compute-bound: XLA's GEMMs
-HEAD_ROWS = 64         # the output head is wide enough to be compute-bound above this
+MAX_ROWS = 256  # above this many rows (a prefill) a step is compute-bound: XLA's GEMMs
+HEAD_ROWS = 64  # the output head is wide enough to be compute-bound above this
 # A matmul normalizes its input rows (`Normed`) for up to this many. Each program needs the rows'
 # mean squares: one row it sums in its main loop, but several rows it read once more first, which
 # at 8 rows cost more than the two XLA kernels it saved (one H100: batch 1 +5%, batch 8 -2%, batch
@@ -36,9 +37,15 @@ HEAD_ROWS = 64         # the output head is wide enough to be compute-bound abov
 NORM_ROWS = 1
 
 # Logical axes of each layer weight the kernels take, after the stacked layer axis.
-AXES = {"q": ("embed", "q_heads", "head_dim"), "k": ("embed", "kv_heads", "head_dim"),
-        "v": ("embed", "kv_heads", "head_dim"), "o": ("q_heads", "head_dim", "embed"),
-        "gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed")}
+AXES = {
+    "q": ("embed", "q_heads", "head_dim"),
+    "k": ("embed", "kv_heads", "head_dim"),
+    "v": ("embed", "kv_heads", "head_dim"),
+    "o": ("q_heads", "head_dim", "embed"),
+    "gate": ("embed", "mlp"),
+    "up": ("embed", "mlp"),
+    "down": ("mlp", "embed"),
+}
 
 
 def _arrays(w: Stacked):
@@ -78,7 +85,7 @@ def _flat(arr, scale, n_contract: int, out_major: bool):
 
 
 def _too_many_rows(x, n_contract, name, desc, limit=MAX_ROWS):
-    M = math.prod(x.shape[:x.ndim - n_contract])
+    M = math.prod(x.shape[: x.ndim - n_contract])
     if M > limit:
         note(name, (M,) + desc, f"xla ({M} rows > {limit})")
         return True
@@ -99,7 +106,7 @@ def _sharding_plan(ws, n_contract, x):
     row_parallel = contract_split.pop()
     specs = [(spec, sspec) for spec, sspec, _ in full]
     lead = [None] * (x.ndim - n_contract)
-    if row_parallel:       # x arrives split along the contracted axes, like the weight
+    if row_parallel:  # x arrives split along the contracted axes, like the weight
         ins, _ = stack_dims(specs[0][0], n_contract, ws[0].out_major)
         xspec = P(*lead, *ins)
         outs = [P(*lead, *([None] * (len(s) - 1 - n_contract))) for s, _ in specs]
@@ -120,11 +127,21 @@ def stacked_linears(x, ws: list, n_contract: int, partials: bool = False):
         x, norm = (norm.x, norm) if fuse else (norm.value(), None)
     arrs = [_arrays(w) for w in ws]
     om = ws[0].out_major
-    if len({(stack_dims(a, n_contract, w.out_major)[0], w.out_major, a.dtype, s is None)
-            for (a, s), w in zip(arrs, ws)}) != 1:
+    if (
+        len(
+            {
+                (stack_dims(a, n_contract, w.out_major)[0], w.out_major, a.dtype, s is None)
+                for (a, s), w in zip(arrs, ws)
+            }
+        )
+        != 1
+    ):
         return None
-    desc = (math.prod(stack_dims(arrs[0][0], n_contract, om)[0]),
-            "+".join(str(math.prod(stack_dims(a, n_contract, om)[1])) for a, _ in arrs), str(arrs[0][0].dtype))
+    desc = (
+        math.prod(stack_dims(arrs[0][0], n_contract, om)[0]),
+        "+".join(str(math.prod(stack_dims(a, n_contract, om)[1])) for a, _ in arrs),
+        str(arrs[0][0].dtype),
+    )
     if _too_many_rows(x, n_contract, "matmul", desc):
         return None
     layout, plan = _sharding_plan(ws, n_contract, x)
@@ -132,9 +149,9 @@ def stacked_linears(x, ws: list, n_contract: int, partials: bool = False):
         note("matmul", desc, f"xla (weights {plan} for the sharded kernels)")
         return None
     if norm is not None and plan is not None and plan[3]:
-        x, norm = norm.value(), None      # rows split over devices: no device sees a whole row
+        x, norm = norm.value(), None  # rows split over devices: no device sees a whole row
     quant = arrs[0][1] is not None
-    lead = x.shape[:x.ndim - n_contract]
+    lead = x.shape[: x.ndim - n_contract]
     n = len(ws)
     keep = partials and plan is None
     nw, nidx = _in_stack(None if norm is None else norm.w)
@@ -142,14 +159,26 @@ def stacked_linears(x, ws: list, n_contract: int, partials: bool = False):
     def body(x, layer, nw, nidx, *flat):
         pairs = list(zip(flat[:n], flat[n:] if quant else [None] * n))
         mats = [_flat(a, s, n_contract, om) for a, s in pairs]
-        k_local = math.prod(stack_dims(pairs[0][0], n_contract, om)[0])      # K over a shard's rows
+        k_local = math.prod(stack_dims(pairs[0][0], n_contract, om)[0])  # K over a shard's rows
         rows = None if norm is None else RowNorm(nw, nidx, norm.eps, norm.offset)
-        ys = stacked_matmuls(x.reshape(-1, k_local), mats, layer, out_major=om, summed=not keep,
-                             norm=rows, psum_after=plan is not None and plan[3])
-        if keep and ys[0].ndim == 3:            # K split: the float32 partials, unscaled
-            return tuple(Partials(y.reshape(y.shape[:1] + lead + stack_dims(a, n_contract, om)[1]),
-                                  None if s is None else Stacked(s, layer), x.dtype)
-                         for y, (a, s) in zip(ys, pairs))
+        ys = stacked_matmuls(
+            x.reshape(-1, k_local),
+            mats,
+            layer,
+            out_major=om,
+            summed=not keep,
+            norm=rows,
+            psum_after=plan is not None and plan[3],
+        )
+        if keep and ys[0].ndim == 3:  # K split: the float32 partials, unscaled
+            return tuple(
+                Partials(
+                    y.reshape(y.shape[:1] + lead + stack_dims(a, n_contract, om)[1]),
+                    None if s is None else Stacked(s, layer),
+                    x.dtype,
+                )
+                for y, (a, s) in zip(ys, pairs)
+            )
         ys = [y.reshape(lead + stack_dims(a, n_contract, om)[1]) for y, (a, _) in zip(ys, pairs)]
         if plan is not None and plan[3]:
             ys = [jax.lax.psum(y, "model") for y in ys]
@@ -159,8 +188,7 @@ def stacked_linears(x, ws: list, n_contract: int, partials: bool = False):
     if plan is None:
         return list(body(x, ws[0].idx, nw, nidx, *flat))
     specs, xspec, outs, _ = plan
-    in_specs = ((xspec, P(), P(), P()) + tuple(w for w, _ in specs)
-                + (tuple(sc for _, sc in specs) if quant else ()))
+    in_specs = (xspec, P(), P(), P()) + tuple(w for w, _ in specs) + (tuple(sc for _, sc in specs) if quant else ())
     return list(_local(body, layout, in_specs, tuple(outs))(x, ws[0].idx, nw, nidx, *flat))
 
 
@@ -182,8 +210,7 @@ def gated(x, gate, up, act):
         return None
     (wg, sg), (wu, su) = _arrays(gate), _arrays(up)
     om = gate.out_major
-    if (wg.shape != wu.shape or wg.dtype != wu.dtype or (sg is None) != (su is None)
-            or up.out_major != om):
+    if wg.shape != wu.shape or wg.dtype != wu.dtype or (sg is None) != (su is None) or up.out_major != om:
         return None
     (K,), (N,) = stack_dims(wg, 1, om)
     if _too_many_rows(x, 1, "gated matmul", (K, N, str(wg.dtype))):
@@ -232,8 +259,10 @@ def paged_attention(q, layer_kv, positions, *, scale, softcap, window, keys=None
         if not decode:
             return prefill_attention(q, pool, idx, table, pos, scale=scale, softcap=softcap, window=window)
         ks = None if keys is None else dataclasses.replace(keys, norm_w=norm_w)
-        return decode_attention(q[:, 0], pool, idx, table, pos[:, 0], scale=scale, softcap=softcap,
-                                window=window, keys=ks)[:, None]
+        return decode_attention(
+            q[:, 0], pool, idx, table, pos[:, 0], scale=scale, softcap=softcap, window=window, keys=ks
+        )[:, None]
+
     args = (q, layer_kv.idx, positions, layer_kv.table, None if keys is None else keys.norm_w) + tuple(arrays.values())
     layout = current_layout()
     if layout is None or layout.mesh.size == 1:
@@ -242,7 +271,7 @@ def paged_attention(q, layer_kv, positions, *, scale, softcap, window, keys=None
     specs = tuple(layout.spec(a.shape, cache_leaf_axes(a.ndim)) for a in arrays.values())
     if not _kv_split_ok(qspec[2], specs[names.index("v")][3], K, what, desc):
         return None
-    rows = P(qspec[0], None)             # positions and block tables follow the batch rows
+    rows = P(qspec[0], None)  # positions and block tables follow the batch rows
     return _local(run, layout, (qspec, P(), rows, rows, P()) + specs, qspec)(*args)
 
 
@@ -263,9 +292,10 @@ def prologue(q, k, v, prep: HeadPrep, positions, layer_cache):
     it."""
     layout = current_layout()
     parts = [y for y in (q, k, v) if isinstance(y, Partials)]
-    if parts and (len(parts) != len([y for y in (q, k, v) if y is not None])
-                  or (layout is not None and layout.mesh.size > 1)):
-        return None                   # partials only all together, on one device
+    if parts and (
+        len(parts) != len([y for y in (q, k, v) if y is not None]) or (layout is not None and layout.mesh.size > 1)
+    ):
+        return None  # partials only all together, on one device
     B, T, H, hd = q.shape if not parts else q.parts.shape[1:]
     if T != 1 or hd % 2:
         return None
@@ -280,7 +310,7 @@ def prologue(q, k, v, prep: HeadPrep, positions, layer_cache):
     names = tuple(pool)
 
     split = None
-    if parts:                       # K-split projections, summed in the kernel
+    if parts:  # K-split projections, summed in the kernel
         scales = [None if y is None or y.scale is None else y.scale for y in (q, k, v)]
         sidx = next((sc.idx for sc in scales if sc is not None), 0)
         split = SplitQKV(tuple(None if sc is None else sc.stack for sc in scales), sidx, q.dtype)
@@ -300,7 +330,7 @@ def prologue(q, k, v, prep: HeadPrep, positions, layer_cache):
         qspec = layout.spec(q.shape, ("batch", "q_heads", "head_dim"))
         specs = [layout.spec(a.shape, cache_leaf_axes(a.ndim)) for a in pool.values()]
         if k is not None:
-            if qspec[0] is not None:      # each device would write its rows' blocks into its copy alone
+            if qspec[0] is not None:  # each device would write its rows' blocks into its copy alone
                 note("decode prologue", (B, H, hd), "xla (rows split over devices, the pool's blocks not)")
                 return None
             K = pool["v"].shape[3]
@@ -309,9 +339,13 @@ def prologue(q, k, v, prep: HeadPrep, positions, layer_cache):
                 return None
         else:
             kvspec = P()
-        rows = P(qspec[0])               # positions and block tables follow the batch rows
-        fn = _local(run, layout, (qspec, kvspec, kvspec, rows, P(), P(*rows, None), P(), P(), P()) + tuple(specs),
-                    (P(qspec[0], None, *qspec[1:]),) + tuple(specs))
+        rows = P(qspec[0])  # positions and block tables follow the batch rows
+        fn = _local(
+            run,
+            layout,
+            (qspec, kvspec, kvspec, rows, P(), P(*rows, None), P(), P(), P()) + tuple(specs),
+            (P(qspec[0], None, *qspec[1:]),) + tuple(specs),
+        )
         got = fn(*args)
     new = layer_cache.with_arrays(dict(zip(names, got[1:]))) if k is not None else layer_cache
     return got[0], new
@@ -335,9 +369,18 @@ def add_norm(x, y, post, pre, eps: float, offset: float, h_into=None):
     def run(x, parts, sc, si, pw, pi, qw, qi, *into):
         lead = x.shape[:-1]
         ys = parts.reshape((parts.shape[0], M, -1) if isinstance(y, Partials) else (M, -1))
-        xo, h = residual_norm(x.reshape(M, -1), ys, (sc, si), (pw, pi), (qw, qi), eps=eps, offset=offset,
-                              h_into=into[0].reshape(M, -1) if into else None)
+        xo, h = residual_norm(
+            x.reshape(M, -1),
+            ys,
+            (sc, si),
+            (pw, pi),
+            (qw, qi),
+            eps=eps,
+            offset=offset,
+            h_into=into[0].reshape(M, -1) if into else None,
+        )
         return xo.reshape(x.shape), h.reshape(lead + h.shape[-1:])
+
     into = () if h_into is None or h_into.shape != x.shape or h_into.dtype != x.dtype else (h_into,)
     args = (x, parts, sc, si, pw, pi, qw, qi) + into
     if layout is None or layout.mesh.size == 1:
@@ -360,9 +403,16 @@ def output_head(h, table, tied: bool):
     lead = h.shape[:-1]
 
     def run(h, q, *sc):
-        y = stacked_matmuls(h.reshape(-1, h.shape[-1]), [(q[None], sc[0][None] if sc else None)], 0,
-                            out_major=tied, out_dtype=jax.numpy.float32, log_as="output head")[0]
+        y = stacked_matmuls(
+            h.reshape(-1, h.shape[-1]),
+            [(q[None], sc[0][None] if sc else None)],
+            0,
+            out_major=tied,
+            out_dtype=jax.numpy.float32,
+            log_as="output head",
+        )[0]
         return y.reshape(lead + y.shape[-1:])
+
     args = (h, q) + (() if scale is None else (scale,))
     layout = current_layout()
     if layout is None or layout.mesh.size == 1:

@@ -9,6 +9,7 @@ jaxpr per kernel and shape, the module lowered for that jaxpr is kept and handed
 `install()` wraps JAX's `lower_jaxpr_to_triton_module`; where this JAX has no such function it
 installs nothing and returns False (every lowering then runs as before).
 """
+
 from __future__ import annotations
 
 import threading
@@ -16,7 +17,7 @@ import threading
 _installed: bool | None = None
 _lock = threading.Lock()
 _modules: dict = {}
-_original = None              # JAX's own lowering
+_original = None  # JAX's own lowering
 
 
 def install() -> bool:
@@ -25,6 +26,7 @@ def install() -> bool:
         return _installed
     try:
         from jax._src.pallas.triton import lowering as tl
+
         orig = tl.lower_jaxpr_to_triton_module
     except (ImportError, AttributeError):
         _installed = False
@@ -45,6 +47,7 @@ def install() -> bool:
         with _lock:
             _modules[key] = (jaxpr, grid_mapping, result)
         return result
+
     lower._jaxllm_kept = True
     _original = orig
     tl.lower_jaxpr_to_triton_module = lower

@@ -18,6 +18,7 @@ projections streamed 1.2-1.3x faster inside the decode step that way.
 The second is a gated MLP's input half in one pass over x: both weights' tiles of a column block
 are read by the same program and only the gated product is written.
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,22 +35,25 @@ from jaxllm.ops.gpu import widen as widening
 
 @dataclass(frozen=True)
 class Tiles:
-    bm: int          # rows per block; 1 = a vector product reduced in registers, else tensor-core dots
-    bn: int          # output columns per block
-    bk: int          # contraction step
-    split: int = 1   # blocks along K, each writing a float32 partial that XLA sums
+    bm: int  # rows per block; 1 = a vector product reduced in registers, else tensor-core dots
+    bn: int  # output columns per block
+    bk: int  # contraction step
+    split: int = 1  # blocks along K, each writing a float32 partial that XLA sums
     warps: int = 4
     stages: int = 3
     out_major: bool = False  # the weight stack is [L, N, K] rather than [L, K, N]
-    fold: int = 0    # bm=1, out-major: sum each run of `fold` inputs within a thread every step
-    widen: str = "convert"   # how int8 weights reach the tensor cores (bm > 1), see `widen`
-    weights_first: bool = False   # out-major, bm > 1: the dot is w [bn, bk] x x^T, the weights its left operand
+    fold: int = 0  # bm=1, out-major: sum each run of `fold` inputs within a thread every step
+    widen: str = "convert"  # how int8 weights reach the tensor cores (bm > 1), see `widen`
+    weights_first: bool = False  # out-major, bm > 1: the dot is w [bn, bk] x x^T, the weights its left operand
 
     def label(self) -> str:
-        return (f"pallas bm={self.bm} bn={self.bn} bk={self.bk} split={self.split} warps={self.warps}"
-                + (f" fold={self.fold}" if self.fold else "") + (" out-major" if self.out_major else "")
-                + (f" widen={self.widen}" if self.bm > 1 and self.widen != "convert" else "")
-                + (" weights-first" if self.weights_first else ""))
+        return (
+            f"pallas bm={self.bm} bn={self.bn} bk={self.bk} split={self.split} warps={self.warps}"
+            + (f" fold={self.fold}" if self.fold else "")
+            + (" out-major" if self.out_major else "")
+            + (f" widen={self.widen}" if self.bm > 1 and self.widen != "convert" else "")
+            + (" weights-first" if self.weights_first else "")
+        )
 
 
 @dataclass(frozen=True)
@@ -58,25 +62,38 @@ class RowNorm:
     (offset + w[idx]) in float32, rounded to x's dtype as `layers.rms_norm` does (a program that
     sees a whole row applies the rsqrt to its sums instead, unrounded). w is a weight [K] or a
     stack [L, K] (None: no weight)."""
+
     w: jax.Array | None
     idx: jax.Array | int
     eps: float
     offset: float = 0.0
 
 
-SMS = 132             # H100/H200 multiprocessors: the grid should cover them a few times
+SMS = 132  # H100/H200 multiprocessors: the grid should cover them a few times
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-SMEM = 200 * 1024     # of the 227 KiB a block may use on H100/H200, leaving Triton some room
+SMEM = 200 * 1024  # of the 227 KiB a block may use on H100/H200, leaving Triton some room
 
 
-def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, *, bn=None, bk=None,
-                 warps=None, out_major: bool = False, outputs: int = 1, psum_after: bool = False,
-                 widen: str | None = None) -> Tiles:
+def choose_tiles(
+    M: int,
+    K: int,
+    N: int,
+    gated: bool = False,
+    w_bytes: int = 1,
+    *,
+    bn=None,
+    bk=None,
+    warps=None,
+    out_major: bool = False,
+    outputs: int = 1,
+    psum_after: bool = False,
+    widen: str | None = None,
+) -> Tiles:
     """Blocks for an [M, K] x [K, N] product (N summed over the weights of a fused call).
 
     M=1 is a vector product: each thread multiplies its part of a weight tile into a float32
@@ -150,7 +167,7 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, 
             # against 4903 / 4909, Gemma 4 31B on one H200 1546 against 1494 / 1495.
             bn_, warps_ = 64, 4
         elif bm >= 32 and out_major and "H200" in device_kind():
-            warps_ = 4      # Gemma 4 31B batch 64 on one H200: 1453-1457 tok/s against 1409-1413
+            warps_ = 4  # Gemma 4 31B batch 64 on one H200: 1453-1457 tok/s against 1409-1413
         if bm == 16 and out_major:
             # More, smaller blocks of 4 warps: 64 channels for a projection, or 32 where 64 (split
             # in 4) would not cover the GPU twice, and 32 for the (unsplit) gated product.
@@ -160,8 +177,15 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, 
             # (16: 1990).
             bn_, warps_ = 64 if not gated and -(-N // 64) * 4 >= 2 * SMS else 32, 4
     target = 3 * SMS if out_major and M == 1 else 4 * SMS
-    if (out_major and M == 1 and psum_after and outputs == 1 and bn is None
-            and -(-N // bn_) < target and -(-N // 8) >= 2 * SMS):
+    if (
+        out_major
+        and M == 1
+        and psum_after
+        and outputs == 1
+        and bn is None
+        and -(-N // bn_) < target
+        and -(-N // 8) >= 2 * SMS
+    ):
         bn_ = 8
     bn, bk, warps = bn or bn_, bk or bk_, warps or warps_
     blocks = -(-M // bm) * -(-N // bn)
@@ -169,21 +193,37 @@ def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, 
     # Partials cost M*N*4 bytes each. A gated product over 16- or 32-row tiles is not split:
     # summing its partials is an XLA kernel of its own (Qwen3-4B batch 8 on one H100: 2108-2114
     # tok/s unsplit, 2074-2092 split in 4).
-    max_split = ((4 if gated else 16) if M == 1 else 1 if gated and (bm <= 16 or (out_major and bm == 32)
-                                                                        or weights_first)
-                 else 4 if M <= 64 else 2)
+    max_split = (
+        (4 if gated else 16)
+        if M == 1
+        else 1
+        if gated and (bm <= 16 or (out_major and bm == 32) or weights_first)
+        else 4
+        if M <= 64
+        else 2
+    )
     if bn == 8 and psum_after and out_major and M == 1:
-        target = blocks     # the narrow blocks stand in for the split
+        target = blocks  # the narrow blocks stand in for the split
     if out_major and M == 1 and outputs > 1 and blocks >= 2 * SMS:
-        target = blocks     # no split: the partials' sums would be a kernel per output
+        target = blocks  # no split: the partials' sums would be a kernel per output
     while split < max_split and blocks * split < target and K >= 2 * split * bk:
         split *= 2
     stages, n_w = 3, 2 if gated else 1
     while stages > 1 and stages * bk * (bm * 2 + n_w * bn * w_bytes) > SMEM:  # pipelined tiles
         stages -= 1
     fold = 16 if out_major and bm == 1 and bk % 16 == 0 else 0
-    return Tiles(bm=bm, bn=bn, bk=bk, split=split, warps=warps, stages=stages, out_major=out_major,
-                 fold=fold, widen=widen or widening.default(), weights_first=weights_first)
+    return Tiles(
+        bm=bm,
+        bn=bn,
+        bk=bk,
+        split=split,
+        warps=warps,
+        stages=stages,
+        out_major=out_major,
+        fold=fold,
+        widen=widen or widening.default(),
+        weights_first=weights_first,
+    )
 
 
 def _load_x(x_ref, i, k0, t: Tiles, M, K):
@@ -191,8 +231,9 @@ def _load_x(x_ref, i, k0, t: Tiles, M, K):
     if t.bm == 1:
         return plgpu.load(x_ref.at[i, pl.ds(k0, t.bk)], mask=ks < K, other=0.0)
     rows = i * t.bm + jnp.arange(t.bm)
-    return plgpu.load(x_ref.at[pl.ds(i * t.bm, t.bm), pl.ds(k0, t.bk)],
-                      mask=(rows < M)[:, None] & (ks < K)[None, :], other=0.0)
+    return plgpu.load(
+        x_ref.at[pl.ds(i * t.bm, t.bm), pl.ds(k0, t.bk)], mask=(rows < M)[:, None] & (ks < K)[None, :], other=0.0
+    )
 
 
 def _load_w(w_ref, layer, j, k0, t: Tiles, K, N):
@@ -200,14 +241,18 @@ def _load_w(w_ref, layer, j, k0, t: Tiles, K, N):
     ks = k0 + jnp.arange(t.bk)
     cols = j * t.bn + jnp.arange(t.bn)
     if t.out_major:
-        return plgpu.load(w_ref.at[layer, pl.ds(j * t.bn, t.bn), pl.ds(k0, t.bk)],
-                          mask=(cols < N)[:, None] & (ks < K)[None, :], other=0)
-    return plgpu.load(w_ref.at[layer, pl.ds(k0, t.bk), pl.ds(j * t.bn, t.bn)],
-                      mask=(ks < K)[:, None] & (cols < N)[None, :], other=0)
+        return plgpu.load(
+            w_ref.at[layer, pl.ds(j * t.bn, t.bn), pl.ds(k0, t.bk)],
+            mask=(cols < N)[:, None] & (ks < K)[None, :],
+            other=0,
+        )
+    return plgpu.load(
+        w_ref.at[layer, pl.ds(k0, t.bk), pl.ds(j * t.bn, t.bn)], mask=(ks < K)[:, None] & (cols < N)[None, :], other=0
+    )
 
 
 def _product(x, w, t: Tiles):
-    if t.bm == 1:                  # elementwise; runs of `fold` inputs summed within the thread
+    if t.bm == 1:  # elementwise; runs of `fold` inputs summed within the thread
         xf = x.astype(jnp.float32)
         p = widening.widen(w, jnp.float32, "magic") * (xf[None, :] if t.out_major else xf[:, None])
         if t.fold and t.out_major:
@@ -215,10 +260,20 @@ def _product(x, w, t: Tiles):
         return p
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     if t.weights_first:
-        return jax.lax.dot_general(widening.widen(w, x.dtype, t.widen), x, (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32, precision=precision)
-    return jax.lax.dot_general(x, widening.widen(w, x.dtype, t.widen), (((1,), (1 if t.out_major else 0,)), ((), ())),
-                               preferred_element_type=jnp.float32, precision=precision)
+        return jax.lax.dot_general(
+            widening.widen(w, x.dtype, t.widen),
+            x,
+            (((1,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32,
+            precision=precision,
+        )
+    return jax.lax.dot_general(
+        x,
+        widening.widen(w, x.dtype, t.widen),
+        (((1,), (1 if t.out_major else 0,)), ((), ())),
+        preferred_element_type=jnp.float32,
+        precision=precision,
+    )
 
 
 def _x_loader(x_ref, i, t: Tiles, M, K, norm=None):
@@ -228,8 +283,10 @@ def _x_loader(x_ref, i, t: Tiles, M, K, norm=None):
     returns (x times the norm weight, x squared) and the sums are scaled by finish(summed squares)
     at the end, the norm being linear in x. Otherwise the mean square is summed over all of K first
     (the row is a few kilobytes, read again from the cache) and finish is None."""
+
     def plain(k0):
         return _load_x(x_ref, i, k0, t, M, K)
+
     if norm is None:
         return plain, None
     w_ref, idx, eps, offset = norm
@@ -240,14 +297,17 @@ def _x_loader(x_ref, i, t: Tiles, M, K, norm=None):
         return offset + (w if t.bm == 1 else w[None, :])
 
     if t.bm == 1 and t.split == 1:
+
         def weighted(k0):
             x = plain(k0).astype(jnp.float32)
             return (x if w_ref is None else x * weight(k0)), x * x
+
         return weighted, lambda sq: jax.lax.rsqrt(jnp.sum(sq) / K + eps)
 
     def squares(n, acc):
         x = plain(n * t.bk).astype(jnp.float32)
         return acc + x * x
+
     acc = jnp.zeros((t.bk,) if t.bm == 1 else (t.bm, t.bk), jnp.float32)
     inv = jax.lax.rsqrt(jnp.sum(jax.lax.fori_loop(0, -(-K // t.bk), squares, acc), axis=-1) / K + eps)
 
@@ -257,6 +317,7 @@ def _x_loader(x_ref, i, t: Tiles, M, K, norm=None):
         if w_ref is not None:
             y = y * weight(k0)
         return y.astype(x.dtype)
+
     return normed, None
 
 
@@ -264,10 +325,15 @@ def _accumulate(loader, w_refs, layer, j, s, steps, t: Tiles, K, N):
     """[bm, bn] float32 sums over this program's K range for each weight in w_refs."""
     load_x, finish = loader
     k_lo = s * steps * t.bk
-    shape = (((t.bn, t.bk // (t.fold or 1)) if t.out_major else (t.bk, t.bn)) if t.bm == 1
-             else (t.bn, t.bm) if t.weights_first else (t.bm, t.bn))
+    shape = (
+        ((t.bn, t.bk // (t.fold or 1)) if t.out_major else (t.bk, t.bn))
+        if t.bm == 1
+        else (t.bn, t.bm)
+        if t.weights_first
+        else (t.bm, t.bn)
+    )
     acc = tuple(jnp.zeros(shape, jnp.float32) for _ in w_refs)
-    sq = () if finish is None else (jnp.zeros((t.bk,), jnp.float32),)   # the row's squares
+    sq = () if finish is None else (jnp.zeros((t.bk,), jnp.float32),)  # the row's squares
 
     def body(n, carry):
         acc, sq = carry
@@ -277,6 +343,7 @@ def _accumulate(loader, w_refs, layer, j, s, steps, t: Tiles, K, N):
             x, x2 = x
             sq = (sq[0] + x2,)
         return tuple(a + _product(x, _load_w(w, layer, j, k0, t, K, N), t) for a, w in zip(acc, w_refs)), sq
+
     acc, sq = jax.lax.fori_loop(0, steps, body, (acc, sq))
     if t.bm == 1:
         acc = tuple(jnp.sum(a, axis=1 if t.out_major else 0)[None, :] for a in acc)
@@ -313,12 +380,12 @@ def _matmul_kernel(layer_ref, x_ref, *refs, t: Tiles, M, K, Ns, steps, scaled, n
         has_w, eps, offset = norm
         w_ref = refs[1] if has_w else None
         loader = _x_loader(x_ref, i, t, M, K, (w_ref, refs[0][0], eps, offset))
-        refs = refs[1 + has_w:]
+        refs = refs[1 + has_w :]
     else:
         loader = _x_loader(x_ref, i, t, M, K)
     n = len(Ns)
     w_refs, o_refs = refs[:n], refs[-n:]
-    s_refs = refs[n:2 * n] if scaled else (None,) * n
+    s_refs = refs[n : 2 * n] if scaled else (None,) * n
     layer = layer_ref[0]
     first = 0
     for w_ref, s_ref, o_ref, N in zip(w_refs, s_refs, o_refs, Ns):
@@ -331,6 +398,7 @@ def _matmul_kernel(layer_ref, x_ref, *refs, t: Tiles, M, K, Ns, steps, scaled, n
                 _store(o_ref, _scaled(acc, s_ref, layer, jj, t, N), i, jj, t, M, N)
             else:
                 _store(o_ref, acc, i, jj, t, M, N, split_index=s)
+
         first += nb
 
 
@@ -343,7 +411,7 @@ def _gated_kernel(layer_ref, x_ref, wg_ref, wu_ref, *rest, t: Tiles, M, K, N, st
         g = _scaled(g, sg_ref, layer, j, t, N)
         u = _scaled(u, su_ref, layer, j, t, N)
         _store(rest[-1], act(g) * u, i, j, t, M, N)
-    else:                                      # partial sums; XLA finishes the gate
+    else:  # partial sums; XLA finishes the gate
         _store(rest[-2], g, i, j, t, M, N, split_index=s)
         _store(rest[-1], u, i, j, t, M, N, split_index=s)
 
@@ -366,9 +434,18 @@ def _dims(w, out_major: bool):
     return K, N
 
 
-def stacked_matmuls(x, weights, layer, tiles: Tiles | None = None, out_major: bool = False,
-                    summed: bool = True, out_dtype=None, log_as: str = "matmul",
-                    norm: RowNorm | None = None, psum_after: bool = False) -> list:
+def stacked_matmuls(
+    x,
+    weights,
+    layer,
+    tiles: Tiles | None = None,
+    out_major: bool = False,
+    summed: bool = True,
+    out_dtype=None,
+    log_as: str = "matmul",
+    norm: RowNorm | None = None,
+    psum_after: bool = False,
+) -> list:
     """[x @ w[layer] * scale[layer] for (w [L, K, N_i], scale [L, N_i] | None) in weights], in one
     kernel launch (e.g. the Q, K and V projections of a layer); w is [L, N_i, K] when out_major.
     The outputs are x's dtype unless `out_dtype` says otherwise; the tile choice is logged as
@@ -383,26 +460,35 @@ def stacked_matmuls(x, weights, layer, tiles: Tiles | None = None, out_major: bo
         assert _dims(w, out_major)[0] == K, (x.shape, w.shape, out_major)
     scaled = weights[0][1] is not None
     assert all((sc is not None) == scaled for _, sc in weights)
-    t = tiles or choose_tiles(M, K, sum(Ns), w_bytes=weights[0][0].dtype.itemsize, out_major=out_major,
-                              outputs=len(Ns), psum_after=psum_after)
+    t = tiles or choose_tiles(
+        M, K, sum(Ns), w_bytes=weights[0][0].dtype.itemsize, out_major=out_major, outputs=len(Ns), psum_after=psum_after
+    )
     assert t.out_major == out_major, (t, out_major)
-    note(log_as, (M, K, "+".join(map(str, Ns)), str(weights[0][0].dtype)),
-         t.label() + (" rms-norm" if norm is not None else ""))
+    note(
+        log_as,
+        (M, K, "+".join(map(str, Ns)), str(weights[0][0].dtype)),
+        t.label() + (" rms-norm" if norm is not None else ""),
+    )
     steps = -(-K // (t.bk * t.split))
     grid = (-(-M // t.bm), sum(-(-N // t.bn) for N in Ns), t.split)
-    out_shape = [jax.ShapeDtypeStruct((M, N), out_dtype) if t.split == 1
-                 else jax.ShapeDtypeStruct((t.split, M, N), jnp.float32) for N in Ns]
+    out_shape = [
+        jax.ShapeDtypeStruct((M, N), out_dtype) if t.split == 1 else jax.ShapeDtypeStruct((t.split, M, N), jnp.float32)
+        for N in Ns
+    ]
     normed, norm_args = None, ()
     if norm is not None:
         normed = (norm.w is not None, norm.eps, norm.offset)
         norm_args = (jnp.reshape(norm.idx, (1,)).astype(jnp.int32),) + (
-            () if norm.w is None else (norm.w if norm.w.ndim == 2 else norm.w[None],))
-    kernel = functools.partial(_matmul_kernel, t=t, M=M, K=K, Ns=tuple(Ns), steps=steps, scaled=scaled,
-                               norm=normed)
-    args = ((jnp.reshape(layer, (1,)).astype(jnp.int32), x) + norm_args + tuple(w for w, _ in weights)
-            + (tuple(sc for _, sc in weights) if scaled else ()))
-    outs = pallas_call(kernel, out_shape=out_shape, grid=grid, compiler_params=_params(t),
-                       name="stacked_matmul")(*args)
+            () if norm.w is None else (norm.w if norm.w.ndim == 2 else norm.w[None],)
+        )
+    kernel = functools.partial(_matmul_kernel, t=t, M=M, K=K, Ns=tuple(Ns), steps=steps, scaled=scaled, norm=normed)
+    args = (
+        (jnp.reshape(layer, (1,)).astype(jnp.int32), x)
+        + norm_args
+        + tuple(w for w, _ in weights)
+        + (tuple(sc for _, sc in weights) if scaled else ())
+    )
+    outs = pallas_call(kernel, out_shape=out_shape, grid=grid, compiler_params=_params(t), name="stacked_matmul")(*args)
     if t.split == 1 or not summed:
         return list(outs)
     res = []
@@ -438,8 +524,7 @@ def stacked_gated(x, gate, up, layer, act, tiles: Tiles | None = None, out_major
         out_shape = jax.ShapeDtypeStruct((M, N), x.dtype)
     else:
         out_shape = [jax.ShapeDtypeStruct((t.split, M, N), jnp.float32)] * 2
-    out = pallas_call(kernel, out_shape=out_shape, grid=grid, compiler_params=_params(t),
-                      name="stacked_gated")(*args)
+    out = pallas_call(kernel, out_shape=out_shape, grid=grid, compiler_params=_params(t), name="stacked_gated")(*args)
     if t.split == 1:
         return out
     g, u = out[0].sum(axis=0), out[1].sum(axis=0)

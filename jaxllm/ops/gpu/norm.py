@@ -9,6 +9,7 @@ also sums the partials there. Here one program takes one row whole: it sums the 
 and applies the matmul's per-channel scale itself, rounding each stage to the compute dtype as the
 XLA path does. Norm weights and scales may be layer stacks, read in place at their index.
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,7 +25,7 @@ from jaxllm.ops.gpu.matmul import _pow2
 
 def _kernel(*refs, names, D, split, eps, offset):
     r = dict(zip(names, refs))
-    xo_ref, h_ref = refs[len(names):]
+    xo_ref, h_ref = refs[len(names) :]
     i = pl.program_id(0)
     dp = _pow2(D)
     dm = jnp.arange(dp) < D
@@ -43,7 +44,7 @@ def _kernel(*refs, names, D, split, eps, offset):
         return (v * inv * (offset + w[name])).astype(dt).astype(jnp.float32)
 
     y = sum(ys) * w["scale"] if "scale" in w else sum(ys)
-    y = y.astype(dt).astype(jnp.float32)          # the matmul's output, as it would have stored it
+    y = y.astype(dt).astype(jnp.float32)  # the matmul's output, as it would have stored it
     if "post" in w:
         y = norm(y, "post")
     x = (x + y).astype(dt)
@@ -64,7 +65,7 @@ def residual_norm(x, y, scale, post, pre, *, eps: float, offset: float = 0.0, h_
         if w is not None:
             ins[name] = w if w.ndim == 2 else w[None]
             ins[name + "_idx"] = jnp.reshape(idx, (1,)).astype(jnp.int32)
-    aliases = {0: 0}                     # each program reads its row whole before writing it
+    aliases = {0: 0}  # each program reads its row whole before writing it
     if h_into is not None:
         assert h_into.shape == x.shape and h_into.dtype == x.dtype, (h_into.shape, x.shape)
         aliases[len(ins)] = 1
@@ -72,6 +73,11 @@ def residual_norm(x, y, scale, post, pre, *, eps: float, offset: float = 0.0, h_
     note("residual norm", (M, D, split or "-", str(x.dtype)), "pallas")
     kernel = functools.partial(_kernel, names=tuple(ins), D=D, split=split, eps=eps, offset=offset)
     out = jax.ShapeDtypeStruct((M, D), x.dtype)
-    return pallas_call(kernel, out_shape=(out, out), grid=(M,), input_output_aliases=aliases,
-                       compiler_params=plgpu.CompilerParams(num_warps=8 if _pow2(D) >= 4096 else 4, num_stages=1),
-                       name="residual_norm")(*ins.values())
+    return pallas_call(
+        kernel,
+        out_shape=(out, out),
+        grid=(M,),
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=8 if _pow2(D) >= 4096 else 4, num_stages=1),
+        name="residual_norm",
+    )(*ins.values())

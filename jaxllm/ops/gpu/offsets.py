@@ -14,6 +14,7 @@ it already does for every array over 4 GiB. Where this JAX's lowering is not lai
 it installs nothing and returns False; `check()` then refuses, by name, any operand the 32-bit
 offsets cannot address.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,13 +25,13 @@ import numpy as np
 
 from jaxllm.errors import ModelError
 
-LIMIT = 2 ** 31        # elements a signed 32-bit offset addresses
+LIMIT = 2**31  # elements a signed 32-bit offset addresses
 _installed: bool | None = None
 
 
 def _needs_wide(shape, dtype) -> bool:
     n = math.prod(shape)
-    return n >= LIMIT and n * np.dtype(dtype).itemsize <= 2 ** 32
+    return n >= LIMIT and n * np.dtype(dtype).itemsize <= 2**32
 
 
 def install() -> bool:
@@ -41,6 +42,7 @@ def install() -> bool:
         return _installed
     try:
         from jax._src.pallas.triton import lowering as tl
+
         orig = tl._compute_offsets_from_indices
         fields = {f.name for f in dataclasses.fields(tl.BlockInfo)}
     except (ImportError, AttributeError, TypeError):
@@ -54,9 +56,9 @@ def install() -> bool:
         sd = block_info.full_shape_dtype
         if _needs_wide(sd.shape, sd.dtype):
             # Its byte size decides the offset width: present it as 8-byte elements, over 2**32.
-            block_info = dataclasses.replace(
-                block_info, full_shape_dtype=jax.ShapeDtypeStruct(sd.shape, np.int64))
+            block_info = dataclasses.replace(block_info, full_shape_dtype=jax.ShapeDtypeStruct(sd.shape, np.int64))
         return orig(block_info, nd_indexer)
+
     offsets._jaxllm_wide = True
     tl._compute_offsets_from_indices = offsets
     _installed = True
@@ -72,4 +74,5 @@ def check(*arrays) -> None:
         if a is not None and hasattr(a, "shape") and _needs_wide(a.shape, a.dtype):
             raise ModelError(
                 f"a {a.dtype} array of shape {tuple(a.shape)} is too large for the Pallas kernels' "
-                f"32-bit offsets in this JAX version; run with JAXLLM_KERNELS=xla")
+                f"32-bit offsets in this JAX version; run with JAXLLM_KERNELS=xla"
+            )

@@ -15,6 +15,7 @@ A tile's block ids are scalar loads of the table (`tile_pages`) that its K/V loa
 loops (`fori`) issue them some tiles ahead and carry them, so that their latency is spent under
 earlier tiles' work rather than between a tile's address and its load.
 """
+
 from __future__ import annotations
 
 import jax
@@ -53,4 +54,5 @@ def fori(lo, hi, ids, ahead: int, body, init):
     def step(t, c):
         carry, queue = c
         return body(t, queue[0], carry), queue[1:] + (ids(t + ahead),)
+
     return jax.lax.fori_loop(lo, hi, step, (init, tuple(ids(lo + i) for i in range(ahead))))[0]

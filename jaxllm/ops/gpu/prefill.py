@@ -14,6 +14,7 @@ over the pool's blocks a read at a time) and a speculative verify's few tokens a
     prefill_attention(q [B, T, H, hd], pool {"k", "v"[, "k_scale", "v_scale"]}, layer, table [B, M],
                       positions [B, T]) -> [B, T, H, hd]
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,8 +33,8 @@ NEG = -1e30
 
 @dataclass(frozen=True)
 class Blocks:
-    bq: int           # queries a program
-    bk: int           # keys a step (a power of two; any page size)
+    bq: int  # queries a program
+    bk: int  # keys a step (a power of two; any page size)
     warps: int
     stages: int = 2
 
@@ -64,7 +65,7 @@ def _kernel(*refs, names, G, T, P, M, hd, blk: Blocks, n_q, scale, softcap, wind
     r = dict(zip(names, refs))
     o_ref = refs[len(names)]
     b, h = pl.program_id(0), pl.program_id(1)
-    i = n_q - 1 - pl.program_id(2)            # the blocks that see the most keys first
+    i = n_q - 1 - pl.program_id(2)  # the blocks that see the most keys first
     bq, bk = blk.bq, blk.bk
     hdp = _pow2(max(hd, 16))
     layer, kvh = r["layer"][0], h // G
@@ -73,8 +74,7 @@ def _kernel(*refs, names, G, T, P, M, hd, blk: Blocks, n_q, scale, softcap, wind
     dmask = jnp.arange(hdp) < hd
     cols = jnp.arange(hdp)[None, :]
     qp = plgpu.load(r["pos"].at[b, pl.ds(i * bq, bq)], mask=rmask, other=-1)
-    q = plgpu.load(r["q"].at[b, pl.ds(i * bq, bq), h, pl.ds(0, hdp)], mask=rmask[:, None] & dmask[None, :],
-                   other=0.0)
+    q = plgpu.load(r["q"].at[b, pl.ds(i * bq, bq), h, pl.ds(0, hdp)], mask=rmask[:, None] & dmask[None, :], other=0.0)
     dt = q.dtype
     # the positions any of this block's queries can see, [first, last], and their tiles
     last = jnp.max(qp)
@@ -88,7 +88,7 @@ def _kernel(*refs, names, G, T, P, M, hd, blk: Blocks, n_q, scale, softcap, wind
     def step(t, blocks, carry):
         acc, m, l = carry
         si = t * bk + jnp.arange(bk)
-        seen = (si >= first) & (si <= last)              # no query of the block sees the others
+        seen = (si >= first) & (si <= last)  # no query of the block sees the others
         # a tile within one page is a slice of consecutive pool rows (loads vectorized along the
         # head, as a contiguous cache's); over several pages, a gather of their rows
         at = pl.ds(blocks[0] * P + (t * bk) % P, bk) if bk <= P else pages.tile_rows(blocks, t, bs=bk, P=P)
@@ -99,8 +99,9 @@ def _kernel(*refs, names, G, T, P, M, hd, blk: Blocks, n_q, scale, softcap, wind
         else:
             kb = plgpu.load(r["k"].at[layer, at[:, None], kvh, cols], mask=kvmask, other=0)
             vb = plgpu.load(r["v"].at[layer, at[:, None], kvh, cols], mask=kvmask, other=0)
-        s = jax.lax.dot_general(q, kb.astype(dt), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                                precision=precision)
+        s = jax.lax.dot_general(
+            q, kb.astype(dt), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
+        )
         if int8:
             s = s * plgpu.load(r["k_scale"].at[layer, at, kvh], mask=seen, other=0.0)[None, :]
         s = s * scale
@@ -114,23 +115,29 @@ def _kernel(*refs, names, G, T, P, M, hd, blk: Blocks, n_q, scale, softcap, wind
         corr = jnp.exp(m - m_new)
         p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)
         l = l * corr + jnp.sum(p, axis=1)
-        if int8:                                          # V's scales folded into the probabilities
+        if int8:  # V's scales folded into the probabilities
             p = p * plgpu.load(r["v_scale"].at[layer, at, kvh], mask=seen, other=0.0)[None, :]
         acc = acc * corr[:, None] + jax.lax.dot_general(
-            p.astype(dt), vb.astype(dt), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
-            precision=precision)
+            p.astype(dt),
+            vb.astype(dt),
+            (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+            precision=precision,
+        )
         return acc, m_new, l
 
     init = (jnp.zeros((bq, hdp), jnp.float32), jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32))
     ids = functools.partial(pages.tile_pages, r["table"], b, bs=bk, P=P, M=M)
     acc, _, l = pages.fori(lo, jnp.maximum(hi, lo), ids, 2, step, init)
-    out = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)   # 0: no key to read
-    plgpu.store(o_ref.at[b, pl.ds(i * bq, bq), h, pl.ds(0, hdp)], out.astype(o_ref.dtype),
-                mask=rmask[:, None] & dmask[None, :])
+    out = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)  # 0: no key to read
+    plgpu.store(
+        o_ref.at[b, pl.ds(i * bq, bq), h, pl.ds(0, hdp)], out.astype(o_ref.dtype), mask=rmask[:, None] & dmask[None, :]
+    )
 
 
-def prefill_attention(q, pool: dict, layer, table, positions, *, scale: float, softcap=None, window=None,
-                      blocks: Blocks | None = None):
+def prefill_attention(
+    q, pool: dict, layer, table, positions, *, scale: float, softcap=None, window=None, blocks: Blocks | None = None
+):
     """q [B, T, H, hd] at `positions` [B, T] over layer `layer` of a kind's pool, `pool` its arrays
     (k, v [L, N, P, K, hd]; k_scale, v_scale [L, N, P, K] where int8), through the rows' block
     table table [B, M], read in place -> [B, T, H, hd] in q's dtype."""
@@ -143,11 +150,32 @@ def prefill_attention(q, pool: dict, layer, table, positions, *, scale: float, s
     n_q = pl.cdiv(T, blk.bq)
     note("prefill attention", (B, T, H, K, M * P, hd, str(pool["v"].dtype)), blk.label() + f" page={P}")
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    ins = {"layer": jnp.reshape(layer, (1,)).astype(jnp.int32), "pos": positions.astype(jnp.int32),
-           "table": table.astype(jnp.int32), "q": q}
+    ins = {
+        "layer": jnp.reshape(layer, (1,)).astype(jnp.int32),
+        "pos": positions.astype(jnp.int32),
+        "table": table.astype(jnp.int32),
+        "q": q,
+    }
     ins.update({name: pages.flat(pool[name]) for name in ("k", "v", "k_scale", "v_scale") if name in pool})
-    kernel = functools.partial(_kernel, names=tuple(ins), G=H // K, T=T, P=P, M=M, hd=hd, blk=blk, n_q=n_q,
-                               scale=scale, softcap=softcap, window=window, precision=precision)
-    return pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(B, H, n_q),
-                       compiler_params=plgpu.CompilerParams(num_warps=blk.warps, num_stages=blk.stages),
-                       name="prefill_attention")(*ins.values())
+    kernel = functools.partial(
+        _kernel,
+        names=tuple(ins),
+        G=H // K,
+        T=T,
+        P=P,
+        M=M,
+        hd=hd,
+        blk=blk,
+        n_q=n_q,
+        scale=scale,
+        softcap=softcap,
+        window=window,
+        precision=precision,
+    )
+    return pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(B, H, n_q),
+        compiler_params=plgpu.CompilerParams(num_warps=blk.warps, num_stages=blk.stages),
+        name="prefill_attention",
+    )(*ins.values())

@@ -3,6 +3,7 @@ layer stacks read in place by the kernels (`Stacked`), output-major weights (`Ou
 matmul's unsummed K-split partial products (`Partials`) and a norm left for the next matmul to
 apply as it loads its rows (`Normed`). `PallasOps` hands them from one kernel to the next and
 turns them into arrays (`total`, `value`, `layer_of`) wherever XLA takes over."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ class OutMajor:
     """A layer-stacked matmul weight stored with its output dims before its contracted ones,
     `[L, *out, *in]` (a QuantArray's values so; its scales `[L, *out]` as always), which the GPU
     matmul kernels read fastest (see `ops.gpu.weights`); `PallasOps.layer_weights` hands it on as a `Stacked` view."""
+
     w: object
     n_contract: int = pytree.static(1)
 
@@ -26,9 +28,10 @@ class OutMajor:
 class Stacked:
     """Layer `idx` of a layer-stacked weight (an array or QuantArray with the layer axis first),
     left unsliced so that a kernel can read the layer in place; `layer()` slices it for XLA."""
+
     stack: object
     idx: jax.Array
-    name: str = ""          # the weight's name in its layer ("q", "down", ...): its logical axes
+    name: str = ""  # the weight's name in its layer ("q", "down", ...): its logical axes
     out_major: bool = False  # the stack is laid out as an `OutMajor` weight's
 
     def layer(self):
@@ -41,6 +44,7 @@ class Partials:
     `[split, ..., N]` not yet summed, nor scaled by the per-channel `scale` ([N], a `Stacked` view
     of a stack [L, N], or None), nor cast to
     `dtype`; a kernel downstream can take them as they are, anything else calls `total()`."""
+
     parts: jax.Array
     scale: jax.Array | None
     dtype: object
@@ -60,6 +64,7 @@ class Normed:
     """`rms_norm(x, w, eps, offset)` not yet computed: a matmul kernel that takes it normalizes x's
     rows as it loads them, so the norm needs no kernels of its own; anything else calls `value()`.
     `w` is [D], a `Stacked` view of a stack [L, D], or None (no weight)."""
+
     x: jax.Array
     w: object
     eps: float

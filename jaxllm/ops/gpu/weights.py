@@ -7,6 +7,7 @@ docs/benchmarks.md has the measurements). `out_major` transposes
 those stacks once, after loading (`PallasOps.prepare_weights`); wherever XLA multiplies them instead (a
 prefill) the backend contracts them the other way round, so nothing else changes.
 """
+
 from __future__ import annotations
 
 import jax
@@ -20,8 +21,8 @@ from jaxllm.ops.gpu.dispatch import AXES
 from jaxllm.ops.gpu.types import OutMajor
 from jaxllm.quant import QuantArray
 
-CONTRACTED = {"o": 2}       # contracted dims of each layer weight the kernels take (the rest: 1)
-NAMES = tuple(AXES)         # the layer weights laid out output-major
+CONTRACTED = {"o": 2}  # contracted dims of each layer weight the kernels take (the rest: 1)
+NAMES = tuple(AXES)  # the layer weights laid out output-major
 
 
 def _transpose(a, n_contract: int, donate: bool):
@@ -33,8 +34,7 @@ def _transpose(a, n_contract: int, donate: bool):
     if isinstance(sharding, NamedSharding):
         spec = tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec))
         out = NamedSharding(sharding.mesh, P(*(spec[i] for i in perm)))
-    return jax.jit(lambda x: jnp.transpose(x, perm), out_shardings=out,
-                   donate_argnums=(0,) if donate else ()).lower(a)
+    return jax.jit(lambda x: jnp.transpose(x, perm), out_shardings=out, donate_argnums=(0,) if donate else ()).lower(a)
 
 
 def _stack(name: str, w):

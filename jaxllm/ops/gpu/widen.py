@@ -21,6 +21,7 @@ batch-1 matmul, so that each way can be timed inside the whole decode step.
 `scripts/attention_bench.py --widen` and `scripts/kernel_bench.py --widen` time them kernel by
 kernel.
 """
+
 from __future__ import annotations
 
 import jax
@@ -29,8 +30,8 @@ import jax.numpy as jnp
 from jaxllm.ops.gpu import widen_setting
 
 WAYS = ("convert", "magic", "bits")
-MAGIC = 0x4B400000     # the bits of 1.5 * 2**23: adding an int8 to them gives that float plus it
-BF16_128 = 0x4300      # the bits of bf16 128.0, whose spacing is 1
+MAGIC = 0x4B400000  # the bits of 1.5 * 2**23: adding an int8 to them gives that float plus it
+BF16_128 = 0x4300  # the bits of bf16 128.0, whose spacing is 1
 
 
 def default(fallback: str = "convert") -> str:
@@ -43,9 +44,9 @@ def widen(x, dtype, way: str):
     if x.dtype != jnp.int8 or way == "convert":
         return x.astype(dtype)
     if way == "bits" and jnp.dtype(dtype) == jnp.bfloat16:
-        v = x.astype(jnp.int16)              # sign-extended: bit 7 is the int8's sign bit
+        v = x.astype(jnp.int16)  # sign-extended: bit 7 is the int8's sign bit
         hi = jax.lax.bitcast_convert_type((v & 0x7F) | BF16_128, jnp.bfloat16)
         lo = jax.lax.bitcast_convert_type((v & 0x80) | BF16_128, jnp.bfloat16)
         return hi - lo
-    f = jax.lax.bitcast_convert_type(x.astype(jnp.int32) + MAGIC, jnp.float32) - jnp.float32(1.5 * 2 ** 23)
+    f = jax.lax.bitcast_convert_type(x.astype(jnp.int32) + MAGIC, jnp.float32) - jnp.float32(1.5 * 2**23)
     return f if jnp.dtype(dtype) == jnp.float32 else f.astype(dtype)

@@ -5,6 +5,7 @@ Every choice the backend makes (the kernel, or XLA for a shape the kernel does n
 is logged once per shape on the `jaxllm.kernels` logger and kept in `selections()`, so a run can
 say what it ran.
 """
+
 from __future__ import annotations
 
 import logging

@@ -8,6 +8,7 @@ its rows where the batch is split over "data". The pool's arrays reach the kerne
 device keeps them in memory (`device_order`), so the kernel reads them in place: handed a view in
 another order, XLA would copy the whole pool around every call.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,7 +35,7 @@ def device_order(shape, dtype, device) -> tuple[int, ...]:
     """The dimensions of an array of `shape` as `device` lays it out by default, major to minor."""
     try:
         pjrt = device.client.get_default_layout(jnp.dtype(dtype), tuple(shape), device)
-    except Exception:           # a client that does not say: row-major, as the CPU's
+    except Exception:  # a client that does not say: row-major, as the CPU's
         return tuple(range(len(shape)))
     return tuple(Layout.from_pjrt_layout(pjrt).major_to_minor)
 
@@ -60,6 +61,7 @@ def unsupported(q, pool) -> str | None:
 class TpuOps(XlaOps):
     """`interpret`: run the kernel in Pallas's TPU interpreter (`pltpu.InterpretParams()`), which
     simulates its DMAs and semaphores on a CPU: how the tests check it."""
+
     interpret: object = False
     name = "tpu"
 
@@ -83,8 +85,9 @@ class TpuOps(XlaOps):
             a = dict(zip(names, arrs))
             order = (lambda x: jnp.swapaxes(x, 2, 3)) if heads_major else (lambda x: x)
             pages = Pages(order(a["k"]), order(a["v"]), a.get("k_scale"), a.get("v_scale"), heads_major)
-            return paged_attention(q, pages, idx, table, pos, scale=scale, softcap=softcap, window=window,
-                                   interpret=self.interpret)
+            return paged_attention(
+                q, pages, idx, table, pos, scale=scale, softcap=softcap, window=window, interpret=self.interpret
+            )
 
         if layout is None:
             device, local = jax.devices()[0], pool.v.shape
@@ -106,5 +109,10 @@ class TpuOps(XlaOps):
             return body(*args)
         # under a mesh of one device too: Mosaic learns the device it compiles for from the mesh
         rows = P(qspec[0], None)
-        return jax.shard_map(body, mesh=layout.mesh, in_specs=(qspec, P(), rows, rows) + tuple(specs[n] for n in names),
-                             out_specs=qspec, check_vma=False)(*args)
+        return jax.shard_map(
+            body,
+            mesh=layout.mesh,
+            in_specs=(qspec, P(), rows, rows) + tuple(specs[n] for n in names),
+            out_specs=qspec,
+            check_vma=False,
+        )(*args)

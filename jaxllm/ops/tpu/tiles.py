@@ -7,16 +7,17 @@ A step of the kernel's loop reads `pages` KV blocks of every local KV head and m
 a tile of `rows` query rows (tokens x the query heads sharing a KV head): about 256 of each fills
 the MXU, while a decode step (one token a row) is bound by the blocks' bytes whatever its rows.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
 
-MXU = 256                       # a v6e MXU's width: query rows and KV positions a step aims for
-VMEM_BUDGET = 24 << 20          # what the tiles below may take of VMEM...
-VMEM_LIMIT = 48 << 20           # ...and what the kernel may allocate (Mosaic's own temporaries beside)
-SMEM_TABLES = 256 << 10         # block-table bytes one call keeps in SMEM (1 MiB on v4 and later)
+MXU = 256  # a v6e MXU's width: query rows and KV positions a step aims for
+VMEM_BUDGET = 24 << 20  # what the tiles below may take of VMEM...
+VMEM_LIMIT = 48 << 20  # ...and what the kernel may allocate (Mosaic's own temporaries beside)
+SMEM_TABLES = 256 << 10  # block-table bytes one call keeps in SMEM (1 MiB on v4 and later)
 
 
 def sublanes(dtype) -> int:
@@ -26,8 +27,8 @@ def sublanes(dtype) -> int:
 
 @dataclass(frozen=True)
 class Tiles:
-    tokens: int      # query tokens of a tile (its rows: tokens x query heads per KV head)
-    pages: int       # KV blocks a step reads into one of its two buffers
+    tokens: int  # query tokens of a tile (its rows: tokens x query heads per KV head)
+    pages: int  # KV blocks a step reads into one of its two buffers
 
     def vmem(self, K: int, G: int, hd: int, P: int, q_dtype, kv_dtype, int8: bool) -> int:
         """Bytes of VMEM the kernel's buffers take: the pipelined query and output tiles (two of
