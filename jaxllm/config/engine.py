@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from jaxllm.config.kv import KV_QUANT_MODES, KVOptions
+from jaxllm.config.model import CTX_CAP
 from jaxllm.config.runtime import KERNELS, LAYER_SCANS, WIDEN_ONCE, WIDENINGS, RuntimeConfig
 from jaxllm.errors import ModelError
 
 DTYPES = ("bfloat16", "float32")
 QUANTS = ("int8", "none")
 SPECULATIVE_METHODS = ("ngram", "draft")
-DEFAULT_CTX_CAP = 8192  # max_ctx unset: the model's trained length, at most this
 
 
 def _positive_integer(v) -> bool:
@@ -215,7 +215,7 @@ FLAGS: dict[str, Flag] = {
     ),
     "max_ctx": Flag(
         ("--max-ctx", "--max-model-len"),
-        f"the longest sequence, prompt and new tokens (default: the model's trained length, at most {DEFAULT_CTX_CAP})",
+        f"the longest sequence, prompt and new tokens (default: the model's trained length, at most {CTX_CAP})",
         type=positive_int,
         metavar="N",
     ),
