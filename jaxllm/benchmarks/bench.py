@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from jaxllm.benchmarks.records import default_out, int_list, note, subject_name
+from jaxllm.cli.common import add_sampling_args
 from jaxllm.config.engine import RUNTIME, SPECULATION, Parser, add_flags, from_args, settle
 from jaxllm.config.kv import KVOptions
 from jaxllm.engine.request import check_sampling
@@ -54,10 +55,7 @@ def build_parser() -> Parser:
     p.add_argument(
         "--rebuild-keys", action="store_true", help="global layers whose V is their K store V alone and rebuild keys"
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=0.0, help="decode sampling: 0 is greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
+    add_sampling_args(p)  # --seed draws the random weights too
     p.add_argument(
         "--out",
         default=None,

@@ -25,6 +25,15 @@ def add_engine_args(p: argparse.ArgumentParser, speculation: bool = True) -> Non
     distributed.add_args(p)
 
 
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """How the front ends that generate sample (`jaxllm.infer`, the bench's decode loop)."""
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
+    g.add_argument("--top-p", type=float, default=None, help="keep the most likely tokens holding this mass")
+    g.add_argument("--seed", type=int, default=0, help="row b of a batch samples with seed + b (default 0)")
+
+
 def load_engine(args, quiet: bool = False):
     """The engine the flags ask for; `args.load_s` gets the seconds loading took. On a terminal a
     line shows the load's progress, then each compile's."""

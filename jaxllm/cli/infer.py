@@ -6,7 +6,7 @@ import json
 import sys
 
 from jaxllm.cli import distributed
-from jaxllm.cli.common import add_engine_args, load_engine, one_line_errors
+from jaxllm.cli.common import add_engine_args, add_sampling_args, load_engine, one_line_errors
 from jaxllm.cli.perplexity import add_perplexity_args, check_perplexity_args, run_perplexity
 from jaxllm.config.engine import Parser, from_args, positive_int
 from jaxllm.engine.request import check_sampling
@@ -23,10 +23,7 @@ def build_parser() -> Parser:
     p.add_argument("--prompt-file", help="read one prompt from a file")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per sequence")
     p.add_argument("--batch", type=positive_int, default=None, help="lockstep batch size (prompts repeated)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0, help="row b of the batch samples with seed + b")
+    add_sampling_args(p)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     template = p.add_mutually_exclusive_group()
     template.add_argument(
