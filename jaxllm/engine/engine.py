@@ -6,7 +6,6 @@ import dataclasses
 import logging
 import time
 import warnings
-from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -21,13 +20,18 @@ from jaxllm.config.runtime import RuntimeConfig
 from jaxllm.engine import compilation_cache, core
 from jaxllm.engine.compilation_cache import Compiles, enable, executables_folder
 from jaxllm.engine.host import EngineCore, bucket, pad_rows
-from jaxllm.engine.outputs import Completion, token_logprobs
+from jaxllm.engine.outputs import Completion, GenerateStats, token_logprobs
 from jaxllm.engine.perplexity import perplexity
-from jaxllm.engine.request import Request, check_sampling, nth_seed
+from jaxllm.engine.request import (
+    Request,
+    check_logprobs,
+    check_penalties,
+    check_rules,
+    check_sampling,
+    check_seed,
+    nth_seed,
+)
 from jaxllm.engine.sampling import (
-    MAX_LOGIT_BIAS,
-    MAX_LOGPROBS,
-    MAX_STOP_TOKEN_IDS,
     Penalties,
     SamplingParams,
     TokenRules,
@@ -42,73 +46,6 @@ from jaxllm.model.sharding import single_device_layout
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 log = logging.getLogger("jaxllm")
-
-
-@dataclass
-class GenerateStats:
-    batch: int = 0
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    ttft_s: float = 0.0
-    decode_s: float = 0.0
-    steps: int = 0  # decode steps after the first token
-    compile_s: float = 0.0  # compiling the calls this run needed (not part of ttft_s or decode_s)
-    spec: dict | None = None  # speculation: verify cycles, tokens drafted and accepted, summed over rows
-
-    def spec_summary(self) -> str:
-        if not self.spec:
-            return ""
-        c, d, a = self.spec["cycles"], self.spec["drafted"], self.spec["accepted"]
-        return (
-            f"; speculation: {a}/{d} drafts accepted ({a / max(d, 1):.0%}), "
-            f"{(a + c) / max(c, 1):.2f} tokens a verify cycle"
-        )
-
-
-def check_logprobs(logprobs) -> int:
-    """-> the number of alternatives the core computes (0: none) for `logprobs` None or 0..20."""
-    if logprobs is None:
-        return 0
-    if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_LOGPROBS:
-        raise RequestError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {logprobs!r}")
-    return MAX_LOGPROBS  # one compiled variant for every count; rows take what they asked
-
-
-def check_seed(seed) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise RequestError(f"seed must be an integer, got {seed!r}")
-    return int(seed)
-
-
-def check_penalties(presence, frequency, repetition) -> tuple[float, float, float]:
-    for name, v in (
-        ("presence_penalty", presence),
-        ("frequency_penalty", frequency),
-        ("repetition_penalty", repetition),
-    ):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
-            raise RequestError(f"{name} must be a finite number, got {v!r}")
-    if repetition <= 0:
-        raise RequestError(f"repetition_penalty must be > 0, got {repetition!r}")
-    return float(presence), float(frequency), float(repetition)
-
-
-def check_rules(logit_bias, stop_token_ids, min_tokens, max_tokens: int, vocab: int):
-    """-> (logit_bias {id: bias}, stop token ids) checked (see `sampling.TokenRules`)."""
-    bias = dict(logit_bias or {})
-    stops = list(dict.fromkeys(stop_token_ids or []))
-    for t in [*bias, *stops]:
-        if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab:
-            raise RequestError(f"token ids in logit_bias and stop_token_ids must lie in [0, {vocab}), got {t!r}")
-    if len(bias) > MAX_LOGIT_BIAS or len(stops) > MAX_STOP_TOKEN_IDS:
-        raise RequestError(
-            f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens and stop_token_ids at most {MAX_STOP_TOKEN_IDS}"
-        )
-    if not all(isinstance(v, (int, float)) and np.isfinite(v) for v in bias.values()):
-        raise RequestError("logit_bias values must be finite numbers")
-    if not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_tokens:
-        raise RequestError(f"min_tokens must be an integer from 0 to max_tokens ({max_tokens}), got {min_tokens!r}")
-    return bias, stops
 
 
 class Engine:

@@ -38,3 +38,24 @@ def token_logprobs(lp, row: int, ids: list[int], top: int) -> list[TokenLogprob]
         )
         for i, t in enumerate(ids)
     ]
+
+
+@dataclass
+class GenerateStats:
+    batch: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    steps: int = 0  # decode steps after the first token
+    compile_s: float = 0.0  # compiling the calls this run needed (not part of ttft_s or decode_s)
+    spec: dict | None = None  # speculation: verify cycles, tokens drafted and accepted, summed over rows
+
+    def spec_summary(self) -> str:
+        if not self.spec:
+            return ""
+        c, d, a = self.spec["cycles"], self.spec["drafted"], self.spec["accepted"]
+        return (
+            f"; speculation: {a}/{d} drafts accepted ({a / max(d, 1):.0%}), "
+            f"{(a + c) / max(c, 1):.2f} tokens a verify cycle"
+        )

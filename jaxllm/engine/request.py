@@ -6,9 +6,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from jaxllm.errors import RequestError
 
 SEED_MOD = 2**32
+MAX_LOGIT_BIAS = 300  # logit_bias entries a row may have (OpenAI's limit)
+MAX_STOP_TOKEN_IDS = 16  # stop_token_ids a row may have
+MAX_LOGPROBS = 20  # top alternatives a token may report (OpenAI's limit)
 
 
 def check_sampling(max_tokens, temperature, top_k, top_p, min_p=0.0):
@@ -24,6 +29,52 @@ def check_sampling(max_tokens, temperature, top_k, top_p, min_p=0.0):
         raise RequestError(f"top_p must be in (0, 1], got {top_p!r}")
     if not isinstance(min_p, (int, float)) or isinstance(min_p, bool) or not 0 <= min_p <= 1:
         raise RequestError(f"min_p must be in [0, 1], got {min_p!r}")
+
+
+def check_logprobs(logprobs) -> int:
+    """-> the number of alternatives the core computes (0: none) for `logprobs` None or 0..20."""
+    if logprobs is None:
+        return 0
+    if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_LOGPROBS:
+        raise RequestError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {logprobs!r}")
+    return MAX_LOGPROBS  # one compiled variant for every count; rows take what they asked
+
+
+def check_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise RequestError(f"seed must be an integer, got {seed!r}")
+    return int(seed)
+
+
+def check_penalties(presence, frequency, repetition) -> tuple[float, float, float]:
+    for name, v in (
+        ("presence_penalty", presence),
+        ("frequency_penalty", frequency),
+        ("repetition_penalty", repetition),
+    ):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
+            raise RequestError(f"{name} must be a finite number, got {v!r}")
+    if repetition <= 0:
+        raise RequestError(f"repetition_penalty must be > 0, got {repetition!r}")
+    return float(presence), float(frequency), float(repetition)
+
+
+def check_rules(logit_bias, stop_token_ids, min_tokens, max_tokens: int, vocab: int):
+    """-> (logit_bias {id: bias}, stop token ids) checked (see `sampling.TokenRules`)."""
+    bias = dict(logit_bias or {})
+    stops = list(dict.fromkeys(stop_token_ids or []))
+    for t in [*bias, *stops]:
+        if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab:
+            raise RequestError(f"token ids in logit_bias and stop_token_ids must lie in [0, {vocab}), got {t!r}")
+    if len(bias) > MAX_LOGIT_BIAS or len(stops) > MAX_STOP_TOKEN_IDS:
+        raise RequestError(
+            f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens and stop_token_ids at most {MAX_STOP_TOKEN_IDS}"
+        )
+    if not all(isinstance(v, (int, float)) and np.isfinite(v) for v in bias.values()):
+        raise RequestError("logit_bias values must be finite numbers")
+    if not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_tokens:
+        raise RequestError(f"min_tokens must be an integer from 0 to max_tokens ({max_tokens}), got {min_tokens!r}")
+    return bias, stops
 
 
 def nth_seed(seed: int, i: int) -> int:

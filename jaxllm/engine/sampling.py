@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm import pytree
-from jaxllm.engine.request import nth_seed
+from jaxllm.engine.request import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, nth_seed
 
 
 @pytree.dataclass
@@ -265,10 +265,6 @@ def mask_tokens(logits: jax.Array, allowed: jax.Array | None) -> jax.Array:
     return jnp.where(bits.reshape(N, -1)[:, :V] == 1, logits, -jnp.inf)
 
 
-MAX_LOGIT_BIAS = 300  # logit_bias entries a row may have (OpenAI's limit)
-MAX_STOP_TOKEN_IDS = 16  # stop_token_ids a row may have
-
-
 @pytree.dataclass
 class TokenRules:
     """Per-row rules on which tokens a row samples (neutral: no entries, min_tokens 0): OpenAI's
@@ -311,9 +307,6 @@ def apply_rules(
     banned = jnp.concatenate([jnp.where(ignore_eos[:, None], -1, eos), rules.stop_ids], axis=1)
     early = (step < rules.min_tokens)[:, None]
     return x.at[rows, jnp.where(early & (banned >= 0), banned, V)].set(-jnp.inf, mode="drop")
-
-
-MAX_LOGPROBS = 20  # top alternatives a token may report (OpenAI's limit)
 
 
 @pytree.dataclass

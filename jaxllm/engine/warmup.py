@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jaxllm.engine.jobs import Job
-from jaxllm.engine.sampling import MAX_LOGPROBS
+from jaxllm.engine.request import MAX_LOGPROBS
 from jaxllm.engine.slots import Forks, Pieces
 
 log = logging.getLogger("jaxllm.engine")

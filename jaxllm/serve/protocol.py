@@ -14,8 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from jaxllm.engine.request import SEED_MOD, Request
-from jaxllm.engine.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+from jaxllm.engine.request import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SEED_MOD, Request
 from jaxllm.errors import JaxllmError
 from jaxllm.serve.chat import chat_prompt
 from jaxllm.serve.fields import (
