@@ -12,7 +12,12 @@ class ModelError(JaxllmError):
 
 
 class RequestError(JaxllmError):
-    """A generation request that cannot be served as asked (too long, bad sampling values)."""
+    """A generation request that cannot be served as asked (too long, bad sampling values);
+    `param`: the request field at fault, where one is (the server's 400 names it)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @contextmanager

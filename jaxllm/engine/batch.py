@@ -1,18 +1,25 @@
 """Offline generation of prompts of mixed lengths through the scheduler's continuous batching: each
 prompt is prefilled as itself (no row padded to the longest), a row that ends frees its slot for
 the next prompt, and prompts that share a prefix (a system prompt) prefill it once. What
-`Engine.generate_ids` runs for prompts of different lengths; equal lengths take the lockstep loop."""
+`Engine.generate_ids` runs for prompts of different lengths; equal lengths take the lockstep loop
+(`lockstep`)."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import jax
+import numpy as np
+
 from jaxllm.engine.jobs import Failed, Finished, Job
 from jaxllm.engine.memory import KVMemory
+from jaxllm.engine.outputs import GenerateStats, token_logprobs
 from jaxllm.engine.request import Request
+from jaxllm.engine.sampling import Penalties, SamplingParams, TokenRules
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.errors import JaxllmError
+from jaxllm.kv.plan import check_fits
 
 MAX_SLOTS = 256  # prompts decoding at once, at most (the others queue for a slot)
 
@@ -70,3 +77,43 @@ def generate(engine, ids: list[list[int]], requests: list[Request]):
     ttft = sum(f - j.arrived for f, j in zip(firsts, jobs)) / max(len(firsts), 1)
     decode = end - t0 - (min(firsts) - min(j.arrived for j in jobs) if firsts else 0.0)
     return [(j.out_ids, j.logprobs) for j in jobs], (ttft, decode, compile_s, spec)
+
+
+def lockstep(engine, ids: list[list[int]], asked: Request, n_lp: int) -> list[tuple[list[int], list | None]]:
+    """Prompts of one length, every row with blocks of its own, prefilled in chunks and then decoded
+    to completion in one on-device loop (row b with seed + b); what it needs is compiled first, so
+    `engine.stats` times the run itself. -> each row's (tokens, TokenLogprob list or None)."""
+    r = asked
+    B, n = len(ids), len(ids[0])
+    S = engine.padded_len(n + r.max_tokens)
+    check_fits(engine.kv_plan(B, S))
+    params = SamplingParams.make(B, r.temperature, r.top_k, r.top_p, r.seed, r.min_p)
+    pen = (r.presence_penalty, r.frequency_penalty, r.repetition_penalty)
+    core = engine.core(B, S, span=engine.chunking(n)[0])
+    compile_s = core.prepare(n, r.max_tokens - 1, n_lp)
+    t0 = time.perf_counter()
+    first = core.prefill_prompts(
+        ids,
+        params,
+        np.full(B, r.max_tokens, np.int32),
+        logprobs=n_lp,
+        penalties=Penalties.make(B, *pen),
+        rules=TokenRules.make(B, [r.logit_bias] * B, [r.stop_token_ids] * B, r.min_tokens),
+    )
+    t1 = time.perf_counter()
+    core.run_to_completion(r.max_tokens - 1, steps=0, logprobs=n_lp)  # the loop's first run, untimed
+    t1, t = time.perf_counter(), t1 - t0
+    rest, count, rest_lp = core.run_to_completion(r.max_tokens - 1, logprobs=n_lp)
+    t2 = time.perf_counter()
+    engine.stats = GenerateStats(
+        B, B * n, int(B + count.sum()), t, t2 - t1, int(count.max(initial=0)), compile_s, core.spec_stats()
+    )
+    if not n_lp:
+        return [([int(first[b])] + rest[b, : count[b]].tolist(), None) for b in range(B)]
+    first, first_lp = first
+    lp = jax.tree_util.tree_map(lambda f, x: np.concatenate([f[:, None], x], axis=1), first_lp, rest_lp)
+    outs = []
+    for b in range(B):
+        new = [int(first[b])] + rest[b, : count[b]].tolist()
+        outs.append((new, token_logprobs(lp, b, new, r.logprobs)))
+    return outs

@@ -5,7 +5,7 @@ without it (the window keeps the previous token as context, so decoders that str
 or join byte pieces see what a whole decode would see), which keeps the cost per token constant.
 Text ending in U+FFFD (a character whose bytes have not all arrived) waits for the next token, and a
 tail that could be the start of a stop string is held back, so neither a split character nor part of
-a stop string ever reaches the client. The concatenated deltas equal `Engine.generate`'s text.
+a stop string ever reaches the client. `Engine.generate` cuts its answers with the same stream.
 
 `settled()` tells how many tokens the sent text accounts for, so that their log-probabilities go
 out with it: a token whose text is held back waits with it, and after a stop string only the tokens

@@ -19,22 +19,14 @@ from jaxllm.config.model import ModelConfig
 from jaxllm.config.runtime import RuntimeConfig
 from jaxllm.engine import compilation_cache, core
 from jaxllm.engine.compilation_cache import Compiles, enable, executables_folder
+from jaxllm.engine.detok import TextStream
 from jaxllm.engine.host import EngineCore, bucket, pad_rows
-from jaxllm.engine.outputs import Completion, GenerateStats, token_logprobs
+from jaxllm.engine.outputs import Completion, GenerateStats
 from jaxllm.engine.perplexity import perplexity
 from jaxllm.engine.request import (
     Request,
     check_logprobs,
-    check_penalties,
-    check_rules,
-    check_sampling,
-    check_seed,
     nth_seed,
-)
-from jaxllm.engine.sampling import (
-    Penalties,
-    SamplingParams,
-    TokenRules,
 )
 from jaxllm.engine.slots import Slots, State
 from jaxllm.engine.speculative import Speculation
@@ -474,7 +466,6 @@ class Engine:
     ) -> list[Completion]:
         """Strings (or lists of chat messages) -> a Completion each; `chat` as in `encode_prompt`,
         the rest as in `generate_ids`."""
-        check_sampling(max_tokens, temperature, top_k, top_p)
         if isinstance(prompts, str):
             prompts = [prompts]
         if not prompts:
@@ -511,10 +502,24 @@ class Engine:
         (`sampling.apply_rules`). Row b samples with seed + b (`request.nth_seed`, as choice b of a
         server request): the rows draw apart, one seed reproduces the call, and a row's tokens are
         those of its prompt alone with seed + b, whichever path runs it."""
-        check_sampling(max_tokens, temperature, top_k, top_p, min_p)
-        seed = check_seed(seed)
-        pen = check_penalties(presence_penalty, frequency_penalty, repetition_penalty)
-        bias, stops = check_rules(logit_bias, stop_token_ids, min_tokens, max_tokens, self.cfg.vocab_size)
+        asked = Request(
+            [],
+            max_tokens,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            presence_penalty,
+            frequency_penalty,
+            repetition_penalty,
+            stop=stop,
+            logprobs=logprobs,
+            logit_bias=logit_bias,
+            stop_token_ids=stop_token_ids,
+            min_tokens=min_tokens,
+            min_p=min_p,
+        ).check(self.cfg.vocab_size)  # the checks every request meets, the server's too
+        seed, stop, stops = asked.seed, asked.stop, asked.stop_token_ids
         n_lp = check_logprobs(logprobs)
         lens = [len(x) for x in ids]
         if min(lens) == 0:
@@ -526,81 +531,33 @@ class Engine:
                 f"positions, more than max_ctx {self.max_ctx}: lower max_tokens to at most "
                 f"{max(self.max_ctx - n, 0)} or raise max_ctx"
             )
-        if len(set(lens)) > 1:
-            from jaxllm.engine import batch
+        from jaxllm.engine import batch
 
-            reqs = [
-                Request(
-                    list(x),
-                    max_tokens,
-                    temperature,
-                    top_k,
-                    top_p,
-                    nth_seed(seed, b),
-                    *pen,
-                    logprobs=logprobs,
-                    logit_bias=bias,
-                    stop_token_ids=stops,
-                    min_tokens=min_tokens,
-                    min_p=min_p,
-                )
-                for b, x in enumerate(ids)
-            ]
+        if len(set(lens)) > 1:
+            reqs = [dataclasses.replace(asked, prompt_ids=list(x), seed=nth_seed(seed, b)) for b, x in enumerate(ids)]
             outs, (ttft, decode_s, compile_s, spec) = batch.generate(self, ids, reqs)
             new = sum(len(t) for t, _ in outs)
             self.stats = GenerateStats(
                 len(ids), sum(lens), new, ttft, decode_s, max(len(t) for t, _ in outs), compile_s, spec
             )
-            return [
-                self._finish(x, toks, stop, lp if logprobs is not None else None, stops)
-                for x, (toks, lp) in zip(ids, outs)
-            ]
-        B = len(ids)
-        S = self.padded_len(n + max_tokens)
-        check_fits(self.kv_plan(B, S))
-        params = SamplingParams.make(B, temperature, top_k, top_p, seed, min_p)
-        eng_core = self.core(B, S, span=self.chunking(n)[0])
-        compile_s = eng_core.prepare(n, max_tokens - 1, n_lp)
-        t0 = time.perf_counter()
-        first = eng_core.prefill_prompts(
-            ids,
-            params,
-            np.full(B, max_tokens, np.int32),
-            logprobs=n_lp,
-            penalties=Penalties.make(B, *pen),
-            rules=TokenRules.make(B, [bias] * B, [stops] * B, min_tokens),
-        )
-        t1 = time.perf_counter()
-        eng_core.run_to_completion(max_tokens - 1, steps=0, logprobs=n_lp)  # the loop's first run, untimed
-        t1, t = time.perf_counter(), t1 - t0
-        rest, count, rest_lp = eng_core.run_to_completion(max_tokens - 1, logprobs=n_lp)
-        t2 = time.perf_counter()
-        self.stats = GenerateStats(
-            B, sum(lens), int(B + count.sum()), t, t2 - t1, int(count.max(initial=0)), compile_s, eng_core.spec_stats()
-        )
-        if not n_lp:
-            return [
-                self._finish(ids[b], [int(first[b])] + rest[b, : count[b]].tolist(), stop, stops=stops)
-                for b in range(B)
-            ]
-        first, first_lp = first
-        lp = jax.tree_util.tree_map(lambda f, r: np.concatenate([f[:, None], r], axis=1), first_lp, rest_lp)
-        outs = []
-        for b in range(B):
-            new = [int(first[b])] + rest[b, : count[b]].tolist()
-            outs.append(self._finish(ids[b], new, stop, token_logprobs(lp, b, new, logprobs), stops))
-        return outs
+        else:
+            outs = batch.lockstep(self, ids, asked, n_lp)
+        return [
+            self._finish(x, toks, stop, lp if logprobs is not None else None, stops) for x, (toks, lp) in zip(ids, outs)
+        ]
 
     def _finish(self, prompt_ids, new_ids, stop, logprobs=None, stops=()) -> Completion:
+        """The answer's text, cut at its first stop string as the server's streams cut it (one
+        `TextStream` for both), and the tokens that text covers."""
         reason = "length"
         if new_ids and (new_ids[-1] in self.cfg.eos_ids or new_ids[-1] in stops):
             new_ids, reason = new_ids[:-1], "stop"
-        text = self.tokenizer.decode(new_ids) if self.tokenizer is not None else ""
-        for s in [stop] if isinstance(stop, str) else stop or []:
-            i = text.find(s) if s else -1
-            if i >= 0:
-                text, reason = text[:i], "stop"
-                new_ids = _ids_covering(self.tokenizer, new_ids, text)
+        text = ""
+        if self.tokenizer is not None:
+            stream = TextStream(self.tokenizer, stop)
+            text = stream.push_many(new_ids)[0] + stream.finish()
+            if stream.stopped:
+                new_ids, reason = new_ids[: stream.settled()], "stop"
         return Completion(
             text, new_ids, reason, list(prompt_ids), None if logprobs is None else logprobs[: len(new_ids)]
         )
@@ -631,11 +588,3 @@ def _signature(name: str, args, static: dict):
         tree,
         tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))) for x in leaves),
     )
-
-
-def _ids_covering(tok, ids, text):
-    """The shortest prefix of ids whose decoding covers `text` (stop strings cut mid-token)."""
-    for n in range(len(ids) + 1):
-        if len(tok.decode(ids[:n])) >= len(text):
-            return ids[:n]
-    return ids

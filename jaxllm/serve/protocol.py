@@ -14,8 +14,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from jaxllm.engine.request import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SEED_MOD, Request
-from jaxllm.errors import JaxllmError
+from jaxllm.engine.request import MAX_LOGPROBS, SEED_MOD, Request
+from jaxllm.errors import JaxllmError, RequestError
 from jaxllm.serve.chat import chat_prompt
 from jaxllm.serve.fields import (
     ApiError,
@@ -25,7 +25,6 @@ from jaxllm.serve.fields import (
     check_prompt_size,
     int_field,
     is_int,
-    is_num,
     neutral,
     num_field,
     short,
@@ -35,8 +34,6 @@ from jaxllm.serve.output import ChatFeatures, OutputPlan, chat_features
 from jaxllm.tokenizer import Tokenizer
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what OpenAI and vLLM take (an int64, or a uint64); used modulo 2**32
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 512
 LOGPROB_FLOOR = -9999.0  # what -inf is written as (JSON has no infinity; OpenAI's value)
 
 
@@ -165,22 +162,6 @@ def _check_unsupported(body: dict) -> None:
         log.debug("fields accepted and not used by a self-hosted model: %s", ", ".join(ignored))
 
 
-def _stop(body) -> list[str]:
-    v = body.get("stop")
-    if v is None:
-        return []
-    items = [v] if isinstance(v, str) else v
-    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise bad("'stop' must be a string or a list of strings", "stop")
-    if len(items) > MAX_STOP_STRINGS:
-        raise bad(f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(items)}", "stop")
-    if any(s == "" for s in items):
-        raise bad("'stop' strings must not be empty", "stop")
-    if any(len(s) > MAX_STOP_CHARS for s in items):
-        raise bad(f"'stop' strings may have at most {MAX_STOP_CHARS} characters", "stop")
-    return list(dict.fromkeys(items))
-
-
 def _n(body, max_num_seqs: int | None) -> int:
     n = int_field(body, "n", lo=1)
     if n is not None and max_num_seqs is not None and n > max_num_seqs:
@@ -188,77 +169,54 @@ def _n(body, max_num_seqs: int | None) -> int:
     return 1 if n is None else n
 
 
-def _logit_bias(body, vocab_size: int) -> dict[int, float]:
+def _logit_bias(body) -> dict:
+    """`logit_bias`'s keys as token ids (JSON keys are strings); its values and ranges are the
+    request's checks (`Request.check`)."""
     v = body.get("logit_bias")
     if v is None:
         return {}
     if not isinstance(v, dict):
         raise bad("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
-    if len(v) > MAX_LOGIT_BIAS:
-        raise bad(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} tokens, got {len(v)}", "logit_bias")
     out = {}
     for key, bias in v.items():
         if not re.fullmatch(r"[0-9]{1,10}", key):
             raise bad(f"'logit_bias' keys must be token ids, got {short(key)}", "logit_bias")
-        tok = int(key)
-        if tok >= vocab_size:
-            raise bad(f"'logit_bias' token {tok} is outside the vocabulary [0, {vocab_size})", "logit_bias")
-        if tok in out:
-            raise bad(f"'logit_bias' names token {tok} twice", "logit_bias")
-        if not is_num(bias) or not -100 <= bias <= 100:
-            raise bad(f"'logit_bias' values must be numbers in [-100, 100], got {bias!r} for token {tok}", "logit_bias")
-        out[tok] = float(bias)
+        if int(key) in out:
+            raise bad(f"'logit_bias' names token {int(key)} twice", "logit_bias")
+        out[int(key)] = bias
     return out
 
 
-def _stop_token_ids(body, vocab_size: int) -> list[int]:
+def _stop_token_ids(body) -> list[int]:
     v = body.get("stop_token_ids")
     if v is None:
         return []
     if not isinstance(v, list) or not all(is_int(t) for t in v):
         raise bad("'stop_token_ids' must be a list of token ids", "stop_token_ids")
-    if any(not 0 <= t < vocab_size for t in v):
-        raise bad(f"token ids in 'stop_token_ids' must lie in [0, {vocab_size})", "stop_token_ids")
-    v = list(dict.fromkeys(v))
-    if len(v) > MAX_STOP_TOKEN_IDS:
-        raise bad(f"'stop_token_ids' takes at most {MAX_STOP_TOKEN_IDS} token ids, got {len(v)}", "stop_token_ids")
     return v
 
 
 def _sampling(body, vocab_size: int) -> dict:
+    """The sampling fields as numbers, with OpenAI's and vLLM's defaults and meanings (temperature
+    1 unless given, top_k -1 or 0 for none, a seed of any int64 or uint64 taken modulo 2**32, none
+    given: a random one); their ranges are the request's checks (`Request.check`)."""
     temperature = num_field(body, "temperature")
-    if temperature is not None and temperature < 0:
-        raise bad(f"'temperature' must be >= 0, got {temperature}", "temperature")
-    top_p = num_field(body, "top_p")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise bad(f"'top_p' must be in (0, 1], got {top_p}", "top_p")
     top_k = int_field(body, "top_k", lo=-1)
-    min_p = num_field(body, "min_p")
-    if min_p is not None and not 0 <= min_p <= 1:
-        raise bad(f"'min_p' must be in [0, 1], got {min_p}", "min_p")
     seed = int_field(body, "seed", lo=SEED_RANGE[0], hi=SEED_RANGE[1])
-    temperature = 1.0 if temperature is None else temperature  # OpenAI's default
     if seed is None:
         seed = secrets.randbelow(SEED_MOD)
     if top_k is not None and not 0 < top_k < vocab_size:
         top_k = None  # -1, 0 and anything >= the vocabulary all mean "no top-k"
-    penalties = {}
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = num_field(body, name)
-        if v is not None and not -2 <= v <= 2:
-            raise bad(f"'{name}' must be in [-2, 2], got {v}", name)
-        penalties[name] = 0.0 if v is None else v
-    rp = num_field(body, "repetition_penalty")
-    if rp is not None and rp <= 0:
-        raise bad(f"'repetition_penalty' must be > 0, got {rp}", "repetition_penalty")
+    values = {
+        name: num_field(body, name)
+        for name in ("top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+    }
+    defaults = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
     return {
-        "temperature": temperature,
-        "top_p": top_p,
+        "temperature": 1.0 if temperature is None else temperature,  # OpenAI's default
         "top_k": top_k,
-        "min_p": min_p or 0.0,
         "seed": seed % SEED_MOD,
-        "repetition_penalty": 1.0 if rp is None else rp,
-        **penalties,
+        **{k: defaults[k] if v is None and k in defaults else v for k, v in values.items()},
     }
 
 
@@ -266,10 +224,7 @@ def _logprobs(kind: str, body) -> int | None:
     """The alternatives per token a request asks for, None without log-probabilities: completions'
     `logprobs` N, chat's `logprobs: true` with `top_logprobs` N."""
     if kind == "completion":
-        v = body.get("logprobs")
-        if v is not None and not (is_int(v) and 0 <= v <= MAX_LOGPROBS):
-            raise bad(f"'logprobs' must be an integer from 0 to {MAX_LOGPROBS}, got {v!r}", "logprobs")
-        return v
+        return body.get("logprobs")  # its range: `Request.check`
     on = bool_field(body, "logprobs")
     top = int_field(body, "top_logprobs", lo=0, hi=MAX_LOGPROBS)
     if top is not None and not on:
@@ -347,11 +302,10 @@ def parse_request(
     stream = bool_field(body, "stream")
     ignore_eos = bool_field(body, "ignore_eos")
     include_usage = _stream_options(body, stream)
-    stop = _stop(body)
     sampling = _sampling(body, engine.cfg.vocab_size)
     n = _n(body, max_num_seqs)
-    logit_bias = _logit_bias(body, engine.cfg.vocab_size)
-    stop_token_ids = _stop_token_ids(body, engine.cfg.vocab_size)
+    logit_bias = _logit_bias(body)
+    stop_token_ids = _stop_token_ids(body)
     min_tokens = int_field(body, "min_tokens", lo=0) or 0
     logprobs = _logprobs(kind, body)
     echo = bool_field(body, "echo")
@@ -388,19 +342,17 @@ def parse_request(
         prompt_param="prompt" if kind == "completion" else "messages",
         tokens_param="max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens",
     )
-    if min_tokens > max_tokens:
-        raise bad(f"'min_tokens' ({min_tokens}) must not be more than max_tokens ({max_tokens})", "min_tokens")
     rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
     special = plan is not None and any(p is not None and p.decode_special for p in (plan.tools, plan.reasoning))
     skip_special = bool_field(body, "skip_special_tokens", True) and not special
-    prompt_lp = int_field(body, "prompt_logprobs", lo=0, hi=MAX_LOGPROBS)
+    prompt_lp = int_field(body, "prompt_logprobs")
     bool_field(body, "spaces_between_special_tokens", True)  # the tokenizer's own joining, as vLLM's fast ones
-    return GenRequest(
+    req = GenRequest(
         ids,
         max_tokens,
         kind=kind,
         model=served_name,
-        stop=stop,
+        stop=body.get("stop"),
         ignore_eos=ignore_eos,
         stream=stream,
         include_usage=include_usage,
@@ -421,6 +373,10 @@ def parse_request(
         constraint=constraint,
         **sampling,
     )
+    try:
+        return req.check(engine.cfg.vocab_size)  # the checks every request meets, Engine.generate's too
+    except RequestError as e:
+        raise bad(str(e), e.param) from None
 
 
 # -- /tokenize and /detokenize (vLLM's) ------------------------------------------------------------

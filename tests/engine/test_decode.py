@@ -185,7 +185,7 @@ def test_logprobs_are_the_log_softmax_of_the_logits(eng, speculative):
                 assert [j for j, _ in t.top] == np.argsort(-want[at], kind="stable")[:3].tolist()
                 np.testing.assert_allclose([v for _, v in t.top], np.sort(want[at])[::-1][:3], atol=1e-4)
     assert eng.generate_ids(prompts[:1], max_tokens=2)[0].logprobs is None
-    with pytest.raises(jaxllm.RequestError, match="logprobs must be an integer from 0 to 20"):
+    with pytest.raises(jaxllm.RequestError, match="'logprobs' must be an integer from 0 to 20"):
         eng.generate_ids(prompts, max_tokens=2, logprobs=21)
 
 
@@ -232,7 +232,7 @@ def test_penalties_match_a_numpy_reference(eng, speculative):
             changed += c.token_ids != before
     assert changed >= len(PENALTIES)          # the penalties changed what was generated
     assert verified > 0 or not speculative    # and drafts were verified under them
-    with pytest.raises(jaxllm.RequestError, match="repetition_penalty must be > 0"):
+    with pytest.raises(jaxllm.RequestError, match="'repetition_penalty' must be > 0"):
         eng.generate_ids(prompts, max_tokens=2, repetition_penalty=0)
 
 

@@ -206,8 +206,8 @@ def test_bad_flags_are_one_line_errors(tmp_path, capsys):
                       (["--shape", str(tmp_path / "missing.json")], "no such file"),
                       (["--shape", shape_file(tmp_path), "--tp", "2"], "--tp 2"),
                       (["--shape", shape_file(tmp_path), "--ctx", "0"], "--ctx"),
-                      (["--shape", shape_file(tmp_path), "--top-p", "1.5"], "top_p must be in (0, 1]"),
-                      (["--shape", shape_file(tmp_path), "--temperature", "-1"], "temperature must be >= 0"),
+                      (["--shape", shape_file(tmp_path), "--top-p", "1.5"], "'top_p' must be in (0, 1]"),
+                      (["--shape", shape_file(tmp_path), "--temperature", "-1"], "'temperature' must be >= 0"),
                       (["--shape", shape_file(tmp_path), "--int8-rings"], "--int8-rings needs int8 global layers"),
                       (["--shape", shape_file(tmp_path), "--rebuild-keys"], "--rebuild-keys applies to global layers whose V is their K")]:
         assert bench.main(argv + ["--out", str(tmp_path / "x.json")]) == 2

@@ -699,7 +699,7 @@ BAD = [  # (id, path, raw body or JSON, headers, status, words the message must 
     ("truncate_zero", "/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, None, 400,
      "'truncate_prompt_tokens'"),
     ("prompt_logprobs_range", "/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, None, 400,
-     "'prompt_logprobs' must be <= 20"),
+     "'prompt_logprobs' must be an integer from 0 to 20"),
     ("seed_past_uint64", "/v1/completions", {"prompt": "x", "seed": 2 ** 64}, None, 400, "'seed' must be <="),
     ("seed_far_past_uint64", "/v1/completions", {"prompt": "x", "seed": 2 ** 80}, None, 400, "'seed' must be <="),
     ("user_object", "/v1/completions", {"prompt": "x", "user": {"id": 1}}, None, 400, "'user' must be a string"),
