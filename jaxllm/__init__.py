@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from jaxllm.config.engine import EngineConfig
 from jaxllm.config.kv import KVOptions
-from jaxllm.config.runtime import RuntimeConfig
+from jaxllm.config.runtime import Caches, RuntimeConfig
 from jaxllm.errors import JaxllmError, ModelError, RequestError
 
 if TYPE_CHECKING:
@@ -23,6 +23,7 @@ __all__ = [
     "EngineConfig",
     "KVOptions",
     "RuntimeConfig",
+    "Caches",
     "JaxllmError",
     "ModelError",
     "RequestError",
@@ -43,15 +44,22 @@ def load(model_dir=None, *, config: EngineConfig | None = None, progress=None, *
     .gguf file, saved jaxllm checkpoint or hub id; None: the embedded default) and any other fields
     of `EngineConfig` as keywords (dtype, quant, kv_quant, max_ctx, tp, dp, kv_options,
     speculative, num_speculative_tokens, draft_model_dir, speculative_max_batch, shape, tokenizer,
-    runtime, compilation_cache, ...; each one's meaning is in `EngineConfig`'s docstring).
+    runtime, caches, ...; each one's meaning is in `EngineConfig`'s docstring).
 
     Every field is checked before any weight is read. Without `runtime`, the backend's choices
-    come from the environment (`RuntimeConfig.from_env`), read here once. `progress(n, total)` is
-    called as the model's tensors load.
+    come from the environment (`RuntimeConfig.from_env`), and without `caches` where things are
+    kept (`Caches.from_env`, whose `compilation_cache` (a folder or "off") and `weight_cache` (on
+    or off) may be given here), both read here once. `progress(n, total)` is called as the model's
+    tensors load.
     """
     if config is None:
-        if "runtime" not in fields or fields["runtime"] is None:
+        if fields.get("runtime") is None:
             fields["runtime"] = RuntimeConfig.from_env()
+        asked = {k: fields.pop(k) for k in ("compilation_cache", "weight_cache") if k in fields}
+        if fields.get("caches") is None:
+            fields["caches"] = Caches.from_env(**asked)
+        elif asked:
+            raise ModelError(f"give caches or {' and '.join(asked)}, not both")
         config = EngineConfig(model_dir=model_dir, **fields)
     elif model_dir is not None or fields:
         raise ModelError("jaxllm.load takes a config or its fields, not both")

@@ -101,3 +101,23 @@ def test_ruff_is_clean():
     for args in (["check", "jaxllm", "tests", "scripts"], ["format", "--check", "jaxllm", "tests", "scripts"]):
         r = subprocess.run([sys.executable, "-m", "ruff", *args], cwd=ROOT, capture_output=True, text=True)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+def test_nothing_below_the_front_ends_reads_the_environment():
+    """Settings are read from the environment once, at a front end (the command lines, the server's
+    start, `jaxllm.load`), into `RuntimeConfig` and `Caches`: no module of the engine, the server's
+    app, the weights, the model, the KV memory or the backends reads it."""
+    import ast
+    import pathlib
+    below = ("engine", "serve", "weights", "model", "kv", "ops")
+    readers = {"env", "set_default", "from_env", "cache_dir", "cache_home", "environ", "getenv"}
+    found = []
+    for part in below:
+        for path in sorted(pathlib.Path(ROOT, "jaxllm", part).rglob("*.py")):
+            if path.name == "__main__.py":     # the server's front end
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+                names = [a.name for a in node.names] if isinstance(node, ast.ImportFrom) else [name]
+                found += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names if n in readers]
+    assert found == []

@@ -56,11 +56,7 @@ def build_parser() -> Parser:
         "--rebuild-keys", action="store_true", help="global layers whose V is their K store V alone and rebuild keys"
     )
     add_sampling_args(p)  # --seed draws the random weights too
-    p.add_argument(
-        "--out",
-        default=None,
-        help="JSON results path, its folder made (default: a new file under the user's cache, ~/.cache/jaxllm/bench/)",
-    )
+    add_flags(p, ("out",))
     p.add_argument("--plot", default=None, help="PNG plot path (default: --out with .png)")
     p.add_argument("--probe-mib", type=int, default=None, help="bandwidth probe size (default: by device)")
     p.add_argument("--matmul-n", type=int, default=None, help="matmul probe size n (n x n x n)")
@@ -84,7 +80,7 @@ def check_args(a) -> None:
         raise RequestError(f"--warmup must be >= 0, got {a.warmup}")
     check_sampling(1, a.temperature, a.top_k, a.top_p)
     a.kv_options = KVOptions(int8_rings=bool(a.int8_rings), store_keys=not a.rebuild_keys)
-    a.config = from_args(a, kv_options=a.kv_options, seed=a.seed)
+    a.config = from_args(a, kv_options=a.kv_options)
     settle(a, a.config)
     if a.shape:
         read_preset(a.shape)

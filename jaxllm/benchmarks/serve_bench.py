@@ -113,12 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         "their answers (needs a server whose text is its token ids: --shape without --tokenizer)",
     )
     p.add_argument("--no-reference", action="store_true", help="skip the fused-loop figures")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--out",
-        default=None,
-        help="JSON results path (default: a new file under the user's cache, ~/.cache/jaxllm/bench/)",
-    )
+    add_flags(p, ("seed", "out"))
     add_flags(
         p,
         SERVED,

@@ -7,7 +7,7 @@ import os
 import sys
 from contextlib import contextmanager
 
-from jaxllm.config.engine import MODEL, RUNTIME, SPECULATION, add_flags, from_args
+from jaxllm.config.engine import MODEL, RUNTIME, SPECULATION, add_flags, from_args, settle
 from jaxllm.config.runtime import env
 from jaxllm.errors import JaxllmError, warnings_as_lines
 
@@ -31,7 +31,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
     g.add_argument("--top-p", type=float, default=None, help="keep the most likely tokens holding this mass")
-    g.add_argument("--seed", type=int, default=0, help="row b of a batch samples with seed + b (default 0)")
+    add_flags(g, ("seed",))
 
 
 def load_engine(args, quiet: bool = False):
@@ -59,7 +59,9 @@ def load_engine(args, quiet: bool = False):
 
     try:
         with warnings_as_lines():
-            eng = jaxllm.load(config=from_args(args), progress=progress)
+            config = from_args(args)
+            settle(args, config)
+            eng = jaxllm.load(config=config, progress=progress)
     finally:
         if bar is not None:
             bar.close()

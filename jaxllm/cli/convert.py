@@ -52,9 +52,10 @@ def convert(model_dir, out, quant: str = "int8", dtype: str = "bfloat16", progre
 
 def main(argv=None) -> int:
     p = Parser(prog="python -m jaxllm.convert", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="new directory to write")
-    add_flags(p, ("model_dir", "quant", "dtype", "tp"))
+    add_flags(p, ("out", "model_dir", "quant", "dtype", "tp"))
     args = p.parse_args(argv)
+    if args.out is None:
+        p.error("--out names the new directory to write")
     try:
         settle(args, from_args(args))
         t = time.perf_counter()

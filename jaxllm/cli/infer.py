@@ -8,7 +8,7 @@ import sys
 from jaxllm.cli import distributed
 from jaxllm.cli.common import add_engine_args, add_sampling_args, load_engine, one_line_errors
 from jaxllm.cli.perplexity import add_perplexity_args, check_perplexity_args, run_perplexity
-from jaxllm.config.engine import Parser, from_args, positive_int
+from jaxllm.config.engine import Parser, add_flags, from_args, positive_int
 from jaxllm.engine.request import check_sampling
 from jaxllm.errors import RequestError
 
@@ -32,7 +32,7 @@ def build_parser() -> Parser:
     template.add_argument(
         "--raw-prompt", action="store_true", help="no chat template (default where the model is not chat-tuned)"
     )
-    p.add_argument("--json", action="store_true", help="one JSON object per line on stdout")
+    add_flags(p, ("json",))
     add_perplexity_args(p)
     return p
 

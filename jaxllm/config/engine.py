@@ -20,7 +20,7 @@ from typing import Callable
 
 from jaxllm.config.kv import KV_QUANT_MODES, KVOptions
 from jaxllm.config.model import CTX_CAP
-from jaxllm.config.runtime import KERNELS, LAYER_SCANS, WIDEN_ONCE, WIDENINGS, RuntimeConfig
+from jaxllm.config.runtime import KERNELS, LAYER_SCANS, WIDEN_ONCE, WIDENINGS, Caches, RuntimeConfig
 from jaxllm.errors import ModelError
 
 DTYPES = ("bfloat16", "float32")
@@ -72,8 +72,9 @@ class EngineConfig:
       `speculative_max_batch` live rows decode plainly (None: no limit); `draft_always` keeps every
       row drafting whatever it accepts (the cost of a cycle, for benchmarks).
     runtime: the backend's choices (`RuntimeConfig`).
-    compilation_cache: the persistent compilation cache's folder, "off", or None for
-      `$JAXLLM_COMPILATION_CACHE`, else `~/.cache/jaxllm/xla`.
+    caches: where compiled steps and models built from GGUF files are kept (`Caches`; the default
+      keeps nothing: front ends and `jaxllm.load` pass `Caches.from_env`, whose compilation cache
+      `--compilation-cache` moves or turns off).
     """
 
     model_dir: str | None = None
@@ -95,7 +96,7 @@ class EngineConfig:
     seed: int = 0
     shape_overrides: dict = field(default_factory=dict)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
-    compilation_cache: str | None = None
+    caches: Caches = field(default_factory=Caches)
 
     def __post_init__(self):
         if self.model_dir is not None and self.shape is not None:
@@ -122,6 +123,8 @@ class EngineConfig:
             raise ModelError(f"kv_options must be a KVOptions, got {type(self.kv_options).__name__}")
         if not isinstance(self.runtime, RuntimeConfig):
             raise ModelError(f"runtime must be a RuntimeConfig, got {type(self.runtime).__name__}")
+        if not isinstance(self.caches, Caches):
+            raise ModelError(f"caches must be a Caches, got {type(self.caches).__name__}")
         if self.draft_shape is not None and self.draft_model_dir is not None:
             raise ModelError("a draft model is --draft-shape or --draft-model-dir, not both")
         if self.draft_shape is not None and self.shape is None:
@@ -180,7 +183,7 @@ def switch(s: str) -> bool:
 class Flag:
     """A field's command-line flag: its spellings (the first names the field in messages), help,
     and argparse's type or choices. `runtime`: a `RuntimeConfig` field (unset, its environment
-    variable's value); `kv`: a `KVOptions` field."""
+    variable's value); `kv`: a `KVOptions` field; `caches`: an argument of `Caches.from_env`."""
 
     names: tuple[str, ...]
     help: str
@@ -189,6 +192,7 @@ class Flag:
     metavar: str | None = None
     runtime: bool = False
     kv: bool = False
+    caches: bool = False
 
 
 FLAGS: dict[str, Flag] = {
@@ -250,6 +254,13 @@ FLAGS: dict[str, Flag] = {
         type=max_batch,
         metavar="N",
     ),
+    "seed": Flag(
+        ("--seed",),
+        "the run's seed: random --shape weights, sampling (row b of a batch samples with seed + b) "
+        "and a bench's prompts",
+        type=int,
+        metavar="S",
+    ),
     "draft_always": Flag(
         ("--draft-always",),
         "rows draft every cycle however little they accept (the cost of a "
@@ -299,15 +310,29 @@ FLAGS: dict[str, Flag] = {
         "the folder of compiled steps kept across runs, or off "
         "(default: $JAXLLM_COMPILATION_CACHE, else ~/.cache/jaxllm/xla)",
         metavar="DIR",
+        caches=True,
+    ),
+}
+# Flags of the front ends' own that several of them take, each with one meaning: not engine fields.
+FRONT: dict[str, Flag] = {
+    "json": Flag(("--json",), "JSON on stdout (one object per result), no other stdout"),
+    "out": Flag(
+        ("--out",),
+        "where results go: the new directory of a converted model, or a bench's JSON file "
+        "(default for a bench: a new file under the user's cache, ~/.cache/jaxllm/bench/)",
+        metavar="PATH",
     ),
 }
 MODEL = ("model_dir", "dtype", "quant", "kv_quant", "max_ctx", "tp")
 SPECULATION = ("speculative", "num_speculative_tokens", "draft_model_dir", "speculative_max_batch")
 RUNTIME = tuple(k for k, f in FLAGS.items() if f.runtime)
+CACHES = tuple(k for k, f in FLAGS.items() if f.caches)
 BOOLEAN = ("draft_always",)
 
 
 def default_of(name: str):
+    if FLAGS[name].caches:
+        return None  # the environment's (`Caches.from_env`)
     if FLAGS[name].runtime:
         return getattr(RuntimeConfig(), name)
     if FLAGS[name].kv:
@@ -318,10 +343,17 @@ def default_of(name: str):
 
 def add_flags(parser: argparse.ArgumentParser, names, group: str | None = None, first: dict | None = None) -> None:
     """The flags of the fields `names` (in that order), each unset unless given (None), so that
-    `from_args` knows what the user chose; `first` names a field's spelling to show first (the
-    server's --max-model-len, as vLLM spells it)."""
+    `from_args` knows what the user chose, and of the front ends' shared flags (`FRONT`); `first`
+    names a field's spelling to show first (the server's --max-model-len, as vLLM spells it)."""
     g = parser.add_argument_group(group) if group else parser
     for name in names:
+        if name in FRONT:
+            f = FRONT[name]
+            if name == "json":
+                g.add_argument(*f.names, dest=name, action="store_true", help=f.help)
+            else:
+                g.add_argument(*f.names, dest=name, default=None, metavar=f.metavar, help=f.help)
+            continue
         f = FLAGS[name]
         default = default_of(name)
         plain = default is None or "default" in f.help or name in BOOLEAN
@@ -336,17 +368,20 @@ def add_flags(parser: argparse.ArgumentParser, names, group: str | None = None, 
 
 def from_args(args: argparse.Namespace, **fields) -> EngineConfig:
     """The configuration the parsed flags name (what was not given keeps its default; the runtime's
-    fields not given come from the environment, read here), with `fields` on top."""
+    fields and the caches not given come from the environment, read here), with `fields` on top."""
     given = {k: v for k, v in vars(args).items() if k in FLAGS and v is not None}
     runtime = RuntimeConfig.from_env(**{k: given.pop(k) for k in RUNTIME if k in given})
+    caches = Caches.from_env(**{k: given.pop(k) for k in CACHES if k in given})
     kv = {k: given.pop(k) for k in [k for k in given if FLAGS[k].kv]}
     if kv:
         given["kv_options"] = dataclasses.replace(fields.pop("kv_options", None) or KVOptions(), **kv)
-    return EngineConfig(**{"runtime": runtime, **given, **fields})
+    return EngineConfig(**{"runtime": runtime, "caches": caches, **given, **fields})
 
 
 def value_of(config: EngineConfig, name: str):
     """The value of the flag `name` in `config`."""
+    if name == "compilation_cache":
+        return str(config.caches.compilation or "off")
     if FLAGS[name].runtime:
         return getattr(config.runtime, name)
     if FLAGS[name].kv:

@@ -1,13 +1,15 @@
-"""The runtime's choices, and the one place the environment is read.
+"""The runtime's choices, where jaxllm keeps things, and the one place the environment is read.
 
 `RuntimeConfig` holds what picks code paths (the backend's kernels, the layer scan, its unrolling,
-how kernels widen int8): a frozen object built once at the edge (command-line flags, `jaxllm.load`
-arguments, or `RuntimeConfig.from_env()`) and handed to `ops.select`, whose backend object the
-model, the KV caches and the engine are given. Nothing below the edge reads the environment.
+how kernels widen int8) and `Caches` where what a later process reuses is kept (the compilation
+cache, the weight cache): frozen objects built once at the edge (command-line flags, `jaxllm.load`
+arguments, or their `from_env()`) and passed down: `ops.select` gets the runtime, whose backend
+object the model, the KV caches and the engine are given; the engine and the weight loader get the
+caches. Nothing below the edge reads the environment.
 
-`env(name)` reads one of the documented variables in `VARIABLES`; every module that honours an
-environment variable (cache folders, the compilation cache, the distributed runtime, the server's
-API key) asks here, so the list below is the whole list.
+`env(name)` reads one of the documented variables in `VARIABLES`; every front end that honours an
+environment variable (the two objects here, the distributed runtime, the server's API key, the
+bench's records) asks here, so the list below is the whole list.
 """
 
 from __future__ import annotations
@@ -70,6 +72,55 @@ def cache_dir() -> Path:
     `$XDG_CACHE_HOME/jaxllm`, else `~/.cache/jaxllm`."""
     own = env("JAXLLM_CACHE")
     return Path(own).expanduser() if own else cache_home() / "jaxllm"
+
+
+# Environment that changes how XLA compiles (what picks the engine's code paths is its
+# `RuntimeConfig`): part of each kept executable's key.
+COMPILE_ENV = ("XLA_FLAGS", "JAX_DEFAULT_MATMUL_PRECISION")
+OFF = ("off", "none", "0", "false", "no")
+
+
+@dataclasses.dataclass(frozen=True)
+class Caches:
+    """Where jaxllm keeps what a later process reuses; the default keeps nothing (what a front end
+    keeps is `Caches.from_env`).
+
+    folder: jaxllm's per-user folder (the weight cache and the digests of GGUF files); None: none.
+    compilation: the compilation cache's folder (JAX's persistent cache and the engine's own
+      executables, see `engine.compilation_cache`); None: off.
+    weights: keep models built from GGUF files under `folder` (see `weights.weight_cache`).
+    compile_env: (name, value) of the environment that changes how XLA compiles, part of each kept
+      executable's key.
+    """
+
+    folder: Path | None = None
+    compilation: Path | None = None
+    weights: bool = False
+    compile_env: tuple = ()
+
+    @classmethod
+    def from_env(cls, compilation_cache: str | None = None, weight_cache: bool | None = None) -> "Caches":
+        """The caches of a front end: `folder` from $JAXLLM_CACHE, else $XDG_CACHE_HOME/jaxllm, else
+        ~/.cache/jaxllm; `compilation` the folder `compilation_cache` names ("off": none; None:
+        $JAXLLM_COMPILATION_CACHE, else $XDG_CACHE_HOME/jaxllm/xla); `weights` from `weight_cache`
+        (None: $JAXLLM_WEIGHT_CACHE, on unless "off"). A bad value is a one-line error naming it."""
+        value = compilation_cache if compilation_cache is not None else env("JAXLLM_COMPILATION_CACHE")
+        if value is not None and str(value).strip().lower() in OFF:
+            compilation = None
+        else:
+            compilation = Path(value).expanduser() if value else cache_home() / "jaxllm" / "xla"
+        if weight_cache is None:
+            raw = env("JAXLLM_WEIGHT_CACHE", "")
+            word = raw.strip().lower()
+            if word and word not in SWITCH:
+                raise ModelError(f"JAXLLM_WEIGHT_CACHE must be 'on' or 'off', got {raw!r}")
+            weight_cache = SWITCH.get(word, True)
+        return cls(
+            folder=cache_dir(),
+            compilation=compilation,
+            weights=bool(weight_cache),
+            compile_env=tuple((k, env(k, "")) for k in COMPILE_ENV),
+        )
 
 
 KERNELS = ("auto", "xla", "pallas")

@@ -16,7 +16,7 @@ def build_engine(config: EngineConfig, progress=None) -> Engine:
     from jaxllm.model.sharding import layout_for
 
     c = config
-    enable(c.compilation_cache)  # before the weights' conversions compile (the engine keeps its calls there)
+    enable(c.caches.compilation)  # before the weights' conversions compile (the engine keeps its calls there)
     layout = layout_for(c.tp, c.dp)
     prepare = ops.select(c.runtime, layout).prepare_weights
     dtype = DTYPES[c.dtype]
@@ -29,7 +29,7 @@ def build_engine(config: EngineConfig, progress=None) -> Engine:
     else:
         from jaxllm.weights import load_model
 
-        cfg, _, weights, tok, name = load_model(c.model_dir, dtype, c.quant, progress, layout)
+        cfg, _, weights, tok, name = load_model(c.model_dir, dtype, c.quant, progress, layout, c.caches)
     weights = prepare(weights, donate=True)  # the loader's arrays: ours to consume
     spec, draft, dcfg = None, None, None
     if c.speculative == "draft":
@@ -38,7 +38,7 @@ def build_engine(config: EngineConfig, progress=None) -> Engine:
         else:
             from jaxllm.weights import load_model
 
-            dcfg, _, draft, _, _ = load_model(c.draft_model_dir, dtype, c.quant, None, layout)
+            dcfg, _, draft, _, _ = load_model(c.draft_model_dir, dtype, c.quant, None, layout, c.caches)
         draft = prepare(draft, donate=True)
     if c.speculative is not None:
         always = {"min_accept": 0.0, "max_batch": None} if c.draft_always else {"max_batch": c.speculative_max_batch}
@@ -58,7 +58,7 @@ def build_engine(config: EngineConfig, progress=None) -> Engine:
         speculation=spec,
         draft_weights=draft,
         runtime=c.runtime,
-        compilation_cache=c.compilation_cache,
+        caches=c.caches,
     )
 
 

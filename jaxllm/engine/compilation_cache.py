@@ -1,20 +1,21 @@
-"""Compiled steps kept on disk, on by default for `jaxllm.load`, the engines it makes and every
-front end (which pass their `--compilation-cache` flag through), in two layers:
+"""Compiled steps kept on disk, for the engines a front end builds (`Caches.compilation`, on by
+default in `jaxllm.load` and every command line, which pass their `--compilation-cache` flag
+through), in two layers:
 
 - JAX's persistent compilation cache: a process that compiles a program another process compiled
   already (same program, same devices, same JAX) reads the executable instead of running XLA.
 - The engine's own executables (`executables/` beside it): the core's prefill and decode calls,
   serialized whole, under a key of everything that shapes them (this package's source, JAX's
   version, the devices and mesh, the model's configuration and weight layout, the call's
-  arguments, the runtime configuration). A hit skips tracing and lowering too, which for a model
-  with Pallas kernels is most of a warm start. The key does not see a function patched inside a
-  process, nor does a call read back record what its tracing would (the kernels chosen): a
-  process that patches the code its steps trace, or reads those records (the test suite), sets
-  `KEEP_STEPS` off or passes `compilation_cache="off"`.
+  arguments, the runtime configuration, XLA's own environment). A hit skips tracing and lowering
+  too, which for a model with Pallas kernels is most of a warm start. The key does not see a
+  function patched inside a process, nor does a call read back record what its tracing would (the
+  kernels chosen): a process that patches the code its steps trace, or reads those records (the
+  test suite), sets `KEEP_STEPS` off or builds its engines without the cache.
 
-The folder is `$JAXLLM_COMPILATION_CACHE`, else `$XDG_CACHE_HOME/jaxllm/xla` (`~/.cache/jaxllm/xla`);
-`jaxllm.load(compilation_cache=DIR)` or `--compilation-cache DIR` moves it and `off` (or the
-variable set to `off`) turns it off.
+The folder is `Caches.from_env`'s: `$JAXLLM_COMPILATION_CACHE`, else `$XDG_CACHE_HOME/jaxllm/xla`
+(`~/.cache/jaxllm/xla`); `jaxllm.load(compilation_cache=DIR)` or `--compilation-cache DIR` moves
+it and `off` turns it off.
 """
 
 from __future__ import annotations
@@ -28,34 +29,14 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jaxllm.config.runtime import cache_home, env
-
 log = logging.getLogger("jaxllm")
-OFF = ("off", "none", "0", "false", "no")
 MIN_COMPILE_SECONDS = 0.5  # compiles quicker than this are not worth a file
-# Environment that changes how XLA compiles (what picks the engine's code paths is its
-# `RuntimeConfig`, part of each key).
-KEY_ENV = ("XLA_FLAGS", "JAX_DEFAULT_MATMUL_PRECISION")
 KEEP_STEPS = True  # whether engines keep and read back their executables (see above)
 
 
-def default_dir() -> Path:
-    return cache_home() / "jaxllm" / "xla"
-
-
-def resolve(flag: str | None = None) -> Path | None:
-    """The cache folder a flag value (None: not given) asks for, or None for off."""
-    value = flag if flag is not None else env("JAXLLM_COMPILATION_CACHE")
-    if value is not None and value.strip().lower() in OFF:
-        return None
-    return Path(value).expanduser() if value else default_dir()
-
-
-def enable(flag=None) -> Path | None:
-    """Point JAX's persistent compilation cache at the folder `resolve(flag)` names (`flag`: a
-    folder, "off", or None for the environment's); -> the folder, or None when off or when it
-    cannot be created. Programs compiled before it is called are not kept."""
-    path = resolve(None if flag is None else str(flag))
+def enable(path: Path | None) -> Path | None:
+    """Point JAX's persistent compilation cache at `path` (None: off); -> the folder, or None when
+    off or when it cannot be created. Programs compiled before it is called are not kept."""
     if path is None:
         return None
     try:
@@ -141,7 +122,6 @@ def executable_key(*material) -> str:
         jax.__version__,
         jaxlib.__version__,
         str(jax.config.read("jax_enable_x64")),
-        *(f"{k}={env(k, '')}" for k in KEY_ENV),
         *material,
     ):
         h.update(str(part).encode())

@@ -16,7 +16,7 @@ from jaxllm import ops as backends
 from jaxllm.compiling import compile_all, map_threads
 from jaxllm.config.kv import KVOptions
 from jaxllm.config.model import ModelConfig
-from jaxllm.config.runtime import RuntimeConfig
+from jaxllm.config.runtime import Caches, RuntimeConfig
 from jaxllm.engine import compilation_cache, core
 from jaxllm.engine.compilation_cache import Compiles, enable, executables_folder
 from jaxllm.engine.detok import TextStream
@@ -60,11 +60,10 @@ class Engine:
         speculation: Speculation | None = None,
         draft_weights=None,
         runtime: RuntimeConfig | None = None,
-        compilation_cache=None,
+        caches: Caches | None = None,
     ):
-        """`compilation_cache`: the persistent compilation cache's folder, "off", or None for the
-        environment's (`compilation_cache.resolve`): JAX's cache is pointed there, and the core's
-        calls are kept there whole and read back."""
+        """`caches.compilation`: the persistent compilation cache's folder (None: none): JAX's cache
+        is pointed there, and the core's calls are kept there whole and read back."""
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
         self.layout = layout or single_device_layout()  # weights must already lie on its mesh
         # The backend, chosen once: weights must be laid out for it (`ops.prepare_weights`).
@@ -125,7 +124,8 @@ class Engine:
         self.compile_s = 0.0  # seconds spent compiling the core's calls so far
         self.compiles = Compiles()  # the programs made so far, by where each came from
         self.on_compile = None  # on_compile(n_calls) -> a callable to call when they are done
-        self.steps_cache = executables_folder(enable(compilation_cache))  # where calls are kept, or None
+        self.caches = caches or Caches()
+        self.steps_cache = executables_folder(enable(self.caches.compilation))  # where calls are kept, or None
 
     # -- the core's compiled calls ----------------------------------------------------------------
     @property
@@ -195,6 +195,7 @@ class Engine:
             self.kv_layout,
             self.kv_options,
             self.spec,
+            self.caches.compile_env,
             devices,
             mesh.shape,
             jax.process_count(),

@@ -279,10 +279,9 @@ def main(argv=None) -> int:
     # 5 ms switch interval one thread's Python could hold the next device launch back by that long.
     sys.setswitchinterval(0.0005)
     import jaxllm
-    from jaxllm.engine.compilation_cache import resolve
 
     log = logging.getLogger("jaxllm.serve")
-    log.info("compilation cache: %s", resolve(args.config.compilation_cache) or "off")
+    log.info("compilation cache: %s", args.config.caches.compilation or "off")
     try:
         with warnings_as_lines():
             engine = jaxllm.load(config=args.config)

@@ -314,13 +314,13 @@ def format_report(r: dict) -> str:
 def main(argv=None) -> int:
     p = Parser(prog="python -m jaxllm.tools.tpu_compile", description=__doc__.split("\n\n")[0])
     add_flags(p, ("shape", "tp", "dp", "max_ctx", "quant", "kv_quant"))
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--prompt-len", type=int, default=None, help="prefill length (default max_ctx/2)")
+    p.add_argument("--decode-rows", type=int, default=1, help="rows of the decode step (sequences at --max-ctx)")
+    p.add_argument("--prefill-len", type=int, default=None, help="prefill length (default max_ctx/2)")
     p.add_argument("--pieces", type=int, default=4, help="pieces of the mixed prefill chunk")
     p.add_argument("--chunk", type=int, default=512, help="tokens a piece of the mixed prefill chunk")
     p.add_argument("--topology", default="v6e:2x2")
     p.add_argument("--programs", default=",".join(PROGRAMS), help="comma-separated subset of " + ",".join(PROGRAMS))
-    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    add_flags(p, ("json",))
     args = p.parse_args(argv)
     try:
         if args.shape is None:
@@ -331,8 +331,8 @@ def main(argv=None) -> int:
             args.tp,
             args.dp,
             args.max_ctx,
-            args.batch,
-            args.prompt_len,
+            args.decode_rows,
+            args.prefill_len,
             args.topology,
             args.quant,
             programs=[x for x in args.programs.split(",") if x],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from jaxllm.config.runtime import Caches
 from jaxllm.weights.files import SAVED_META, ModelFiles, locate, read_dir, read_hf_config
 from jaxllm.weights.gguf_file import SplitFile
 
@@ -29,16 +30,16 @@ def read_config(model_dir):
     return family_for(hf).config_from_hf(hf)
 
 
-def load_model(model_dir, dtype, quant: str, progress=None, layout=None, weight_cache=None):
+def load_model(model_dir, dtype, quant: str, progress=None, layout=None, caches: Caches | None = None):
     """-> (ModelConfig, family module, weights pytree, Tokenizer | None, display name).
 
-    weight_cache: keep the model built from a GGUF source in the user's cache and load it from
-    there next time (see weight_cache); None follows $JAXLLM_WEIGHT_CACHE (on unless "off")."""
+    caches: with `caches.weights`, the model built from a GGUF source is kept under
+    `caches.folder` and loaded from there next time (see weight_cache); None keeps nothing."""
     from jaxllm.weights import weight_cache as wcache
     from jaxllm.weights.saved import load_saved
     from jaxllm.weights.weights import build_weights
 
-    entry = wcache.entry_for(model_dir, quant, dtype, weight_cache)
+    entry = wcache.entry_for(model_dir, quant, dtype, caches or Caches())
     if entry is not None:
         hit = wcache.read(entry, dtype, layout)
         if hit is not None:

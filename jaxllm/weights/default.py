@@ -5,9 +5,6 @@ the only copy of the model on disk beside them is the weight cache's, in the eng
 
 from __future__ import annotations
 
-import contextlib
-
-from jaxllm.config.runtime import cache_dir
 from jaxllm.errors import ModelError
 from jaxllm.weights.gguf_file import SplitFile
 
@@ -43,6 +40,4 @@ def default_model_file() -> SplitFile:
         raise ModelError(
             f"the embedded default model is incomplete (missing {', '.join(missing)}); reinstall: {_INSTALL_HINT}"
         )
-    with contextlib.suppress(OSError):  # the whole copy earlier versions assembled there
-        (cache_dir() / pkg.MODEL_NAME).unlink(missing_ok=True)
     return SplitFile(pkg.MODEL_NAME, parts)

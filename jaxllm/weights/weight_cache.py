@@ -6,7 +6,7 @@ result, and rebuilding the tokenizer from the file's vocabulary -- is most of it
 loaded model is written in the saved-checkpoint format of `jaxllm.convert` (config.json, tokenizer
 files and the orbax weights; see `saved`) to
 
-    cache_dir() / "weights" / "<sha256[:32]>-<quant>-<dtype>-v<FORMAT>-<code>"
+    Caches.folder / "weights" / "<sha256[:32]>-<quant>-<dtype>-v<FORMAT>-<code>"
 
 and a later load of the same source with the same quant and dtype restores that directory; the
 GGUF file itself is not read then. The layout is not part of the key, since a restore reshards to
@@ -23,7 +23,8 @@ whatever layout it is given.
 An entry is written into a hidden temporary directory beside its final name and then renamed, so
 the final name only ever holds a complete entry, however its writer ends. An entry that cannot be
 read back is deleted and rebuilt, with one warning; a cache that cannot be written costs one
-warning. `JAXLLM_WEIGHT_CACHE=off`, or `load_model(..., weight_cache=False)`, turns the cache off.
+warning. `Caches.weights` off (`JAXLLM_WEIGHT_CACHE=off` at a front end, or
+`jaxllm.load(weight_cache=False)`) turns the cache off.
 It is never used in a multi-process run, where every process must take the same path through a load.
 """
 
@@ -40,10 +41,9 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from jaxllm.config.runtime import cache_dir, env
+from jaxllm.config.runtime import Caches
 from jaxllm.errors import ModelError
 
-ENV = "JAXLLM_WEIGHT_CACHE"
 FORMAT = 1
 # What decides the bytes of an entry: dequantization, conversion, quantization, the saved format
 # and the config/tokenizer files; plus every family module (jaxllm/models/*.py).
@@ -69,34 +69,21 @@ class Entry:
     dtype: str
 
 
-def enabled(flag: bool | None = None) -> bool:
-    """`flag` if given, else $JAXLLM_WEIGHT_CACHE (on unless "off"); never in a multi-process run."""
-    if flag is None:
-        raw = env(ENV, "")
-        value = raw.strip().lower()
-        if value not in ("", "on", "off", "1", "0", "true", "false"):
-            raise ModelError(f"{ENV} must be 'on' or 'off', got {raw!r}")
-        flag = value not in ("off", "0", "false")
-    if not flag:
-        return False
+def entry_for(model_dir, quant: str, dtype, caches: Caches) -> Entry | None:
+    """The cache entry of a GGUF source (the embedded default or a .gguf file) under
+    `caches.folder`; None for any other source, when the cache is off, or in a multi-process run
+    (where every process must take the same path through a load)."""
     import jax
-
-    return jax.process_count() == 1
-
-
-def entry_for(model_dir, quant: str, dtype, flag: bool | None = None) -> Entry | None:
-    """The cache entry of a GGUF source (the embedded default or a .gguf file); None for any other
-    source or when the cache is off."""
     import jax.numpy as jnp
 
-    if not enabled(flag):
+    if not (caches.weights and caches.folder is not None) or jax.process_count() != 1:
         return None
-    source = _source(model_dir)
+    source = _source(model_dir, caches.folder)
     if source is None:
         return None
     name, digest = source
     dtype = jnp.dtype(dtype).name
-    path = cache_dir() / "weights" / f"{_stem(digest, quant, dtype)}-v{FORMAT}-{code_fingerprint()}"
+    path = caches.folder / "weights" / f"{_stem(digest, quant, dtype)}-v{FORMAT}-{code_fingerprint()}"
     return Entry(path, name, digest, quant, dtype)
 
 
@@ -104,7 +91,7 @@ def _stem(digest: str, quant: str, dtype: str) -> str:
     return f"{digest[:32]}-{quant}-{dtype}"  # the full digest is in the entry's jaxllm.json
 
 
-def _source(model_dir) -> tuple[str, str] | None:
+def _source(model_dir, folder: Path) -> tuple[str, str] | None:
     """(display name, sha256) of a GGUF source, or None (not one, or unreadable: the load that
     follows reports why)."""
     if model_dir is None:
@@ -115,7 +102,7 @@ def _source(model_dir) -> tuple[str, str] | None:
     p = Path(model_dir).expanduser()
     if not (p.is_file() and p.suffix == ".gguf"):
         return None
-    digest = file_digest(p)
+    digest = file_digest(p, folder)
     return None if digest is None else (p.name, digest)
 
 
@@ -133,12 +120,12 @@ def code_fingerprint() -> str:
 # ------------------------------------------------------------------------------------------------
 
 
-def file_digest(p: Path) -> str | None:
-    """The sha256 of `p`, read from its memo when the file has not changed since; None when the
-    file cannot be read or changes while it is hashed."""
+def file_digest(p: Path, folder: Path) -> str | None:
+    """The sha256 of `p`, read from its memo under `folder` when the file has not changed since;
+    None when the file cannot be read or changes while it is hashed."""
     try:
         version = _version(p)
-        memo = cache_dir() / "weights" / "digests" / version
+        memo = folder / "weights" / "digests" / version
         known = _read_memo(memo)
         if known:
             return known
@@ -252,7 +239,7 @@ def write(entry: Entry, files, cfg, weights, tok) -> None:
         warnings.warn(
             f"could not write the weight cache in {root} ({_one_line(e)}); the next load of "
             f"{entry.name} will build its weights again (set JAXLLM_CACHE elsewhere, or "
-            f"{ENV}=off)",
+            "JAXLLM_WEIGHT_CACHE=off)",
             stacklevel=3,
         )
         return

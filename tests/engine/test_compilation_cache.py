@@ -94,14 +94,26 @@ def test_lengths_in_one_bucket_compile_nothing_new(tmp_path):
 
 
 def test_off_and_folder_resolution(tmp_path, monkeypatch):
+    """The folders a front end keeps things in, read from the environment once (`Caches.from_env`);
+    below it nothing reads the environment, and the default keeps nothing."""
+    from jaxllm.config.runtime import Caches
     from jaxllm.engine import compilation_cache as cc
+    for name in ("JAXLLM_COMPILATION_CACHE", "JAXLLM_CACHE", "XLA_FLAGS"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.delenv("JAXLLM_COMPILATION_CACHE", raising=False)
-    assert cc.resolve() == tmp_path / "jaxllm" / "xla"
-    assert cc.resolve("off") is None and cc.resolve(str(tmp_path / "x")) == tmp_path / "x"
+    got = Caches.from_env()
+    assert (got.folder, got.compilation) == (tmp_path / "jaxllm", tmp_path / "jaxllm" / "xla")
+    assert Caches.from_env("off").compilation is None
+    assert Caches.from_env(str(tmp_path / "x")).compilation == tmp_path / "x"
     monkeypatch.setenv("JAXLLM_COMPILATION_CACHE", "off")
-    assert cc.resolve() is None and cc.resolve(str(tmp_path / "y")) == tmp_path / "y"
-    assert cc.executables_folder(None) is None
+    monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path / "own"))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/dev/null")
+    got = Caches.from_env()
+    assert got.compilation is None and got.folder == tmp_path / "own"
+    assert ("XLA_FLAGS", "--xla_dump_to=/dev/null") in got.compile_env
+    assert Caches.from_env(str(tmp_path / "y")).compilation == tmp_path / "y"
+    assert Caches() == Caches(folder=None, compilation=None, weights=False)
+    assert cc.enable(None) is None and cc.executables_folder(None) is None
 
 
 def test_executable_keys_cover_the_whole_package():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxllm.config.engine import FLAGS
+from jaxllm.config.engine import FLAGS, FRONT
 
 ROOT = Path(__file__).resolve().parents[2]
 FRONT_ENDS = {
@@ -40,17 +40,20 @@ def test_help_lists_the_shared_flags(command):
         assert FLAGS[name].names[0] in r.stdout, (name, r.stdout)
 
 
-def test_each_engine_flag_is_declared_once():
-    """No module declares an engine flag of its own: every spelling in FLAGS is added by
-    `config.engine.add_flags` alone."""
-    spellings = {n for f in FLAGS.values() for n in f.names}
-    found = []
+def test_each_flag_is_declared_once():
+    """No module declares an engine flag of its own (every spelling in FLAGS and FRONT is added by
+    `config.engine.add_flags` alone), and no spelling is declared twice with two meanings."""
+    spellings = {n for f in (*FLAGS.values(), *FRONT.values()) for n in f.names}
+    found, declared = [], {}
     for path in (ROOT / "jaxllm").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
                 names = {a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)}
                 found += [(str(path.relative_to(ROOT)), n) for n in names & spellings]
+                for n in names - spellings:
+                    declared.setdefault(n, []).append(str(path.relative_to(ROOT)))
     assert found == []
+    assert {n: where for n, where in declared.items() if len(where) > 1} == {}
 
 
 def test_the_readme_first_command_runs():

@@ -12,6 +12,7 @@ import pytest
 from test_gguf import _gemma3_metadata, _write
 
 import jaxllm.weights.gguf as gguf_module
+from jaxllm.config.runtime import Caches
 from jaxllm.errors import ModelError
 from jaxllm.weights import load_model, locate
 from jaxllm.weights import weight_cache as wcache
@@ -48,10 +49,12 @@ def tiny(tmp_path):
     return write_tiny_gguf(d / "tiny.gguf")
 
 
+KEPT = {"caches": Caches()}  # what `load` keeps, unless told
+
+
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv(wcache.ENV, raising=False)
+    monkeypatch.setitem(KEPT, "caches", Caches(folder=tmp_path / "cache", weights=True))
     return tmp_path / "cache" / "weights"
 
 
@@ -68,11 +71,11 @@ def builds(monkeypatch):
     return calls
 
 
-def load(path, quant="int8", dtype=jnp.float32, **kw):
+def load(path, quant="int8", dtype=jnp.float32, caches=None):
     """load_model, and the warnings it gave."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = load_model(path, dtype, quant, **kw)
+        out = load_model(path, dtype, quant, caches=caches or KEPT["caches"])
     return out, [str(w.message) for w in caught]
 
 
@@ -158,7 +161,7 @@ def test_changed_file_is_not_served_stale_weights(tiny, cache, builds):
     write_tiny_gguf(tiny, seed=1)
     second, _ = load(tiny)
     assert len(builds) == 2 and len(entries(cache)) == 2
-    fresh, _ = load(tiny, weight_cache=False)
+    fresh, _ = load(tiny, caches=Caches())
     assert_same_model(second, fresh)
     assert not np.array_equal(np.asarray(first[2]["final_norm"]), np.asarray(second[2]["final_norm"]))
 
@@ -166,27 +169,30 @@ def test_changed_file_is_not_served_stale_weights(tiny, cache, builds):
 def test_digest_is_hashed_once(tiny, cache, monkeypatch):
     load(tiny)
     monkeypatch.setattr(wcache, "_sha256", lambda p: pytest.fail("hashed again"))
-    assert wcache.file_digest(tiny) is not None
+    assert wcache.file_digest(tiny, cache.parent) is not None
 
 
 def test_turned_off(tiny, cache, builds, monkeypatch):
-    load(tiny, weight_cache=False)
-    assert entries(cache) == []
-    monkeypatch.setenv(wcache.ENV, "off")
-    load(tiny)
-    load(tiny)
-    assert entries(cache) == [] and len(builds) == 3
-    monkeypatch.setenv(wcache.ENV, "sometimes")
+    off = Caches(folder=cache.parent, weights=False)
+    load(tiny, caches=off)
+    load(tiny, caches=off)
+    assert entries(cache) == [] and len(builds) == 2
+    # the front ends' setting, read from the environment (`Caches.from_env`)
+    monkeypatch.setenv("JAXLLM_CACHE", str(cache.parent))
+    monkeypatch.setenv("JAXLLM_WEIGHT_CACHE", "off")
+    assert Caches.from_env().weights is False and Caches.from_env(weight_cache=True).weights
+    monkeypatch.delenv("JAXLLM_WEIGHT_CACHE")
+    assert Caches.from_env() == Caches.from_env(weight_cache=True) and Caches.from_env().folder == cache.parent
+    monkeypatch.setenv("JAXLLM_WEIGHT_CACHE", "sometimes")
     with pytest.raises(ModelError, match="JAXLLM_WEIGHT_CACHE must be 'on' or 'off'") as e:
-        load(tiny)
+        Caches.from_env()
     assert "\n" not in str(e.value)
 
 
 def test_unwritable_cache_still_loads(tiny, tmp_path, monkeypatch, builds):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the cache directory should be\n")
-    monkeypatch.setenv("JAXLLM_CACHE", str(blocker))
-    monkeypatch.delenv(wcache.ENV, raising=False)
+    monkeypatch.setitem(KEPT, "caches", Caches(folder=blocker, weights=True))
     first, warned = load(tiny)
     assert len(warned) == 1 and "could not write the weight cache" in warned[0], warned
     second, _ = load(tiny)
@@ -209,7 +215,7 @@ def test_interrupted_write_leaves_no_entry(tiny, cache, builds, monkeypatch):
 
 def test_concurrent_writer_keeps_the_first_entry(tiny, cache):
     (cfg, _, weights, tok, _), _ = load(tiny)
-    entry = wcache.entry_for(tiny, "int8", jnp.float32)
+    entry = wcache.entry_for(tiny, "int8", jnp.float32, KEPT["caches"])
     before = sorted(str(p) for p in entry.path.rglob("*"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -223,8 +229,7 @@ def test_embedded_model_second_load(tmp_path, monkeypatch, builds):
     reads nor hashes the 240 MB file, nor dequantizes it. The cache holds no copy of the file: a
     first load reads the installed parts in place."""
     from jaxllm.weights import default
-    monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path))
-    monkeypatch.delenv(wcache.ENV, raising=False)
+    monkeypatch.setitem(KEPT, "caches", Caches(folder=tmp_path, weights=True))
     first, warned = load(None, "int8", jnp.bfloat16)
     assert not warned and len(builds) == 1
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
