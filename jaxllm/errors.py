@@ -1,5 +1,7 @@
 """Errors that reach the user as one line: the CLI and server print `str(err)` and exit/return 4xx."""
 
+import sys
+import warnings
 from contextlib import contextmanager
 
 
@@ -24,8 +26,6 @@ class RequestError(JaxllmError):
 def warnings_as_lines(stream=None):
     """Inside, each warning (a context past the model's trained length, ...) is written to `stream`
     (stderr) as one line, "warning: ...", when the block ends, not as Python's file:line report."""
-    import sys
-    import warnings
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -10,6 +10,7 @@ from pathlib import Path
 import jinja2
 import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
 
 from jaxllm.errors import ModelError, RequestError
 
@@ -52,7 +53,6 @@ class Tokenizer:
     # -- construction ----------------------------------------------------------------------------
     @classmethod
     def from_hf_dir(cls, d: Path, fallback_template: str | None = None) -> Tokenizer | None:
-        from tokenizers import Tokenizer as HFTokenizer
 
         path = d / "tokenizer.json"
         if not path.exists():

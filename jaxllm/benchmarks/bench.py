@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from jaxllm.benchmarks.records import default_out, int_list, note, subject_name
+from jaxllm.benchmarks.serve_bench import main as serve_main
 from jaxllm.cli.common import add_sampling_args
 from jaxllm.config.engine import RUNTIME, SPECULATION, Parser, add_flags, from_args, settle
 from jaxllm.config.kv import KVOptions
@@ -205,8 +206,6 @@ def plot(rep: dict, path: str) -> bool:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--serve" in argv:  # the server under load: its own flags
-        from jaxllm.benchmarks.serve_bench import main as serve_main
-
         return serve_main([x for x in argv if x != "--serve"])
     a = build_parser().parse_args(argv)
     try:

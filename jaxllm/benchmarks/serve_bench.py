@@ -43,6 +43,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import httpx
 import numpy as np
 
 from jaxllm.benchmarks.records import default_out, git_commit, int_list
@@ -50,6 +51,7 @@ from jaxllm.benchmarks.serve_clients import Load, run_level, spec_summary, threa
 from jaxllm.config.engine import SPECULATION, add_flags, from_args, settle, to_flags
 from jaxllm.engine.shapes import Shapes
 from jaxllm.errors import JaxllmError
+from jaxllm.model.presets import load_preset
 from jaxllm.serve.__main__ import add_scheduler_args, scheduler_flags
 
 
@@ -164,7 +166,6 @@ class Server:
         )
 
     def wait_ready(self, timeout: float = 1800) -> float:
-        import httpx
 
         while time.monotonic() - self.t0 < timeout:
             if self.proc.poll() is not None:
@@ -181,7 +182,6 @@ class Server:
         """Seconds from start until the shapes the server compiles in the background after ready
         are all compiled and have run once (the timed loads run on every shape, as a server long
         up does)."""
-        import httpx
 
         while time.monotonic() - self.t0 < timeout:
             h = httpx.get(self.url + "/health", timeout=10).json()
@@ -382,8 +382,6 @@ def main(argv=None) -> int:
         if a.url:
             a.vocab = 1000
         elif a.shape:
-            from jaxllm.model.presets import load_preset
-
             a.vocab = load_preset(a.shape)[0].vocab_size
         else:
             a.vocab = 1000  # ids every vocabulary holds

@@ -8,8 +8,11 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlparse
 
+import httpx
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 
 @dataclass
@@ -153,8 +156,6 @@ def server_counts(url: str) -> tuple[dict | None, dict]:
     """The server's speculation counters (verify cycles, drafted, accepted; None where it does not
     speculate) and its scheduler threads' seconds by (thread, part), with its preemptions so far
     under ("preemptions", "")."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
 
     spec, threads = {}, {}
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
@@ -248,7 +249,6 @@ class Load:
 
 async def run_level(url: str, c: int, a, load: Load, rng) -> tuple[Level, list]:
     """-> (the level's figures, each request's completion tokens in load order, None where it failed)."""
-    from urllib.parse import urlparse
 
     u = urlparse(url)
     conns = [Connection(u.hostname, u.port or 80) for _ in range(c)]

@@ -30,6 +30,7 @@ from jaxllm.engine.speculative import SpecSlots
 from jaxllm.errors import RequestError
 from jaxllm.kv.options import choose_layout
 from jaxllm.kv.paged import PagedCache, static_tables
+from jaxllm.model.families import family_for
 from jaxllm.model.sharding import layout_for
 from jaxllm.weights.random import random_like
 
@@ -63,7 +64,6 @@ class Point:
 def load_subject(a):
     """-> (engine, family, description) from --shape (random weights, on device) or --model-dir; the
     engine's KV policy is the run's (--kv-quant, --int8-rings, --rebuild-keys) for ctx + steps."""
-    from jaxllm.model.families import family_for
 
     length = a.ctx + a.steps
     eng = build_engine(a.config.replace(max_ctx=length, tp=a.tp))

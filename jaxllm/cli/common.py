@@ -5,8 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
+import time
 from contextlib import contextmanager
 
+from tqdm import tqdm
+
+import jaxllm
+from jaxllm.cli import distributed
 from jaxllm.config.engine import MODEL, RUNTIME, SPECULATION, add_flags, from_args, settle
 from jaxllm.config.runtime import env
 from jaxllm.errors import JaxllmError, warnings_as_lines
@@ -16,7 +22,6 @@ ENGINE = (*MODEL, "compilation_cache")  # the engine flags every command line th
 
 def add_engine_args(p: argparse.ArgumentParser, speculation: bool = True) -> None:
     """The model, runtime and (optionally) speculation flags (`config.engine.FLAGS`) and the multi-host ones."""
-    from jaxllm.cli import distributed
 
     add_flags(p, ENGINE, "model")
     if speculation:
@@ -37,10 +42,6 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def load_engine(args, quiet: bool = False):
     """The engine the flags ask for; `args.load_s` gets the seconds loading took. On a terminal a
     line shows the load's progress, then each compile's."""
-    import time
-
-    import jaxllm
-    from jaxllm.cli import distributed
 
     t0 = time.perf_counter()
     if distributed.init_from_args(args) and not distributed.is_main_process():
@@ -48,8 +49,6 @@ def load_engine(args, quiet: bool = False):
         quiet = True
     bar = None
     if not quiet and sys.stderr.isatty() or env("JAXLLM_PROGRESS") == "1":
-        from tqdm import tqdm
-
         bar = tqdm(total=0, desc="loading", unit="tensor", file=sys.stderr, leave=False)
 
     def progress(n, total):
@@ -68,7 +67,7 @@ def load_engine(args, quiet: bool = False):
     args.load_s = time.perf_counter() - t0
     # on stderr, so --json output stays clean; always shown when the int8 long-context layout is used
     if eng.kv_layout.int8 or (not quiet and sys.stderr.isatty()):
-        from jaxllm.kv.plan import report
+        from jaxllm.kv.plan import report  # JAX, loaded once the flags are checked
 
         report(eng.kv_plan(1))
     if not quiet and sys.stderr.isatty():
@@ -79,8 +78,6 @@ def load_engine(args, quiet: bool = False):
 def compile_ticker(n: int):
     """A line on stderr that counts the seconds while `n` calls compile (the first run of a shape
     can take a while; later runs read JAX's compilation cache); -> the function that clears it."""
-    import threading
-    import time
 
     stop, t0 = threading.Event(), time.perf_counter()
 

@@ -40,7 +40,7 @@ def convert(model_dir, out, quant: str = "int8", dtype: str = "bfloat16", progre
     files, dst = check(model_dir, out, quant, dtype)
     from jaxllm.engine import engine
     from jaxllm.model.sharding import layout_for
-    from jaxllm.weights import load_model
+    from jaxllm.weights.loader import load_model
     from jaxllm.weights.saved import save_weights, write_source_files
 
     cfg, fam, weights, tok, _ = load_model(model_dir, engine.DTYPES[dtype], quant, progress, layout_for(tp))

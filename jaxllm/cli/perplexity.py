@@ -7,6 +7,8 @@ import sys
 from functools import partial
 from pathlib import Path
 
+from tqdm import tqdm
+
 from jaxllm.engine.perplexity import PerplexityResult, check_window, perplexity
 from jaxllm.errors import RequestError
 
@@ -55,8 +57,6 @@ def run_perplexity(args, engine, text: str | None = None) -> PerplexityResult:
     as_json = bool(getattr(args, "json", False))
     bar = None
     if not as_json:
-        from tqdm import tqdm
-
         bar = tqdm(total=None, desc="perplexity", unit="window", file=sys.stderr, leave=False)
     res = perplexity(
         engine, text, args.ppl_window, args.ppl_stride, progress=partial(_advance, bar) if bar is not None else None

@@ -20,7 +20,7 @@ from typing import Callable
 
 from jaxllm.config.kv import KV_QUANT_MODES, KVOptions
 from jaxllm.config.model import CTX_CAP
-from jaxllm.config.runtime import KERNELS, LAYER_SCANS, WIDEN_ONCE, WIDENINGS, Caches, RuntimeConfig
+from jaxllm.config.runtime import KERNELS, LAYER_SCANS, SWITCH, WIDEN_ONCE, WIDENINGS, Caches, RuntimeConfig
 from jaxllm.errors import ModelError
 
 DTYPES = ("bfloat16", "float32")
@@ -172,7 +172,6 @@ def unroll(s: str):
 
 
 def switch(s: str) -> bool:
-    from jaxllm.config.runtime import SWITCH
 
     if s.lower() not in SWITCH:
         raise argparse.ArgumentTypeError(f"expected on or off, got {s!r}")

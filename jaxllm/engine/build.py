@@ -4,16 +4,21 @@ draft model, tokenizer, mesh and backend."""
 
 from __future__ import annotations
 
+from jaxllm import ops
 from jaxllm.config.engine import EngineConfig
+from jaxllm.engine.compilation_cache import enable
 from jaxllm.engine.engine import DTYPES, Engine
+from jaxllm.engine.speculative import Speculation
+from jaxllm.model.presets import load_preset
+from jaxllm.model.sharding import check_divisible, layout_for
+from jaxllm.tokenizer import IdsTokenizer, shape_tokenizer
+from jaxllm.weights import loader
+from jaxllm.weights.random import random_weights
+from jaxllm.weights.weights import is_quantized
 
 
 def build_engine(config: EngineConfig, progress=None) -> Engine:
     """The engine `config` describes. `progress(n, total)` is called as a model's tensors load."""
-    from jaxllm import ops
-    from jaxllm.engine.compilation_cache import enable
-    from jaxllm.engine.speculative import Speculation
-    from jaxllm.model.sharding import layout_for
 
     c = config
     enable(c.caches.compilation)  # before the weights' conversions compile (the engine keeps its calls there)
@@ -21,24 +26,18 @@ def build_engine(config: EngineConfig, progress=None) -> Engine:
     prepare = ops.select(c.runtime, layout).prepare_weights
     dtype = DTYPES[c.dtype]
     if c.shape is not None:
-        from jaxllm.tokenizer import IdsTokenizer, shape_tokenizer
-
         cfg, weights = _random(c.shape, c, layout, c.seed, c.shape_overrides)
         tok = IdsTokenizer() if c.tokenizer is None else shape_tokenizer(c.tokenizer, cfg.vocab_size)
         name = c.name
     else:
-        from jaxllm.weights import load_model
-
-        cfg, _, weights, tok, name = load_model(c.model_dir, dtype, c.quant, progress, layout, c.caches)
+        cfg, _, weights, tok, name = loader.load_model(c.model_dir, dtype, c.quant, progress, layout, c.caches)
     weights = prepare(weights, donate=True)  # the loader's arrays: ours to consume
     spec, draft, dcfg = None, None, None
     if c.speculative == "draft":
         if c.draft_shape is not None:
             dcfg, draft = _random(c.draft_shape, c, layout, c.seed + 1, {})
         else:
-            from jaxllm.weights import load_model
-
-            dcfg, _, draft, _, _ = load_model(c.draft_model_dir, dtype, c.quant, None, layout, c.caches)
+            dcfg, _, draft, _, _ = loader.load_model(c.draft_model_dir, dtype, c.quant, None, layout, c.caches)
         draft = prepare(draft, donate=True)
     if c.speculative is not None:
         always = {"min_accept": 0.0, "max_batch": None} if c.draft_always else {"max_batch": c.speculative_max_batch}
@@ -64,10 +63,6 @@ def build_engine(config: EngineConfig, progress=None) -> Engine:
 
 def _random(shape: str, c: EngineConfig, layout, seed: int, overrides: dict):
     """(config, weights) of random weights of the architecture `shape`, made in their shardings."""
-    from jaxllm.model.presets import load_preset
-    from jaxllm.model.sharding import check_divisible
-    from jaxllm.weights.random import random_weights
-    from jaxllm.weights.weights import is_quantized
 
     cfg, fam = load_preset(shape, **overrides)
     specs = fam.abstract(cfg)

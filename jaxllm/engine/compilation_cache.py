@@ -29,6 +29,10 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jax
+import jaxlib
+from jax.experimental.serialize_executable import deserialize_and_load, serialize
+
 log = logging.getLogger("jaxllm")
 MIN_COMPILE_SECONDS = 0.5  # compiles quicker than this are not worth a file
 KEEP_STEPS = True  # whether engines keep and read back their executables (see above)
@@ -44,7 +48,6 @@ def enable(path: Path | None) -> Path | None:
     except OSError as e:
         log.warning("compilation cache %s cannot be created (%s); compiling without it", path, e.strerror or e)
         return None
-    import jax
 
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
@@ -102,7 +105,6 @@ def source_digest() -> str:
 
 def describe(tree) -> str:
     """A pytree's structure, and each leaf's shape, dtype and sharding."""
-    import jax
 
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     parts = [str(treedef)]
@@ -113,8 +115,6 @@ def describe(tree) -> str:
 
 
 def executable_key(*material) -> str:
-    import jax
-    import jaxlib
 
     h = hashlib.sha256()
     for part in (
@@ -136,7 +136,6 @@ def load_executable(folder: Path | None, key: str):
     path = folder / f"{key}.bin"
     try:
         payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-        from jax.experimental.serialize_executable import deserialize_and_load
 
         return deserialize_and_load(payload, in_tree, out_tree)
     except FileNotFoundError:
@@ -152,8 +151,6 @@ def store_executable(folder: Path | None, key: str, compiled) -> None:
     if folder is None:
         return
     try:
-        from jax.experimental.serialize_executable import serialize
-
         blob = pickle.dumps(serialize(compiled))
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f"{key}.{os.getpid()}.tmp"
@@ -179,8 +176,6 @@ def compile_and_keep(folder: Path | None, key: str, lowered, options: dict | Non
     what XLA itself compiled is kept. -> (the executable, whether JAX's cache answered)."""
     global _listening
     if not _listening:
-        import jax
-
         jax.monitoring.register_event_listener(_on_event)
         _listening = True
     before = getattr(_seen, "hits", 0)

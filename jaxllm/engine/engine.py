@@ -17,7 +17,7 @@ from jaxllm.compiling import compile_all, map_threads
 from jaxllm.config.kv import KVOptions
 from jaxllm.config.model import ModelConfig
 from jaxllm.config.runtime import Caches, RuntimeConfig
-from jaxllm.engine import compilation_cache, core
+from jaxllm.engine import batch, compilation_cache, core
 from jaxllm.engine.compilation_cache import Compiles, enable, executables_folder
 from jaxllm.engine.detok import TextStream
 from jaxllm.engine.host import EngineCore, bucket, pad_rows
@@ -532,7 +532,6 @@ class Engine:
                 f"positions, more than max_ctx {self.max_ctx}: lower max_tokens to at most "
                 f"{max(self.max_ctx - n, 0)} or raise max_ctx"
             )
-        from jaxllm.engine import batch
 
         if len(set(lens)) > 1:
             reqs = [dataclasses.replace(asked, prompt_ids=list(x), seed=nth_seed(seed, b)) for b, x in enumerate(ids)]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -135,7 +136,6 @@ class Layout:
             return np.asarray(x)
         if x.sharding.is_fully_replicated:
             return np.asarray(x.addressable_data(0))
-        from jax.experimental import multihost_utils
 
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 

@@ -12,6 +12,7 @@ only when `select` chooses it, so a process loads Pallas only for the backend it
 from __future__ import annotations
 
 import logging
+import sys
 
 import jax
 
@@ -63,7 +64,6 @@ def select(runtime: RuntimeConfig | None = None, layout=None) -> XlaOps:
 
 def selections() -> list[dict]:
     """Every kernel choice made so far in this process (none where no kernel backend ran)."""
-    import sys
 
     return [
         s

@@ -9,6 +9,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxllm.config.model import RopeSpec
 from jaxllm.config.runtime import RuntimeConfig
@@ -354,7 +355,6 @@ class XlaOps:
         layout = self.layout
         if layout is None or layout.tp == 1:
             return None
-        from jax.sharding import PartitionSpec as P
 
         q, scale = (table.q, table.scale) if isinstance(table, QuantArray) else (table, None)
         tspec = layout.spec(q.shape, ("vocab", "embed"))

@@ -5,15 +5,24 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+import jaxllm
 from jaxllm.config.engine import RUNTIME, SPECULATION, Parser, add_flags, from_args, settle
 from jaxllm.config.runtime import env
+from jaxllm.engine.memory import KVMemory
 from jaxllm.errors import JaxllmError, ModelError, warnings_as_lines
+from jaxllm.model.presets import read
+from jaxllm.weights import read_config
 
 STARTED = time.monotonic()
 KEEP_ALIVE_S = 30.0  # seconds an idle HTTP connection stays open
@@ -64,7 +73,6 @@ UNITS = {
 
 def size(s):
     """A size in bytes: 2147483648, 2GiB, 1.5G, 512MiB."""
-    import re
 
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", s)
     if not m or m.group(2).lower() not in UNITS:
@@ -242,14 +250,10 @@ def check_model(args) -> None:
     mapping, no weight is read): an unknown name or path is refused before the weights load."""
     c = args.config
     if c.shape:
-        from jaxllm.model.presets import read
-
         read(c.shape)  # an unknown name is refused before JAX loads
         if c.tokenizer and not Path(c.tokenizer).expanduser().is_dir():
             raise ModelError(f"--tokenizer {c.tokenizer}: no such directory")
     else:
-        from jaxllm.weights import read_config
-
         read_config(c.model_dir)
 
 
@@ -278,7 +282,6 @@ def main(argv=None) -> int:
     # Three threads share the GIL (HTTP, the engine's launches, reading results back): with the default
     # 5 ms switch interval one thread's Python could hold the next device launch back by that long.
     sys.setswitchinterval(0.0005)
-    import jaxllm
 
     log = logging.getLogger("jaxllm.serve")
     log.info("compilation cache: %s", args.config.caches.compilation or "off")
@@ -299,10 +302,7 @@ def setup_logging(args: argparse.Namespace):
 def serve(engine, args: argparse.Namespace, sock: socket.socket) -> int:
     """Serve `engine` on the bound socket `sock` with the flags `args` until a signal ends it, then
     exit within --shutdown-timeout (`draining_server`). -> the exit status."""
-    import uvicorn
-
-    from jaxllm.engine.memory import KVMemory
-    from jaxllm.serve.app import RedactSecrets, ServeOptions, build_app
+    from jaxllm.serve.app import RedactSecrets, ServeOptions, build_app  # JAX: the engine is loaded by now
 
     log = logging.getLogger("jaxllm.serve")
     opts = ServeOptions(
@@ -374,7 +374,6 @@ def headers_within(seconds: float):
     request headers: a client that sends them slowly (or never) is disconnected after `seconds`,
     rather than holding the connection for as long as it trickles. (An idle kept-alive connection
     is uvicorn's keep-alive timeout; a slow body is the app's --body-timeout and --body-deadline.)"""
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     log = logging.getLogger("jaxllm.serve")
 
@@ -429,9 +428,6 @@ def draining_server(config, scheduler, timeout: float):
     uvicorn closes the listening socket and waits for the open responses to end. A second signal
     ends every request at once. Either way the process exits 0 by the deadline plus
     SHUTDOWN_GRACE_S, even if the engine is inside a device call or still warming up then."""
-    import threading
-
-    import uvicorn
 
     log = logging.getLogger("jaxllm.serve")
 

@@ -24,6 +24,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import topologies
+from jax.sharding import Mesh
 
 from jaxllm import ops
 from jaxllm.config.engine import Parser, add_flags, from_args, settle
@@ -37,8 +39,10 @@ from jaxllm.kv.options import choose_layout
 from jaxllm.kv.paged import PagedCache, kind_specs, make_pools
 from jaxllm.kv.plan import PoolPlan
 from jaxllm.model.params import map_specs
+from jaxllm.model.presets import load_preset
 from jaxllm.model.sharding import Layout, check_divisible, scale_shape_axes
 from jaxllm.quant import QuantArray
+from jaxllm.weights.weights import is_quantized
 
 # HBM bandwidth per chip, bytes/s, and memory per chip, by topology generation.
 CHIPS = {
@@ -58,7 +62,6 @@ set_default("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 def topology_mesh(topology: str, tp: int | None, dp: int = 1) -> Layout:
-    from jax.experimental import topologies
 
     try:
         topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
@@ -71,14 +74,12 @@ def topology_mesh(topology: str, tp: int | None, dp: int = 1) -> Layout:
     tp = tp or max(1, len(devices) // dp)
     if tp * dp != len(devices):
         raise ModelError(f"--tp {tp} x --dp {dp} must use all {len(devices)} chips of {topology}")
-    from jax.sharding import Mesh
 
     return Layout(Mesh(np.asarray(devices, dtype=object).reshape(dp, tp), ("data", "model")))
 
 
 def abstract_weights(cfg, family, layout: Layout, quant: str, dtype) -> dict:
     """The weights as ShapeDtypeStructs with their shardings (QuantArray for int8 ones)."""
-    from jaxllm.weights.weights import is_quantized
 
     def one(spec):
         int8 = is_quantized(spec, quant)
@@ -198,7 +199,6 @@ def compile_shape(
     programs = tuple(programs)
     if not programs or set(programs) - set(PROGRAMS):
         raise ModelError(f"programs must be among {', '.join(PROGRAMS)}")
-    from jaxllm.model.presets import load_preset
 
     cfg, family = load_preset(shape)
     layout = topology_mesh(topology, tp, dp)

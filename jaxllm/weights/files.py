@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jaxllm.errors import ModelError
+from jaxllm.tokenizer import Tokenizer, read_json
+from jaxllm.weights.default import DEFAULT_MODEL_NAME, default_model_file
 from jaxllm.weights.gguf_file import SplitFile
 
 SAVED_META = "jaxllm.json"  # marks a directory written by jaxllm.convert (see `saved`)
@@ -22,8 +24,6 @@ class ModelFiles:
 
 def locate(model_dir: str | os.PathLike | None) -> ModelFiles:
     if model_dir is None:
-        from jaxllm.weights.default import DEFAULT_MODEL_NAME, default_model_file
-
         return ModelFiles(DEFAULT_MODEL_NAME, default_model_file(), "gguf")
     p = Path(model_dir).expanduser()
     if p.is_file() and p.suffix == ".gguf":
@@ -43,7 +43,6 @@ def locate(model_dir: str | os.PathLike | None) -> ModelFiles:
 
 
 def read_hf_config(d: Path) -> tuple[dict, dict]:
-    from jaxllm.tokenizer import read_json
 
     return read_json(d / "config.json"), read_json(d / "generation_config.json")
 
@@ -51,7 +50,6 @@ def read_hf_config(d: Path) -> tuple[dict, dict]:
 def read_dir(path: Path):
     """(config, family, tokenizer) of a directory with a config.json (Hugging Face or saved)."""
     from jaxllm.model.families import family_for
-    from jaxllm.tokenizer import Tokenizer
 
     hf, gen = read_hf_config(path)
     fam = family_for(hf)  # refuses unknown architectures before any weight is read

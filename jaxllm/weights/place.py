@@ -14,6 +14,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -59,7 +60,6 @@ def place_stacked(pieces: list[Callable[[], tuple[np.ndarray, ...]]], shapes, dt
 
 
 def np_dtype(dtype):
-    import ml_dtypes
 
     return ml_dtypes.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(jnp.dtype(dtype).name)
 

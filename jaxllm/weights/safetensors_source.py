@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
+from safetensors import safe_open
 
 from jaxllm.errors import ModelError
 
@@ -15,7 +17,6 @@ class SafetensorsSource:
     memory-mapped through the safetensors library."""
 
     def __init__(self, model_dir: Path):
-        from safetensors import safe_open
 
         self._open = safe_open
         self._handles: dict[Path, object] = {}
@@ -87,7 +88,6 @@ def _header(path: Path) -> tuple[int, dict]:
 
 def _read_bf16(path: Path, name: str) -> np.ndarray:
     """numpy has no bfloat16, so view the mapped bytes through ml_dtypes (a jax dependency)."""
-    import ml_dtypes
 
     n, header = _header(path)
     info = header[name]

@@ -20,11 +20,16 @@ import warnings
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 from jaxllm.errors import ModelError
 from jaxllm.model.params import map_specs
+from jaxllm.model.sharding import check_divisible, scale_shape_axes, single_device_layout
 from jaxllm.quant import QuantArray
 from jaxllm.weights.files import SAVED_META as META
+from jaxllm.weights.files import read_dir
+from jaxllm.weights.gguf import read_gguf_config
+from jaxllm.weights.weights import is_quantized
 
 WEIGHTS = "weights"
 VERSION = 1
@@ -52,7 +57,8 @@ def to_plain(tree):
 def save_weights(d: Path, weights, meta: dict, compress: bool = True) -> None:
     """compress: zstd on every array. Off, the directory is ~20% larger and restores ~3x faster
     (decoding was most of a restore of int8 weights, which hardly compress)."""
-    import orbax.checkpoint as ocp
+
+    import orbax.checkpoint as ocp  # orbax (and the Pallas it loads) only where a checkpoint is read or written
 
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=compress)) as ckpt:
         ckpt.save((d / WEIGHTS).absolute(), to_plain(weights))
@@ -124,8 +130,6 @@ def _quiet_late_reads():
 
 def load_saved(d: Path, dtype, quant: str, layout=None):
     """(config, family, weights, tokenizer) of a saved directory."""
-    from jaxllm.model.sharding import single_device_layout
-    from jaxllm.weights.files import read_dir
 
     cfg, family, tok = read_dir(d)
     weights = restore_weights(d, cfg, family, quant, dtype, layout or single_device_layout())
@@ -134,11 +138,6 @@ def load_saved(d: Path, dtype, quant: str, layout=None):
 
 def restore_weights(d: Path, cfg, family, quant: str, dtype, layout):
     """The saved weights, restored directly into the shardings `layout` gives them."""
-    import jax.numpy as jnp
-    import orbax.checkpoint as ocp
-
-    from jaxllm.model.sharding import check_divisible, scale_shape_axes
-    from jaxllm.weights.weights import is_quantized
 
     meta = read_meta(d)
     if meta.get("quant") != quant:
@@ -166,6 +165,8 @@ def restore_weights(d: Path, cfg, family, quant: str, dtype, layout):
         # a failed restore drops the reads it had not started: their coroutines are never awaited
         warnings.filterwarnings("ignore", "coroutine '.*' was never awaited", RuntimeWarning)
         try:
+            import orbax.checkpoint as ocp  # orbax (and the Pallas it loads) only where a checkpoint is read or written
+
             with ocp.StandardCheckpointer() as ckpt:
                 _check_shapes(ckpt.metadata(path), plain)
                 restored = ckpt.restore(path, plain)
@@ -205,7 +206,6 @@ def write_source_files(files, dst: Path, tok) -> None:
             if (files.path / name).exists():
                 shutil.copy2(files.path / name, dst / name)
         return
-    from jaxllm.weights.gguf import read_gguf_config
 
     (dst / "config.json").write_text(json.dumps(read_gguf_config(files.path), indent=1, default=str))
     tok.tok.save(str(dst / "tokenizer.json"))

@@ -41,8 +41,15 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+
 from jaxllm.config.runtime import Caches
 from jaxllm.errors import ModelError
+from jaxllm.model.sharding import check_divisible, single_device_layout
+from jaxllm.weights import saved
+from jaxllm.weights.default import DEFAULT_MODEL_NAME, default_model_digest
+from jaxllm.weights.files import read_dir
 
 FORMAT = 1
 # What decides the bytes of an entry: dequantization, conversion, quantization, the saved format
@@ -73,8 +80,6 @@ def entry_for(model_dir, quant: str, dtype, caches: Caches) -> Entry | None:
     """The cache entry of a GGUF source (the embedded default or a .gguf file) under
     `caches.folder`; None for any other source, when the cache is off, or in a multi-process run
     (where every process must take the same path through a load)."""
-    import jax
-    import jax.numpy as jnp
 
     if not (caches.weights and caches.folder is not None) or jax.process_count() != 1:
         return None
@@ -95,8 +100,6 @@ def _source(model_dir, folder: Path) -> tuple[str, str] | None:
     """(display name, sha256) of a GGUF source, or None (not one, or unreadable: the load that
     follows reports why)."""
     if model_dir is None:
-        from jaxllm.weights.default import DEFAULT_MODEL_NAME, default_model_digest
-
         digest = default_model_digest()
         return None if digest is None else (DEFAULT_MODEL_NAME, digest)
     p = Path(model_dir).expanduser()
@@ -182,21 +185,18 @@ def _write_memo(memo: Path, digest: str) -> None:
 def read(entry: Entry, dtype, layout):
     """(config, family, weights, tokenizer) from the entry, or None when there is none. A damaged
     entry is deleted, with one warning, and None returned, so that the caller builds it again."""
-    from jaxllm.model.sharding import check_divisible, single_device_layout
-    from jaxllm.weights.files import read_dir
-    from jaxllm.weights.saved import read_meta, restore_weights
 
     if not entry.path.is_dir():
         return None
     layout = layout or single_device_layout()
     try:
-        _check_meta(entry, read_meta(entry.path))
+        _check_meta(entry, saved.read_meta(entry.path))
         cfg, family, tok = read_dir(entry.path)
     except Exception as e:  # damage surfaces as anything from json to tokenizers errors
         return _damaged(entry, e)
     check_divisible(layout, family.abstract(cfg))  # a split the model cannot take is the caller's error
     try:
-        weights = restore_weights(entry.path, cfg, family, entry.quant, dtype, layout)
+        weights = saved.restore_weights(entry.path, cfg, family, entry.quant, dtype, layout)
     except Exception as e:
         return _damaged(entry, e)
     return cfg, family, weights, tok
@@ -224,7 +224,6 @@ def _meta(entry: Entry) -> dict:
 def write(entry: Entry, files, cfg, weights, tok) -> None:
     """Save the model just built from `files` as the entry. Never fails the load: a cache that
     cannot be written is one warning."""
-    from jaxllm.weights.saved import save_weights, write_source_files
 
     root = entry.path.parent
     tmp = root / f".{entry.path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
@@ -232,8 +231,8 @@ def write(entry: Entry, files, cfg, weights, tok) -> None:
         root.mkdir(parents=True, exist_ok=True)
         _check_space(root, weights)
         tmp.mkdir()
-        write_source_files(files, tmp, tok)
-        save_weights(tmp, weights, {"family": cfg.family, "source": files.name, **_meta(entry)}, compress=False)
+        saved.write_source_files(files, tmp, tok)
+        saved.save_weights(tmp, weights, {"family": cfg.family, "source": files.name, **_meta(entry)}, compress=False)
         _publish(tmp, entry.path)
     except Exception as e:  # orbax and tensorstore raise their own types for a full disk
         warnings.warn(
@@ -249,7 +248,6 @@ def write(entry: Entry, files, cfg, weights, tok) -> None:
 
 
 def _check_space(root: Path, weights) -> None:
-    import jax
 
     need = sum(x.nbytes for x in jax.tree_util.tree_leaves(weights))
     free = shutil.disk_usage(root).free

@@ -17,7 +17,7 @@ import numpy as np
 from jaxllm.config.model import ModelConfig
 from jaxllm.errors import ModelError
 from jaxllm.model.params import ParamSpec, is_spec
-from jaxllm.model.sharding import scale_shape_axes
+from jaxllm.model.sharding import check_divisible, scale_shape_axes, single_device_layout
 from jaxllm.quant import QuantArray, quantize_np, quantize_rows_np
 from jaxllm.weights.place import convert_layer, from_host, place_stacked, rows_to_host
 
@@ -138,7 +138,6 @@ def build_weights(
 ) -> dict:
     """Fill the family's abstract weights from `source` (safetensors or dequantized GGUF), placed
     on the devices of `layout` (default: the first device)."""
-    from jaxllm.model.sharding import check_divisible, single_device_layout
 
     layout = layout or single_device_layout()
     tree = family.abstract(cfg)

@@ -93,7 +93,7 @@ def test_greedy_speculation_with_a_draft_model(tmp_path):
     row (in a batch) are the plain output all the same."""
     base, _ = engines("none")
     tiny.make("gemma3", tmp_path, seed=2, vocab_size=base.cfg.vocab_size, num_hidden_layers=2)
-    from jaxllm.weights import load_model
+    from jaxllm.weights.loader import load_model
     dcfg, _, dweights, _, _ = load_model(str(tmp_path), base.dtype, "none")
     eng = Engine(base.cfg, base.weights, base.tokenizer, dtype="float32", max_ctx=MAX_CTX,
                  speculation=Speculation("draft", 3, draft_cfg=dcfg), draft_weights=dweights)

@@ -106,10 +106,10 @@ PROBE = ("import atexit, runpy, sys\n"
          "sys.argv = sys.argv[1:]\n"
          "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n")
 # Loading a model's weights, made to fail loudly: a refusal that must come before any weight is read.
-NO_WEIGHTS = ("import jaxllm.weights\n"
+NO_WEIGHTS = ("import jaxllm.weights.loader\n"
               "def load_model(*a, **k):\n"
               "    raise SystemExit('a weight was read')\n"
-              "jaxllm.weights.load_model = load_model\n")
+              "jaxllm.weights.loader.load_model = load_model\n")
 
 
 def front_end(module, *args, prelude="", cache):

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 from test_gguf import _gemma3_metadata, _write
 
-import jaxllm.weights.gguf as gguf_module
+import jaxllm.weights.loader as loader_module
 from jaxllm.config.runtime import Caches
 from jaxllm.errors import ModelError
-from jaxllm.weights import load_model, locate
+from jaxllm.weights import locate
 from jaxllm.weights import weight_cache as wcache
+from jaxllm.weights.loader import load_model
 
 
 def write_tiny_gguf(path, seed=0, n_layers=2):
@@ -62,12 +63,12 @@ def cache(tmp_path, monkeypatch):
 def builds(monkeypatch):
     """How many times a load dequantized a GGUF file."""
     calls = []
-    real = gguf_module.iter_gguf_tensors
+    real = loader_module.iter_gguf_tensors
 
     def counted(path):
         calls.append(path)
         return real(path)
-    monkeypatch.setattr(gguf_module, "iter_gguf_tensors", counted)
+    monkeypatch.setattr(loader_module, "iter_gguf_tensors", counted)
     return calls
 
 
