@@ -1,7 +1,7 @@
 """`--deterministic`: a request's answer, greedy or sampled with its seed, is the same among 64
 concurrent clients as alone, in bfloat16 with int8 weights (the defaults, where batch shapes and
-chunk boundaries change the arithmetic). Without the flag, how many answers differ is printed,
-not asserted, with both modes' throughput on the same load.
+chunk boundaries change the arithmetic: without the flag some answers differ, which is why it
+exists; what it costs is measured by the serving bench's --deterministic, not here).
 
 The model is a tiny random Gemma 3 (sliding and global layers) served in this process, its text
 the token ids, so that 64 clients' prompts of up to 1,500 tokens and each request's lone run cost
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import httpx
 import pytest
@@ -64,20 +63,17 @@ async def send(client: httpx.AsyncClient, body: dict) -> tuple[str, int]:
 
 
 async def run_mode(url: str) -> dict:
-    """The load at once (64 clients), then each distinct request alone. -> answers, tok/s."""
+    """The load at once (64 clients), then each distinct request alone. -> their answers."""
     reqs = requests()
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=CLIENTS)) as c:
-        await send(c, reqs[0])                     # the first request's compiles out of the timing
-        t = time.perf_counter()
+        await send(c, reqs[0])                     # the first request's compiles before the load
         loaded = await asyncio.gather(*(send(c, b) for b in reqs))
-        wall = time.perf_counter() - t
         alone = {}
         for b in reqs:                             # each distinct request once, one after another
             key = repr(b)
             if key not in alone:
                 alone[key] = await send(c, b)
-    return {"loaded": [a for a, _ in loaded], "alone": [alone[repr(b)][0] for b in reqs],
-            "tok_s": sum(n for _, n in loaded) / wall, "wall": wall}
+    return {"loaded": [a for a, _ in loaded], "alone": [alone[repr(b)][0] for b in reqs]}
 
 
 @pytest.fixture(scope="module")
@@ -87,22 +83,15 @@ def results(tmp_path_factory):
               max_position_embeddings=MAX_LEN)
     engine = jaxllm.load(str(path), quant="int8", dtype="bfloat16", max_ctx=MAX_LEN)
     engine.tokenizer = Ids()
-    out = {}
-    for mode in ("deterministic", "default"):
-        server = tiny_chat.LiveServer(engine, max_model_len=MAX_LEN, max_num_seqs=16, max_queue=CLIENTS,
-                                      deterministic=mode == "deterministic")
-        try:
-            out[mode] = asyncio.run(run_mode(server.url))
-        finally:
-            server.stop()
-    return out
+    server = tiny_chat.LiveServer(engine, max_model_len=MAX_LEN, max_num_seqs=16, max_queue=CLIENTS,
+                                  deterministic=True)
+    try:
+        return asyncio.run(run_mode(server.url))
+    finally:
+        server.stop()
 
 
 def test_answers_under_load_equal_answers_alone(results):
-    d, n = results["deterministic"], results["default"]
-    differ = {m: [k for k, (a, b) in enumerate(zip(r["loaded"], r["alone"])) if a != b] for m, r in results.items()}
-    print(f"\n{CLIENTS} clients, {PROMPTS} prompts of 10 to 1500 tokens, {MAX_TOKENS} tokens each: answers differing "
-          f"from the same request alone: --deterministic {len(differ['deterministic'])}, default "
-          f"{len(differ['default'])} (greedy {sum(k < CLIENTS // 2 for k in differ['default'])}); "
-          f"{d['tok_s']:.1f} tok/s against {n['tok_s']:.1f} ({d['wall']:.1f} s against {n['wall']:.1f} s)")
-    assert not differ["deterministic"], differ["deterministic"]
+    differ = [k for k, (a, b) in enumerate(zip(results["loaded"], results["alone"])) if a != b]
+    assert not differ, differ
+    assert len(set(results["loaded"])) > PROMPTS    # the sampled half differs by seed: a real load
