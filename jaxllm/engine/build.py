@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from jaxllm.config.engine import EngineConfig
 from jaxllm.engine.engine import DTYPES, Engine
+from jaxllm.model.families import abstract
 
 
 def build_engine(config: EngineConfig, progress=None) -> Engine:
@@ -30,7 +31,7 @@ def build_engine(config: EngineConfig, progress=None) -> Engine:
         from jaxllm.weights import load_model
 
         cfg, _, weights, tok, name = load_model(c.model_dir, dtype, c.quant, progress, layout)
-    weights = prepare(weights, donate=True)  # the loader's arrays: ours to consume
+    weights = prepare(weights, abstract(cfg), donate=True)  # the loader's arrays: ours to consume
     spec, draft, dcfg = None, None, None
     if c.speculative == "draft":
         if c.draft_shape is not None:
@@ -39,7 +40,7 @@ def build_engine(config: EngineConfig, progress=None) -> Engine:
             from jaxllm.weights import load_model
 
             dcfg, _, draft, _, _ = load_model(c.draft_model_dir, dtype, c.quant, None, layout)
-        draft = prepare(draft, donate=True)
+        draft = prepare(draft, abstract(dcfg), donate=True)
     if c.speculative is not None:
         always = {"min_accept": 0.0, "max_batch": None} if c.draft_always else {"max_batch": c.speculative_max_batch}
         spec = Speculation(c.speculative, c.num_speculative_tokens, draft_cfg=dcfg, **always)
