@@ -9,8 +9,9 @@ gating, so each table cuts the rows where its GPU needs it (the H200's at 128). 
 weights' layout (`ops.gpu.weights`), `gated` the gated MLP's fused gate/up product. A class maps to
 an `Entry`, or to a tuple of them of which the first whose blocks reach its `cover` is taken.
 
-A GPU kind without a table of its own (`TABLES`) takes the H100's, where most entries were
-measured.
+`scripts/kernel_bench.py --tune` times each class's entry and its neighbours (`candidates`) over a
+model's shapes on the GPU at hand and prints the fastest in this format, for a table of its kind
+(`TABLES`). A GPU kind without a table takes the H100's, where most entries were measured.
 """
 
 from __future__ import annotations
@@ -148,3 +149,31 @@ def entries(device_kind: str, M: int, out_major: bool, gated: bool) -> tuple[Ent
     table = table_for(device_kind)
     e = table[shape_class(table, M, out_major, gated)]
     return e if isinstance(e, tuple) else (e,)
+
+
+def candidates(e: Entry, M: int, out_major: bool) -> list[Entry]:
+    """`e` as a plain entry (no `cover`), then its neighbours one field away, for
+    `scripts/kernel_bench.py --tune` to time on M rows: `bn` and `bk` halved and doubled, 4 or 8
+    warps, `max_split` halved and doubled (up to 16); above one row `bm` halved and doubled (16 to
+    128 rows, at most M's power of two), and output-major the other operand order."""
+    base = dataclasses.replace(e, cover=0)
+    out = [base]
+
+    def add(**change):
+        c = dataclasses.replace(base, **change)
+        if c not in out and c.bn >= (4 if c.bm == 1 else 16) and c.bk >= 16 and 1 <= c.max_split <= 16:
+            out.append(c)
+
+    for name in ("bn", "bk", "max_split"):
+        v = getattr(base, name)
+        add(**{name: v // 2})
+        add(**{name: v * 2})
+    for w in (4, 8):
+        add(warps=w)
+    if base.bm > 1:
+        for bm in (base.bm // 2, base.bm * 2):
+            if 16 <= bm <= min(128, max(16, 1 << (M - 1).bit_length())):
+                add(bm=bm)
+        if out_major:
+            add(weights_first=not base.weights_first)
+    return out
