@@ -14,6 +14,15 @@ output-major (`--layouts`), and for XLA (slice, widen, dot), with the cost of th
 subtracted, and each kernel's largest error against a float32 product. Then decode attention over
 a paged bf16 pool of ctx positions a row (pages of 32, each row's blocks in order), the kernel
 against XLA's blockwise attention over the same blocks (`kv.paged.LayerKV.attend`).
+
+With `--tune` it fills the tile table (`jaxllm/ops/gpu/matmul_tiles.py`) for the GPU at hand
+instead: for each shape class the `--rows` of the preset's matmuls fall in (Q/K/V in one launch,
+O, down, the gated gate/up), it times the table's entry and its neighbours (`candidates` there)
+inside the same kernels, moves to the fastest and tries its neighbours again (`--tune-passes`),
+and prints each class's fastest entry in the table's own format, with its time beside the
+table's, for a new GPU kind's table (`TABLES`):
+
+    python scripts/kernel_bench.py --tune --shape qwen3-4b --rows 1,8,32,64,128,256 --layouts out
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import json
 import os
 import sys
 import time
+from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -35,7 +45,15 @@ from jaxllm.benchmarks import ceilings as ceil
 from jaxllm.kv.paged import KVPool, LayerKV, static_tables  # noqa: E402
 from jaxllm.model.presets import load_preset  # noqa: E402
 from jaxllm.ops.gpu.attention import decode_attention  # noqa: E402
-from jaxllm.ops.gpu.matmul import choose_tiles, stacked_gated, stacked_matmul  # noqa: E402
+from jaxllm.ops.gpu.matmul import (  # noqa: E402
+    choose_tiles,
+    stacked_gated,
+    stacked_matmul,
+    stacked_matmuls,
+    table_entry,
+    tiles_of,
+)
+from jaxllm.ops.gpu.matmul_tiles import candidates, shape_class, table_for  # noqa: E402
 from jaxllm.ops.gpu.widen import WAYS  # noqa: E402
 from jaxllm.ops.xla import XlaOps  # noqa: E402
 
@@ -128,8 +146,115 @@ def variants(M, K, N, gated, out_major, quick, psum_after=False, widen=(), weigh
     return out
 
 
+def tune_cases(cfg, tp: int = 1):
+    """name -> (K, output widths, gated, row-parallel) of each matmul launch of the first layer
+    kind, as one of `tp` devices holds it and the model launches it (Q, K and V in one)."""
+    a = cfg.attn[cfg.layer_kinds[0]]
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    q, kv = a.num_heads * a.head_dim // tp, a.num_kv_heads * a.head_dim // tp
+    return {
+        "qkv": (D, (q, kv) if a.k_eq_v else (q, kv, kv), False, False),
+        "o": (q, (D,), False, tp > 1),
+        "down": (F // tp, (D,), False, tp > 1),
+        "gate_up": (D, (F // tp,), True, False),
+    }
+
+
+class Launch(NamedTuple):
+    matmul: str  # a `tune_cases` name
+    M: int
+    K: int
+    Ns: tuple  # the widths of its outputs
+    gated: bool
+    psum: bool  # a row-parallel shard (under --tp)
+    out_major: bool
+
+
+def _looped(e, c: Launch, L: int):
+    """The compiled loop over the layers of launch c with the tiles of table entry e."""
+    t = tiles_of(e, c.M, c.K, sum(c.Ns), c.gated, out_major=c.out_major, outputs=len(c.Ns), psum_after=c.psum)
+    if c.gated:
+        return over_layers(
+            lambda l, x, w, s: stacked_gated(x, (w[0], s[0]), (w[1], s[1]), l, jax.nn.silu, t, t.out_major), L
+        )
+    return over_layers(
+        lambda l, x, w, s: jnp.stack(
+            [y.astype(jnp.float32).sum() for y in stacked_matmuls(x, list(zip(w, s)), l, t, t.out_major)]
+        ),
+        L,
+    )
+
+
+def tune(a, cfg, layouts) -> dict:
+    """Time the entries around the table's for each class the launches fall in; print each class's
+    fastest in the table's format and return what was timed (see the module's docstring)."""
+    kind = jax.devices()[0].device_kind
+    table = table_for(kind)
+    L, key = cfg.num_layers, jax.random.key(0)
+    classes = {}
+    for om in layouts:
+        for name, (K, Ns, gated, psum) in tune_cases(cfg, a.tp).items():
+            for M in [int(r) for r in a.rows.split(",")]:
+                if not a.cases or name in a.cases.split(","):
+                    c = Launch(name, M, K, Ns, gated, psum, om)
+                    classes.setdefault(shape_class(table, M, om, gated), []).append(c)
+    operands, loop_s = {}, {}
+
+    def seconds(c: Launch, e) -> float:
+        """A launch's time over the layers with entry e's tiles, the bare loop's subtracted."""
+        if c not in operands:
+            shapes = [(L, N, c.K) if c.out_major else (L, c.K, N) for N in c.Ns * (2 if c.gated else 1)]
+            w = tuple(jax.random.randint(key, sh, -127, 128, jnp.int8) for sh in shapes)
+            s = tuple(jnp.full((L, N), 0.01, jnp.float32) for N in c.Ns * (2 if c.gated else 1))
+            operands[c] = (jax.random.normal(key, (c.M, c.K), jnp.bfloat16), w, s)
+            bare = over_layers(lambda l, x, w, s: x[:1, :1], L)
+            loop_s[c] = min(timed(bare, *operands[c], reps=a.reps) for _ in range(a.rounds))
+        f = _looped(e, c, L)
+        return min(timed(f, *operands[c], reps=a.reps) for _ in range(a.rounds)) - loop_s[c]
+
+    def layer_us(launches, pick):
+        """µs a layer of the launches, each with the entry pick(launch), or the error that stopped it."""
+        try:
+            return sum(seconds(c, pick(c)) for c in launches) / L * 1e6
+        except Exception as err:  # a tile shape Triton refuses: note it, go on
+            return str(err).splitlines()[0][:120]
+
+    print(f"# {kind}, jax {jax.__version__}, {a.shape} (tp {a.tp}): µs a layer of each class's launches", flush=True)
+    out = []
+    for cls, launches in classes.items():
+        table_us = layer_us(launches, lambda c: table_entry(c.M, sum(c.Ns), c.out_major, c.gated))
+        first = launches[0]
+        best = dataclasses.replace(table_entry(first.M, sum(first.Ns), first.out_major, first.gated), cover=0)
+        tried = {}
+        for _ in range(a.tune_passes):
+            todo = [e for e in candidates(best, max(c.M for c in launches), first.out_major) if e not in tried]
+            tried.update({e: layer_us(launches, lambda c, e=e: e) for e in todo[: a.tune_candidates]})
+            timed_ok = {e: t for e, t in tried.items() if isinstance(t, float)}
+            if not timed_ok or min(timed_ok, key=timed_ok.get) == best:
+                break
+            best = min(timed_ok, key=timed_ok.get)
+        what = "+".join(dict.fromkeys(c.matmul for c in launches))
+        rows = ",".join(map(str, dict.fromkeys(c.M for c in launches)))
+        if isinstance(tried.get(best), float):
+            table = f"{table_us:.1f} with the table's" if isinstance(table_us, float) else f"the table's: {table_us}"
+            print(
+                f"    {cls!r}: {best!r},  # {what}, M={rows}: {tried[best]:.1f} µs a layer against {table}",
+                flush=True,
+            )
+        out.append(
+            {
+                "class": list(cls),
+                "launches": [[c.matmul, c.M] for c in launches],
+                "table_us": table_us,
+                "best": repr(best) if isinstance(tried.get(best), float) else None,
+                "tried_us": {repr(e): t for e, t in tried.items()},
+            }
+        )
+    return {"device": kind, "jax": jax.__version__, "shape": a.shape, "tp": a.tp, "classes": out}
+
+
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3-4b")
     p.add_argument("--rows", default="1,8,64")
     p.add_argument("--ctx", type=int, default=2048)
@@ -156,6 +281,9 @@ def main():
         default="in,out",
         help="weight layouts to time: in (input-major [L, K, N]), out (output-major [L, N, K])",
     )
+    p.add_argument("--tune", action="store_true", help="fill the tile table for this GPU kind (see above) instead")
+    p.add_argument("--tune-passes", type=int, default=3, help="times --tune moves to the fastest and tries around it")
+    p.add_argument("--tune-candidates", type=int, default=100, help="entries --tune times at most in a pass")
     a = p.parse_args()
     layouts = [{"in": False, "out": True}[x] for x in a.layouts.split(",")]
     ways = [w for w in a.widen.split(",") if w]
@@ -170,6 +298,9 @@ def main():
             f"--tp {a.tp}: does not divide the heads ({a_spec.num_heads} query, {a_spec.num_kv_heads} "
             f"key/value) and the MLP width ({cfg.intermediate_size}) of {a.shape}"
         )
+    if a.tune:
+        json.dump(tune(a, cfg, layouts), open(os.path.join(a.out, "kernel_tune.json"), "w"), indent=1)
+        return
     bw = ceil.measure_bandwidth(ceil.default_probe_bytes(jax.devices()[0]))
     print(f"bandwidth {bw[1] / 1e9:.0f} GB/s ({bw[0]})", flush=True)
     key = jax.random.key(0)

@@ -9,6 +9,7 @@ from jaxllm.config.engine import EngineConfig
 from jaxllm.engine.compilation_cache import enable
 from jaxllm.engine.engine import DTYPES, Engine
 from jaxllm.engine.speculative import Speculation
+from jaxllm.model.families import abstract
 from jaxllm.model.presets import load_preset
 from jaxllm.model.sharding import check_divisible, layout_for
 from jaxllm.tokenizer import IdsTokenizer, shape_tokenizer
@@ -31,14 +32,14 @@ def build_engine(config: EngineConfig, progress=None) -> Engine:
         name = c.name
     else:
         cfg, _, weights, tok, name = loader.load_model(c.model_dir, dtype, c.quant, progress, layout, c.caches)
-    weights = prepare(weights, donate=True)  # the loader's arrays: ours to consume
+    weights = prepare(weights, abstract(cfg), donate=True)  # the loader's arrays: ours to consume
     spec, draft, dcfg = None, None, None
     if c.speculative == "draft":
         if c.draft_shape is not None:
             dcfg, draft = _random(c.draft_shape, c, layout, c.seed + 1, {})
         else:
             dcfg, _, draft, _, _ = loader.load_model(c.draft_model_dir, dtype, c.quant, None, layout, c.caches)
-        draft = prepare(draft, donate=True)
+        draft = prepare(draft, abstract(dcfg), donate=True)
     if c.speculative is not None:
         always = {"min_accept": 0.0, "max_batch": None} if c.draft_always else {"max_batch": c.speculative_max_batch}
         spec = Speculation(c.speculative, c.num_speculative_tokens, draft_cfg=dcfg, **always)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from jaxllm.config.model import KIND_NAMES, ModelConfig
 from jaxllm.kv.paged import PagedCache
-from jaxllm.model.families import family_named
+from jaxllm.model.families import abstract, family_named
 from jaxllm.model.layers import decoder_layer
 from jaxllm.model.schedule import Branch, branches, counted_layers, layer_period, schedule
 
@@ -81,6 +81,8 @@ def forward(
     unroll = ops.scan_unroll(cfg.num_layers, *tokens.shape)
     norms = next_input_norms(cfg, weights)
     groups = {g: {**stacks, "next_norm": norms[g]} for g, stacks in weights["layers"].items()}
+    # each stack's description, for the backend; the next layers' input norms stacked like the group's own
+    specs = {g: {**s, "next_norm": s["attn_norm"]} for g, s in abstract(cfg)["layers"].items()}
     first = weights["layers"][cfg.group_of(0)]["attn_norm"][0]
     carry0 = (ops.next_input(x, first, cfg.norm_eps, cfg.norm_offset), cache)
 
@@ -88,7 +90,7 @@ def forward(
         name = KIND_NAMES[b.kind]
 
         def run(xh, caches, s):
-            w = ops.layer_weights(groups[b.group], s["idx"])
+            w = ops.layer_weights(groups[b.group], s["idx"], specs[b.group])
             lc = caches.layer(name, s["cache_idx"])
             if layer_fn is None:
                 xh, lc = decoder_layer(cfg, b.kind, w, *xh, positions, lc, ops)

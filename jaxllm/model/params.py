@@ -12,7 +12,7 @@ weights and a wider MLP); each group is then its own stack.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import jax
@@ -28,37 +28,59 @@ class ParamSpec:
     init: str = "normal"  # normal | zeros | ones
     n_batch: int = 0  # leading dims of independent matrices (MoE experts), before
     # the contracted ones; each keeps its own int8 scales
+    # How the layer reads it where it does only through the backend's operations, which may then
+    # hand it over in a form of their own (`ops.layer_weights`): MATMUL, contracted over its
+    # `n_contract` leading dims (`ops.linear`, `linears`, `gated_mlp`); NORM, an RMSNorm's weight
+    # (`ops.rms_norm`, `layer_input`, `add_norm`, `close_layer`, `head_prologue`). "": the model
+    # reads the array itself.
+    role: str = ""
 
 
-def attention_params(cfg: ModelConfig, a: AttnSpec) -> dict[str, ParamSpec]:
+MATMUL, NORM = "matmul", "norm"
+
+
+def matmul_weight(shape: tuple[int, ...], axes: tuple, n_contract: int = 1) -> ParamSpec:
+    """A weight the layer contracts only through the backend's matmuls."""
+    return ParamSpec(shape, axes, n_contract, role=MATMUL)
+
+
+def norm_weight(cfg: ModelConfig, n: int, axis: str = "embed") -> ParamSpec:
+    """An RMSNorm weight [n] the layer hands only to the backend's norm operations."""
+    return ParamSpec((n,), (axis,), init="zeros" if cfg.norm_offset else "ones", role=NORM)
+
+
+def attention_params(cfg: ModelConfig, a: AttnSpec, own_kv: bool = True) -> dict[str, ParamSpec]:
+    """The attention block's weights; without `own_kv` (a layer attending over an earlier layer's
+    cache) no K/V projections and no K norm."""
     D, H, K, hd = cfg.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim
     p = {
-        "attn_norm": ParamSpec((D,), ("embed",), init="zeros" if cfg.norm_offset else "ones"),
-        "q": ParamSpec((D, H, hd), ("embed", "q_heads", "head_dim"), 1),
-        "k": ParamSpec((D, K, hd), ("embed", "kv_heads", "head_dim"), 1),
-        "o": ParamSpec((H, hd, D), ("q_heads", "head_dim", "embed"), 2),
+        "attn_norm": norm_weight(cfg, D),
+        "q": matmul_weight((D, H, hd), ("embed", "q_heads", "head_dim")),
+        "o": matmul_weight((H, hd, D), ("q_heads", "head_dim", "embed"), 2),
     }
-    if not a.k_eq_v:
-        p["v"] = ParamSpec((D, K, hd), ("embed", "kv_heads", "head_dim"), 1)
+    if own_kv:
+        p["k"] = matmul_weight((D, K, hd), ("embed", "kv_heads", "head_dim"))
+        if not a.k_eq_v:
+            p["v"] = matmul_weight((D, K, hd), ("embed", "kv_heads", "head_dim"))
     if cfg.qk_norm:
-        norm_init = "zeros" if cfg.norm_offset else "ones"
-        p["q_norm"] = ParamSpec((hd,), ("head_dim",), init=norm_init)
-        p["k_norm"] = ParamSpec((hd,), ("head_dim",), init=norm_init)
+        p["q_norm"] = norm_weight(cfg, hd, "head_dim")
+        if own_kv:
+            p["k_norm"] = norm_weight(cfg, hd, "head_dim")
     return p
 
 
-def mlp_params(cfg: ModelConfig) -> dict[str, ParamSpec]:
-    D, F = cfg.hidden_size, cfg.intermediate_size
-    norm_init = "zeros" if cfg.norm_offset else "ones"
+def mlp_params(cfg: ModelConfig, width: int | None = None) -> dict[str, ParamSpec]:
+    """The gated MLP's weights, `width` wide (default: the config's), and the sandwich norms."""
+    D, F = cfg.hidden_size, width or cfg.intermediate_size
     p = {
-        "mlp_norm": ParamSpec((D,), ("embed",), init=norm_init),
-        "gate": ParamSpec((D, F), ("embed", "mlp"), 1),
-        "up": ParamSpec((D, F), ("embed", "mlp"), 1),
-        "down": ParamSpec((F, D), ("mlp", "embed"), 1),
+        "mlp_norm": norm_weight(cfg, D),
+        "gate": matmul_weight((D, F), ("embed", "mlp")),
+        "up": matmul_weight((D, F), ("embed", "mlp")),
+        "down": matmul_weight((F, D), ("mlp", "embed")),
     }
     if cfg.sandwich_norms:
-        p["post_attn_norm"] = ParamSpec((D,), ("embed",), init=norm_init)
-        p["post_mlp_norm"] = ParamSpec((D,), ("embed",), init=norm_init)
+        p["post_attn_norm"] = norm_weight(cfg, D)
+        p["post_mlp_norm"] = norm_weight(cfg, D)
     return p
 
 
@@ -67,7 +89,7 @@ def layer_params(cfg: ModelConfig, kind: int) -> dict[str, ParamSpec]:
 
 
 def stack(spec: ParamSpec, n: int) -> ParamSpec:
-    return ParamSpec((n, *spec.shape), ("layers", *spec.axes), spec.n_contract, spec.init, spec.n_batch)
+    return replace(spec, shape=(n, *spec.shape), axes=("layers", *spec.axes))
 
 
 def abstract_weights(

@@ -249,8 +249,9 @@ class XlaOps:
         return num_layers if u == "full" else min(u, num_layers)
 
     # --- weights
-    def prepare_weights(self, weights: dict, donate: bool = False) -> dict:
-        """The weights laid out for this backend, once after loading."""
+    def prepare_weights(self, weights: dict, specs: dict, donate: bool = False) -> dict:
+        """The weights laid out for this backend, once after loading; `specs` describes them
+        (`model.params`: each weight's shape, logical axes and role)."""
         return weights
 
     def loop_weights(self, weights, rows: int, state=None, dtype=jnp.bfloat16):
@@ -259,8 +260,10 @@ class XlaOps:
         widening into each matmul)."""
         return weights
 
-    def layer_weights(self, group: dict, idx) -> dict:
-        """Layer `idx` of a group of stacked layer weights, in the form this backend's operations take."""
+    def layer_weights(self, group: dict, idx, specs: dict) -> dict:
+        """Layer `idx` of a group of stacked layer weights, in the form this backend's operations
+        take; `specs` describes the group's stacks (`model.params.ParamSpec`), whose `role` says
+        which the layer hands only to this backend's operations."""
         return jax.tree_util.tree_map(lambda a: a[idx], group)
 
     def weight(self, w):

@@ -43,7 +43,7 @@ def test_default_from_the_runtime_config(monkeypatch):
     from jaxllm.ops.gpu.types import Stacked
     from jaxllm.quant import QuantArray
     x, w, s = _matmul_inputs()
-    stacked = Stacked(QuantArray(w, s, 1), jnp.int32(2), "down", out_major=True)
+    stacked = Stacked(QuantArray(w, s, 1), jnp.int32(2), ("mlp", "embed"), out_major=True)
     got = {}
     for way in ("bits", "convert"):
         backend = ops.select(RuntimeConfig(kernels="pallas", int8_widen=way))

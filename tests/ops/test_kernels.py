@@ -142,6 +142,7 @@ def test_out_major_weights_on_the_xla_path():
     """Output-major stacks (how the kernels' weights are laid out) contracted by XLA wherever the
     kernels do not run: a prefill's many rows, and XLA's own contraction of them; the XLA backend
     leaves the weights as they are (`prepare_weights`), the kernels' lays them out output-major."""
+    from jaxllm.model.params import NORM, ParamSpec, matmul_weight, stack
     from jaxllm.ops.gpu.types import OutMajor, Stacked
     from jaxllm.ops.gpu.weights import out_major
     from jaxllm.quant import QuantArray
@@ -149,26 +150,31 @@ def test_out_major_weights_on_the_xla_path():
     w, s = _w(rng, 2 * 12, 20, "int8")
     o = QuantArray(w.reshape(L, 2, 12, 20), s, 2)                # an O projection: heads, head_dim
     weights = {"layers": {"g": {"o": o, "attn_norm": jnp.ones((L, 20))}}}
-    assert XLA.prepare_weights(weights) is weights
-    for om in (PALLAS.prepare_weights(weights)["layers"]["g"]["o"], out_major(weights)["layers"]["g"]["o"]):
+    axes = ("q_heads", "head_dim", "embed")
+    specs = {"layers": {"g": {"o": stack(matmul_weight((2, 12, 20), axes, 2), L),
+                              "attn_norm": stack(ParamSpec((20,), ("embed",), role=NORM), L)}}}
+    assert XLA.prepare_weights(weights, specs) is weights
+    for om in (PALLAS.prepare_weights(weights, specs)["layers"]["g"]["o"], out_major(weights, specs)["layers"]["g"]["o"]):
         assert isinstance(om, OutMajor) and om.w.q.shape == (L, 20, 2, 12) and om.n_contract == 2
+    got = PALLAS.layer_weights(PALLAS.prepare_weights(weights, specs)["layers"]["g"], jnp.int32(1), specs["layers"]["g"])
+    assert got["o"].axes == axes and got["o"].out_major and got["attn_norm"].axes is None
     assert weights["layers"]["g"]["o"] is o                      # not donated: the input stays
     for rows in (3, 300):                                        # kernel, then XLA (> 256 rows)
         x = jnp.asarray(rng.standard_normal((rows, 2, 12)), jnp.float32)
         ref = _ref(x.reshape(rows, 24), w, s, 1)
         for mode in ("pallas", "xla"):
-            stacked = Stacked(om.w, jnp.int32(1), "o", out_major=True)
+            stacked = Stacked(om.w, jnp.int32(1), axes, out_major=True)
             y = PALLAS.linear(x, stacked, 2) if mode == "pallas" else _xla_linear(x, stacked, 2)
             assert _rel(y, ref) < 1e-5, (rows, mode)
         # in bf16, above 256 rows the scale is folded into the widened weight and the GEMM writes
         # bf16: within bf16 rounding of the float32 product, input-major and output-major alike
         xb = x.astype(jnp.bfloat16)
         refb = _ref(xb.astype(jnp.float32).reshape(rows, 24), w, s, 1)
-        for stacked in (Stacked(om.w, jnp.int32(1), "o", out_major=True), Stacked(o, jnp.int32(1), "o")):
+        for stacked in (Stacked(om.w, jnp.int32(1), axes, out_major=True), Stacked(o, jnp.int32(1), axes)):
             y = PALLAS.linear(xb, stacked, 2)
             assert y.dtype == jnp.bfloat16 and _rel(y.astype(jnp.float32), refb) < 1e-2, (rows, stacked.out_major)
         # the layer as the XLA backend holds it (input-major), through its own `linear`
-        y = XLA.linear(x, XLA.layer_weights(weights["layers"]["g"], jnp.int32(1))["o"], 2)
+        y = XLA.linear(x, XLA.layer_weights(weights["layers"]["g"], jnp.int32(1), specs["layers"]["g"])["o"], 2)
         assert _rel(y, ref) < 1e-5, (rows, "xla backend")
 
 
@@ -253,7 +259,7 @@ def test_matmul_partials_sum_to_the_product():
     rng = np.random.default_rng(9)
     w, s = _w(rng, 1024, 40, "int8")
     x = jnp.asarray(rng.standard_normal((1, 1024)), jnp.float32)
-    wq = Stacked(QuantArray(w, s), jnp.int32(1), "down")
+    wq = Stacked(QuantArray(w, s), jnp.int32(1), ("mlp", "embed"))
     p, y = PALLAS.linear(x, wq, 1, partials=True), PALLAS.linear(x, wq, 1)
     assert isinstance(p, Partials) and p.parts.shape[0] > 1
     assert _rel(p.total(), y) < 1e-6 and _rel(y, _ref(x, w, s, 1)) < 1e-5
@@ -275,8 +281,8 @@ def test_matmul_normalizes_its_input_rows(M, dtype, weight, offset, split):
     ws = [_w(rng, K, n, "int8") for n in (48, 16)]
     tiles = Tiles(bm=1 if M == 1 else 16, bn=16, bk=32, split=split, out_major=True,
                   fold=16 if M == 1 else 0)
-    stacks = [Stacked(QuantArray(_om(w, True), s, 1), jnp.int32(2), name, out_major=True)
-              for (w, s), name in zip(ws, ("q", "k"))]
+    stacks = [Stacked(QuantArray(_om(w, True), s, 1), jnp.int32(2), ("embed", heads, "head_dim"), out_major=True)
+              for (w, s), heads in zip(ws, ("q_heads", "kv_heads"))]
     tol = 1e-5 if dtype == "float32" else 2e-2
     got = {"pallas": PALLAS.linears(Normed(x, nw, 1e-6, offset), stacks),
            "xla": [_xla_linear(Normed(x, nw, 1e-6, offset), w) for w in stacks]}

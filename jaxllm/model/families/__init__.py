@@ -26,3 +26,8 @@ def family_for(hf: dict):
 def family_named(name: str):
     """The family module whose name is `name` (a ModelConfig's `family`), or None."""
     return next((f for f in FAMILIES if f.__name__.rsplit(".", 1)[-1] == name), None)
+
+
+def abstract(cfg) -> dict:
+    """The weight description (`model.params`) of a model of config `cfg`, from its family."""
+    return family_named(cfg.family).abstract(cfg)

@@ -21,7 +21,7 @@ from jaxllm.errors import ModelError
 from jaxllm.model.families.common import GEMMA_NORM_NAMES, HF_NAMES, eos_ids, layer_kinds, need, per_kind_rope
 from jaxllm.model.layers import attention_block
 from jaxllm.model.moe import moe_ffn
-from jaxllm.model.params import ParamSpec, abstract_weights, stack
+from jaxllm.model.params import ParamSpec, abstract_weights, attention_params, matmul_weight, mlp_params, stack
 from jaxllm.model.schedule import Branch, branches
 from jaxllm.ops.xla import activation, rms_norm
 
@@ -168,32 +168,20 @@ def config_from_hf(hf: dict, generation: dict | None = None) -> ModelConfig:
 
 # -- weights ------------------------------------------------------------------------------------
 def _norm(n: int, axis: str = "embed") -> ParamSpec:
+    """An RMSNorm weight that this family's own code applies (the MoE block's, the PLE's)."""
     return ParamSpec((n,), (axis,), init="ones")
 
 
 def layer_params(cfg: ModelConfig, b: Branch) -> dict[str, ParamSpec]:
-    a = cfg.attn[b.kind]
-    D, H, K, hd = cfg.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim
+    """The shared layer's weights (a KV-sharing layer's without K/V, its MLP twice as wide with
+    `double_wide_mlp`), the output scalar, and those of the MoE block and the PLE."""
+    D = cfg.hidden_size
     wide = cfg.extra("double_wide_mlp") and not b.own_kv
-    F = cfg.intermediate_size * (2 if wide else 1)
     p = {
-        "attn_norm": _norm(D),
-        "post_attn_norm": _norm(D),
-        "mlp_norm": _norm(D),
-        "post_mlp_norm": _norm(D),
-        "q": ParamSpec((D, H, hd), ("embed", "q_heads", "head_dim"), 1),
-        "q_norm": _norm(hd, "head_dim"),
-        "o": ParamSpec((H, hd, D), ("q_heads", "head_dim", "embed"), 2),
-        "gate": ParamSpec((D, F), ("embed", "mlp"), 1),
-        "up": ParamSpec((D, F), ("embed", "mlp"), 1),
-        "down": ParamSpec((F, D), ("mlp", "embed"), 1),
+        **attention_params(cfg, cfg.attn[b.kind], own_kv=b.own_kv),
+        **mlp_params(cfg, cfg.intermediate_size * (2 if wide else 1)),
         "layer_scalar": ParamSpec((1,), (None,), init="ones"),
     }
-    if b.own_kv:
-        p["k"] = ParamSpec((D, K, hd), ("embed", "kv_heads", "head_dim"), 1)
-        p["k_norm"] = _norm(hd, "head_dim")
-        if not a.k_eq_v:
-            p["v"] = ParamSpec((D, K, hd), ("embed", "kv_heads", "head_dim"), 1)
     if cfg.extra("moe"):
         E, _, Fm = cfg.extra("moe")
         p.update(
@@ -213,8 +201,8 @@ def layer_params(cfg: ModelConfig, b: Branch) -> dict[str, ParamSpec]:
         P, _ = cfg.extra("ple")
         p.update(
             {
-                "ple_gate": ParamSpec((D, P), ("embed", None), 1),
-                "ple_out": ParamSpec((P, D), (None, "embed"), 1),
+                "ple_gate": matmul_weight((D, P), ("embed", None)),
+                "ple_out": matmul_weight((P, D), (None, "embed")),
                 "ple_post_norm": _norm(D),
             }
         )
@@ -232,7 +220,7 @@ def abstract(cfg: ModelConfig) -> dict:
         L, D = cfg.num_layers, cfg.hidden_size
         top = {
             "ple_embed": ParamSpec((Vp, L * P), ("vocab", None)),
-            "ple_proj": ParamSpec((D, L, P), ("embed", None, None), 1),
+            "ple_proj": matmul_weight((D, L, P), ("embed", None, None)),
             "ple_norm": _norm(P, None),
         }
     return abstract_weights(cfg, extra_top=top, layers=layers)

@@ -20,23 +20,15 @@ from jaxllm.ops import xla
 from jaxllm.ops.gpu import dispatch as k
 from jaxllm.ops.gpu import install, note, scope
 from jaxllm.ops.gpu.types import Normed, OutMajor, Stacked, layer_of, total, value
-from jaxllm.ops.gpu.weights import out_major
+from jaxllm.ops.gpu.weights import kernel_axes, out_major
 from jaxllm.ops.xla import XlaOps, activation, matmul
 from jaxllm.quant import QuantArray
 
-# Weights only ever contracted by the matmuls, and the norms the decode kernels read (the input
-# norm in the Q/K/V matmul, the per-head ones in the prologue, those around the residual add): the
-# backend hands these over as `Stacked` views, for the kernels to read in place.
-MATMUL_WEIGHTS = ("q", "k", "v", "o", "gate", "up", "down", "ple_gate", "ple_out")
-IN_PLACE = MATMUL_WEIGHTS + (
-    "attn_norm",
-    "q_norm",
-    "k_norm",
-    "post_attn_norm",
-    "mlp_norm",
-    "post_mlp_norm",
-    "next_norm",
-)
+# The roles (`model.params.ParamSpec.role`) of the layer weights the model reads only through this
+# backend: the matmul weights and the norms (the input norm in the Q/K/V matmul, the per-head ones
+# in the prologue, those around the residual add), which it hands over as `Stacked` views, for the
+# kernels to read in place.
+IN_PLACE = ("matmul", "norm")
 
 
 def _is_quant(w) -> bool:
@@ -76,9 +68,9 @@ class PallasOps(XlaOps):
         """The kernels read and write pools of the compute dtype itself."""
         return dtype
 
-    def prepare_weights(self, weights: dict, donate: bool = False) -> dict:
+    def prepare_weights(self, weights: dict, specs: dict, donate: bool = False) -> dict:
         with self._scope():
-            return out_major(weights, donate)
+            return out_major(weights, specs, donate)
 
     def loop_weights(self, weights, rows: int, state=None, dtype=jnp.bfloat16):
         """Above `MAX_ROWS` rows a step XLA runs the matmuls as cuBLAS GEMMs, and inside the decode
@@ -110,13 +102,15 @@ class PallasOps(XlaOps):
             lambda w: dataclasses.replace(w, q=w.q.astype(dtype)) if _is_quant(w) else w, weights, is_leaf=_is_quant
         )
 
-    def layer_weights(self, group: dict, idx) -> dict:
-        def one(name, w):
+    def layer_weights(self, group: dict, idx, specs: dict) -> dict:
+        def one(w, spec):
             if isinstance(w, OutMajor):
-                return Stacked(w.w, idx, name, out_major=True)
-            return Stacked(w, idx, name) if name in IN_PLACE else jax.tree_util.tree_map(lambda a: a[idx], w)
+                return Stacked(w.w, idx, kernel_axes(spec), out_major=True)
+            if spec.role in IN_PLACE:
+                return Stacked(w, idx, kernel_axes(spec))
+            return jax.tree_util.tree_map(lambda a: a[idx], w)
 
-        return {name: one(name, w) for name, w in group.items()}
+        return {name: one(w, specs[name]) for name, w in group.items()}
 
     def weight(self, w):
         return layer_of(w)

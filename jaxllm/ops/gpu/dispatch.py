@@ -36,17 +36,6 @@ HEAD_ROWS = 64  # the output head is wide enough to be compute-bound above this
 # 64 -3%). Above this, the model ends each layer with the next layer's norm instead (`add_norm`).
 NORM_ROWS = 1
 
-# Logical axes of each layer weight the kernels take, after the stacked layer axis.
-AXES = {
-    "q": ("embed", "q_heads", "head_dim"),
-    "k": ("embed", "kv_heads", "head_dim"),
-    "v": ("embed", "kv_heads", "head_dim"),
-    "o": ("q_heads", "head_dim", "embed"),
-    "gate": ("embed", "mlp"),
-    "up": ("embed", "mlp"),
-    "down": ("mlp", "embed"),
-}
-
 
 def _arrays(w: Stacked):
     if isinstance(w.stack, QuantArray):
@@ -54,10 +43,10 @@ def _arrays(w: Stacked):
     return w.stack, None
 
 
-def weight_axes(name: str, n_contract: int, out_major: bool) -> tuple:
-    """Logical axes of a stack of the layer weight `name`, in its storage order."""
-    ax = AXES[name]
-    return ("layers",) + (ax[n_contract:] + ax[:n_contract] if out_major else ax)
+def weight_axes(axes: tuple, n_contract: int, out_major: bool) -> tuple:
+    """Logical axes of a stack of a layer weight whose layer has `axes` ([*in, *out]), in its
+    storage order."""
+    return ("layers",) + (axes[n_contract:] + axes[:n_contract] if out_major else axes)
 
 
 def _local(fn, layout, in_specs, out_specs):
@@ -71,7 +60,7 @@ def _weight_specs(layout, w: Stacked, n_contract: int):
     """PartitionSpecs of the stack and of its scales, and whether the model axis splits a
     contracted dim (a row-parallel weight)."""
     arr, scale = _arrays(w)
-    spec = layout.spec(arr.shape, weight_axes(w.name, n_contract, w.out_major))
+    spec = layout.spec(arr.shape, weight_axes(w.axes, n_contract, w.out_major))
     ins, outs = stack_dims(spec, n_contract, w.out_major)
     sspec = None if scale is None else P(spec[0], *outs)
     return spec, sspec, any(s is not None for s in ins)
@@ -97,7 +86,7 @@ def _sharding_plan(ws, n_contract, x):
     layout = current_layout()
     if layout is None or layout.mesh.size == 1:
         return layout, None
-    if any(w.name not in AXES for w in ws):
+    if any(w.axes is None for w in ws):
         return layout, "unknown"
     full = [_weight_specs(layout, w, n_contract) for w in ws]
     contract_split = {split for _, _, split in full}

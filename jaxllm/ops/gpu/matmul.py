@@ -5,7 +5,8 @@ dot, and for int8 weights it widens the slice to bf16 on the way: every weight b
 twice as wide and read again. These kernels take the whole stack and the layer index instead, load
 int8 (or bf16) tiles of that layer, widen them in registers, and apply the per-output-channel scale
 in the epilogue. Decode is memory-bound, so the tiling is chosen to put enough blocks on the GPU
-(split over K when the output is narrow) rather than for arithmetic reuse.
+(split over K when the output is narrow) rather than for arithmetic reuse: a table per GPU kind
+(`matmul_tiles`), which `choose_tiles` completes for the shape.
 
 A stack is read either as the model holds it, input-major `[L, K, N]`, or output-major `[L, N, K]`
 (`Tiles.out_major`; see `kernels.weights`), where each output channel's inputs are contiguous, so a
@@ -31,6 +32,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxllm.ops.gpu import device_kind, note, pallas_call
 from jaxllm.ops.gpu import widen as widening
+from jaxllm.ops.gpu.matmul_tiles import Entry, entries
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,20 @@ def _pow2(n: int) -> int:
 SMEM = 200 * 1024  # of the 227 KiB a block may use on H100/H200, leaving Triton some room
 
 
+def _blocks(M: int, N: int, bm: int, bn: int) -> int:
+    return -(-M // bm) * -(-N // bn)
+
+
+def table_entry(M: int, N: int, out_major: bool, gated: bool) -> Entry:
+    """The table entry (`matmul_tiles`) of the device kind for an M-row product of N outputs: the
+    first of its class's alternatives whose blocks, split `max_split` ways, reach its `cover`."""
+    return next(
+        e
+        for e in entries(device_kind(), M, out_major, gated)
+        if _blocks(M, N, e.bm, e.bn) * e.max_split >= e.cover * SMS
+    )
+
+
 def choose_tiles(
     M: int,
     K: int,
@@ -94,126 +110,78 @@ def choose_tiles(
     psum_after: bool = False,
     widen: str | None = None,
 ) -> Tiles:
-    """Blocks for an [M, K] x [K, N] product (N summed over the weights of a fused call).
+    """Blocks for an [M, K] x [K, N] product (N summed over the weights of a fused call, `outputs`
+    of them): the device kind's table entry for it (`table_entry`), as `tiles_of` completes it;
+    `bn`, `bk` and `warps` replace the entry's where given. With `psum_after` the product is a
+    row-parallel shard under tensor parallelism, all-reduced next."""
+    return tiles_of(
+        table_entry(M, N, out_major, gated),
+        M,
+        K,
+        N,
+        gated,
+        w_bytes,
+        bn=bn,
+        bk=bk,
+        warps=warps,
+        out_major=out_major,
+        outputs=outputs,
+        psum_after=psum_after,
+        widen=widen,
+    )
 
-    M=1 is a vector product: each thread multiplies its part of a weight tile into a float32
-    accumulator, reduced across threads once at the end (a reduction per tile stalls the loads).
-    Output-major, each step also sums every 16 contiguous inputs within the thread that holds them
-    (`fold`), so the accumulator is a sixteenth of the tile: the registers that freed keep more
-    blocks, so more loads, in flight (Qwen3-4B batch 1 on one H100: 388-391 tok/s against 352-353
-    with an accumulator the tile's size). Above, 16..64-row tensor-core dots. K is split until the
-    blocks cover the GPU a few times. Measured on an H100 (scripts/kernel_bench.py and inside the
-    decode step): input-major, shallow steps over narrow K ranges in many blocks of 8 warps
-    streamed int8 weights fastest (bn=64, bk=32, about four blocks per multiprocessor);
-    output-major, 16 output channels by 512 contiguous inputs per step, K split until about three
-    blocks per multiprocessor. A single output's partials are summed in
-    whatever XLA fuses next (the residual add after O and down); a fused projection's `outputs`
-    (Q, K, V) go on to a kernel, so each sum would be an XLA kernel of its own: those are not split
-    where the blocks already cover the GPU twice (2.6% faster at batch 1 for Qwen3-4B; O and down
-    of Gemma 4 31B were 5-15% slower unsplit). (Narrower blocks of 4 channels timed
-    faster alone but slower inside the model's decode step.) With `psum_after` (a row-parallel
-    shard under tensor parallelism, all-reduced next) a split's partials would be summed by an XLA
-    kernel of their own before the all-reduce, not in the residual add after it: a single output
-    then takes blocks of 8 channels unsplit where those cover the GPU twice (Gemma 4 31B's O on one
-    H200, as one of 4 / 2 devices holds it: 2903 / 3318 GB/s against 1688 / 2385 split; its down
-    projection at TP=2 2380 against 2044, at TP=4 even; the model at TP=2 on two H200s, batch 1:
-    106.9-107.2 tok/s against 101.7-102.3). On one device the sum of the down projection's
-    partials fuses into that residual add, and 8-channel blocks there cost 6% at batch 1 (Qwen3-4B,
-    one H100). The batch-1 gated product runs 4 warps a block on an H200, whose HBM wants more
-    loads in flight than an H100's (Gemma 4 31B batch 1: 83.9 tok/s against 79.9 on one H200, 111.3
-    and 111.7 against 106.7 and 106.9 at TP=2; Qwen3-4B on one H100: 380.1-380.2 against 382.8-384.0),
-    and so do its tensor-core tiles of 32-64 rows (on an H100 even: Qwen3-4B batch 64, 5815-5872
-    against 5837-5853), but for the gated product, which takes 32 rows by 64 channels with 4 warps
-    on either GPU, as do the projections of up to 32 rows."""
-    weights_first = False
-    if out_major and M == 1:
-        bm, bn_, bk_, warps_ = 1, 16, min(512, max(16, _pow2(K))), 8
-        if gated and "H200" in device_kind():
-            warps_ = 4
-    elif M == 1:
-        bm, bn_, bk_, warps_ = 1, (128 if gated else 64), 32, 8
-    elif out_major and M > 128:
-        # The weights as the dot's left operand: 64 output channels a block, one warpgroup of 4
-        # warps, so each widened int8 tile feeds Hopper's tensor cores from registers, with 128
-        # rows as the other side. Qwen3-4B on one H100, µs a layer (scripts/kernel_bench.py
-        # --weights-first) at 256 / 512 rows, against the tiles below: Q/K/V 29.8 / 47.3 against
-        # 42.4 / 73.8, down 58.9 / 80.8 against 70.0 / 126.7, the gated product 97.2 / 148.8
-        # against 115.9 / 226.6; the decode step at batch 256, ctx 512: 16.35-16.39 ms against
-        # 17.89-17.98. At 64 rows the projections alone were 10-15% faster but the step was not,
-        # and at 128 rows the step was 1% slower, so those keep the tiles below. On one H200,
-        # against the 128-row tiles below: Qwen3-4B's layer at 256 rows 217 µs against 262,
-        # Gemma 4 31B's per-GPU layer at TP=4 232 against 266 (256 rows) and 385 against 419
-        # (512; its Q/K/V alone slower, 64.9 against 56.4).
-        bm, bn_, bk_, warps_ = 128, 64, 64, 4
-        weights_first = True
-    elif M >= 128 and out_major and -(-M // 128) * -(-N // 128) * 2 >= SMS and "H200" in device_kind():
-        # 128-row tiles widen each weight tile once for every 128 rows rather than every 64, where
-        # they still give half as many blocks as multiprocessors. Gemma 4 31B on one H200, µs a
-        # layer at 128 / 256 rows: gated product 227 / 450 against 276 / 508 in 64-row tiles,
-        # Q/K/V 65 / 117 against 81 / 149, down at 256 rows 198 against 252 (at 128 rows, 42
-        # blocks: 161 against 135).
-        bm, bn_, bk_, warps_ = 128, 128, 64, 8
-    else:
-        bm, bn_, bk_, warps_ = min(64, max(16, _pow2(M))), 128, 128, 8
-        if bm >= 32 and out_major and gated:
-            # 32-row tiles of 64 channels, 4 warps, unsplit: no float32 partials written, read back
-            # and gated by an XLA kernel. Qwen3-4B on one H100, µs a layer: 37.2 against 41.9 +
-            # 5.6 (the partials' kernel) at 64 rows, 58.1 against 70.4 + 6.0 at 128, 28.6 against
-            # 30.6 + 3.0 at 32.
-            bm, bn_, warps_ = 32, 64, 4
-        elif bm == 32 and out_major:
-            # The projections too, up to 32 rows; at 64 rows they were slower on the H200. Batch 32,
-            # against the same with 128-channel tiles: Qwen3-4B on one H100 4968 / 4997 tok/s
-            # against 4903 / 4909, Gemma 4 31B on one H200 1546 against 1494 / 1495.
-            bn_, warps_ = 64, 4
-        elif bm >= 32 and out_major and "H200" in device_kind():
-            warps_ = 4  # Gemma 4 31B batch 64 on one H200: 1453-1457 tok/s against 1409-1413
-        if bm == 16 and out_major:
-            # More, smaller blocks of 4 warps: 64 channels for a projection, or 32 where 64 (split
-            # in 4) would not cover the GPU twice, and 32 for the (unsplit) gated product.
-            # Qwen3-4B batch 8 on one H100: 2265 tok/s against 2214-2219 with 128 channels and 8
-            # warps for the projections; 2315-2319 against 2256-2262 with the gated product on 64
-            # and O and down on 32; then 2343-2366 against 2295-2312 with the gated product on 32
-            # (16: 1990).
-            bn_, warps_ = 64 if not gated and -(-N // 64) * 4 >= 2 * SMS else 32, 4
-    target = 3 * SMS if out_major and M == 1 else 4 * SMS
+
+def tiles_of(
+    e: Entry,
+    M: int,
+    K: int,
+    N: int,
+    gated: bool = False,
+    w_bytes: int = 1,
+    *,
+    bn=None,
+    bk=None,
+    warps=None,
+    out_major: bool = False,
+    outputs: int = 1,
+    psum_after: bool = False,
+    widen: str | None = None,
+) -> Tiles:
+    """The tiles of table entry `e` for an [M, K] x [K, N] product: K split until the blocks cover
+    the GPU `e.fill` times (decode is memory-bound: enough blocks in flight, not arithmetic reuse),
+    as far as `e.max_split` allows; as many pipeline stages as fit in shared memory. A single
+    output's partials are summed in whatever XLA fuses next (the residual add after O and down);
+    fused outputs go on to a kernel, and a row-parallel shard's to the all-reduce (`e.whole`,
+    `e.narrow`)."""
+    bk_ = min(e.bk, max(16, _pow2(K))) if out_major and e.bm == 1 else e.bk
+    target, bn_ = e.fill * SMS, e.bn
     if (
-        out_major
-        and M == 1
+        e.narrow
         and psum_after
         and outputs == 1
         and bn is None
-        and -(-N // bn_) < target
-        and -(-N // 8) >= 2 * SMS
+        and _blocks(M, N, e.bm, bn_) < target
+        and _blocks(M, N, e.bm, e.narrow) >= 2 * SMS
     ):
-        bn_ = 8
-    bn, bk, warps = bn or bn_, bk or bk_, warps or warps_
-    blocks = -(-M // bm) * -(-N // bn)
-    split = 1
-    # Partials cost M*N*4 bytes each. A gated product over 16- or 32-row tiles is not split:
-    # summing its partials is an XLA kernel of its own (Qwen3-4B batch 8 on one H100: 2108-2114
-    # tok/s unsplit, 2074-2092 split in 4).
-    max_split = (
-        (4 if gated else 16)
-        if M == 1
-        else 1
-        if gated and (bm <= 16 or (out_major and bm == 32) or weights_first)
-        else 4
-        if M <= 64
-        else 2
-    )
-    if bn == 8 and psum_after and out_major and M == 1:
+        bn_ = e.narrow
+    bn, bk, warps = bn or bn_, bk or bk_, warps or e.warps
+    blocks = _blocks(M, N, e.bm, bn)
+    if e.narrow and psum_after and bn == e.narrow:
         target = blocks  # the narrow blocks stand in for the split
-    if out_major and M == 1 and outputs > 1 and blocks >= 2 * SMS:
+    if e.whole and outputs > 1 and blocks >= e.whole * SMS:
         target = blocks  # no split: the partials' sums would be a kernel per output
-    while split < max_split and blocks * split < target and K >= 2 * split * bk:
+    split = 1
+    while split < e.max_split and blocks * split < target and K >= 2 * split * bk:
         split *= 2
     stages, n_w = 3, 2 if gated else 1
-    while stages > 1 and stages * bk * (bm * 2 + n_w * bn * w_bytes) > SMEM:  # pipelined tiles
+    while stages > 1 and stages * bk * (e.bm * 2 + n_w * bn * w_bytes) > SMEM:  # pipelined tiles
         stages -= 1
-    fold = 16 if out_major and bm == 1 and bk % 16 == 0 else 0
+    # A vector product output-major sums each run of 16 contiguous inputs within the thread that
+    # holds them every step, so the accumulator is a sixteenth of the tile and the registers freed
+    # keep more loads in flight (Qwen3-4B batch 1 on one H100: 388-391 tok/s against 352-353).
+    fold = 16 if out_major and e.bm == 1 and bk % 16 == 0 else 0
     return Tiles(
-        bm=bm,
+        bm=e.bm,
         bn=bn,
         bk=bk,
         split=split,
@@ -222,7 +190,7 @@ def choose_tiles(
         out_major=out_major,
         fold=fold,
         widen=widen or widening.default(),
-        weights_first=weights_first,
+        weights_first=e.weights_first,
     )
 
 

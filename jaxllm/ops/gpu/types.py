@@ -31,7 +31,8 @@ class Stacked:
 
     stack: object
     idx: jax.Array
-    name: str = ""  # the weight's name in its layer ("q", "down", ...): its logical axes
+    axes: tuple | None = None  # one layer's logical axes as the model holds it, [*in, *out], where
+    # the sharded kernels take the weight (`weights.kernel_axes`)
     out_major: bool = False  # the stack is laid out as an `OutMajor` weight's
 
     def layer(self):

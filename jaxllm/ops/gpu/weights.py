@@ -17,12 +17,20 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.compiling import compile_all
 from jaxllm.ops.gpu import log
-from jaxllm.ops.gpu.dispatch import AXES
 from jaxllm.ops.gpu.types import OutMajor
 from jaxllm.quant import QuantArray
 
-CONTRACTED = {"o": 2}  # contracted dims of each layer weight the kernels take (the rest: 1)
-NAMES = tuple(AXES)  # the layer weights laid out output-major
+
+def kernel_axes(spec) -> tuple | None:
+    """The logical axes of one layer of the stack `spec` describes (a `model.params.ParamSpec`,
+    the layer axis first), in the model's order, where the kernels lay the stack out output-major
+    and, on a mesh, read its shards by those names: a matmul weight each of whose dims has a name
+    (the projections and the MLP). None for any other, among them the matmul weights with an
+    unnamed dim (Gemma 4's per-layer-input projections), which the kernels read as the model
+    holds them, on one device."""
+    if spec.role != "matmul" or None in spec.axes:
+        return None
+    return tuple(spec.axes[1:])
 
 
 def _transpose(a, n_contract: int, donate: bool):
@@ -37,27 +45,29 @@ def _transpose(a, n_contract: int, donate: bool):
     return jax.jit(lambda x: jnp.transpose(x, perm), out_shardings=out, donate_argnums=(0,) if donate else ()).lower(a)
 
 
-def _stack(name: str, w):
-    """The array of layer weight `name` to lay out output-major, and its contracted dims, or None."""
-    if isinstance(w, OutMajor) or name not in NAMES:
+def _stack(w, spec):
+    """The array of a layer weight to lay out output-major, and its contracted dims, or None."""
+    if isinstance(w, OutMajor) or kernel_axes(spec) is None:
         return None
-    n = CONTRACTED.get(name, 1)
+    n = spec.n_contract
     if isinstance(w, QuantArray):
         return (w.q, n) if w.n_contract == n else None
     return w, n
 
 
-def out_major(weights: dict, donate: bool = False) -> dict:
-    """`weights` with each layer stack the kernels take (Q, K, V, O, gate, up, down) output-major.
-    The transposes are compiled together (`compiling.compile_all`), then run one stack at a time;
-    with `donate` each input stack is freed as its copy is made, so loading needs one stack of
-    headroom rather than a second model."""
-    todo = [(g, k) for g, group in weights["layers"].items() for k, v in group.items() if _stack(k, v) is not None]
-    fns = compile_all(todo, lambda gk: _transpose(*_stack(gk[1], weights["layers"][gk[0]][gk[1]]), donate))
-    layers = {g: dict(group) for g, group in weights["layers"].items()}
+def out_major(weights: dict, specs: dict, donate: bool = False) -> dict:
+    """`weights` with each layer stack the kernels take output-major (`kernel_axes`; Q, K, V, O,
+    gate, up, down), as `specs` (the model's `ParamSpec` tree) describes them. The transposes are
+    compiled together (`compiling.compile_all`), then run one stack at a time; with `donate` each
+    input stack is freed as its copy is made, so loading needs one stack of headroom rather than a
+    second model."""
+    stacks, layer_specs = weights["layers"], specs["layers"]
+    todo = [(g, k) for g, group in stacks.items() for k, v in group.items() if _stack(v, layer_specs[g][k]) is not None]
+    fns = compile_all(todo, lambda gk: _transpose(*_stack(stacks[gk[0]][gk[1]], layer_specs[gk[0]][gk[1]]), donate))
+    layers = {g: dict(group) for g, group in stacks.items()}
     for (g, k), fn in zip(todo, fns):
         w = layers[g][k]
-        n = CONTRACTED.get(k, 1)
+        n = layer_specs[g][k].n_contract
         if isinstance(w, QuantArray):
             layers[g][k] = OutMajor(QuantArray(fn(w.q), w.scale, n), n)
         else:
