@@ -8,7 +8,7 @@ import pytest
 
 import jaxllm
 from jaxllm import ModelError
-from jaxllm.config.model import GLOBAL, SLIDING
+from jaxllm.config.model import GLOBAL, SLIDING, MoeSpec
 from jaxllm.model.params import is_spec
 from jaxllm.model.presets import load_preset, names
 
@@ -48,7 +48,7 @@ def test_gemma4_31b_shape():
 
 def test_gemma4_moe_and_per_layer_presets():
     cfg, _ = load_preset("gemma4-26b-a4b")
-    assert cfg.extra("moe") == (128, 8, 704)
+    assert cfg.moe == MoeSpec(128, 8, 704, norm_topk=True, router_norm=True, expert_scale=True)
     e2b, _ = load_preset("gemma4-e2b")
     assert e2b.extra("ple") == (256, 262144) and e2b.extra("double_wide_mlp")
     # 35 layers, the last 20 share: 15 keep caches (12 sliding, 3 global)
