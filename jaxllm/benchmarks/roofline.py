@@ -45,22 +45,11 @@ def nbytes(x) -> int:
 EXPERT_AXES = ("expert", "experts")
 
 
-def moe_top_k(cfg: ModelConfig) -> int | None:
-    """Experts each token is routed to; families state it as extras ("moe": (E, k, F), or a name)."""
-    moe = cfg.extra("moe")
-    if moe:
-        return int(moe[1])
-    for name in ("top_k_experts", "num_experts_per_tok"):
-        if cfg.extra(name):
-            return int(cfg.extra(name))
-    return None
-
-
 def expert_fraction(spec, cfg: ModelConfig, batch: int, for_flops: bool) -> float:
     """Share of an expert-stacked weight a step uses: k/E of the FLOPs, and for bytes the expected
     share of experts at least one of batch*k uniform picks lands on."""
     axis = next((i for i, name in enumerate(spec.axes) if name in EXPERT_AXES), None) if spec else None
-    k = moe_top_k(cfg)
+    k = cfg.moe.top_k if cfg.moe else None
     if axis is None or not k:
         return 1.0
     E = spec.shape[axis]

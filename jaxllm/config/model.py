@@ -2,7 +2,8 @@
 
 A family file maps its config.json onto `ModelConfig`; everything downstream (weights, caches, the
 layer scan) reads only this. Attention comes in at most two kinds, sliding and global, each with its
-own `AttnSpec`, because Gemma 4 gives them different head counts and head sizes.
+own `AttnSpec`, because Gemma 4 gives them different head counts and head sizes. Routed experts, where
+a family has them, are one `MoeSpec`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,20 @@ class AttnSpec:
 
 
 @dataclass(frozen=True)
+class MoeSpec:
+    """Routed experts (`model.moe`): a router picks `top_k` of `num_experts` gated MLPs of width
+    `intermediate_size` for each token. The families' routers differ only in the switches below."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk: bool = True  # the top-k probabilities rescaled to sum to one
+    router_norm: bool = False  # the router reads rms_norm(x) * a learned scale / sqrt(D) (Gemma 4)
+    expert_scale: bool = False  # a learned factor per expert on its routing weight (Gemma 4)
+    dense_layers: tuple[int, ...] = ()  # layers with a plain gated MLP instead (Qwen3-MoE)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     family: str
     vocab_size: int
@@ -62,6 +77,7 @@ class ModelConfig:
     # ("group"); a layer may also read another layer's KV cache instead of keeping its own.
     layer_groups: tuple[str, ...] = ()  # weight stack per layer; () = named after its kind
     kv_sources: tuple[int, ...] = ()  # layer whose KV cache each layer attends over; () = itself
+    moe: MoeSpec | None = None  # routed experts, in every layer but `moe.dense_layers`
 
     # -- derived -------------------------------------------------------------------------------
     @property
@@ -81,6 +97,10 @@ class ModelConfig:
 
     def kv_source(self, layer: int) -> int:
         return self.kv_sources[layer] if self.kv_sources else layer
+
+    def routed(self, layer: int) -> bool:
+        """Whether the layer has routed experts."""
+        return self.moe is not None and layer not in self.moe.dense_layers
 
     def cache_layers(self, kind: int) -> int:
         """How many KV cache stacks this kind needs: layers reading another layer's cache need none."""

@@ -93,7 +93,7 @@ def forward(
             w = ops.layer_weights(groups[b.group], s["idx"], specs[b.group])
             lc = caches.layer(name, s["cache_idx"])
             if layer_fn is None:
-                xh, lc = decoder_layer(cfg, b.kind, w, *xh, positions, lc, ops)
+                xh, lc = decoder_layer(cfg, b, w, *xh, positions, lc, ops)
             else:
                 xh, lc = layer_fn(cfg, b, w, *xh, positions, lc, s.get("inputs"), ops)
             return xh, (caches.with_layer(name, lc) if b.own_kv else caches)

@@ -1,13 +1,15 @@
-"""The pieces every family's layer is built from: the attention block over a KV cache, the gated
-MLP, and the pre-norm decoder layer. Every hot operation goes through the backend (`ops`), which
-may keep its own forms of weights and activations between its operations; the model only passes
-them on."""
+"""The pieces every family's layer is built from: the attention block over a KV cache, the
+feed-forward block (a gated MLP or routed experts), and the pre-norm decoder layer. Every hot
+operation goes through the backend (`ops`), which may keep its own forms of weights and activations
+between its operations; the model only passes them on."""
 
 from __future__ import annotations
 
 import jax
 
 from jaxllm.config.model import ModelConfig
+from jaxllm.model.moe import MOE_WEIGHTS, routed_mlp
+from jaxllm.model.schedule import Branch
 from jaxllm.ops.xla import HeadPrep, KeysFromValues, inv_frequencies
 
 
@@ -52,13 +54,21 @@ def attention_block(
     return ops.linear(o, w["o"], 2, partials), layer_cache
 
 
-def decoder_layer(cfg: ModelConfig, kind: int, w: dict, x, h, positions, layer_cache, ops):
+def feed_forward(cfg: ModelConfig, b: Branch, w: dict, h, ops):
+    """The layer's gated MLP, or the experts its router picks for each token (`model.moe`)."""
+    if b.routed:
+        moe_w = {n: ops.weight(w[n]) for n in MOE_WEIGHTS if n in w}
+        return routed_mlp(cfg.moe, moe_w, ops.value(h), cfg.activation, cfg.norm_eps)
+    return ops.gated_mlp(h, w["gate"], w["up"], w["down"], cfg.activation, partials=True)
+
+
+def decoder_layer(cfg: ModelConfig, b: Branch, w: dict, x, h, positions, layer_cache, ops):
     """One pre-norm layer on the residual stream (x, h) (see `XlaOps.next_input`) -> the stream
     entering the next layer (whose input norm is `w["next_norm"]`), the layer's cache."""
     h = ops.layer_input(x, h, w["attn_norm"], cfg.norm_eps, cfg.norm_offset)
-    a, layer_cache = attention_block(cfg, kind, w, h, positions, layer_cache, ops, partials=True)
+    a, layer_cache = attention_block(cfg, b.kind, w, h, positions, layer_cache, ops, partials=True)
     eps, off = cfg.norm_eps, cfg.norm_offset
     x, m_in = ops.add_norm(x, a, w["post_attn_norm"] if cfg.sandwich_norms else None, w["mlp_norm"], eps, off)
-    m = ops.gated_mlp(m_in, w["gate"], w["up"], w["down"], cfg.activation, partials=True)
+    m = feed_forward(cfg, b, w, m_in, ops)
     post = w["post_mlp_norm"] if cfg.sandwich_norms else None
     return ops.close_layer(x, m, post, w["next_norm"], eps, off, h_into=h), layer_cache

@@ -1,4 +1,8 @@
-"""Mixture-of-experts feed-forward over routed tokens.
+"""Mixture-of-experts feed-forward: the router, and the experts over the tokens routed to them.
+
+One router serves every family (`route`): softmax over all experts, the top k, then the switches of
+`config.model.MoeSpec` (Qwen3-MoE: renormalized top-k weights where `norm_topk_prob`; Gemma 4: a
+normed and scaled router input, always renormalized, a learned factor per expert).
 
 Expert weights are stacked on a leading "expert" axis: gate and up together as [E, D, 2, F], down
 as [E, F, D] (plain arrays, or int8 `QuantArray`s whose scale is per expert and output channel,
@@ -13,8 +17,37 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxllm.ops.xla import activation
+from jaxllm.config.model import MoeSpec
+from jaxllm.ops.xla import activation, rms_norm
 from jaxllm.quant import QuantArray
+
+# A routed layer's weights (those of them its `MoeSpec` asks for).
+MOE_WEIGHTS = ("router", "router_scale", "expert_scale", "experts_gate_up", "experts_down")
+
+
+def route(moe: MoeSpec, w: dict, x: jax.Array, eps: float):
+    """x [N, D] -> (top-k expert ids [N, k], their weights [N, k] float32); `w` holds the layer's
+    "router" [E, D] (and "router_scale" [D], "expert_scale" [E] where `moe` asks for them)."""
+    if moe.router_norm:
+        D = x.shape[-1]
+        x = rms_norm(x, None, eps) * w["router_scale"].astype(x.dtype) * jnp.asarray(D**-0.5, x.dtype)
+    scores = jnp.einsum("nd,ed->ne", x, w["router"].astype(x.dtype), preferred_element_type=jnp.float32)
+    top_w, top_i = jax.lax.top_k(jax.nn.softmax(scores, axis=-1), moe.top_k)
+    if moe.norm_topk:
+        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    if moe.expert_scale:
+        top_w = top_w * w["expert_scale"].astype(jnp.float32)[top_i]
+    return top_i, top_w
+
+
+def routed_mlp(moe: MoeSpec, w: dict, x: jax.Array, act: str, eps: float, route_on: jax.Array | None = None):
+    """The experts' output for x [..., D]: each token through the experts the router picks for it
+    (from `route_on`, default x itself; Gemma 4 routes on the residual stream, feeds its experts a
+    differently normed one)."""
+    flat = x.reshape(-1, x.shape[-1])
+    top_i, top_w = route(moe, w, flat if route_on is None else route_on.reshape(flat.shape), eps)
+    y = moe_ffn(flat, top_i, top_w, w["experts_gate_up"], w["experts_down"], act)
+    return y.reshape(x.shape)
 
 
 def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, expert: jax.Array) -> jax.Array:

@@ -7,7 +7,8 @@ The weights pytree is a plain nested dict:
 Layer tensors are stacked on a leading axis per attention kind, so one `lax.scan` covers all layers
 even when sliding and global layers have different shapes (Gemma 4). A family may split a kind into
 further groups (`ModelConfig.layer_groups`, e.g. Gemma 4's KV-sharing layers, which have no K/V
-weights and a wider MLP); each group is then its own stack.
+weights and a wider MLP, or Qwen3-MoE's dense layers among routed ones); each group is then its own
+stack.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Callable
 
 import jax
 
-from jaxllm.config.model import KIND_NAMES, AttnSpec, ModelConfig
+from jaxllm.config.model import AttnSpec, ModelConfig
+from jaxllm.model.schedule import Branch, branches
 
 
 @dataclass(frozen=True)
@@ -69,41 +71,60 @@ def attention_params(cfg: ModelConfig, a: AttnSpec, own_kv: bool = True) -> dict
     return p
 
 
-def mlp_params(cfg: ModelConfig, width: int | None = None) -> dict[str, ParamSpec]:
-    """The gated MLP's weights, `width` wide (default: the config's), and the sandwich norms."""
-    D, F = cfg.hidden_size, width or cfg.intermediate_size
-    p = {
-        "mlp_norm": norm_weight(cfg, D),
+def gated_mlp_params(D: int, F: int) -> dict[str, ParamSpec]:
+    return {
         "gate": matmul_weight((D, F), ("embed", "mlp")),
         "up": matmul_weight((D, F), ("embed", "mlp")),
         "down": matmul_weight((F, D), ("mlp", "embed")),
     }
+
+
+def moe_params(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    """The router and the experts stacked on their own axis (`model.moe`), each expert's int8 scales
+    its own. The router stays as stored ([E, D], never int8): routing decisions are sensitive."""
+    m, D = cfg.moe, cfg.hidden_size
+    E, F = m.num_experts, m.intermediate_size
+    p = {
+        "router": ParamSpec((E, D), ("expert", "embed")),
+        "experts_gate_up": ParamSpec((E, D, 2, F), ("expert", "embed", None, "moe_mlp"), 1, n_batch=1),
+        "experts_down": ParamSpec((E, F, D), ("expert", "moe_mlp", "embed"), 1, n_batch=1),
+    }
+    if m.router_norm:
+        p["router_scale"] = ParamSpec((D,), ("embed",), init="ones")
+    if m.expert_scale:
+        p["expert_scale"] = ParamSpec((E,), ("expert",), init="ones")
+    return p
+
+
+def mlp_params(cfg: ModelConfig, width: int | None = None, routed: bool = False) -> dict[str, ParamSpec]:
+    """The feed-forward block's norms and weights: a gated MLP `width` wide (default: the
+    config's), or routed experts, and the sandwich norms."""
+    D = cfg.hidden_size
+    p = {"mlp_norm": norm_weight(cfg, D)}
+    p.update(moe_params(cfg) if routed else gated_mlp_params(D, width or cfg.intermediate_size))
     if cfg.sandwich_norms:
         p["post_attn_norm"] = norm_weight(cfg, D)
         p["post_mlp_norm"] = norm_weight(cfg, D)
     return p
 
 
-def layer_params(cfg: ModelConfig, kind: int) -> dict[str, ParamSpec]:
-    return {**attention_params(cfg, cfg.attn[kind]), **mlp_params(cfg)}
+def layer_params(cfg: ModelConfig, b: Branch) -> dict[str, ParamSpec]:
+    return {**attention_params(cfg, cfg.attn[b.kind]), **mlp_params(cfg, routed=b.routed)}
 
 
 def stack(spec: ParamSpec, n: int) -> ParamSpec:
     return replace(spec, shape=(n, *spec.shape), axes=("layers", *spec.axes))
 
 
-def abstract_weights(
-    cfg: ModelConfig, layer_fn: Callable = layer_params, extra_top=None, layers: dict | None = None
-) -> dict:
-    """The full weight description; a family may pass its own `layer_fn` and extra top-level specs,
-    or its own stacked `layers` when it groups layers other than by attention kind."""
+def abstract_weights(cfg: ModelConfig, layer_fn: Callable = layer_params, extra_top=None) -> dict:
+    """The full weight description, each layer group's weights (`layer_fn(cfg, branch)`) stacked
+    over its layers; a family may pass its own `layer_fn` and extra top-level specs."""
     V, D = cfg.vocab_size, cfg.hidden_size
     norm_init = "zeros" if cfg.norm_offset else "ones"
-    if layers is None:
-        layers = {
-            KIND_NAMES[k]: {n: stack(s, cfg.layers_of_kind(k)) for n, s in layer_fn(cfg, k).items()}
-            for k in cfg.kinds_used
-        }
+    layers = {}
+    for b in branches(cfg):
+        n = sum(1 for i in range(cfg.num_layers) if cfg.group_of(i) == b.group)
+        layers[b.group] = {name: stack(s, n) for name, s in layer_fn(cfg, b).items()}
     tree = {
         "embed": ParamSpec((V, D), ("vocab", "embed")),
         "final_norm": ParamSpec((D,), ("embed",), init=norm_init),

@@ -1,6 +1,6 @@
 """Which path each layer takes through the layer scan: its branch (weight group, attention kind,
-own KV cache or another layer's), its index in its group's weight stack and the index of the KV
-cache it attends over in its kind's stack."""
+own KV cache or another layer's, routed experts or a dense MLP), its index in its group's weight
+stack and the index of the KV cache it attends over in its kind's stack."""
 
 from __future__ import annotations
 
@@ -16,16 +16,17 @@ MAX_PERIOD = 16
 
 @dataclass(frozen=True)
 class Branch:
-    """One path through a layer: its weight stack (group), attention kind, and whether it keeps a KV
-    cache of its own or attends over another layer's."""
+    """One path through a layer: its weight stack (group), attention kind, whether it keeps a KV
+    cache of its own or attends over another layer's, and whether it has routed experts."""
 
     group: str
     kind: int
     own_kv: bool = True
+    routed: bool = False
 
 
 def _branch_of(cfg: ModelConfig, layer: int) -> Branch:
-    return Branch(cfg.group_of(layer), cfg.layer_kinds[layer], cfg.kv_source(layer) == layer)
+    return Branch(cfg.group_of(layer), cfg.layer_kinds[layer], cfg.kv_source(layer) == layer, cfg.routed(layer))
 
 
 def branches(cfg: ModelConfig) -> tuple[Branch, ...]:
@@ -34,7 +35,7 @@ def branches(cfg: ModelConfig) -> tuple[Branch, ...]:
         b = _branch_of(cfg, i)
         if b not in out:
             if any(o.group == b.group for o in out):
-                raise ModelError(f"layer group {b.group!r} mixes attention kinds or KV sharing")
+                raise ModelError(f"layer group {b.group!r} mixes attention kinds, KV sharing or routing")
             out.append(b)
     return tuple(out)
 

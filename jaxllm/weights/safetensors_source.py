@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import ml_dtypes
@@ -110,6 +111,54 @@ class DictSource:
 
     def get(self, name):
         return self.tensors[name]
+
+
+PER_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+class ExpertsStacked:
+    """A source that also offers a layer's experts stacked, as transformers holds them in memory
+    (`experts.gate_up_proj` [E, 2F, D], each expert's gate rows then its up rows; `experts.down_proj`
+    [E, D, F]) where the checkpoint stores one expert at a time (`experts.<e>.gate_proj.weight`, ...:
+    Qwen3-MoE's published checkpoints, and what `save_pretrained` writes for them)."""
+
+    def __init__(self, source):
+        self.source = source
+        count: dict[str, int] = {}
+        for name in source.names():
+            m = PER_EXPERT.fullmatch(name)
+            if m:
+                count[m[1]] = max(count.get(m[1], 0), int(m[2]) + 1)
+        self.stacked = {}  # stacked name -> per expert, the tensors concatenated into its row
+        for base, E in count.items():
+            one = lambda e, *projs: tuple(f"{base}.{e}.{p}_proj.weight" for p in projs)
+            self.stacked[f"{base}.gate_up_proj"] = [one(e, "gate", "up") for e in range(E)]
+            self.stacked[f"{base}.down_proj"] = [one(e, "down") for e in range(E)]
+        self._names = {**dict.fromkeys(source.names()), **dict.fromkeys(self.stacked)}.keys()
+
+    def names(self):
+        return self._names
+
+    def shape(self, name):
+        parts = self.stacked.get(name)
+        if parts is None:
+            return self.source.shape(name)
+        rows = {tuple(self._shape(n) for n in p) for p in parts}
+        if len(rows) != 1:
+            raise ModelError(f"the experts stacked into '{name}' differ in shape")
+        (row,) = rows
+        return (len(parts), sum(s[0] for s in row), *row[0][1:])
+
+    def _shape(self, name):
+        if name not in self.source.names():
+            raise ModelError(f"checkpoint is missing tensor '{name}'")
+        return self.source.shape(name)
+
+    def get(self, name):
+        parts = self.stacked.get(name)
+        if parts is None:
+            return self.source.get(name)
+        return np.stack([np.concatenate([self.source.get(n) for n in p]) for p in parts])
 
 
 def _one_line(e: Exception) -> str:

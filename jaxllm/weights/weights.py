@@ -20,6 +20,7 @@ from jaxllm.model.params import ParamSpec, is_spec
 from jaxllm.model.sharding import check_divisible, scale_shape_axes, single_device_layout
 from jaxllm.quant import QuantArray, quantize_np, quantize_rows_np
 from jaxllm.weights.place import convert_layer, from_host, place_stacked, rows_to_host
+from jaxllm.weights.safetensors_source import ExpertsStacked
 
 PREFIXES = ("model.", "model.language_model.", "language_model.model.", "")
 
@@ -142,6 +143,7 @@ def build_weights(
     layout = layout or single_device_layout()
     tree = family.abstract(cfg)
     check_divisible(layout, tree)
+    source = ExpertsStacked(source)
     prefix = detect_prefix(source)
     shardings = layout.weight_shardings(tree, lambda s: is_quantized(s, quant))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_spec)

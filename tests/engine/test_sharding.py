@@ -27,7 +27,7 @@ def sharded(tmp_path_factory):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", ["qwen3", "qwen3-kv2", "gemma3-kv2", "gemma4-31b", "gemma4-26b-a4b"])
+@pytest.mark.parametrize("case", ["qwen3", "qwen3-kv2", "gemma3-kv2", "gemma4-31b", "gemma4-26b-a4b", "qwen3-moe"])
 @pytest.mark.parametrize("layout", ["tp4dp1", "tp2dp2"])
 def test_sharded_logits_match_single_device(sharded, case, layout):
     r = sharded[case][layout]
@@ -38,6 +38,8 @@ def test_sharded_logits_match_single_device(sharded, case, layout):
     tp = int(layout[2])
     assert r["q"] == [None, None, "model", None]          # query heads split
     assert r["down"] == [None, "model", None]             # MLP width split
+    if r["experts"] is not None:                          # experts split, each whole on its device
+        assert r["experts"] == [None, "model", None, None, None]
     split_kv = r["kv_heads"] % tp == 0                               # else K/V weights and pools replicated
     assert ("model" in r["k"]) == split_kv and ("model" in r["cache"]) == split_kv
     assert "data" not in r["cache"]               # any row may use any block: the pools are not split by rows
@@ -47,8 +49,9 @@ def test_sharded_logits_match_single_device(sharded, case, layout):
     assert (r["plan"][1] < r["plan"][0]) == r["any_split"]
 
 
-def test_sharded_int8_greedy_matches(sharded):
-    g = sharded["greedy_int8"]
+@pytest.mark.parametrize("case", ["qwen3", "qwen3-moe"])
+def test_sharded_int8_greedy_matches(sharded, case):
+    g = sharded[f"greedy_int8_{case}"]
     assert g["tp4"] == g["tp1"]
 
 

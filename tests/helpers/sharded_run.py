@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import gemma4_refs  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import tiny  # noqa: E402
 from tp_models import make  # noqa: E402
 
 import jaxllm  # noqa: E402
@@ -26,6 +27,8 @@ CASES = [
     # Gemma 4: global layers with 1 KV head (k_eq_v), sliding ones with 2; and routed experts
     ("gemma4-31b", lambda p: gemma4_refs.build("31b").save_pretrained(p)),
     ("gemma4-26b-a4b", lambda p: gemma4_refs.build("26b-a4b").save_pretrained(p)),
+    # Qwen3-MoE: 4 query heads, 2 KV heads, 8 experts (top 3); layer 1 keeps a dense MLP
+    ("qwen3-moe", lambda p: tiny.make("qwen3_moe", p, num_experts=8, num_experts_per_tok=3, mlp_only_layers=[1])),
 ]
 LAYOUTS = [(4, 1), (2, 2)]
 
@@ -45,6 +48,7 @@ def main(tmp):
         for tp, dp in LAYOUTS:
             eng = jaxllm.load(path, dtype="float32", quant="none", tp=tp, dp=dp, max_ctx=32)
             layers = eng.weights["layers"]["global"]
+            dense = next(g for g in eng.weights["layers"].values() if "down" in g)
             core = eng.core(2, 8)
             cache, plan = core.state.cache, core.plan
             res[f"tp{tp}dp{dp}"] = {
@@ -52,19 +56,23 @@ def main(tmp):
                 "allocated": [sum(x.nbytes for x in jax.tree_util.tree_leaves(cache.pools)),
                               sum(x.addressable_shards[0].data.nbytes for x in jax.tree_util.tree_leaves(cache.pools))],
                 "err": float(np.abs(eng.logits(ids) - ref).max()),
-                "q": spec_of(layers["q"]), "k": spec_of(layers["k"]), "down": spec_of(layers["down"]),
+                "q": spec_of(layers["q"]), "k": spec_of(layers["k"]), "down": spec_of(dense["down"]),
+                "experts": spec_of(layers["experts_gate_up"]) if "experts_gate_up" in layers else None,
                 "kv_heads": eng.cfg.attn[1].num_kv_heads,
                 "cache": list(cache.pools["global"].k.sharding.spec),
                 "tables": (list(cache.tables["global"].sharding.spec) + [None] * 2)[:2],
                 "any_split": any("model" in x.sharding.spec for x in jax.tree_util.tree_leaves(cache.pools)),
             }
         out[name] = res
-    # the int8 path shards the same way and decodes the same greedy tokens under TP=4
-    path = os.path.join(tmp, "qwen3")
+    # the int8 path (routed experts' int8 too) shards the same way and decodes the same greedy tokens
+    # under TP=4
     prompts = [[1, 2, 3, 4], [5, 6]]
-    one = jaxllm.load(path, dtype="float32", tp=1, max_ctx=32).generate_ids(prompts, max_tokens=6)
-    four = jaxllm.load(path, dtype="float32", tp=4, max_ctx=32).generate_ids(prompts, max_tokens=6)
-    out["greedy_int8"] = {"tp1": [c.token_ids for c in one], "tp4": [c.token_ids for c in four]}
+    for name in ("qwen3", "qwen3-moe"):
+        path = os.path.join(tmp, name)
+        one = jaxllm.load(path, dtype="float32", tp=1, max_ctx=32).generate_ids(prompts, max_tokens=6)
+        four = jaxllm.load(path, dtype="float32", tp=4, max_ctx=32).generate_ids(prompts, max_tokens=6)
+        out[f"greedy_int8_{name}"] = {"tp1": [c.token_ids for c in one], "tp4": [c.token_ids for c in four]}
+    path = os.path.join(tmp, "qwen3")
     try:
         jaxllm.load(path, tp=3)
         out["tp3_error"] = None

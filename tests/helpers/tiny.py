@@ -13,11 +13,16 @@ GEMMA3 = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_l
               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                "full_attention": {"rope_type": "linear", "factor": 2.0,
                                                   "rope_theta": 1000000.0}})
+QWEN3_MOE = dict(QWEN3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
 
 FAMILIES = {
     "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, QWEN3),
     "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, GEMMA3),
+    "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, QWEN3_MOE),
 }
+# Routers (Qwen3-MoE's `mlp.gate`) drawn this much wider than the other weights: each token's top k
+# stand clear of the other experts, so no float32 rounding flips a routing decision.
+ROUTER_GAIN = 8.0
 
 
 def randomize(model: torch.nn.Module, seed: int, scale: float = 0.15):
@@ -35,6 +40,10 @@ def make(family: str, path, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     model = model_cls(cfg).eval()
     randomize(model, seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".mlp.gate.weight"):
+                p.mul_(ROUTER_GAIN)
     model.save_pretrained(path)
     return model
 

@@ -10,14 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from dequant import dequantized, logits_on
 from gemma4_refs import VARIANTS, build, forced_router, hf_logits
 from safetensors.torch import load_file, save_file
 
 import jaxllm
 from jaxllm import ModelError
 from jaxllm.model.families import gemma4
-from jaxllm.model.moe import moe_ffn
-from jaxllm.model.params import is_spec
+from jaxllm.model.moe import moe_ffn, route
 from jaxllm.quant import QuantArray, quantize_np
 
 TOL = 1e-4
@@ -125,17 +125,6 @@ def test_fused_loop_matches_python_stepping(variant, tmp_path_factory):
     assert [c.token_ids for c in out] == step_greedy(case.engine, case.rows, 6)
 
 
-def dequantized(cfg, family, weights):
-    """The int8 tree as float32 arrays (each scale broadcast back over its contracted dims)."""
-    def one(spec, w):
-        if not isinstance(w, QuantArray):
-            return w
-        lead = (1 if spec.axes[0] == "layers" else 0) + spec.n_batch
-        scale = w.scale.reshape(w.scale.shape[:lead] + (1,) * w.n_contract + w.scale.shape[lead:])
-        return w.q.astype(jnp.float32) * scale
-    return jax.tree_util.tree_map(one, family.abstract(cfg), weights, is_leaf=is_spec)
-
-
 def test_int8_checkpoint_equals_its_dequantized_weights(tmp_path_factory):
     """int8 weights (experts per expert and output channel) compute what their float values do."""
     case = get_case("26b-a4b", tmp_path_factory)
@@ -143,13 +132,7 @@ def test_int8_checkpoint_equals_its_dequantized_weights(tmp_path_factory):
     experts = eng.weights["layers"]["sliding"]["experts_down"]
     assert isinstance(experts, QuantArray) and experts.scale.shape == (6, 8, 64)
     got = eng.logits(case.ids, lengths=list(LENS))
-    ref_engine = case.engine
-    float_weights = ref_engine.weights
-    try:                                   # the float engine's compiled forward, on dequantized weights
-        ref_engine.weights = dequantized(eng.cfg, gemma4, eng.weights)
-        ref = ref_engine.logits(case.ids, lengths=list(LENS))
-    finally:
-        ref_engine.weights = float_weights
+    ref = logits_on(case.engine, dequantized(eng.cfg, gemma4, eng.weights), case.ids, list(LENS))
     for b, n in enumerate(LENS):
         assert rel_err(got[b, :n], ref[b, :n]) < TOL
         assert rel_err(got[b, :1], case.hf[b][:1]) < 5e-2     # and quantization error is small
@@ -179,7 +162,7 @@ def test_moe_matches_dense_reference_with_uneven_routing(n_tokens):
          "expert_scale": jnp.asarray(rng.uniform(0.5, 1.5, E).astype(np.float32))}
     x = rng.standard_normal((N, D)).astype(np.float32)
     x[0] = np.abs(x[0]) * np.sign(np.asarray(w["router"])[0])        # token 0 picks experts 0-2
-    top_i, top_w = gemma4.route(cfg, w, jnp.asarray(x))
+    top_i, top_w = route(cfg.moe, w, jnp.asarray(x), cfg.norm_eps)
     top_i, top_w = np.asarray(top_i), np.asarray(top_w)
     used = np.bincount(top_i.ravel(), minlength=E)
     assert used[3] == used[4] == 0 and sorted(top_i[0]) == [0, 1, 2], used

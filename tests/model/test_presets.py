@@ -8,7 +8,7 @@ import pytest
 
 import jaxllm
 from jaxllm import ModelError
-from jaxllm.config.model import GLOBAL, SLIDING
+from jaxllm.config.model import GLOBAL, SLIDING, MoeSpec
 from jaxllm.model.params import is_spec
 from jaxllm.model.presets import load_preset, names
 
@@ -16,7 +16,8 @@ from jaxllm.model.presets import load_preset, names
 # totals also hold their vision/audio towers, hence the looser bound there).
 PARAMS_B = {"gemma4-31b": (30.6, 30.8), "gemma4-26b-a4b": (25.1, 25.3), "gemma4-e4b": (7.3, 8.0),
             "gemma4-e2b": (4.5, 5.1), "gemma3-270m": (0.26, 0.28), "qwen3-0.6b": (0.59, 0.61),
-            "qwen3-4b": (4.0, 4.05), "qwen3-8b": (8.1, 8.3), "qwen3-32b": (32.7, 32.9)}
+            "qwen3-4b": (4.0, 4.05), "qwen3-8b": (8.1, 8.3), "qwen3-32b": (32.7, 32.9),
+            "qwen3-30b-a3b": (30.4, 30.6), "qwen3-235b-a22b": (234.5, 235.5)}
 
 
 def n_params(cfg, fam) -> float:
@@ -26,7 +27,8 @@ def n_params(cfg, fam) -> float:
 
 def test_all_presets_are_packaged():
     expected = {"gemma4-31b", "gemma4-26b-a4b", "gemma4-e4b", "gemma4-e2b", "gemma4-12b", "gemma3-270m",
-                "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"}
+                "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "qwen3-30b-a3b",
+                "qwen3-235b-a22b"}
     assert expected <= set(names())
 
 
@@ -48,7 +50,7 @@ def test_gemma4_31b_shape():
 
 def test_gemma4_moe_and_per_layer_presets():
     cfg, _ = load_preset("gemma4-26b-a4b")
-    assert cfg.extra("moe") == (128, 8, 704)
+    assert cfg.moe == MoeSpec(128, 8, 704, norm_topk=True, router_norm=True, expert_scale=True)
     e2b, _ = load_preset("gemma4-e2b")
     assert e2b.extra("ple") == (256, 262144) and e2b.extra("double_wide_mlp")
     # 35 layers, the last 20 share: 15 keep caches (12 sliding, 3 global)
@@ -60,6 +62,10 @@ def test_gemma4_moe_and_per_layer_presets():
 
 def test_other_families():
     assert load_preset("qwen3-4b")[1].__name__.endswith("qwen3")
+    for name, (E, k, F) in {"qwen3-30b-a3b": (128, 8, 768), "qwen3-235b-a22b": (128, 8, 1536)}.items():
+        cfg, fam = load_preset(name)
+        assert fam.__name__.endswith("qwen3") and cfg.moe == MoeSpec(E, k, F, norm_topk=True)
+        assert cfg.layer_groups == () and cfg.layer_kinds == (GLOBAL,) * cfg.num_layers
     cfg, fam = load_preset("gemma3-270m")
     assert fam.__name__.endswith("gemma3") and cfg.layer_kinds.count(GLOBAL) == 3
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxllm.config.model import GLOBAL, KIND_NAMES, SLIDING, AttnSpec, ModelConfig, RopeSpec
+from jaxllm.config.model import GLOBAL, KIND_NAMES, SLIDING, AttnSpec, ModelConfig, MoeSpec, RopeSpec
 from jaxllm.errors import ModelError
 from jaxllm.model.families.common import GEMMA_NORM_NAMES, HF_NAMES, eos_ids, layer_kinds, need, per_kind_rope
 from jaxllm.model.layers import attention_block
-from jaxllm.model.moe import moe_ffn
-from jaxllm.model.params import ParamSpec, abstract_weights, attention_params, matmul_weight, mlp_params, stack
-from jaxllm.model.schedule import Branch, branches
+from jaxllm.model.moe import routed_mlp
+from jaxllm.model.params import ParamSpec, abstract_weights, attention_params, matmul_weight, mlp_params, moe_params
+from jaxllm.model.schedule import Branch
 from jaxllm.ops.xla import activation, rms_norm
 
 # "unified" (Gemma 4 12B) is the same text model without per-layer inputs and MoE
@@ -121,11 +121,13 @@ def config_from_hf(hf: dict, generation: dict | None = None) -> ModelConfig:
     sources = _kv_sources(kinds, n_shared)
     groups = tuple(KIND_NAMES[k] + (SHARED_SUFFIX if sources[i] != i else "") for i, k in enumerate(kinds))
     extras = [("double_wide_mlp", bool(hf.get("use_double_wide_mlp", False)) and n_shared > 0)]
+    moe = None
     if hf.get("enable_moe_block"):
         f_moe = hf.get("moe_intermediate_size") or hf.get("expert_intermediate_size")
-        extras.append(("moe", (int(need(hf, "num_experts")), int(need(hf, "top_k_experts")), int(f_moe or 0))))
         if not f_moe:
             raise ModelError("config.json lacks required field 'moe_intermediate_size'")
+        E, k = int(need(hf, "num_experts")), int(need(hf, "top_k_experts"))
+        moe = MoeSpec(E, k, int(f_moe), norm_topk=True, router_norm=True, expert_scale=True)
     if hf.get("hidden_size_per_layer_input"):
         extras.append(
             (
@@ -163,6 +165,7 @@ def config_from_hf(hf: dict, generation: dict | None = None) -> ModelConfig:
         extras=tuple(extras),
         layer_groups=groups if n_shared else (),
         kv_sources=sources if n_shared else (),
+        moe=moe,
     )
 
 
@@ -174,7 +177,7 @@ def _norm(n: int, axis: str = "embed") -> ParamSpec:
 
 def layer_params(cfg: ModelConfig, b: Branch) -> dict[str, ParamSpec]:
     """The shared layer's weights (a KV-sharing layer's without K/V, its MLP twice as wide with
-    `double_wide_mlp`), the output scalar, and those of the MoE block and the PLE."""
+    `double_wide_mlp`), the output scalar, and those of the MoE block beside the MLP and the PLE."""
     D = cfg.hidden_size
     wide = cfg.extra("double_wide_mlp") and not b.own_kv
     p = {
@@ -182,21 +185,9 @@ def layer_params(cfg: ModelConfig, b: Branch) -> dict[str, ParamSpec]:
         **mlp_params(cfg, cfg.intermediate_size * (2 if wide else 1)),
         "layer_scalar": ParamSpec((1,), (None,), init="ones"),
     }
-    if cfg.extra("moe"):
-        E, _, Fm = cfg.extra("moe")
-        p.update(
-            {
-                # The router stays as stored ([E, D], unquantized): routing decisions are sensitive.
-                "router": ParamSpec((E, D), ("expert", "embed")),
-                "router_scale": _norm(D),
-                "expert_scale": ParamSpec((E,), ("expert",), init="ones"),
-                "experts_gate_up": ParamSpec((E, D, 2, Fm), ("expert", "embed", None, "moe_mlp"), 1, n_batch=1),
-                "experts_down": ParamSpec((E, Fm, D), ("expert", "moe_mlp", "embed"), 1, n_batch=1),
-                "dense_out_norm": _norm(D),
-                "moe_norm": _norm(D),
-                "moe_out_norm": _norm(D),
-            }
-        )
+    if b.routed:
+        p.update(moe_params(cfg))
+        p.update({"dense_out_norm": _norm(D), "moe_norm": _norm(D), "moe_out_norm": _norm(D)})
     if cfg.extra("ple"):
         P, _ = cfg.extra("ple")
         p.update(
@@ -210,10 +201,6 @@ def layer_params(cfg: ModelConfig, b: Branch) -> dict[str, ParamSpec]:
 
 
 def abstract(cfg: ModelConfig) -> dict:
-    layers = {}
-    for b in branches(cfg):
-        n = sum(1 for i in range(cfg.num_layers) if cfg.group_of(i) == b.group)
-        layers[b.group] = {name: stack(s, n) for name, s in layer_params(cfg, b).items()}
     top = {}
     if cfg.extra("ple"):
         P, Vp = cfg.extra("ple")
@@ -223,7 +210,7 @@ def abstract(cfg: ModelConfig) -> dict:
             "ple_proj": matmul_weight((D, L, P), ("embed", None, None)),
             "ple_norm": _norm(P, None),
         }
-    return abstract_weights(cfg, extra_top=top, layers=layers)
+    return abstract_weights(cfg, layer_params, extra_top=top)
 
 
 # -- the forward hooks the core calls -----------------------------------------------------------
@@ -241,24 +228,12 @@ def layer_inputs(cfg: ModelConfig, weights: dict, tokens: jax.Array, x: jax.Arra
     return jnp.moveaxis(ple, 2, 0)
 
 
-def route(cfg: ModelConfig, w: dict, x: jax.Array):
-    """x [N, D] -> (top-k expert ids [N, k], their weights [N, k] float32)."""
-    _, k, _ = cfg.extra("moe")
-    D = cfg.hidden_size
-    h = rms_norm(x, None, cfg.norm_eps) * w["router_scale"].astype(x.dtype) * jnp.asarray(D**-0.5, x.dtype)
-    scores = jnp.einsum("nd,ed->ne", h, w["router"].astype(x.dtype), preferred_element_type=jnp.float32)
-    top_w, top_i = jax.lax.top_k(jax.nn.softmax(scores, axis=-1), k)
-    top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-    return top_i, top_w * w["expert_scale"].astype(jnp.float32)[top_i]
-
-
 def moe_block(cfg: ModelConfig, w: dict, x: jax.Array) -> jax.Array:
-    """The routed experts' contribution for residual stream x [B, T, D] (routed on x itself)."""
-    flat = x.reshape(-1, x.shape[-1])
-    top_i, top_w = route(cfg, w, flat)
-    h = rms_norm(flat, w["moe_norm"], cfg.norm_eps)
-    y = moe_ffn(h, top_i, top_w, w["experts_gate_up"], w["experts_down"], cfg.activation)
-    return rms_norm(y.reshape(x.shape), w["moe_out_norm"], cfg.norm_eps)
+    """The routed experts' contribution for residual stream x [B, T, D]: routed on x itself, the
+    experts fed x normed with their own norm."""
+    h = rms_norm(x, w["moe_norm"], cfg.norm_eps)
+    y = routed_mlp(cfg.moe, w, h, cfg.activation, cfg.norm_eps, route_on=x)
+    return rms_norm(y, w["moe_out_norm"], cfg.norm_eps)
 
 
 def decoder_layer(cfg: ModelConfig, b: Branch, w: dict, x, h, positions, layer_cache, ple, ops):
@@ -269,7 +244,7 @@ def decoder_layer(cfg: ModelConfig, b: Branch, w: dict, x, h, positions, layer_c
     a, layer_cache = attention_block(cfg, b.kind, w, h, positions, layer_cache, ops, own_kv=b.own_kv, partials=True)
     x, h = ops.add_norm(x, a, w["post_attn_norm"], w["mlp_norm"], eps)
     m = ops.gated_mlp(h, w["gate"], w["up"], w["down"], cfg.activation)
-    if cfg.extra("moe"):
+    if b.routed:
         m = rms_norm(m, w["dense_out_norm"], eps) + moe_block(cfg, w, x)
     x = x + ops.rms_norm(m, w["post_mlp_norm"], eps)
     if ple is not None:
