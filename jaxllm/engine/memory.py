@@ -201,7 +201,7 @@ class Memory:
         if job.slot < 0:
             return
         if job.done or job.cancelled.is_set():  # it ended meanwhile: its slot is free for the taking
-            self._end(job, None)
+            job.end(None)
             self._free(job)
             return
         log.info("preempting request %s (%d tokens sampled) for KV blocks", job.req.id, len(job.out_ids))

@@ -10,7 +10,6 @@ decoding a row's tokens are held back and sent a block's worth at a time (`_hold
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -39,16 +38,7 @@ class Launched:
 
 class Results:
     """What the output thread does with a call's results (the `Scheduler` holds the state it uses:
-    the engine, the slots' condition and lock, the counters)."""
-
-    @contextlib.contextmanager
-    def _timed(self, thread: str, part: str):
-        """Count the time of the block as `thread`'s on `part` (`Observer.busy`; both threads use it)."""
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.observer.busy(thread, part, time.perf_counter() - t)
+    the engine, the slots' condition, the counters)."""
 
     def _read_results(self):
         """The output thread's loop. Its time: "idle" (no call launched to read), "device" (a call
@@ -61,22 +51,20 @@ class Results:
 
     def _read_loop(self):
         while True:
-            with self._timed("output", "idle"):
+            with self.observer.timed("output", "idle"):
                 call = self.results.get()
             if call is None:
                 return
             self.progress_at = time.monotonic()
             try:
-                with self._timed("output", "device"):
+                with self.observer.timed("output", "device"):
                     jax.block_until_ready(call.result)
-                with self._timed("output", "processing"):
+                with self.observer.timed("output", "processing"):
                     self._collect(call)
             except Exception:  # the call failed on the device: its requests fail
                 log.exception("reading a device call's results failed")
                 for job in call.jobs:
-                    if job is not None and self._end(
-                        job, Failed(500, "internal error while generating; see the server log")
-                    ):
+                    if job is not None and job.end(Failed(500, "internal error while generating; see the server log")):
                         self._ended(job)
             finally:
                 with self.cond:
@@ -138,7 +126,7 @@ class Results:
         except ValueError as e:  # its grammar went past llguidance's limits or into a dead end
             why = (str(e).splitlines() or [""])[0][:300]
             log.info("request %s: structured output failed: %s", job.req.id, why)
-            if self._end(job, Failed(400, f"structured output failed: {why}", type="invalid_request_error")):
+            if job.end(Failed(400, f"structured output failed: {why}", type="invalid_request_error")):
                 self._ended(job)
             return None
         job.out_ids += toks[:n]
@@ -214,8 +202,7 @@ class Results:
         if job.text.stopped:
             reason = "stop"
         first = job.parent or job
-        if self._end(
-            job,
+        if job.end(
             Finished(reason, job.n_tokens, first.cached or 0),
             "".join(text),
             self._settled_logprobs(job, last=True),
@@ -232,18 +219,6 @@ class Results:
             self.last_end = time.monotonic()
             self.returning += complete
             self.cond.notify()
-
-    def _end(self, job: Job, event, text: str = "", logprobs: list | None = None) -> bool:
-        """Send a request's last events (none for None), once whichever thread gets there first."""
-        with self.lock:
-            if job.done:
-                return False
-            job.done = True
-        if text or logprobs:
-            job.emit(Delta(text, logprobs))
-        if event is not None:
-            job.emit(event)
-        return True
 
 
 def _joined(pieces: list):

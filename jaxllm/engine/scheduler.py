@@ -156,7 +156,6 @@ class Scheduler(Results, Warmup, Memory):
         self.returning = 0  # completed requests whose clients have not sent again (`_gather_arrivals`)
         self.ended: collections.deque[Job] = collections.deque()  # finished by the output thread
         self.cond = threading.Condition()
-        self.lock = threading.Lock()  # a request's end event goes out once
         self.stopping = False  # no new requests
         self.failure: str | None = None  # why the engine or output thread stopped on its own
         self.progress_at = time.monotonic()  # when either thread last finished a piece of work
@@ -246,7 +245,7 @@ class Scheduler(Results, Warmup, Memory):
             waiting, self.waiting = list(self.waiting), collections.deque()
         for job in waiting + [j for j in self.slots if j is not None]:
             for c in job.choices if job.parent is None else [job]:
-                self._end(c, Failed(503, why))
+                c.end(Failed(503, why))
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self, warmup: bool = True):
@@ -278,7 +277,7 @@ class Scheduler(Results, Warmup, Memory):
             self.cond.notify()
         for job in waiting:
             for c in job.choices:
-                self._end(c, Failed(503, "the server is shutting down"))
+                c.end(Failed(503, "the server is shutting down"))
         # The engine thread ends the running ones at the deadline between two device calls; this
         # timer ends them then whatever call it is inside (their slots are freed when it returns).
         timer = threading.Timer(timeout, self._end_running, ("the server is shutting down",))
@@ -287,7 +286,7 @@ class Scheduler(Results, Warmup, Memory):
 
     def _end_running(self, why: str):
         for job in [j for j in self.slots if j is not None]:
-            self._end(job, Failed(503, why))
+            job.end(Failed(503, why))
 
     def shutdown(self, timeout: float = 10.0):
         """End everything now (running requests get a 503) and stop the threads."""
@@ -308,7 +307,7 @@ class Scheduler(Results, Warmup, Memory):
                     while not (
                         self.done or self.waiting or self.ended or self._busy() or self.deadline or self.unprimed
                     ):
-                        with self._timed("engine", "idle"):
+                        with self.observer.timed("engine", "idle"):
                             self.cond.wait()
                     if self.done:
                         break
@@ -316,13 +315,13 @@ class Scheduler(Results, Warmup, Memory):
                 self._free_ended()
                 if past:
                     self._fail_running(503, "the server is shutting down")
-                    with self.cond, self._timed("engine", "idle"):
+                    with self.cond, self.observer.timed("engine", "idle"):
                         self.cond.wait(0.05)
                     continue
                 try:
                     if self.wait_for is not None:  # a fixed block was launched: plan the next call
                         wait, self.wait_for = self.wait_for, None  # once the device has run the one before it
-                        with self._timed("engine", "device"):
+                        with self.observer.timed("engine", "device"):
                             jax.block_until_ready(wait)
                     self._reap()
                     if self.spec_unread and not self._busy():  # idle: report what the slots drafted
@@ -333,7 +332,7 @@ class Scheduler(Results, Warmup, Memory):
                         self._free_ended()  # the slots of requests that ended meanwhile
                     self._admit()
                     if not self._launch():  # nothing to run (draining, or only waiting on results)
-                        with self.cond, self._timed("engine", "idle"):
+                        with self.cond, self.observer.timed("engine", "idle"):
                             self.cond.wait(0.05)
                 except Exception:  # a device failure: fail the batch, keep serving
                     log.exception("engine step failed")
@@ -368,7 +367,7 @@ class Scheduler(Results, Warmup, Memory):
         if self.prefilling or not self.waiting or self._to_decode():
             return False
         start = time.monotonic()
-        with self.cond, self._timed("engine", "idle"):
+        with self.cond, self.observer.timed("engine", "idle"):
             while len(self.waiting) < len(self.slots) and not self.done and not self.stopping:
                 now = time.monotonic()
                 gap, wait = (RETURN_GAP, RETURN_WAIT) if self.returning else (ARRIVAL_GAP, ARRIVAL_WAIT)
@@ -429,7 +428,7 @@ class Scheduler(Results, Warmup, Memory):
                 f"KV blocks than the server's whole pool holds; send fewer answers ('n') or a shorter prompt"
             )
             for c in job.choices:
-                self._end(c, Failed(400, why, type="invalid_request_error"))
+                c.end(Failed(400, why, type="invalid_request_error"))
             return None
         with self.cond:
             if hit is None or not self.waiting or self.waiting[0] is not job:
@@ -553,12 +552,12 @@ class Scheduler(Results, Warmup, Memory):
     def _put(self, call: Launched):
         self.launched += 1
         self.last_result = call.result
-        with self._timed("engine", "output"):  # the output thread two calls behind
+        with self.observer.timed("engine", "output"):  # the output thread two calls behind
             self.results.put(call)
 
     def _await_results(self):
         """Wait until the output thread has read back every call launched so far."""
-        with self.cond, self._timed("engine", "output"):
+        with self.cond, self.observer.timed("engine", "output"):
             while self.read < self.launched and not self.done:
                 self.cond.wait(1.0)
 
@@ -745,10 +744,10 @@ class Scheduler(Results, Warmup, Memory):
     def _reap(self):
         """Free the slots of requests whose client went away or timed out."""
         for job in [j for j in self.slots if j is not None and j.cancelled.is_set()]:
-            self._end(job, None)
+            job.end(None)
             self._free(job)
 
     def _fail_running(self, status: int, message: str):
         for job in [j for j in self.slots if j is not None]:
-            self._end(job, Failed(status, message))
+            job.end(Failed(status, message))
             self._free(job)
