@@ -52,8 +52,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
-import queue
 import threading
 import time
 
@@ -64,7 +64,7 @@ from jaxllm.engine.detok import TextStream
 from jaxllm.engine.grammar import masks
 from jaxllm.engine.jobs import ARRIVAL_GAP, ARRIVAL_WAIT, RETURN_GAP, RETURN_WAIT, Failed, Job, Observer, QueueFull
 from jaxllm.engine.memory import KVMemory, Memory, deterministic_memory
-from jaxllm.engine.results import Launched, Results
+from jaxllm.engine.results import Launched, ResultReader
 from jaxllm.engine.sampling import Penalties, SamplingParams, TokenRules
 from jaxllm.engine.shapes import Shapes
 from jaxllm.engine.slots import Forks, Pieces
@@ -75,7 +75,7 @@ log = logging.getLogger("jaxllm.engine")
 
 
 # -- the scheduler --------------------------------------------------------------------------------
-class Scheduler(Results, Warmup, Memory):
+class Scheduler(Warmup, Memory):
     def __init__(
         self,
         engine,
@@ -101,8 +101,6 @@ class Scheduler(Results, Warmup, Memory):
         self.engine = engine
         self.text_tokenizer = engine.tokenizer  # what turns the requests' tokens into text
         self.structured = structured
-        self.observer = Observer()
-        self.eos = set(engine.cfg.eos_ids)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = engine.ops.prefill_tokens
         if deterministic and engine.spec is not None:
@@ -158,25 +156,31 @@ class Scheduler(Results, Warmup, Memory):
         self.cond = threading.Condition()
         self.stopping = False  # no new requests
         self.failure: str | None = None  # why the engine or output thread stopped on its own
-        self.progress_at = time.monotonic()  # when either thread last finished a piece of work
+        self.progress_at = time.monotonic()  # when the engine thread last finished a piece of work
         self.deadline = None  # running requests end with a 503 past this (monotonic)
         self.done = False
-        self.results: queue.Queue[Launched | None] = queue.Queue(maxsize=2)
-        self.launched = self.read = 0  # calls launched, and read back by the output thread
+        self.results = ResultReader(
+            engine.layout.get,
+            engine.cfg.eos_ids,
+            decode_steps,
+            self.cond,
+            on_end=self._ended,
+            on_failure=functools.partial(self._stopped, "output"),
+        )
+        self.observer = Observer()
+        self.launched = 0  # calls launched
         self.mask_words = -(-engine.cfg.vocab_size // 32)  # a grammar mask's row: one bit a token
         self.ahead = None  # (rows, calls launched then, logits): a one-step block's forward, launched ahead
         self.last_result = None  # what the last call launched returns (on the device)
         self.wait_for = None  # the results of the call before a fixed block just launched
         self.thread = threading.Thread(target=self._run, name="jaxllm-engine", daemon=True)
-        self.output = threading.Thread(target=self._read_results, name="jaxllm-output", daemon=True)
+        self.output = threading.Thread(target=self.results.run, name="jaxllm-output", daemon=True)
         self.ready: set | None = None  # shapes compiled while the others compile (None: any shape)
         self.compiling = 0  # shapes still compiling in the background
         self.groups: dict = {}  # the calls of each shape (`warmup_calls`), once warmed up
         self.unprimed: list = []  # shapes compiled, not yet run once (`prime`)
         self.first_runs = engine.ops.first_run_costs if first_runs is None else first_runs
         self.freeze_heap = freeze_heap
-        self.finished = 0  # requests completed
-        self.generated = 0  # tokens sampled for requests (a freed slot stops adding)
         # What the device ran, in order: {"kind": "prefill", "pieces": [(job, start, length), ...]},
         # {"kind": "fork", "forks": [(job, its slot, the slot it forks), ...]} or {"kind": "decode",
         # "steps": n, "rows": r, "fixed": bool, "tokens": {job: count}} (filled when read back).
@@ -185,6 +189,15 @@ class Scheduler(Results, Warmup, Memory):
         # goes idle after decoding, so that a busy server never waits on the device for them.
         self.spec_reported = {"cycles": 0, "drafted": 0, "accepted": 0}
         self.spec_unread = False
+
+    @property
+    def observer(self) -> Observer:
+        """What the scheduler's threads report to (the server's metrics)."""
+        return self._observer
+
+    @observer.setter
+    def observer(self, observer: Observer):
+        self._observer = self.results.observer = observer
 
     # -- called from request handlers ------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -207,8 +220,8 @@ class Scheduler(Results, Warmup, Memory):
                 "running": sum(j is not None for j in self.slots),
                 "waiting": len(self.waiting),
                 "slots": len(self.slots),
-                "finished": self.finished,
-                "generated_tokens": self.generated,
+                "finished": self.results.finished,
+                "generated_tokens": self.results.generated,
                 "compiling": self.compiling,
                 "warming": len(self.unprimed),
                 "kv_usage": round(b.usage(), 4),
@@ -227,7 +240,7 @@ class Scheduler(Results, Warmup, Memory):
             return "the engine thread is not running"
         with self.cond:
             work = bool(self.waiting) or self._busy()
-        idle = time.monotonic() - self.progress_at
+        idle = time.monotonic() - max(self.progress_at, self.results.progress_at)
         if started and work and idle > stall:
             return f"the engine has made no progress for {idle:.0f} s with requests waiting"
         return None
@@ -346,7 +359,7 @@ class Scheduler(Results, Warmup, Memory):
         finally:
             self._stopped("engine", error)
             self._fail_running(503, "the server is shutting down")
-            self.results.put(None)
+            self.results.close()
 
     def _busy(self) -> bool:
         return any(j is not None for j in self.slots)
@@ -558,7 +571,7 @@ class Scheduler(Results, Warmup, Memory):
     def _await_results(self):
         """Wait until the output thread has read back every call launched so far."""
         with self.cond, self.observer.timed("engine", "output"):
-            while self.read < self.launched and not self.done:
+            while self.results.read < self.launched and not self.done:
                 self.cond.wait(1.0)
 
     def _launch_prefill(self):
@@ -732,6 +745,15 @@ class Scheduler(Results, Warmup, Memory):
             job.matcher = None
         if job in self.prefilling:
             self.prefilling.remove(job)
+
+    def _ended(self, job: Job, complete: bool = False):
+        """The output thread sent `job`'s last events: its slot is given back at the engine thread's
+        next turn. `complete`: the request's last answer ended, so its client may send again."""
+        with self.cond:
+            self.ended.append(job)
+            self.last_end = time.monotonic()
+            self.returning += complete
+            self.cond.notify()
 
     def _free_ended(self):
         while True:

@@ -146,7 +146,7 @@ def test_long_prompt_runs_one_chunk_between_tokens(engine):
         for c in running:
             sched.submit(c.job)
         t0 = time.time()
-        while sched.load()["running"] < 8 or sched.generated < 8 * 8:
+        while sched.load()["running"] < 8 or sched.results.generated < 8 * 8:
             assert time.time() - t0 < 300
             time.sleep(0.01)
         long = Client(rng.integers(3, 150, 160).tolist(), 8)
