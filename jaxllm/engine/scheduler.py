@@ -75,7 +75,7 @@ log = logging.getLogger("jaxllm.engine")
 
 
 # -- the scheduler --------------------------------------------------------------------------------
-class Scheduler(Warmup, Memory):
+class Scheduler(Memory):
     def __init__(
         self,
         engine,
@@ -175,12 +175,19 @@ class Scheduler(Warmup, Memory):
         self.wait_for = None  # the results of the call before a fixed block just launched
         self.thread = threading.Thread(target=self._run, name="jaxllm-engine", daemon=True)
         self.output = threading.Thread(target=self.results.run, name="jaxllm-output", daemon=True)
-        self.ready: set | None = None  # shapes compiled while the others compile (None: any shape)
-        self.compiling = 0  # shapes still compiling in the background
-        self.groups: dict = {}  # the calls of each shape (`warmup_calls`), once warmed up
-        self.unprimed: list = []  # shapes compiled, not yet run once (`prime`)
-        self.first_runs = engine.ops.first_run_costs if first_runs is None else first_runs
-        self.freeze_heap = freeze_heap
+        self.warmup = Warmup(
+            engine,
+            self.core,
+            self.shapes,
+            self.cond,
+            decode_steps=decode_steps,
+            out_size=self.out_size,
+            mask_words=self.mask_words,
+            structured=structured,
+            deterministic=deterministic,
+            first_runs=first_runs,
+            freeze_heap=freeze_heap,
+        )
         # What the device ran, in order: {"kind": "prefill", "pieces": [(job, start, length), ...]},
         # {"kind": "fork", "forks": [(job, its slot, the slot it forks), ...]} or {"kind": "decode",
         # "steps": n, "rows": r, "fixed": bool, "tokens": {job: count}} (filled when read back).
@@ -222,8 +229,8 @@ class Scheduler(Warmup, Memory):
                 "slots": len(self.slots),
                 "finished": self.results.finished,
                 "generated_tokens": self.results.generated,
-                "compiling": self.compiling,
-                "warming": len(self.unprimed),
+                "compiling": self.warmup.compiling,
+                "warming": len(self.warmup.unprimed),
                 "kv_usage": round(b.usage(), 4),
                 "preemptions": self.preemptions,
                 "prefix_queries": b.queries,
@@ -263,19 +270,18 @@ class Scheduler(Warmup, Memory):
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self, warmup: bool = True):
         if warmup:
-            t = self.warmup()
-            n = len(self.groups)  # prefill, decode and fixed decode shapes, and the fork
+            t = self.warmup.compile()
+            n, compiling = len(self.warmup.groups), self.warmup.compiling  # prefill, decode, fork shapes
             log.info(
                 "compiled %d of %d shapes of calls in %.1f s%s",
-                n - self.compiling,
+                n - compiling,
                 n,
                 t,
-                f"; the {self.compiling} others compile in the background, their requests running on "
-                "larger shapes meanwhile"
-                if self.compiling
+                f"; the {compiling} others compile in the background, their requests running on larger shapes meanwhile"
+                if compiling
                 else "",
             )
-        self.settle_heap("warm")
+        self.warmup.settle_heap("warm")
         self.thread.start()
         self.output.start()
 
@@ -318,7 +324,7 @@ class Scheduler(Warmup, Memory):
                 self.progress_at = time.monotonic()
                 with self.cond:
                     while not (
-                        self.done or self.waiting or self.ended or self._busy() or self.deadline or self.unprimed
+                        self.done or self.waiting or self.ended or self._busy() or self.deadline or self.warmup.unprimed
                     ):
                         with self.observer.timed("engine", "idle"):
                             self.cond.wait()
@@ -360,6 +366,15 @@ class Scheduler(Warmup, Memory):
             self._stopped("engine", error)
             self._fail_running(503, "the server is shutting down")
             self.results.close()
+
+    def _prime_idle(self) -> bool:
+        """With no slot in use and no request waiting, run the next shape compiled in the background
+        once (`Warmup.prime_next`). -> whether it did."""
+        with self.cond:
+            if not self.warmup.unprimed or self.waiting or self._busy():
+                return False
+        self.ahead = None  # a forward launched ahead no longer matches the slot table
+        return self.warmup.prime_next()
 
     def _busy(self) -> bool:
         return any(j is not None for j in self.slots)
@@ -461,7 +476,7 @@ class Scheduler(Warmup, Memory):
         constrained = any(j.matcher is not None for j in decoding)
         if constrained:  # their matchers must have taken their last tokens
             if self._split_steps() and self.ahead is None and not self.prefilling:
-                self._launch_forward(self._decode_rows(max(j.slot for j in decoding) + 1))
+                self._launch_forward(self.warmup.decode_rows(max(j.slot for j in decoding) + 1))
             self._await_results()
             self._free_ended()
             decoding = self._to_decode()
@@ -469,7 +484,7 @@ class Scheduler(Warmup, Memory):
         if not decoding:
             return prefilled or constrained
         n = 1 if self.prefilling or constrained else self.decode_steps
-        rows = self._decode_rows(max(j.slot for j in decoding) + 1)
+        rows = self.warmup.decode_rows(max(j.slot for j in decoding) + 1)
         if constrained and self.ahead is not None and self.ahead[1] == self.launched:
             rows = max(rows, self.ahead[0])  # the forward launched ahead covers these rows
         stop = self.to_stop[:rows].copy()
@@ -484,7 +499,7 @@ class Scheduler(Warmup, Memory):
             else None
         )
         asked = self.deterministic or any(j.req.logprobs is not None for j in decoding)
-        fixed = n == self.decode_steps and not constrained and self._fixed(rows, decoding)
+        fixed = n == self.decode_steps and not constrained and self.warmup.fixed(rows, decoding)
         before = self.last_result
         with self._device_call("decode"):
             toks = self.core.decode(
@@ -588,7 +603,7 @@ class Scheduler(Warmup, Memory):
         if not ready:
             return
         P, C, lengths = self.shapes.choose(
-            [len(j.prompt) - j.prefilled for j in ready], self._prefill_shapes([self._scored(j) for j in ready])
+            [len(j.prompt) - j.prefilled for j in ready], self.warmup.prefill_shapes([self._scored(j) for j in ready])
         )
         jobs = ready[: len(lengths)]
         B = self.core.num_slots

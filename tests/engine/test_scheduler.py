@@ -91,10 +91,10 @@ def test_shapes():
     small = Shapes(budget=64, slots=4, max_piece=32)
     plain = SimpleNamespace(ready={("prefill", 1, 32), ("prefill", 2, 32)})
     both = SimpleNamespace(ready=plain.ready | {("score", 2, 32)})
-    assert small.choose([7], Warmup._prefill_shapes(both, [False]))[:2] == (1, 32)
-    assert small.choose([7], Warmup._prefill_shapes(both, [True]))[:2] == (2, 32)
-    assert small.choose([7, 5], Warmup._prefill_shapes(both, [False, True]))[:2] == (2, 32)
-    assert small.choose([7, 5], Warmup._prefill_shapes(plain, [False, True]))[:2] == (1, 32)
+    assert small.choose([7], Warmup.prefill_shapes(both, [False]))[:2] == (1, 32)
+    assert small.choose([7], Warmup.prefill_shapes(both, [True]))[:2] == (2, 32)
+    assert small.choose([7, 5], Warmup.prefill_shapes(both, [False, True]))[:2] == (2, 32)
+    assert small.choose([7, 5], Warmup.prefill_shapes(plain, [False, True]))[:2] == (1, 32)
 
 
 def test_the_backend_picks_the_prefill_budget(monkeypatch):
@@ -298,14 +298,14 @@ def test_no_request_waits_for_a_compile(engine, monkeypatch):
         assert c.done.wait(300) and isinstance(c.events[-1], Finished)
         rows = {(r["rows"], r["fixed"]) for r in sched.record if r["kind"] == "decode" and c.job.id in r["tokens"]}
         return "".join(e.text for e in c.events if isinstance(e, Delta)), rows
-    primed, prime = [], sched.prime
-    sched.prime = lambda keys: primed.extend(keys) or prime(keys)
+    primed, prime = [], sched.warmup.prime
+    sched.warmup.prime = lambda keys: primed.extend(keys) or prime(keys)
     sched.start(warmup=True)
     try:
         assert sched.load()["compiling"] == 5        # the fixed blocks over 1 and 4 slots, the scoring prefill of 1
-        assert set(primed) == sched.ready            # what serves first has run once
-        assert sched.ready == {("prefill", 2, 32), ("score", 2, 32), ("decode", 4), ("fork",)}
-        assert (sched.shapes.choose([7], sched._prefill_shapes([False]))[:2], sched._decode_rows(1)) == ((2, 32), 4)
+        assert set(primed) == sched.warmup.ready            # what serves first has run once
+        assert sched.warmup.ready == {("prefill", 2, 32), ("score", 2, 32), ("decode", 4), ("fork",)}
+        assert (sched.shapes.choose([7], sched.warmup.prefill_shapes([False]))[:2], sched.warmup.decode_rows(1)) == ((2, 32), 4)
         early, early_rows = answer()
         echo = Client(prompt, 3, echo=True, logprobs=1)
         sched.submit(echo.job)
@@ -315,11 +315,11 @@ def test_no_request_waits_for_a_compile(engine, monkeypatch):
         while sched.load()["compiling"]:
             assert time.time() - t0 < 300
             time.sleep(0.05)
-        assert sched.ready is None and sched._prefill_shapes([True]) is None and sched._decode_rows(1) == 1
-        while set(primed) != set(sched.groups):      # the others run once as the engine thread idles
+        assert sched.warmup.ready is None and sched.warmup.prefill_shapes([True]) is None and sched.warmup.decode_rows(1) == 1
+        while set(primed) != set(sched.warmup.groups):      # the others run once as the engine thread idles
             assert time.time() - t0 < 300
             time.sleep(0.05)
-        assert len(primed) == len(sched.groups)
+        assert len(primed) == len(sched.warmup.groups)
         late, late_rows = answer()
         made, rng = engine.compiles.programs, np.random.default_rng(5)
         varied = [Client(rng.integers(3, 150, 12).tolist(), 6, logprobs=2),
@@ -351,27 +351,27 @@ def test_a_warm_start_runs_the_largest_shapes_before_serving(engine):
     kw = dict(max_num_seqs=4, max_model_len=32, max_queue=8, decode_steps=4, max_num_batched_tokens=64,
               first_runs=True, freeze_heap=True)
     sched = Scheduler(engine, **kw)
-    engine.precompile([c for calls in sched.warmup_calls().values() for c in calls])
-    primed, prime = [], sched.prime
-    sched.prime = lambda keys: primed.extend(keys) or prime(keys)
-    settled, settle = [], sched.settle_heap
-    sched.settle_heap = lambda what: settled.append((what, len(primed), gc.get_freeze_count())) or settle(what)
+    engine.precompile([c for calls in sched.warmup.calls().values() for c in calls])
+    primed, prime = [], sched.warmup.prime
+    sched.warmup.prime = lambda keys: primed.extend(keys) or prime(keys)
+    settled, settle = [], sched.warmup.settle_heap
+    sched.warmup.settle_heap = lambda what: settled.append((what, len(primed), gc.get_freeze_count())) or settle(what)
     sched.start(warmup=True)
     try:
         assert settled == [("warm", 4, 0)] and gc.get_freeze_count() > 0
         load = sched.load()
-        assert sched.ready is None and load["compiling"] == 0 and load["warming"] <= len(sched.groups) - 4
+        assert sched.warmup.ready is None and load["compiling"] == 0 and load["warming"] <= len(sched.warmup.groups) - 4
         assert set(primed[:4]) == {("decode", 4), ("prefill", 2, 32), ("score", 2, 32), ("fork",)}
         t0 = time.time()
-        while len(primed) < len(sched.groups):
+        while len(primed) < len(sched.warmup.groups):
             assert time.time() - t0 < 300
             time.sleep(0.05)
-        assert sorted(primed) == sorted(sched.groups) and sched.load()["warming"] == 0
+        assert sorted(primed) == sorted(sched.warmup.groups) and sched.load()["warming"] == 0
         t0 = time.time()
         while len(settled) < 2:
             assert time.time() - t0 < 60
             time.sleep(0.05)
-        assert settled[1][:2] == ("every shape run once", len(sched.groups)) and settled[1][2] > 0
+        assert settled[1][:2] == ("every shape run once", len(sched.warmup.groups)) and settled[1][2] > 0
     finally:
         sched.shutdown()
         gc.unfreeze()
@@ -388,12 +388,12 @@ def test_warmup_runs_each_call_once_and_changes_nothing(engine, monkeypatch):
     from jaxllm.engine.slots import Pieces
     sched = Scheduler(engine, max_num_seqs=4, max_model_len=32, max_queue=8, decode_steps=4,
                       max_num_batched_tokens=64, first_runs=True)
-    assert not Scheduler(engine, 4, 32, 8).first_runs       # a CPU's first runs cost no more
+    assert not Scheduler(engine, 4, 32, 8).warmup.first_runs       # a CPU's first runs cost no more
     ran, run = [], engine.run
     monkeypatch.setattr(engine, "run", lambda name, *args, **static: ran.append(_signature(name, args, static))
                         or run(name, *args, **static))
-    sched.warmup(background=False)
-    calls = [c for cs in sched.groups.values() for c in cs]
+    sched.warmup.compile(background=False)
+    calls = [c for cs in sched.warmup.groups.values() for c in cs]
     assert len(calls) == 13 and Counter(ran) == Counter(_signature(*c) for c in calls)
     core = sched.core
     tokens = np.zeros((1, 32), np.int32)
@@ -402,7 +402,7 @@ def test_warmup_runs_each_call_once_and_changes_nothing(engine, monkeypatch):
     toks, count, _ = core.decode(8, sched.out_size, np.zeros(4, bool), 4)
     assert np.asarray(count)[2] == 2                  # its 2 tokens after the first: the slot has ended
     before = [np.asarray(x) for x in jax.tree_util.tree_leaves(core.state)]
-    sched.prime(list(sched.groups))
+    sched.warmup.prime(list(sched.warmup.groups))
     after = [np.asarray(x) for x in jax.tree_util.tree_leaves(core.state)]
     assert len(before) == len(after) and all(np.array_equal(a, b) for a, b in zip(before, after))
 
