@@ -60,10 +60,9 @@ import time
 import jax
 import numpy as np
 
-from jaxllm.engine.detok import TextStream
 from jaxllm.engine.grammar import masks
 from jaxllm.engine.jobs import ARRIVAL_GAP, ARRIVAL_WAIT, RETURN_GAP, RETURN_WAIT, Failed, Job, Observer, QueueFull
-from jaxllm.engine.memory import KVMemory, Memory, deterministic_memory
+from jaxllm.engine.memory import KVMemory, Seats, deterministic_memory
 from jaxllm.engine.results import Launched, ResultReader
 from jaxllm.engine.sampling import Penalties, SamplingParams, TokenRules
 from jaxllm.engine.shapes import Shapes
@@ -75,7 +74,7 @@ log = logging.getLogger("jaxllm.engine")
 
 
 # -- the scheduler --------------------------------------------------------------------------------
-class Scheduler(Memory):
+class Scheduler:
     def __init__(
         self,
         engine,
@@ -143,12 +142,7 @@ class Scheduler(Memory):
                 f"is preempted): {plan.sequences(max_model_len)} of {max_num_seqs} fit"
             )
         log.info("%s", plan.describe())
-        self.admissions = self.preemptions = 0
-        self.slots: list[Job | None] = [None] * max_num_seqs  # the engine thread's
-        self.to_stop = np.zeros(max_num_seqs, bool)  # slots to end on the device at the next decode
-        self.prefilling: list[Job] = []  # admitted, prompt not all sent
         self.max_queue = max_queue
-        self.waiting: collections.deque[Job] = collections.deque()
         self.last_submit = 0.0
         self.last_end = 0.0  # when the output thread last ended a request
         self.returning = 0  # completed requests whose clients have not sent again (`_gather_arrivals`)
@@ -195,7 +189,14 @@ class Scheduler(Memory):
         # Speculation counts reported so far; the core's are read (one device read) when the engine
         # goes idle after decoding, so that a busy server never waits on the device for them.
         self.spec_reported = {"cycles": 0, "drafted": 0, "accepted": 0}
-        self.spec_unread = False
+        self.spec_read = 0  # slots given back when they were last read
+        self.seats = Seats(
+            self.core,
+            self.cond,
+            await_results=self._await_results,
+            preempted=self._preempted,
+            seed_history=None if engine.spec is None else self._seed_history,
+        )
 
     @property
     def observer(self) -> Observer:
@@ -211,28 +212,29 @@ class Scheduler(Memory):
         with self.cond:
             if self.stopping:
                 raise QueueFull(self.failure or "the server is shutting down")
-            if len(self.waiting) >= self.max_queue:  # clients that left give their place back
-                self.waiting = collections.deque(j for j in self.waiting if not j.cancelled.is_set())
-            if len(self.waiting) >= self.max_queue:
+            seats = self.seats
+            if len(seats.waiting) >= self.max_queue:  # clients that left give their place back
+                seats.waiting = collections.deque(j for j in seats.waiting if not j.cancelled.is_set())
+            if len(seats.waiting) >= self.max_queue:
                 raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
-            self.waiting.append(job)
+            seats.waiting.append(job)
             self.last_submit = time.monotonic()
             self.returning = max(0, self.returning - 1)
             self.cond.notify()
 
     def load(self) -> dict:
-        b = self.core.blocks
+        b, seats = self.core.blocks, self.seats
         with self.cond:
             return {
-                "running": sum(j is not None for j in self.slots),
-                "waiting": len(self.waiting),
-                "slots": len(self.slots),
+                "running": sum(j is not None for j in seats.slots),
+                "waiting": len(seats.waiting),
+                "slots": len(seats.slots),
                 "finished": self.results.finished,
                 "generated_tokens": self.results.generated,
                 "compiling": self.warmup.compiling,
                 "warming": len(self.warmup.unprimed),
                 "kv_usage": round(b.usage(), 4),
-                "preemptions": self.preemptions,
+                "preemptions": seats.preemptions,
                 "prefix_queries": b.queries,
                 "prefix_hits": b.hits,
             }
@@ -246,7 +248,7 @@ class Scheduler(Memory):
         if started and not self.done and not (self.thread.is_alive() and self.output.is_alive()):
             return "the engine thread is not running"
         with self.cond:
-            work = bool(self.waiting) or self._busy()
+            work = bool(self.seats.waiting) or self.seats.busy()
         idle = time.monotonic() - max(self.progress_at, self.results.progress_at)
         if started and work and idle > stall:
             return f"the engine has made no progress for {idle:.0f} s with requests waiting"
@@ -262,8 +264,9 @@ class Scheduler(Memory):
         with self.cond:
             self.failure = self.failure or why
             self.stopping = True
-            waiting, self.waiting = list(self.waiting), collections.deque()
-        for job in waiting + [j for j in self.slots if j is not None]:
+            waiting = list(self.seats.waiting)
+            self.seats.waiting.clear()
+        for job in waiting + [j for j in self.seats.slots if j is not None]:
             for c in job.choices if job.parent is None else [job]:
                 c.end(Failed(503, why))
 
@@ -292,7 +295,8 @@ class Scheduler(Memory):
             self.stopping = True
             deadline = time.monotonic() + timeout
             self.deadline = deadline if self.deadline is None else min(self.deadline, deadline)
-            waiting, self.waiting = list(self.waiting), collections.deque()
+            waiting = list(self.seats.waiting)
+            self.seats.waiting.clear()
             self.cond.notify()
         for job in waiting:
             for c in job.choices:
@@ -304,7 +308,7 @@ class Scheduler(Memory):
         timer.start()
 
     def _end_running(self, why: str):
-        for job in [j for j in self.slots if j is not None]:
+        for job in [j for j in self.seats.slots if j is not None]:
             job.end(Failed(503, why))
 
     def shutdown(self, timeout: float = 10.0):
@@ -324,7 +328,12 @@ class Scheduler(Memory):
                 self.progress_at = time.monotonic()
                 with self.cond:
                     while not (
-                        self.done or self.waiting or self.ended or self._busy() or self.deadline or self.warmup.unprimed
+                        self.done
+                        or self.seats.waiting
+                        or self.ended
+                        or self.seats.busy()
+                        or self.deadline
+                        or self.warmup.unprimed
                     ):
                         with self.observer.timed("engine", "idle"):
                             self.cond.wait()
@@ -343,13 +352,14 @@ class Scheduler(Memory):
                         with self.observer.timed("engine", "device"):
                             jax.block_until_ready(wait)
                     self._reap()
-                    if self.spec_unread and not self._busy():  # idle: report what the slots drafted
+                    if self._spec_unread() and not self.seats.busy():  # idle: report what the slots drafted
                         self._read_spec()
                     if self._prime_idle():
                         continue
                     if self._gather_arrivals():
                         self._free_ended()  # the slots of requests that ended meanwhile
-                    self._admit()
+                    if not self.stopping:
+                        self.seats.admit(self.text_tokenizer)
                     if not self._launch():  # nothing to run (draining, or only waiting on results)
                         with self.cond, self.observer.timed("engine", "idle"):
                             self.cond.wait(0.05)
@@ -371,13 +381,10 @@ class Scheduler(Memory):
         """With no slot in use and no request waiting, run the next shape compiled in the background
         once (`Warmup.prime_next`). -> whether it did."""
         with self.cond:
-            if not self.warmup.unprimed or self.waiting or self._busy():
+            if not self.warmup.unprimed or self.seats.waiting or self.seats.busy():
                 return False
         self.ahead = None  # a forward launched ahead no longer matches the slot table
         return self.warmup.prime_next()
-
-    def _busy(self) -> bool:
-        return any(j is not None for j in self.slots)
 
     def _gather_arrivals(self) -> bool:
         """While the device has nothing left to run (no prompt waits for its prefill, and the calls
@@ -392,15 +399,16 @@ class Scheduler(Memory):
         request costs the event loop and the parse thread about half a millisecond), with pauses
         longer than ARRIVAL_GAP, at which 16 such clients' round often took two forwards. Clients
         that do not come back cost the next burst RETURN_GAP once. -> whether it waited."""
-        if self.prefilling or not self.waiting or self._to_decode():
+        seats = self.seats
+        if seats.prefilling or not seats.waiting or seats.to_decode():
             return False
         start = time.monotonic()
         with self.cond, self.observer.timed("engine", "idle"):
-            while len(self.waiting) < len(self.slots) and not self.done and not self.stopping:
+            while len(seats.waiting) < len(seats.slots) and not self.done and not self.stopping:
                 now = time.monotonic()
                 gap, wait = (RETURN_GAP, RETURN_WAIT) if self.returning else (ARRIVAL_GAP, ARRIVAL_WAIT)
                 until = start + wait
-                if not any(j is not None and not j.done for j in self.slots):  # all answers read back
+                if not any(j is not None and not j.done for j in seats.slots):  # all answers read back
                     until = min(max(self.last_submit, self.last_end) + gap, until)
                 if until <= now:
                     self.returning = 0  # those not back by now are not coming soon
@@ -408,93 +416,39 @@ class Scheduler(Memory):
                 self.cond.wait(until - now)
         return True
 
-    def _admit(self):
-        """Give free slots (the lowest first, so live requests stay in the leading slots) to queued
-        requests whose prompts' KV blocks fit (`Memory._fits`), a slot for each of a request's
-        answers (one for an answer preempted, which no longer shares its request's prompt); their
-        prompts then wait for prefill, from the end of the prefix found cached. A slot's earlier
-        request, if still live on the device, is stopped there until the new one starts
-        (`to_stop`, cleared when the slot's first token is drawn)."""
-        if self.stopping:
-            return
-        while True:
-            free = [b for b, j in enumerate(self.slots) if j is None]
-            got = self._next_waiting(len(free))
-            if got is None:
-                return
-            job, hit = got
-            for c, b in zip([job] if job.resumed else job.choices, free):
-                if c.text is None:
-                    c.text = TextStream(self.text_tokenizer, c.req.stop, c.req.skip_special, c.req.include_stop)
-                self._seat(c, b, hit if c is job else None)
-                with self.cond:
-                    self.slots[b] = c
-            self.prefilling.append(job)
-
-    def _next_waiting(self, free: int):
-        """The first queued request and its cached prefix, if its answers fit `free` slots and its
-        prompt the free KV blocks (else it waits, and the requests behind it with it)."""
-        with self.cond:
-            while self.waiting:
-                job = self.waiting[0]
-                if job.cancelled.is_set():
-                    self.waiting.popleft()
-                    continue
-                if (1 if job.resumed else len(job.choices)) > free:
-                    return None
-                break
-            else:
-                return None
-        hit = self._fits(job)
-        if hit is None and not self._busy():  # the pool is as free as it gets: it never will fit
-            with self.cond:
-                if not self.waiting or self.waiting[0] is not job:
-                    return None
-                self.waiting.popleft()
-            why = (
-                f"the request's prompt of {len(job.prompt)} tokens and its {len(job.choices)} answers need more "
-                f"KV blocks than the server's whole pool holds; send fewer answers ('n') or a shorter prompt"
-            )
-            for c in job.choices:
-                c.end(Failed(400, why, type="invalid_request_error"))
-            return None
-        with self.cond:
-            if hit is None or not self.waiting or self.waiting[0] is not job:
-                return None
-            return self.waiting.popleft(), hit
-
     def _launch(self) -> bool:
         """Launch one prefill forward where prompts wait, then a decode block where slots are live."""
-        prefilled = bool(self.prefilling)
+        seats = self.seats
+        prefilled = bool(seats.prefilling)
         if prefilled:
             self._launch_prefill()
-        decoding = self._to_decode()
+        decoding = seats.to_decode()
         if decoding:  # blocks for a block's worth of tokens a row
-            decoding = self._decode_blocks(
+            decoding = seats.decode_blocks(
                 decoding, self.decode_steps * (1 if self.engine.spec is None else self.engine.spec.k + 1)
             )
         constrained = any(j.matcher is not None for j in decoding)
         if constrained:  # their matchers must have taken their last tokens
-            if self._split_steps() and self.ahead is None and not self.prefilling:
+            if self._split_steps() and self.ahead is None and not seats.prefilling:
                 self._launch_forward(self.warmup.decode_rows(max(j.slot for j in decoding) + 1))
             self._await_results()
             self._free_ended()
-            decoding = self._to_decode()
+            decoding = seats.to_decode()
             constrained = any(j.matcher is not None for j in decoding)
         if not decoding:
             return prefilled or constrained
-        n = 1 if self.prefilling or constrained else self.decode_steps
+        n = 1 if seats.prefilling or constrained else self.decode_steps
         rows = self.warmup.decode_rows(max(j.slot for j in decoding) + 1)
         if constrained and self.ahead is not None and self.ahead[1] == self.launched:
             rows = max(rows, self.ahead[0])  # the forward launched ahead covers these rows
-        stop = self.to_stop[:rows].copy()
-        self.to_stop[:rows] = False
+        stop = seats.to_stop[:rows].copy()
+        seats.to_stop[:rows] = False
         if constrained and self._split_steps():
             return self._launch_sampling(rows, stop, decoding)
         # a deterministic server passes masks with every block where requests may be constrained
         # (all ones for the others): one decode call whoever runs beside a request
         allowed = (
-            masks([j.matcher if j in decoding else None for j in self.slots[:rows]], self.mask_words)
+            masks([j.matcher if j in decoding else None for j in seats.slots[:rows]], self.mask_words)
             if constrained or (self.deterministic and self.structured)
             else None
         )
@@ -550,32 +504,33 @@ class Scheduler(Memory):
         if ahead is None or ahead[:2] != (rows, self.launched):
             self._launch_forward(rows)
             ahead, self.ahead = self.ahead, None
-        allowed = masks([j.matcher if j in decoding else None for j in self.slots[:rows]], self.mask_words)
+        allowed = masks([j.matcher if j in decoding else None for j in self.seats.slots[:rows]], self.mask_words)
         greedy = all(j.req.temperature == 0 for j in decoding)
         with self._device_call("sample"):
             toks = self.core.decode_sample(ahead[2], stop, rows, logprobs=LOGPROBS, allowed=allowed, greedy=greedy)
         self._put_decode(toks, 1, rows, hold=True)
-        if not self.prefilling:
+        if not self.seats.prefilling:
             self._launch_forward(rows)
         return True
 
     def _put_decode(self, toks, steps: int, rows: int, hold: bool = False, fixed: bool = False):
         rec = {"kind": "decode", "steps": steps, "rows": rows, "fixed": fixed, "tokens": {}}
         self.record.append(rec)
-        jobs = [j if j is not None and j.started else None for j in self.slots[:rows]]
+        jobs = [j if j is not None and j.started else None for j in self.seats.slots[:rows]]
         for j in jobs:  # a live row samples one token a step (a speculative cycle: at least one)
             if j is not None:
                 j.launched += steps
         self._put(Launched("decode", toks, jobs, record=rec, hold=hold))
 
-    def _decoding(self) -> list[Job]:
-        """The jobs whose slots decode: their first tokens drawn."""
-        return [j for j in self.slots if j is not None and j.started]
+    def _preempted(self):
+        """`Seats` preempted a running request."""
+        self.observer.preempted()
+        self.ahead = None  # a forward launched ahead no longer matches the slots
 
-    def _to_decode(self) -> list[Job]:
-        """The decoding jobs that the calls launched so far do not take to their token limit: a
-        round of requests that end together leaves no block running on empty rows after them."""
-        return [j for j in self._decoding() if j.launched < j.req.max_tokens]
+    def _seed_history(self, job: Job):
+        """A speculating request that takes a cached prefix: its drafting history reads the prompt."""
+        with self._device_call("history"):
+            self.core.seed_history(job.slot, job.prompt)
 
     def _put(self, call: Launched):
         self.launched += 1
@@ -590,14 +545,15 @@ class Scheduler(Memory):
                 self.cond.wait(1.0)
 
     def _launch_prefill(self):
-        held = self._held_back()
-        for job in [j for j in self.prefilling if j not in held]:
-            if not job.sent:
-                self._refresh(job)
+        seats = self.seats
+        held = seats.held_back()
+        for job in [j for j in seats.prefilling if j not in held]:
+            if not job.sent and seats.refresh(job):  # its first lookup in the prefix cache
+                self.observer.prefix(len(job.prompt), job.start_at)
             hi = job.prefilled + min(len(job.prompt) - job.prefilled, self.shapes.max_piece)
-            if not self._take_blocks(job, job.prefilled, hi):  # blocks for its next piece at most
-                self._unseat(job)
-        ready = [j for j in self.prefilling if j not in held]
+            if not seats.take_blocks(job, job.prefilled, hi):  # blocks for its next piece at most
+                seats.unseat(job)
+        ready = [j for j in seats.prefilling if j not in held]
         if ready and self.deterministic:  # a forward scores every prompt it holds or none
             ready = [j for j in ready if self._scored(j) == self._scored(ready[0])]
         if not ready:
@@ -670,21 +626,15 @@ class Scheduler(Memory):
                 targets=targets,
                 logprobs=LOGPROBS,
             )
-        self.prefilling = [j for j in self.prefilling if j.prefilled < len(j.prompt)]
+        seats.prefilling = [j for j in seats.prefilling if j.prefilled < len(j.prompt)]
         self.record.append(
             {"kind": "prefill", "pieces": [(j.id, int(s), int(n)) for j, s, n in zip(jobs, start, length)]}
         )
         self._put(Launched("prefill", drawn, jobs, finals=list(final[: len(jobs)]), scored=scored))
         started = [j for j, f in zip(jobs, final) if f]
         for job in started:
-            self._start(job)
+            seats.start(job)
         self._launch_forks([c for j in started if not j.resumed for c in j.children])
-
-    def _start(self, job: Job):
-        """`job`'s first token is drawn by a call just launched: its slot decodes from now on."""
-        job.started = True
-        job.launched = 1
-        self.to_stop[job.slot] = False
 
     def _launch_forks(self, children: list[Job]):
         """Fork each child's parent slot (which has just ended its prompt) into the child's: the
@@ -692,10 +642,10 @@ class Scheduler(Memory):
         that prefills the prompt as a request of its own."""
         copies = {}
         for c in list(children):
-            got = self._fork_blocks(c)
+            got = self.seats.fork_blocks(c)
             if got is None:
                 children.remove(c)
-                self._unseat(c)
+                self.seats.unseat(c)
                 continue
             for n, pairs in got.items():
                 copies.setdefault(n, []).extend(pairs)
@@ -718,7 +668,7 @@ class Scheduler(Memory):
             first = self.core.fork(forks, copies, logprobs=LOGPROBS)
         for c in children:
             c.prefilled = len(c.req.prompt_ids)
-            self._start(c)
+            self.seats.start(c)
         self.record.append({"kind": "fork", "forks": [(c.id, c.slot, c.parent.slot) for c in children]})
         self._put(Launched("fork", first, children))
 
@@ -740,26 +690,16 @@ class Scheduler(Memory):
                 target[i, : len(nxt)] = nxt
         return np.arange(P * C, dtype=np.int32), target.reshape(-1)
 
+    def _spec_unread(self) -> bool:
+        """Whether slots were given back since the slots' speculation counts were last read."""
+        return self.engine.spec is not None and self.seats.freed > self.spec_read
+
     def _read_spec(self):
         stats = self.core.spec_stats()
-        self.spec_unread = False
+        self.spec_read = self.seats.freed
         if stats is not None:
             self.observer.spec({k: v - self.spec_reported[k] for k, v in stats.items()})
             self.spec_reported = stats
-
-    def _free(self, job: Job, keep: bool = False):
-        """Give a request's slot and KV blocks back (the engine thread only); `keep`: its grammar
-        too, as it goes on later (preempted)."""
-        if job.slot >= 0 and self.slots[job.slot] is job:
-            self._release(job)
-            with self.cond:
-                self.slots[job.slot] = None
-            self.to_stop[job.slot] = True
-            self.spec_unread = self.engine.spec is not None
-        if not keep:
-            job.matcher = None
-        if job in self.prefilling:
-            self.prefilling.remove(job)
 
     def _ended(self, job: Job, complete: bool = False):
         """The output thread sent `job`'s last events: its slot is given back at the engine thread's
@@ -776,15 +716,15 @@ class Scheduler(Memory):
                 if not self.ended:
                     return
                 job = self.ended.popleft()
-            self._free(job)
+            self.seats.free(job)
 
     def _reap(self):
         """Free the slots of requests whose client went away or timed out."""
-        for job in [j for j in self.slots if j is not None and j.cancelled.is_set()]:
+        for job in [j for j in self.seats.slots if j is not None and j.cancelled.is_set()]:
             job.end(None)
-            self._free(job)
+            self.seats.free(job)
 
     def _fail_running(self, status: int, message: str):
-        for job in [j for j in self.slots if j is not None]:
+        for job in [j for j in self.seats.slots if j is not None]:
             job.end(Failed(status, message))
-            self._free(job)
+            self.seats.free(job)

@@ -214,7 +214,7 @@ def test_a_burst_gathers_while_the_device_has_nothing_left_to_run(engine, monkey
     sched = Scheduler(engine, max_num_seqs=4, max_model_len=32, max_queue=8)
     ending = Client([5, 6, 7], 4).job
     ending.slot, ending.started, ending.launched = 0, True, 4   # its last block launched, not read back yet
-    sched.slots[0] = ending
+    sched.seats.slots[0] = ending
 
     def read_back():
         ending.done = True
@@ -225,11 +225,11 @@ def test_a_burst_gathers_while_the_device_has_nothing_left_to_run(engine, monkey
     for t in timers:
         t.start()
     assert sched._gather_arrivals()
-    assert time.monotonic() - t0 >= 1.0 and len(sched.waiting) == 2 and list(sched.ended) == [ending]
+    assert time.monotonic() - t0 >= 1.0 and len(sched.seats.waiting) == 2 and list(sched.ended) == [ending]
     sched._free_ended()
     ending = Client([5, 6, 7], 4).job
     ending.slot, ending.started, ending.launched = 1, True, 3   # a step left to launch: no wait
-    sched.slots[1] = ending
+    sched.seats.slots[1] = ending
     t0 = time.monotonic()
     assert not sched._gather_arrivals() and time.monotonic() - t0 < 0.2
 
@@ -254,16 +254,16 @@ def test_clients_whose_answers_ended_are_waited_for(engine, monkeypatch):
     later.start()
     assert sched._gather_arrivals()
     took = time.monotonic() - t0
-    assert 0.3 <= took < 0.6 and len(sched.waiting) == 2 and sched.returning == 0
+    assert 0.3 <= took < 0.6 and len(sched.seats.waiting) == 2 and sched.returning == 0
 
-    sched.waiting.clear()
+    sched.seats.waiting.clear()
     for _ in range(2):                     # two complete, one comes back
         sched._ended(Client([5, 6], 4).job, True)
     sched.submit(Client([5, 6], 4).job)
     t0 = time.monotonic()
     assert sched._gather_arrivals()
     took = time.monotonic() - t0
-    assert 0.5 <= took < 3.0 and len(sched.waiting) == 1 and sched.returning == 0
+    assert 0.5 <= took < 3.0 and len(sched.seats.waiting) == 1 and sched.returning == 0
     sched.submit(Client([7, 8], 4).job)    # the next burst: no one owed, ARRIVAL_GAP alone
     t0 = time.monotonic()
     assert sched._gather_arrivals() and time.monotonic() - t0 < 0.4
