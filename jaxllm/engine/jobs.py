@@ -113,6 +113,11 @@ class Job:
         return self.req.prompt_ids + self.out_ids[: self.resumed] if self.resumed else self.req.prompt_ids
 
     @property
+    def prefill_scores(self) -> bool:
+        """Whether its prefill scores its prompt's tokens (a preempted answer's were already)."""
+        return self.req.scores_prompt and not self.resumed
+
+    @property
     def choices(self) -> list[Job]:
         return [self] + self.children
 

@@ -51,23 +51,19 @@ the rest being its own scheduling; the output thread's time waiting for a call t
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import logging
 import threading
 import time
 
 import jax
-import numpy as np
 
-from jaxllm.engine.grammar import masks
 from jaxllm.engine.jobs import ARRIVAL_GAP, ARRIVAL_WAIT, RETURN_GAP, RETURN_WAIT, Failed, Job, Observer, QueueFull
+from jaxllm.engine.launch import Launcher
 from jaxllm.engine.memory import KVMemory, Seats, deterministic_memory
-from jaxllm.engine.results import Launched, ResultReader
-from jaxllm.engine.sampling import Penalties, SamplingParams, TokenRules
+from jaxllm.engine.results import ResultReader
 from jaxllm.engine.shapes import Shapes
-from jaxllm.engine.slots import Forks, Pieces
-from jaxllm.engine.warmup import LOGPROBS, Warmup
+from jaxllm.engine.warmup import Warmup
 from jaxllm.errors import ModelError
 
 log = logging.getLogger("jaxllm.engine")
@@ -75,6 +71,11 @@ log = logging.getLogger("jaxllm.engine")
 
 # -- the scheduler --------------------------------------------------------------------------------
 class Scheduler:
+    """Requests in (`submit`), events out, over one engine core. Its parts: `seats` (`Seats`: the
+    queue, the slots and their KV blocks), `launcher` (`Launcher`: the device calls), `results`
+    (`ResultReader`: the output thread's work) and `warmup` (`Warmup`: the compiled shapes); the
+    scheduler runs the engine thread's loop over them and the two threads' lives."""
+
     def __init__(
         self,
         engine,
@@ -143,45 +144,17 @@ class Scheduler:
             )
         log.info("%s", plan.describe())
         self.max_queue = max_queue
-        self.last_submit = 0.0
-        self.last_end = 0.0  # when the output thread last ended a request
-        self.returning = 0  # completed requests whose clients have not sent again (`_gather_arrivals`)
-        self.ended: collections.deque[Job] = collections.deque()  # finished by the output thread
-        self.cond = threading.Condition()
+        self.cond = threading.Condition()  # the handlers', the engine thread's and the output thread's
         self.stopping = False  # no new requests
         self.failure: str | None = None  # why the engine or output thread stopped on its own
         self.progress_at = time.monotonic()  # when the engine thread last finished a piece of work
         self.deadline = None  # running requests end with a 503 past this (monotonic)
         self.done = False
-        self.results = ResultReader(
-            engine.layout.get,
-            engine.cfg.eos_ids,
-            decode_steps,
-            self.cond,
-            on_end=self._ended,
-            on_failure=functools.partial(self._stopped, "output"),
-        )
-        self.observer = Observer()
-        self.launched = 0  # calls launched
-        self.mask_words = -(-engine.cfg.vocab_size // 32)  # a grammar mask's row: one bit a token
-        self.ahead = None  # (rows, calls launched then, logits): a one-step block's forward, launched ahead
-        self.last_result = None  # what the last call launched returns (on the device)
+        self.ended: collections.deque[Job] = collections.deque()  # finished by the output thread
+        self.last_submit = 0.0
+        self.last_end = 0.0  # when the output thread last ended a request
+        self.returning = 0  # completed requests whose clients have not sent again (`_gather_arrivals`)
         self.wait_for = None  # the results of the call before a fixed block just launched
-        self.thread = threading.Thread(target=self._run, name="jaxllm-engine", daemon=True)
-        self.output = threading.Thread(target=self.results.run, name="jaxllm-output", daemon=True)
-        self.warmup = Warmup(
-            engine,
-            self.core,
-            self.shapes,
-            self.cond,
-            decode_steps=decode_steps,
-            out_size=self.out_size,
-            mask_words=self.mask_words,
-            structured=structured,
-            deterministic=deterministic,
-            first_runs=first_runs,
-            freeze_heap=freeze_heap,
-        )
         # What the device ran, in order: {"kind": "prefill", "pieces": [(job, start, length), ...]},
         # {"kind": "fork", "forks": [(job, its slot, the slot it forks), ...]} or {"kind": "decode",
         # "steps": n, "rows": r, "fixed": bool, "tokens": {job: count}} (filled when read back).
@@ -190,13 +163,48 @@ class Scheduler:
         # goes idle after decoding, so that a busy server never waits on the device for them.
         self.spec_reported = {"cycles": 0, "drafted": 0, "accepted": 0}
         self.spec_read = 0  # slots given back when they were last read
+
+        mask_words = -(-engine.cfg.vocab_size // 32)  # a grammar mask's row: one bit a token
+        self.results = ResultReader(
+            engine.layout.get,
+            engine.cfg.eos_ids,
+            decode_steps,
+            self.cond,
+            on_end=self._ended,
+            on_failure=functools.partial(self._stopped, "output"),
+        )
+        self.launcher = Launcher(
+            engine,
+            self.core,
+            self.results,
+            self.record,
+            mask_words=mask_words,
+            structured=structured,
+            out_size=self.out_size,
+        )
         self.seats = Seats(
             self.core,
             self.cond,
             await_results=self._await_results,
             preempted=self._preempted,
-            seed_history=None if engine.spec is None else self._seed_history,
+            seed_history=None if engine.spec is None else self.launcher.seed_history,
         )
+        self.warmup = Warmup(
+            engine,
+            self.core,
+            self.shapes,
+            self.cond,
+            decode_steps=decode_steps,
+            out_size=self.out_size,
+            mask_words=mask_words,
+            structured=structured,
+            deterministic=deterministic,
+            first_runs=first_runs,
+            freeze_heap=freeze_heap,
+        )
+        self.observer = Observer()
+        self.thread = threading.Thread(target=self._run, name="jaxllm-engine", daemon=True)
+        self.output = threading.Thread(target=self.results.run, name="jaxllm-output", daemon=True)
 
     @property
     def observer(self) -> Observer:
@@ -205,7 +213,7 @@ class Scheduler:
 
     @observer.setter
     def observer(self, observer: Observer):
-        self._observer = self.results.observer = observer
+        self._observer = self.results.observer = self.launcher.observer = observer
 
     # -- called from request handlers ------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -367,7 +375,7 @@ class Scheduler:
                     log.exception("engine step failed")
                     self._fail_running(500, "internal error while generating; see the server log")
                     self.core.reset()
-                    self.ahead = self.last_result = None
+                    self.launcher.reset()
                     self.spec_reported = dict.fromkeys(self.spec_reported, 0)  # a fresh core counts afresh
         except BaseException as e:  # a bug outside one step: the thread cannot go on
             error = e
@@ -383,7 +391,7 @@ class Scheduler:
         with self.cond:
             if not self.warmup.unprimed or self.seats.waiting or self.seats.busy():
                 return False
-        self.ahead = None  # a forward launched ahead no longer matches the slot table
+        self.launcher.ahead = None  # a forward launched ahead no longer matches the slot table
         return self.warmup.prime_next()
 
     def _gather_arrivals(self) -> bool:
@@ -418,7 +426,7 @@ class Scheduler:
 
     def _launch(self) -> bool:
         """Launch one prefill forward where prompts wait, then a decode block where slots are live."""
-        seats = self.seats
+        seats, launcher = self.seats, self.launcher
         prefilled = bool(seats.prefilling)
         if prefilled:
             self._launch_prefill()
@@ -429,8 +437,8 @@ class Scheduler:
             )
         constrained = any(j.matcher is not None for j in decoding)
         if constrained:  # their matchers must have taken their last tokens
-            if self._split_steps() and self.ahead is None and not seats.prefilling:
-                self._launch_forward(self.warmup.decode_rows(max(j.slot for j in decoding) + 1))
+            if self._split_steps() and launcher.ahead is None and not seats.prefilling:
+                launcher.forward(self.warmup.decode_rows(max(j.slot for j in decoding) + 1))
             self._await_results()
             self._free_ended()
             decoding = seats.to_decode()
@@ -439,112 +447,47 @@ class Scheduler:
             return prefilled or constrained
         n = 1 if seats.prefilling or constrained else self.decode_steps
         rows = self.warmup.decode_rows(max(j.slot for j in decoding) + 1)
-        if constrained and self.ahead is not None and self.ahead[1] == self.launched:
-            rows = max(rows, self.ahead[0])  # the forward launched ahead covers these rows
+        if constrained and launcher.ahead is not None and launcher.ahead[1] == launcher.launched:
+            rows = max(rows, launcher.ahead[0])  # the forward launched ahead covers these rows
         stop = seats.to_stop[:rows].copy()
         seats.to_stop[:rows] = False
         if constrained and self._split_steps():
-            return self._launch_sampling(rows, stop, decoding)
-        # a deterministic server passes masks with every block where requests may be constrained
-        # (all ones for the others): one decode call whoever runs beside a request
-        allowed = (
-            masks([j.matcher if j in decoding else None for j in seats.slots[:rows]], self.mask_words)
-            if constrained or (self.deterministic and self.structured)
-            else None
+            launcher.sample(rows, stop, seats.slots, decoding, then_forward=not seats.prefilling)
+            return True
+        self.wait_for = launcher.decode(
+            n,
+            rows,
+            stop,
+            seats.slots,
+            decoding,
+            fixed=n == self.decode_steps and not constrained and self.warmup.fixed(rows, decoding),
+            # a deterministic server passes masks with every block where requests may be constrained
+            # (all ones for the others): one decode call whoever runs beside a request
+            masked=constrained or (self.deterministic and self.structured),
+            asked=self.deterministic or any(j.req.logprobs is not None for j in decoding),
         )
-        asked = self.deterministic or any(j.req.logprobs is not None for j in decoding)
-        fixed = n == self.decode_steps and not constrained and self.warmup.fixed(rows, decoding)
-        before = self.last_result
-        with self._device_call("decode"):
-            toks = self.core.decode(
-                None if fixed else n,
-                n if fixed else self.out_size,
-                stop,
-                rows,
-                logprobs=LOGPROBS if asked else 0,
-                allowed=allowed,
-            )
-        self._put_decode(toks, n, rows, fixed=fixed)
-        self.wait_for = before if fixed else None
         return True
 
     def _split_steps(self) -> bool:
-        """Whether a constrained step runs as two calls (`_launch_sampling`): not with speculation,
+        """Whether a constrained step runs as two calls (`Launcher.sample`): not with speculation,
         nor on a deterministic server, whose every step is the one decode call."""
         return self.engine.spec is None and not self.deterministic
-
-    @contextlib.contextmanager
-    def _device_call(self, kind: str):
-        """Time a call of the engine core as the engine thread's `kind` ("prefill", "decode", ...),
-        apart from any compiling it had to do first (a shape no warmup compiled: logged, and counted
-        as "compile")."""
-        e = self.engine
-        t, c = time.perf_counter(), e.compile_s
-        try:
-            yield
-        finally:
-            compiled = e.compile_s - c
-            self.observer.busy("engine", kind, time.perf_counter() - t - compiled)
-            self.observer.calls(kind)
-            if compiled:
-                self.observer.busy("engine", "compile", compiled)
-                log.info("compiled a %s call for a new shape in %.2f s", kind, compiled)
-
-    def _launch_forward(self, rows: int):
-        """Launch the forward of the next one-step block now, while the host still reads the
-        last one back and advances the grammars: the sampling call that follows takes its logits
-        (`_launch_sampling`), unless another call changes the slots first."""
-        with self._device_call("forward"):
-            self.ahead = (rows, self.launched, self.core.decode_forward(rows))
-
-    def _launch_sampling(self, rows: int, stop, decoding: list[Job]) -> bool:
-        """A step while a constrained request decodes, in two calls: the forward (launched ahead
-        when it could be) and the sampling, which takes the grammars' masks of the step."""
-        ahead, self.ahead = self.ahead, None
-        if ahead is None or ahead[:2] != (rows, self.launched):
-            self._launch_forward(rows)
-            ahead, self.ahead = self.ahead, None
-        allowed = masks([j.matcher if j in decoding else None for j in self.seats.slots[:rows]], self.mask_words)
-        greedy = all(j.req.temperature == 0 for j in decoding)
-        with self._device_call("sample"):
-            toks = self.core.decode_sample(ahead[2], stop, rows, logprobs=LOGPROBS, allowed=allowed, greedy=greedy)
-        self._put_decode(toks, 1, rows, hold=True)
-        if not self.seats.prefilling:
-            self._launch_forward(rows)
-        return True
-
-    def _put_decode(self, toks, steps: int, rows: int, hold: bool = False, fixed: bool = False):
-        rec = {"kind": "decode", "steps": steps, "rows": rows, "fixed": fixed, "tokens": {}}
-        self.record.append(rec)
-        jobs = [j if j is not None and j.started else None for j in self.seats.slots[:rows]]
-        for j in jobs:  # a live row samples one token a step (a speculative cycle: at least one)
-            if j is not None:
-                j.launched += steps
-        self._put(Launched("decode", toks, jobs, record=rec, hold=hold))
 
     def _preempted(self):
         """`Seats` preempted a running request."""
         self.observer.preempted()
-        self.ahead = None  # a forward launched ahead no longer matches the slots
-
-    def _seed_history(self, job: Job):
-        """A speculating request that takes a cached prefix: its drafting history reads the prompt."""
-        with self._device_call("history"):
-            self.core.seed_history(job.slot, job.prompt)
-
-    def _put(self, call: Launched):
-        self.launched += 1
-        self.last_result = call.result
-        with self.observer.timed("engine", "output"):  # the output thread two calls behind
-            self.results.put(call)
+        self.launcher.ahead = None  # a forward launched ahead no longer matches the slots
 
     def _await_results(self):
         """Wait until the output thread has read back every call launched so far."""
         with self.cond, self.observer.timed("engine", "output"):
-            while self.results.read < self.launched and not self.done:
+            while self.results.read < self.launcher.launched and not self.done:
                 self.cond.wait(1.0)
 
     def _launch_prefill(self):
+        """A prefill forward over the next pieces of the prompts waiting for it (their KV blocks
+        taken first), in the shape that does the most for its cost; the prompts it ends start
+        decoding, and their requests' other answers fork them."""
         seats = self.seats
         held = seats.held_back()
         for job in [j for j in seats.prefilling if j not in held]:
@@ -555,83 +498,16 @@ class Scheduler:
                 seats.unseat(job)
         ready = [j for j in seats.prefilling if j not in held]
         if ready and self.deterministic:  # a forward scores every prompt it holds or none
-            ready = [j for j in ready if self._scored(j) == self._scored(ready[0])]
+            ready = [j for j in ready if j.prefill_scores == ready[0].prefill_scores]
         if not ready:
             return
         P, C, lengths = self.shapes.choose(
-            [len(j.prompt) - j.prefilled for j in ready], self.warmup.prefill_shapes([self._scored(j) for j in ready])
+            [len(j.prompt) - j.prefilled for j in ready], self.warmup.prefill_shapes([j.prefill_scores for j in ready])
         )
         jobs = ready[: len(lengths)]
-        B = self.core.num_slots
-        tokens = np.full((P, C), self.engine.cfg.pad_id, np.int32)
-        start, length, rows = np.zeros(P, np.int32), np.zeros(P, np.int32), np.full(P, B, np.int32)
-        final, max_new, ignore = np.zeros(P, bool), np.ones(P, np.int32), np.zeros(P, bool)
-        temp, top_k, top_p, seed = (
-            np.zeros(P, np.float32),
-            np.zeros(P, np.int32),
-            np.ones(P, np.float32),
-            np.zeros(P, np.uint32),
-        )
-        min_p = np.zeros(P, np.float32)
-        first, step0, out_start = np.zeros(P, bool), np.zeros(P, np.int32), np.full(P, np.iinfo(np.int32).max, np.int32)
-        for i, (job, n) in enumerate(zip(jobs, lengths)):
-            r, prompt = job.req, job.prompt
-            tokens[i, :n] = prompt[job.prefilled : job.prefilled + n]
-            start[i], length[i], rows[i] = job.prefilled, n, job.slot
-            first[i] = job.prefilled == job.start_at
-            job.prefilled += n
-            final[i] = job.prefilled == len(prompt)
-            max_new[i], ignore[i] = max(r.max_tokens - job.resumed, 1), r.ignore_eos
-            step0[i], out_start[i] = job.resumed, len(r.prompt_ids)
-            temp[i], top_k[i], seed[i] = r.temperature, r.top_k or 0, r.choice_seed(job.index)
-            top_p[i], min_p[i] = 1.0 if r.top_p is None else r.top_p, r.min_p
-            self.core.blocks.commit(job.slot, prompt, job.prefilled)
-        params = SamplingParams(temp, top_k, top_p, seed, min_p)
-        pen = Penalties(
-            *(
-                np.asarray([getattr(j.req, k) for j in jobs] + [d] * (P - len(jobs)), np.float32)
-                for k, d in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))
-            )
-        )
-        rules = TokenRules.make(
-            P,
-            [j.req.logit_bias for j in jobs],
-            [j.req.stop_token_ids for j in jobs],
-            [j.req.min_tokens for j in jobs] + [0] * (P - len(jobs)),
-        )
-        scored = [(int(s), int(n)) if self._scored(j) else None for j, s, n in zip(jobs, start, length)]
-        targets = self._prompt_targets(jobs, scored, P, C) if any(scored) else None
-        masked = [j.matcher if f else None for j, f in zip(jobs, final)]
-        # A server that constrains passes masks with every prefill (all ones for the free rows): one
-        # compiled variant of each prefill shape, compiled before ready, whichever requests come.
-        allowed = masks(masked + [None] * (P - len(jobs)), self.mask_words) if self.structured else None
-        with self._device_call("prefill"):
-            drawn = self.core.prefill(
-                Pieces.make(
-                    tokens,
-                    start,
-                    length,
-                    final,
-                    rows,
-                    params,
-                    max_new,
-                    ignore,
-                    pen,
-                    rules,
-                    allowed,
-                    first,
-                    step0,
-                    out_start,
-                ),
-                targets=targets,
-                logprobs=LOGPROBS,
-            )
+        finals = self.launcher.prefill(jobs, lengths, P, C)
         seats.prefilling = [j for j in seats.prefilling if j.prefilled < len(j.prompt)]
-        self.record.append(
-            {"kind": "prefill", "pieces": [(j.id, int(s), int(n)) for j, s, n in zip(jobs, start, length)]}
-        )
-        self._put(Launched("prefill", drawn, jobs, finals=list(final[: len(jobs)]), scored=scored))
-        started = [j for j, f in zip(jobs, final) if f]
+        started = [j for j, f in zip(jobs, finals) if f]
         for job in started:
             seats.start(job)
         self._launch_forks([c for j in started if not j.resumed for c in j.children])
@@ -651,44 +527,9 @@ class Scheduler:
                 copies.setdefault(n, []).extend(pairs)
         if not children:
             return
-        F = self.core.num_slots
-        allowed = (
-            masks([c.matcher for c in children] + [None] * (F - len(children)), self.mask_words)
-            if self.structured
-            else None
-        )  # a constrained answer's first token too
-        forks = Forks.make(
-            F,
-            [c.parent.slot for c in children],
-            [c.slot for c in children],
-            [c.req.choice_seed(c.index) for c in children],
-            allowed,
-        )
-        with self._device_call("fork"):
-            first = self.core.fork(forks, copies, logprobs=LOGPROBS)
+        self.launcher.fork(children, copies)
         for c in children:
-            c.prefilled = len(c.req.prompt_ids)
             self.seats.start(c)
-        self.record.append({"kind": "fork", "forks": [(c.id, c.slot, c.parent.slot) for c in children]})
-        self._put(Launched("fork", first, children))
-
-    @staticmethod
-    def _scored(job: Job) -> bool:
-        """Whether `job`'s prefill scores its prompt's tokens (a preempted answer's were already)."""
-        return job.req.scores_prompt and not job.resumed
-
-    @staticmethod
-    def _prompt_targets(jobs, scored, P: int, C: int):
-        """Every token of the forward scored against the prompt's next token (-1 where there is
-        none to score: other requests' pieces, padding, a prompt's last token, whose next token is
-        the first sampled one) -> (flat index [P * C], target [P * C])."""
-        target = np.full((P, C), -1, np.int32)
-        for i, (job, sc) in enumerate(zip(jobs, scored)):
-            if sc is not None:
-                s, n = sc
-                nxt = job.req.prompt_ids[s + 1 : s + n + 1]
-                target[i, : len(nxt)] = nxt
-        return np.arange(P * C, dtype=np.int32), target.reshape(-1)
 
     def _spec_unread(self) -> bool:
         """Whether slots were given back since the slots' speculation counts were last read."""
