@@ -37,7 +37,8 @@ from jaxllm.serve.inbox import Inbox, Wakeups
 from jaxllm.serve.metrics import CONTENT_TYPE, Metrics
 from jaxllm.serve.output import chat_features
 from jaxllm.serve.protocol import ApiError, GenRequest, bad, detokenize, parse_request, tokenize
-from jaxllm.serve.responses import ResponseStore, Turn, sse
+from jaxllm.serve.response_output import sse
+from jaxllm.serve.responses import ResponseStore, Turn
 
 log = logging.getLogger("jaxllm.serve")
 
