@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import threading
@@ -87,15 +88,34 @@ class Job:
     hashes: list = field(default_factory=list)  # its prompt's full blocks' chained hashes (`blocks.block_hashes`)
     held: list = field(default_factory=list)  # tokens read back, their text not out yet
     held_lp: list = field(default_factory=list)  # their host LogProbs pieces
+    ending: threading.Lock = field(default_factory=threading.Lock, repr=False)  # its last events go out once
 
     def cancel(self):
         self.cancelled.set()
+
+    def end(self, event, text: str = "", logprobs: list | None = None) -> bool:
+        """Send its last events (`event` after a last delta of `text` and `logprobs`; no event for
+        None), once, whichever thread gets there first. -> whether this call sent them."""
+        with self.ending:
+            if self.done:
+                return False
+            self.done = True
+        if text or logprobs:
+            self.emit(Delta(text, logprobs))
+        if event is not None:
+            self.emit(event)
+        return True
 
     @property
     def prompt(self) -> list[int]:
         """What its slot prefills: the request's prompt, and after a preemption the tokens it had
         sampled."""
         return self.req.prompt_ids + self.out_ids[: self.resumed] if self.resumed else self.req.prompt_ids
+
+    @property
+    def prefill_scores(self) -> bool:
+        """Whether its prefill scores its prompt's tokens (a preempted answer's were already)."""
+        return self.req.scores_prompt and not self.resumed
 
     @property
     def choices(self) -> list[Job]:
@@ -132,6 +152,15 @@ class Observer:
 
     def busy(self, thread: str, part: str, seconds: float):
         """The scheduler's `thread` ("engine" or "output") spent `seconds` on `part` of its work."""
+
+    @contextlib.contextmanager
+    def timed(self, thread: str, part: str):
+        """Count the time of the block as `thread`'s on `part` (`busy`)."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.busy(thread, part, time.perf_counter() - t)
 
     def calls(self, kind: str):
         """The engine thread launched a call of the core of this kind."""

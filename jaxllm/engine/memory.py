@@ -1,6 +1,5 @@
-"""The scheduler's KV memory: which requests may take a slot, the blocks each call's rows need, the
-prefix cache's hits and entries, and preemption. `Memory` is the half of `Scheduler` that does this
-(the scheduler holds the state it uses: the core and its `BlockManager`, the slots, the queue).
+"""The scheduler's seats: the requests that hold its slots and the KV blocks behind them, and those
+queued for one (`Seats`); the size of its KV pool (`KVMemory`).
 
 A queued request takes a slot once the blocks its prompt needs past its cached prefix are free
 (or held by cached prefixes nobody uses, which are evicted), so a long prompt waits rather than
@@ -12,16 +11,22 @@ have: its sampling step, penalty counts and grammar go on from where they were. 
 
 A request takes no prefix from the cache where the cached positions would lose something it
 asks of the prompt: its tokens scored (`echo` with log-probabilities) or counted by a penalty
-(`_reusable`). Its blocks still enter the cache for the others.
+(`Seats._reusable`). Its blocks still enter the cache for the others.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from jaxllm.engine.blocks import Hit, block_hashes
-from jaxllm.engine.jobs import Job
+from jaxllm.engine.detok import TextStream
+from jaxllm.engine.jobs import Failed, Job
 
 log = logging.getLogger("jaxllm.engine")
 
@@ -48,8 +53,102 @@ def deterministic_memory(memory: KVMemory) -> KVMemory:
     return replace(memory, prefix_caching=False, every_slot=memory.size is None)
 
 
-class Memory:
+class Seats:
+    """The requests the scheduler holds: queued (`waiting`, which the request handlers append to),
+    in a slot (`slots`), and of those the ones whose prompts wait for their prefill (`prefilling`);
+    the slots to stop on the device at the next decode (`to_stop`). `waiting` and `slots` change
+    under the scheduler's `cond`; the rest is the engine thread's, as are the methods.
+
+    `core`: the scheduler's engine core (its `BlockManager`, plan and longest sequence);
+    `await_results()`: wait until the output thread has read back every call launched (a request's
+    tokens so far, before it is preempted or its blocks are counted from them); `preempted()`: a
+    running request was just preempted; `seed_history(job)`: a request that takes a cached prefix
+    seeds its drafting history (None: no speculation)."""
+
+    def __init__(
+        self,
+        core,
+        cond: threading.Condition,
+        *,
+        await_results: Callable[[], None],
+        preempted: Callable[[], None],
+        seed_history: Callable[[Job], None] | None = None,
+    ):
+        self.core, self.cond = core, cond
+        self.await_results, self.preempted, self.seed_history = await_results, preempted, seed_history
+        self.slots: list[Job | None] = [None] * core.num_slots
+        self.to_stop = np.zeros(core.num_slots, bool)
+        self.prefilling: list[Job] = []  # admitted, prompt not all sent
+        self.waiting: collections.deque[Job] = collections.deque()
+        self.admissions = self.preemptions = 0
+        self.freed = 0  # slots given back so far
+
+    def busy(self) -> bool:
+        return any(j is not None for j in self.slots)
+
+    def decoding(self) -> list[Job]:
+        """The jobs whose slots decode: their first tokens drawn."""
+        return [j for j in self.slots if j is not None and j.started]
+
+    def to_decode(self) -> list[Job]:
+        """The decoding jobs that the calls launched so far do not take to their token limit: a
+        round of requests that end together leaves no block running on empty rows after them."""
+        return [j for j in self.decoding() if j.launched < j.req.max_tokens]
+
     # -- taking a slot ---------------------------------------------------------------------------------
+    def admit(self, tokenizer):
+        """Give free slots (the lowest first, so live requests stay in the leading slots) to queued
+        requests whose prompts' KV blocks fit (`_fits`), a slot for each of a request's answers (one
+        for an answer preempted, which no longer shares its request's prompt); their prompts then
+        wait for prefill, from the end of the prefix found cached. A slot's earlier request, if
+        still live on the device, is stopped there until the new one starts (`to_stop`, cleared
+        when the slot's first token is drawn). `tokenizer`: what turns their tokens into text."""
+        while True:
+            free = [b for b, j in enumerate(self.slots) if j is None]
+            got = self._next_waiting(len(free))
+            if got is None:
+                return
+            job, hit = got
+            for c, b in zip([job] if job.resumed else job.choices, free):
+                if c.text is None:
+                    c.text = TextStream(tokenizer, c.req.stop, c.req.skip_special, c.req.include_stop)
+                self._seat(c, b, hit if c is job else None)
+                with self.cond:
+                    self.slots[b] = c
+            self.prefilling.append(job)
+
+    def _next_waiting(self, free: int):
+        """The first queued request and its cached prefix, if its answers fit `free` slots and its
+        prompt the free KV blocks (else it waits, and the requests behind it with it)."""
+        with self.cond:
+            while self.waiting:
+                job = self.waiting[0]
+                if job.cancelled.is_set():
+                    self.waiting.popleft()
+                    continue
+                if (1 if job.resumed else len(job.choices)) > free:
+                    return None
+                break
+            else:
+                return None
+        hit = self._fits(job)
+        if hit is None and not self.busy():  # the pool is as free as it gets: it never will fit
+            with self.cond:
+                if not self.waiting or self.waiting[0] is not job:
+                    return None
+                self.waiting.popleft()
+            why = (
+                f"the request's prompt of {len(job.prompt)} tokens and its {len(job.choices)} answers need more "
+                f"KV blocks than the server's whole pool holds; send fewer answers ('n') or a shorter prompt"
+            )
+            for c in job.choices:
+                c.end(Failed(400, why, type="invalid_request_error"))
+            return None
+        with self.cond:
+            if hit is None or not self.waiting or self.waiting[0] is not job:
+                return None
+            return self.waiting.popleft(), hit
+
     def _reusable(self, job: Job) -> int:
         """How many of `job`'s prompt tokens it may take from the prefix cache: none where their
         scores or their repetition penalty are asked; of a request computed again after a
@@ -92,14 +191,13 @@ class Memory:
             b.release(job.slot)
         b.admit(job.slot, hit)
         job.prefilled = job.start_at = 0 if hit is None else hit.tokens
-        if job.start_at and self.engine.spec is not None:  # n-gram drafts read the whole prompt
-            with self._device_call("history"):
-                self.core.seed_history(job.slot, job.prompt)
+        if job.start_at and self.seed_history is not None:  # n-gram drafts read the whole prompt
+            self.seed_history(job)
 
-    def _held_back(self) -> set:
+    def held_back(self) -> set:
         """Prompts that have sent nothing and whose next block an earlier prompt waiting for its
         prefill will compute (the same tokens, and the same before them): they wait for it, then
-        take it from the prefix cache (`_refresh`), so a burst of requests with one system prompt
+        take it from the prefix cache (`refresh`), so a burst of requests with one system prompt
         computes it once."""
         P = self.core.blocks.block_size
         pending, held = {}, set()
@@ -117,23 +215,30 @@ class Memory:
                 pending.setdefault(h, job)
         return held
 
-    def _refresh(self, job: Job):
+    def refresh(self, job: Job) -> bool:
         """A prompt about to send its first piece takes the longest cached prefix there is now:
         other prompts' blocks may have joined the cache since it took its slot. Its lookup counts
-        then (what its answer reports as cached)."""
+        then (what its answer reports as cached). -> whether this was that lookup."""
         b = self.core.blocks
         if b.prefix_caching:
             hit = b.lookup(job.prompt[: self._reusable(job) + 1])
             if hit.tokens > job.start_at:
                 self._take_prefix(job, hit)
         job.sent = True
-        if job.cached is None:
-            job.cached = job.start_at
-            b.count_lookup(len(job.prompt), job.start_at)
-            self.observer.prefix(len(job.prompt), job.start_at)
+        if job.cached is not None:
+            return False
+        job.cached = job.start_at
+        b.count_lookup(len(job.prompt), job.start_at)
+        return True
+
+    def start(self, job: Job):
+        """`job`'s first token is drawn by a call just launched: its slot decodes from now on."""
+        job.started = True
+        job.launched = 1
+        self.to_stop[job.slot] = False
 
     # -- blocks for a call ---------------------------------------------------------------------------
-    def _take_blocks(self, job: Job, lo: int, hi: int) -> bool:
+    def take_blocks(self, job: Job, lo: int, hi: int) -> bool:
         """`job`'s slot holds blocks for positions up to hi (queries from lo on), newer decoding
         requests preempted while the pool has too few. -> False where even that was not enough."""
         hi = min(hi, self.core.max_len)
@@ -146,10 +251,10 @@ class Memory:
 
     def _victim(self, keep: Job) -> Job | None:
         """The request to preempt for `keep`: the newest decoding one admitted after it."""
-        cands = [j for j in self._decoding() if j is not keep and j.admitted > keep.admitted]
+        cands = [j for j in self.decoding() if j is not keep and j.admitted > keep.admitted]
         return max(cands, key=lambda j: j.admitted, default=None)
 
-    def _decode_blocks(self, jobs: list[Job], tokens: int) -> list[Job]:
+    def decode_blocks(self, jobs: list[Job], tokens: int) -> list[Job]:
         """Blocks for a decode call of `tokens` positions a row over `jobs` (the oldest first, the
         newest preempted where blocks run out). -> the jobs still decoding."""
         plan = self.core.plan
@@ -160,13 +265,13 @@ class Memory:
                 continue
             lo, hi = self._positions(job, tokens)
             if span is not None and hi - lo > span:  # the calls in flight ran ahead: their tokens first
-                self._await_results()
+                self.await_results()
                 lo, hi = self._positions(job, tokens)
             if job.done or job.slot < 0:
                 continue
-            if not self._take_blocks(job, lo, hi):
+            if not self.take_blocks(job, lo, hi):
                 self._preempt(job)
-        return [j for j in self._decoding() if j.launched < j.req.max_tokens]
+        return self.to_decode()
 
     def _positions(self, job: Job, tokens: int) -> tuple[int, int]:
         """(lowest position a query of the job's next call may be at, one past the highest it may
@@ -176,7 +281,7 @@ class Memory:
         read = len(job.out_ids) - job.resumed
         return L + max(read - 1, 0), min(L + job.launched + tokens, len(job.req.prompt_ids) + job.req.max_tokens)
 
-    def _fork_blocks(self, child: Job) -> dict | None:
+    def fork_blocks(self, child: Job) -> dict | None:
         """`child`'s slot shares its parent's prompt blocks (`BlockManager.fork`), newer decoding
         requests preempted for the block it copies where none is free. -> the copies, or None."""
         b = self.core.blocks
@@ -188,6 +293,20 @@ class Memory:
             self._preempt(victim)
 
     # -- giving blocks back ------------------------------------------------------------------------
+    def free(self, job: Job, keep: bool = False):
+        """Give a request's slot and KV blocks back; `keep`: its grammar too, as it goes on later
+        (preempted)."""
+        if job.slot >= 0 and self.slots[job.slot] is job:
+            self._release(job)
+            with self.cond:
+                self.slots[job.slot] = None
+            self.to_stop[job.slot] = True
+            self.freed += 1
+        if not keep:
+            job.matcher = None
+        if job in self.prefilling:
+            self.prefilling.remove(job)
+
     def _release(self, job: Job):
         """`job`'s slot gives its blocks back, the full ones of tokens known into the prefix cache."""
         seq = job.prompt + job.out_ids[job.resumed :]
@@ -197,29 +316,28 @@ class Memory:
     def _preempt(self, job: Job):
         """Take `job` off its slot and back to the head of the queue, to be prefilled again with
         the tokens it had sampled (every call launched for it read back first)."""
-        self._await_results()
+        self.await_results()
         if job.slot < 0:
             return
         if job.done or job.cancelled.is_set():  # it ended meanwhile: its slot is free for the taking
-            self._end(job, None)
-            self._free(job)
+            job.end(None)
+            self.free(job)
             return
         log.info("preempting request %s (%d tokens sampled) for KV blocks", job.req.id, len(job.out_ids))
         self.preemptions += 1
-        self.observer.preempted()
-        self.ahead = None  # a forward launched ahead no longer matches the slots
-        self._free(job, keep=True)
+        self.preempted()
+        self.free(job, keep=True)
         job.resumed = len(job.out_ids)
         self._requeue(job)
 
-    def _unseat(self, job: Job):
+    def unseat(self, job: Job):
         """Take `job`, which has not started decoding, off its slot and back to the head of the queue
         (its other answers, waiting to fork it, give their slots back too)."""
         for c in job.children if not job.resumed else ():
             if not c.started and c.slot >= 0:
-                self._free(c, keep=True)
+                self.free(c, keep=True)
                 c.slot = -1
-        self._free(job, keep=True)
+        self.free(job, keep=True)
         self._requeue(job)
 
     def _requeue(self, job: Job):

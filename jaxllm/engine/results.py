@@ -1,24 +1,26 @@
 """The scheduler's output thread: each device call's results, read back in launch order, become the
 requests' events (text deltas, log-probabilities, prompt scores, their ends).
 
-`Results` is the half of `Scheduler` that runs on that thread: the engine thread launches calls and
-queues a `Launched` for each; the output thread reads its tokens back, has each constrained
-request's grammar take its tokens, turns them into text (stop strings, EOS, token limits) and sends
-the events, once per request whichever thread ends it first. In the one-step blocks of constrained
-decoding a row's tokens are held back and sent a block's worth at a time (`_hold`).
+The engine thread launches calls and hands a `Launched` for each to the `ResultReader`, whose
+thread reads its tokens back, has each constrained request's grammar take its tokens, turns them
+into text (stop strings, EOS, token limits) and sends the events, once per request whichever thread
+ends it first (`Job.end`). In the one-step blocks of constrained decoding a row's tokens are held
+back and sent a block's worth at a time (`ResultReader._hold`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import queue
+import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import jax
 import numpy as np
 
-from jaxllm.engine.jobs import Delta, Failed, Finished, Job, Prompt
+from jaxllm.engine.jobs import Delta, Failed, Finished, Job, Observer, Prompt
 from jaxllm.engine.outputs import TokenLogprob, token_logprobs
 
 log = logging.getLogger("jaxllm.engine")
@@ -37,47 +39,71 @@ class Launched:
     hold: bool = False  # decode: a one-step block whose tokens the jobs hold back (`_hold`)
 
 
-class Results:
-    """What the output thread does with a call's results (the `Scheduler` holds the state it uses:
-    the engine, the slots' condition and lock, the counters)."""
+class ResultReader:
+    """The output thread's work: the calls handed to it (`put`, at most two waiting), read back in
+    order (`run`, the thread's loop).
 
-    @contextlib.contextmanager
-    def _timed(self, thread: str, part: str):
-        """Count the time of the block as `thread`'s on `part` (`Observer.busy`; both threads use it)."""
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.observer.busy(thread, part, time.perf_counter() - t)
+    `get`: a call's results on the host (`Layout.get`); `eos`: the model's end-of-sequence ids;
+    `decode_steps`: a decode block's steps, the tokens a row holds back at most; `cond`: the
+    scheduler's condition, under which `read` counts the calls read back; `on_end(job, complete)`:
+    this thread sent a job's last events (`complete`: its request's last answer), so its slot may be
+    given back; `on_failure(error)`: the loop itself failed, nothing more will be read."""
 
-    def _read_results(self):
+    def __init__(
+        self,
+        get: Callable,
+        eos: Iterable[int],
+        decode_steps: int,
+        cond: threading.Condition,
+        on_end: Callable[[Job, bool], None],
+        on_failure: Callable[[BaseException], None],
+    ):
+        self.get = get
+        self.eos = set(eos)
+        self.decode_steps = decode_steps
+        self.cond = cond
+        self.on_end, self.on_failure = on_end, on_failure
+        self.observer = Observer()  # the scheduler's
+        self.calls: queue.Queue[Launched | None] = queue.Queue(maxsize=2)
+        self.read = 0  # calls read back
+        self.finished = 0  # requests completed
+        self.generated = 0  # tokens sampled for requests (a freed slot stops adding)
+        self.progress_at = time.monotonic()  # when it last took up a call
+
+    def put(self, call: Launched):
+        """Hand a launched call over (waits while two are waiting)."""
+        self.calls.put(call)
+
+    def close(self):
+        """No more calls: the thread ends once it has read those handed over."""
+        self.calls.put(None)
+
+    def run(self):
         """The output thread's loop. Its time: "idle" (no call launched to read), "device" (a call
         launched, the device still running it), "processing" (its results read back and handed out)."""
         try:
             self._read_loop()
         except BaseException as e:  # a bug outside one call's results: nothing more is read
             log.exception("the output thread failed")
-            self._stopped("output", e)
+            self.on_failure(e)
 
     def _read_loop(self):
         while True:
-            with self._timed("output", "idle"):
-                call = self.results.get()
+            with self.observer.timed("output", "idle"):
+                call = self.calls.get()
             if call is None:
                 return
             self.progress_at = time.monotonic()
             try:
-                with self._timed("output", "device"):
+                with self.observer.timed("output", "device"):
                     jax.block_until_ready(call.result)
-                with self._timed("output", "processing"):
+                with self.observer.timed("output", "processing"):
                     self._collect(call)
             except Exception:  # the call failed on the device: its requests fail
                 log.exception("reading a device call's results failed")
                 for job in call.jobs:
-                    if job is not None and self._end(
-                        job, Failed(500, "internal error while generating; see the server log")
-                    ):
-                        self._ended(job)
+                    if job is not None and job.end(Failed(500, "internal error while generating; see the server log")):
+                        self.on_end(job, False)
             finally:
                 with self.cond:
                     self.read += 1
@@ -85,7 +111,7 @@ class Results:
 
     def _collect(self, call: Launched):
         """Hand a call's tokens to the requests that held the slots when it was launched."""
-        get = self.engine.layout.get
+        get = self.get
         if not any(j is not None and j.req.logprobs is not None for j in call.jobs):
             call.result = _without_logprobs(call.kind, call.result)  # left on the device
         if call.kind == "fork":
@@ -138,8 +164,8 @@ class Results:
         except ValueError as e:  # its grammar went past llguidance's limits or into a dead end
             why = (str(e).splitlines() or [""])[0][:300]
             log.info("request %s: structured output failed: %s", job.req.id, why)
-            if self._end(job, Failed(400, f"structured output failed: {why}", type="invalid_request_error")):
-                self._ended(job)
+            if job.end(Failed(400, f"structured output failed: {why}", type="invalid_request_error")):
+                self.on_end(job, False)
             return None
         job.out_ids += toks[:n]
         return toks[:n], complete
@@ -214,8 +240,7 @@ class Results:
         if job.text.stopped:
             reason = "stop"
         first = job.parent or job
-        if self._end(
-            job,
+        if job.end(
             Finished(reason, job.n_tokens, first.cached or 0),
             "".join(text),
             self._settled_logprobs(job, last=True),
@@ -223,27 +248,7 @@ class Results:
             first.answers_done += 1
             complete = first.answers_done == len(first.choices)
             self.finished += complete
-            self._ended(job, complete)
-
-    def _ended(self, job: Job, complete: bool = False):
-        """`complete`: the request's last answer ended, so its client may send again."""
-        with self.cond:
-            self.ended.append(job)
-            self.last_end = time.monotonic()
-            self.returning += complete
-            self.cond.notify()
-
-    def _end(self, job: Job, event, text: str = "", logprobs: list | None = None) -> bool:
-        """Send a request's last events (none for None), once whichever thread gets there first."""
-        with self.lock:
-            if job.done:
-                return False
-            job.done = True
-        if text or logprobs:
-            job.emit(Delta(text, logprobs))
-        if event is not None:
-            job.emit(event)
-        return True
+            self.on_end(job, complete)
 
 
 def _joined(pieces: list):

@@ -51,31 +51,31 @@ the rest being its own scheduling; the output thread's time waiting for a call t
 from __future__ import annotations
 
 import collections
-import contextlib
+import functools
 import logging
-import queue
 import threading
 import time
 
 import jax
-import numpy as np
 
-from jaxllm.engine.detok import TextStream
-from jaxllm.engine.grammar import masks
 from jaxllm.engine.jobs import ARRIVAL_GAP, ARRIVAL_WAIT, RETURN_GAP, RETURN_WAIT, Failed, Job, Observer, QueueFull
-from jaxllm.engine.memory import KVMemory, Memory, deterministic_memory
-from jaxllm.engine.results import Launched, Results
-from jaxllm.engine.sampling import Penalties, SamplingParams, TokenRules
+from jaxllm.engine.launch import Launcher
+from jaxllm.engine.memory import KVMemory, Seats, deterministic_memory
+from jaxllm.engine.results import ResultReader
 from jaxllm.engine.shapes import Shapes
-from jaxllm.engine.slots import Forks, Pieces
-from jaxllm.engine.warmup import LOGPROBS, Warmup
+from jaxllm.engine.warmup import Warmup
 from jaxllm.errors import ModelError
 
 log = logging.getLogger("jaxllm.engine")
 
 
 # -- the scheduler --------------------------------------------------------------------------------
-class Scheduler(Results, Warmup, Memory):
+class Scheduler:
+    """Requests in (`submit`), events out, over one engine core. Its parts: `seats` (`Seats`: the
+    queue, the slots and their KV blocks), `launcher` (`Launcher`: the device calls), `results`
+    (`ResultReader`: the output thread's work) and `warmup` (`Warmup`: the compiled shapes); the
+    scheduler runs the engine thread's loop over them and the two threads' lives."""
+
     def __init__(
         self,
         engine,
@@ -101,8 +101,6 @@ class Scheduler(Results, Warmup, Memory):
         self.engine = engine
         self.text_tokenizer = engine.tokenizer  # what turns the requests' tokens into text
         self.structured = structured
-        self.observer = Observer()
-        self.eos = set(engine.cfg.eos_ids)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = engine.ops.prefill_tokens
         if deterministic and engine.spec is not None:
@@ -145,39 +143,18 @@ class Scheduler(Results, Warmup, Memory):
                 f"is preempted): {plan.sequences(max_model_len)} of {max_num_seqs} fit"
             )
         log.info("%s", plan.describe())
-        self.admissions = self.preemptions = 0
-        self.slots: list[Job | None] = [None] * max_num_seqs  # the engine thread's
-        self.to_stop = np.zeros(max_num_seqs, bool)  # slots to end on the device at the next decode
-        self.prefilling: list[Job] = []  # admitted, prompt not all sent
         self.max_queue = max_queue
-        self.waiting: collections.deque[Job] = collections.deque()
+        self.cond = threading.Condition()  # the handlers', the engine thread's and the output thread's
+        self.stopping = False  # no new requests
+        self.failure: str | None = None  # why the engine or output thread stopped on its own
+        self.progress_at = time.monotonic()  # when the engine thread last finished a piece of work
+        self.deadline = None  # running requests end with a 503 past this (monotonic)
+        self.done = False
+        self.ended: collections.deque[Job] = collections.deque()  # finished by the output thread
         self.last_submit = 0.0
         self.last_end = 0.0  # when the output thread last ended a request
         self.returning = 0  # completed requests whose clients have not sent again (`_gather_arrivals`)
-        self.ended: collections.deque[Job] = collections.deque()  # finished by the output thread
-        self.cond = threading.Condition()
-        self.lock = threading.Lock()  # a request's end event goes out once
-        self.stopping = False  # no new requests
-        self.failure: str | None = None  # why the engine or output thread stopped on its own
-        self.progress_at = time.monotonic()  # when either thread last finished a piece of work
-        self.deadline = None  # running requests end with a 503 past this (monotonic)
-        self.done = False
-        self.results: queue.Queue[Launched | None] = queue.Queue(maxsize=2)
-        self.launched = self.read = 0  # calls launched, and read back by the output thread
-        self.mask_words = -(-engine.cfg.vocab_size // 32)  # a grammar mask's row: one bit a token
-        self.ahead = None  # (rows, calls launched then, logits): a one-step block's forward, launched ahead
-        self.last_result = None  # what the last call launched returns (on the device)
         self.wait_for = None  # the results of the call before a fixed block just launched
-        self.thread = threading.Thread(target=self._run, name="jaxllm-engine", daemon=True)
-        self.output = threading.Thread(target=self._read_results, name="jaxllm-output", daemon=True)
-        self.ready: set | None = None  # shapes compiled while the others compile (None: any shape)
-        self.compiling = 0  # shapes still compiling in the background
-        self.groups: dict = {}  # the calls of each shape (`warmup_calls`), once warmed up
-        self.unprimed: list = []  # shapes compiled, not yet run once (`prime`)
-        self.first_runs = engine.ops.first_run_costs if first_runs is None else first_runs
-        self.freeze_heap = freeze_heap
-        self.finished = 0  # requests completed
-        self.generated = 0  # tokens sampled for requests (a freed slot stops adding)
         # What the device ran, in order: {"kind": "prefill", "pieces": [(job, start, length), ...]},
         # {"kind": "fork", "forks": [(job, its slot, the slot it forks), ...]} or {"kind": "decode",
         # "steps": n, "rows": r, "fixed": bool, "tokens": {job: count}} (filled when read back).
@@ -185,35 +162,87 @@ class Scheduler(Results, Warmup, Memory):
         # Speculation counts reported so far; the core's are read (one device read) when the engine
         # goes idle after decoding, so that a busy server never waits on the device for them.
         self.spec_reported = {"cycles": 0, "drafted": 0, "accepted": 0}
-        self.spec_unread = False
+        self.spec_read = 0  # slots given back when they were last read
+
+        mask_words = -(-engine.cfg.vocab_size // 32)  # a grammar mask's row: one bit a token
+        self.results = ResultReader(
+            engine.layout.get,
+            engine.cfg.eos_ids,
+            decode_steps,
+            self.cond,
+            on_end=self._ended,
+            on_failure=functools.partial(self._stopped, "output"),
+        )
+        self.launcher = Launcher(
+            engine,
+            self.core,
+            self.results,
+            self.record,
+            mask_words=mask_words,
+            structured=structured,
+            out_size=self.out_size,
+        )
+        self.seats = Seats(
+            self.core,
+            self.cond,
+            await_results=self._await_results,
+            preempted=self._preempted,
+            seed_history=None if engine.spec is None else self.launcher.seed_history,
+        )
+        self.warmup = Warmup(
+            engine,
+            self.core,
+            self.shapes,
+            self.cond,
+            decode_steps=decode_steps,
+            out_size=self.out_size,
+            mask_words=mask_words,
+            structured=structured,
+            deterministic=deterministic,
+            first_runs=first_runs,
+            freeze_heap=freeze_heap,
+        )
+        self.observer = Observer()
+        self.thread = threading.Thread(target=self._run, name="jaxllm-engine", daemon=True)
+        self.output = threading.Thread(target=self.results.run, name="jaxllm-output", daemon=True)
+
+    @property
+    def observer(self) -> Observer:
+        """What the scheduler's threads report to (the server's metrics)."""
+        return self._observer
+
+    @observer.setter
+    def observer(self, observer: Observer):
+        self._observer = self.results.observer = self.launcher.observer = observer
 
     # -- called from request handlers ------------------------------------------------------------
     def submit(self, job: Job) -> None:
         with self.cond:
             if self.stopping:
                 raise QueueFull(self.failure or "the server is shutting down")
-            if len(self.waiting) >= self.max_queue:  # clients that left give their place back
-                self.waiting = collections.deque(j for j in self.waiting if not j.cancelled.is_set())
-            if len(self.waiting) >= self.max_queue:
+            seats = self.seats
+            if len(seats.waiting) >= self.max_queue:  # clients that left give their place back
+                seats.waiting = collections.deque(j for j in seats.waiting if not j.cancelled.is_set())
+            if len(seats.waiting) >= self.max_queue:
                 raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
-            self.waiting.append(job)
+            seats.waiting.append(job)
             self.last_submit = time.monotonic()
             self.returning = max(0, self.returning - 1)
             self.cond.notify()
 
     def load(self) -> dict:
-        b = self.core.blocks
+        b, seats = self.core.blocks, self.seats
         with self.cond:
             return {
-                "running": sum(j is not None for j in self.slots),
-                "waiting": len(self.waiting),
-                "slots": len(self.slots),
-                "finished": self.finished,
-                "generated_tokens": self.generated,
-                "compiling": self.compiling,
-                "warming": len(self.unprimed),
+                "running": sum(j is not None for j in seats.slots),
+                "waiting": len(seats.waiting),
+                "slots": len(seats.slots),
+                "finished": self.results.finished,
+                "generated_tokens": self.results.generated,
+                "compiling": self.warmup.compiling,
+                "warming": len(self.warmup.unprimed),
                 "kv_usage": round(b.usage(), 4),
-                "preemptions": self.preemptions,
+                "preemptions": seats.preemptions,
                 "prefix_queries": b.queries,
                 "prefix_hits": b.hits,
             }
@@ -227,8 +256,8 @@ class Scheduler(Results, Warmup, Memory):
         if started and not self.done and not (self.thread.is_alive() and self.output.is_alive()):
             return "the engine thread is not running"
         with self.cond:
-            work = bool(self.waiting) or self._busy()
-        idle = time.monotonic() - self.progress_at
+            work = bool(self.seats.waiting) or self.seats.busy()
+        idle = time.monotonic() - max(self.progress_at, self.results.progress_at)
         if started and work and idle > stall:
             return f"the engine has made no progress for {idle:.0f} s with requests waiting"
         return None
@@ -243,27 +272,27 @@ class Scheduler(Results, Warmup, Memory):
         with self.cond:
             self.failure = self.failure or why
             self.stopping = True
-            waiting, self.waiting = list(self.waiting), collections.deque()
-        for job in waiting + [j for j in self.slots if j is not None]:
+            waiting = list(self.seats.waiting)
+            self.seats.waiting.clear()
+        for job in waiting + [j for j in self.seats.slots if j is not None]:
             for c in job.choices if job.parent is None else [job]:
-                self._end(c, Failed(503, why))
+                c.end(Failed(503, why))
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self, warmup: bool = True):
         if warmup:
-            t = self.warmup()
-            n = len(self.groups)  # prefill, decode and fixed decode shapes, and the fork
+            t = self.warmup.compile()
+            n, compiling = len(self.warmup.groups), self.warmup.compiling  # prefill, decode, fork shapes
             log.info(
                 "compiled %d of %d shapes of calls in %.1f s%s",
-                n - self.compiling,
+                n - compiling,
                 n,
                 t,
-                f"; the {self.compiling} others compile in the background, their requests running on "
-                "larger shapes meanwhile"
-                if self.compiling
+                f"; the {compiling} others compile in the background, their requests running on larger shapes meanwhile"
+                if compiling
                 else "",
             )
-        self.settle_heap("warm")
+        self.warmup.settle_heap("warm")
         self.thread.start()
         self.output.start()
 
@@ -274,11 +303,12 @@ class Scheduler(Results, Warmup, Memory):
             self.stopping = True
             deadline = time.monotonic() + timeout
             self.deadline = deadline if self.deadline is None else min(self.deadline, deadline)
-            waiting, self.waiting = list(self.waiting), collections.deque()
+            waiting = list(self.seats.waiting)
+            self.seats.waiting.clear()
             self.cond.notify()
         for job in waiting:
             for c in job.choices:
-                self._end(c, Failed(503, "the server is shutting down"))
+                c.end(Failed(503, "the server is shutting down"))
         # The engine thread ends the running ones at the deadline between two device calls; this
         # timer ends them then whatever call it is inside (their slots are freed when it returns).
         timer = threading.Timer(timeout, self._end_running, ("the server is shutting down",))
@@ -286,8 +316,8 @@ class Scheduler(Results, Warmup, Memory):
         timer.start()
 
     def _end_running(self, why: str):
-        for job in [j for j in self.slots if j is not None]:
-            self._end(job, Failed(503, why))
+        for job in [j for j in self.seats.slots if j is not None]:
+            job.end(Failed(503, why))
 
     def shutdown(self, timeout: float = 10.0):
         """End everything now (running requests get a 503) and stop the threads."""
@@ -306,9 +336,14 @@ class Scheduler(Results, Warmup, Memory):
                 self.progress_at = time.monotonic()
                 with self.cond:
                     while not (
-                        self.done or self.waiting or self.ended or self._busy() or self.deadline or self.unprimed
+                        self.done
+                        or self.seats.waiting
+                        or self.ended
+                        or self.seats.busy()
+                        or self.deadline
+                        or self.warmup.unprimed
                     ):
-                        with self._timed("engine", "idle"):
+                        with self.observer.timed("engine", "idle"):
                             self.cond.wait()
                     if self.done:
                         break
@@ -316,30 +351,31 @@ class Scheduler(Results, Warmup, Memory):
                 self._free_ended()
                 if past:
                     self._fail_running(503, "the server is shutting down")
-                    with self.cond, self._timed("engine", "idle"):
+                    with self.cond, self.observer.timed("engine", "idle"):
                         self.cond.wait(0.05)
                     continue
                 try:
                     if self.wait_for is not None:  # a fixed block was launched: plan the next call
                         wait, self.wait_for = self.wait_for, None  # once the device has run the one before it
-                        with self._timed("engine", "device"):
+                        with self.observer.timed("engine", "device"):
                             jax.block_until_ready(wait)
                     self._reap()
-                    if self.spec_unread and not self._busy():  # idle: report what the slots drafted
+                    if self._spec_unread() and not self.seats.busy():  # idle: report what the slots drafted
                         self._read_spec()
                     if self._prime_idle():
                         continue
                     if self._gather_arrivals():
                         self._free_ended()  # the slots of requests that ended meanwhile
-                    self._admit()
+                    if not self.stopping:
+                        self.seats.admit(self.text_tokenizer)
                     if not self._launch():  # nothing to run (draining, or only waiting on results)
-                        with self.cond, self._timed("engine", "idle"):
+                        with self.cond, self.observer.timed("engine", "idle"):
                             self.cond.wait(0.05)
                 except Exception:  # a device failure: fail the batch, keep serving
                     log.exception("engine step failed")
                     self._fail_running(500, "internal error while generating; see the server log")
                     self.core.reset()
-                    self.ahead = self.last_result = None
+                    self.launcher.reset()
                     self.spec_reported = dict.fromkeys(self.spec_reported, 0)  # a fresh core counts afresh
         except BaseException as e:  # a bug outside one step: the thread cannot go on
             error = e
@@ -347,10 +383,16 @@ class Scheduler(Results, Warmup, Memory):
         finally:
             self._stopped("engine", error)
             self._fail_running(503, "the server is shutting down")
-            self.results.put(None)
+            self.results.close()
 
-    def _busy(self) -> bool:
-        return any(j is not None for j in self.slots)
+    def _prime_idle(self) -> bool:
+        """With no slot in use and no request waiting, run the next shape compiled in the background
+        once (`Warmup.prime_next`). -> whether it did."""
+        with self.cond:
+            if not self.warmup.unprimed or self.seats.waiting or self.seats.busy():
+                return False
+        self.launcher.ahead = None  # a forward launched ahead no longer matches the slot table
+        return self.warmup.prime_next()
 
     def _gather_arrivals(self) -> bool:
         """While the device has nothing left to run (no prompt waits for its prefill, and the calls
@@ -365,15 +407,16 @@ class Scheduler(Results, Warmup, Memory):
         request costs the event loop and the parse thread about half a millisecond), with pauses
         longer than ARRIVAL_GAP, at which 16 such clients' round often took two forwards. Clients
         that do not come back cost the next burst RETURN_GAP once. -> whether it waited."""
-        if self.prefilling or not self.waiting or self._to_decode():
+        seats = self.seats
+        if seats.prefilling or not seats.waiting or seats.to_decode():
             return False
         start = time.monotonic()
-        with self.cond, self._timed("engine", "idle"):
-            while len(self.waiting) < len(self.slots) and not self.done and not self.stopping:
+        with self.cond, self.observer.timed("engine", "idle"):
+            while len(seats.waiting) < len(seats.slots) and not self.done and not self.stopping:
                 now = time.monotonic()
                 gap, wait = (RETURN_GAP, RETURN_WAIT) if self.returning else (ARRIVAL_GAP, ARRIVAL_WAIT)
                 until = start + wait
-                if not any(j is not None and not j.done for j in self.slots):  # all answers read back
+                if not any(j is not None and not j.done for j in seats.slots):  # all answers read back
                     until = min(max(self.last_submit, self.last_end) + gap, until)
                 if until <= now:
                     self.returning = 0  # those not back by now are not coming soon
@@ -381,283 +424,93 @@ class Scheduler(Results, Warmup, Memory):
                 self.cond.wait(until - now)
         return True
 
-    def _admit(self):
-        """Give free slots (the lowest first, so live requests stay in the leading slots) to queued
-        requests whose prompts' KV blocks fit (`Memory._fits`), a slot for each of a request's
-        answers (one for an answer preempted, which no longer shares its request's prompt); their
-        prompts then wait for prefill, from the end of the prefix found cached. A slot's earlier
-        request, if still live on the device, is stopped there until the new one starts
-        (`to_stop`, cleared when the slot's first token is drawn)."""
-        if self.stopping:
-            return
-        while True:
-            free = [b for b, j in enumerate(self.slots) if j is None]
-            got = self._next_waiting(len(free))
-            if got is None:
-                return
-            job, hit = got
-            for c, b in zip([job] if job.resumed else job.choices, free):
-                if c.text is None:
-                    c.text = TextStream(self.text_tokenizer, c.req.stop, c.req.skip_special, c.req.include_stop)
-                self._seat(c, b, hit if c is job else None)
-                with self.cond:
-                    self.slots[b] = c
-            self.prefilling.append(job)
-
-    def _next_waiting(self, free: int):
-        """The first queued request and its cached prefix, if its answers fit `free` slots and its
-        prompt the free KV blocks (else it waits, and the requests behind it with it)."""
-        with self.cond:
-            while self.waiting:
-                job = self.waiting[0]
-                if job.cancelled.is_set():
-                    self.waiting.popleft()
-                    continue
-                if (1 if job.resumed else len(job.choices)) > free:
-                    return None
-                break
-            else:
-                return None
-        hit = self._fits(job)
-        if hit is None and not self._busy():  # the pool is as free as it gets: it never will fit
-            with self.cond:
-                if not self.waiting or self.waiting[0] is not job:
-                    return None
-                self.waiting.popleft()
-            why = (
-                f"the request's prompt of {len(job.prompt)} tokens and its {len(job.choices)} answers need more "
-                f"KV blocks than the server's whole pool holds; send fewer answers ('n') or a shorter prompt"
-            )
-            for c in job.choices:
-                self._end(c, Failed(400, why, type="invalid_request_error"))
-            return None
-        with self.cond:
-            if hit is None or not self.waiting or self.waiting[0] is not job:
-                return None
-            return self.waiting.popleft(), hit
-
     def _launch(self) -> bool:
         """Launch one prefill forward where prompts wait, then a decode block where slots are live."""
-        prefilled = bool(self.prefilling)
+        seats, launcher = self.seats, self.launcher
+        prefilled = bool(seats.prefilling)
         if prefilled:
             self._launch_prefill()
-        decoding = self._to_decode()
+        decoding = seats.to_decode()
         if decoding:  # blocks for a block's worth of tokens a row
-            decoding = self._decode_blocks(
+            decoding = seats.decode_blocks(
                 decoding, self.decode_steps * (1 if self.engine.spec is None else self.engine.spec.k + 1)
             )
         constrained = any(j.matcher is not None for j in decoding)
         if constrained:  # their matchers must have taken their last tokens
-            if self._split_steps() and self.ahead is None and not self.prefilling:
-                self._launch_forward(self._decode_rows(max(j.slot for j in decoding) + 1))
+            if self._split_steps() and launcher.ahead is None and not seats.prefilling:
+                launcher.forward(self.warmup.decode_rows(max(j.slot for j in decoding) + 1))
             self._await_results()
             self._free_ended()
-            decoding = self._to_decode()
+            decoding = seats.to_decode()
             constrained = any(j.matcher is not None for j in decoding)
         if not decoding:
             return prefilled or constrained
-        n = 1 if self.prefilling or constrained else self.decode_steps
-        rows = self._decode_rows(max(j.slot for j in decoding) + 1)
-        if constrained and self.ahead is not None and self.ahead[1] == self.launched:
-            rows = max(rows, self.ahead[0])  # the forward launched ahead covers these rows
-        stop = self.to_stop[:rows].copy()
-        self.to_stop[:rows] = False
+        n = 1 if seats.prefilling or constrained else self.decode_steps
+        rows = self.warmup.decode_rows(max(j.slot for j in decoding) + 1)
+        if constrained and launcher.ahead is not None and launcher.ahead[1] == launcher.launched:
+            rows = max(rows, launcher.ahead[0])  # the forward launched ahead covers these rows
+        stop = seats.to_stop[:rows].copy()
+        seats.to_stop[:rows] = False
         if constrained and self._split_steps():
-            return self._launch_sampling(rows, stop, decoding)
-        # a deterministic server passes masks with every block where requests may be constrained
-        # (all ones for the others): one decode call whoever runs beside a request
-        allowed = (
-            masks([j.matcher if j in decoding else None for j in self.slots[:rows]], self.mask_words)
-            if constrained or (self.deterministic and self.structured)
-            else None
+            launcher.sample(rows, stop, seats.slots, decoding, then_forward=not seats.prefilling)
+            return True
+        self.wait_for = launcher.decode(
+            n,
+            rows,
+            stop,
+            seats.slots,
+            decoding,
+            fixed=n == self.decode_steps and not constrained and self.warmup.fixed(rows, decoding),
+            # a deterministic server passes masks with every block where requests may be constrained
+            # (all ones for the others): one decode call whoever runs beside a request
+            masked=constrained or (self.deterministic and self.structured),
+            asked=self.deterministic or any(j.req.logprobs is not None for j in decoding),
         )
-        asked = self.deterministic or any(j.req.logprobs is not None for j in decoding)
-        fixed = n == self.decode_steps and not constrained and self._fixed(rows, decoding)
-        before = self.last_result
-        with self._device_call("decode"):
-            toks = self.core.decode(
-                None if fixed else n,
-                n if fixed else self.out_size,
-                stop,
-                rows,
-                logprobs=LOGPROBS if asked else 0,
-                allowed=allowed,
-            )
-        self._put_decode(toks, n, rows, fixed=fixed)
-        self.wait_for = before if fixed else None
         return True
 
     def _split_steps(self) -> bool:
-        """Whether a constrained step runs as two calls (`_launch_sampling`): not with speculation,
+        """Whether a constrained step runs as two calls (`Launcher.sample`): not with speculation,
         nor on a deterministic server, whose every step is the one decode call."""
         return self.engine.spec is None and not self.deterministic
 
-    @contextlib.contextmanager
-    def _device_call(self, kind: str):
-        """Time a call of the engine core as the engine thread's `kind` ("prefill", "decode", ...),
-        apart from any compiling it had to do first (a shape no warmup compiled: logged, and counted
-        as "compile")."""
-        e = self.engine
-        t, c = time.perf_counter(), e.compile_s
-        try:
-            yield
-        finally:
-            compiled = e.compile_s - c
-            self.observer.busy("engine", kind, time.perf_counter() - t - compiled)
-            self.observer.calls(kind)
-            if compiled:
-                self.observer.busy("engine", "compile", compiled)
-                log.info("compiled a %s call for a new shape in %.2f s", kind, compiled)
-
-    def _launch_forward(self, rows: int):
-        """Launch the forward of the next one-step block now, while the host still reads the
-        last one back and advances the grammars: the sampling call that follows takes its logits
-        (`_launch_sampling`), unless another call changes the slots first."""
-        with self._device_call("forward"):
-            self.ahead = (rows, self.launched, self.core.decode_forward(rows))
-
-    def _launch_sampling(self, rows: int, stop, decoding: list[Job]) -> bool:
-        """A step while a constrained request decodes, in two calls: the forward (launched ahead
-        when it could be) and the sampling, which takes the grammars' masks of the step."""
-        ahead, self.ahead = self.ahead, None
-        if ahead is None or ahead[:2] != (rows, self.launched):
-            self._launch_forward(rows)
-            ahead, self.ahead = self.ahead, None
-        allowed = masks([j.matcher if j in decoding else None for j in self.slots[:rows]], self.mask_words)
-        greedy = all(j.req.temperature == 0 for j in decoding)
-        with self._device_call("sample"):
-            toks = self.core.decode_sample(ahead[2], stop, rows, logprobs=LOGPROBS, allowed=allowed, greedy=greedy)
-        self._put_decode(toks, 1, rows, hold=True)
-        if not self.prefilling:
-            self._launch_forward(rows)
-        return True
-
-    def _put_decode(self, toks, steps: int, rows: int, hold: bool = False, fixed: bool = False):
-        rec = {"kind": "decode", "steps": steps, "rows": rows, "fixed": fixed, "tokens": {}}
-        self.record.append(rec)
-        jobs = [j if j is not None and j.started else None for j in self.slots[:rows]]
-        for j in jobs:  # a live row samples one token a step (a speculative cycle: at least one)
-            if j is not None:
-                j.launched += steps
-        self._put(Launched("decode", toks, jobs, record=rec, hold=hold))
-
-    def _decoding(self) -> list[Job]:
-        """The jobs whose slots decode: their first tokens drawn."""
-        return [j for j in self.slots if j is not None and j.started]
-
-    def _to_decode(self) -> list[Job]:
-        """The decoding jobs that the calls launched so far do not take to their token limit: a
-        round of requests that end together leaves no block running on empty rows after them."""
-        return [j for j in self._decoding() if j.launched < j.req.max_tokens]
-
-    def _put(self, call: Launched):
-        self.launched += 1
-        self.last_result = call.result
-        with self._timed("engine", "output"):  # the output thread two calls behind
-            self.results.put(call)
+    def _preempted(self):
+        """`Seats` preempted a running request."""
+        self.observer.preempted()
+        self.launcher.ahead = None  # a forward launched ahead no longer matches the slots
 
     def _await_results(self):
         """Wait until the output thread has read back every call launched so far."""
-        with self.cond, self._timed("engine", "output"):
-            while self.read < self.launched and not self.done:
+        with self.cond, self.observer.timed("engine", "output"):
+            while self.results.read < self.launcher.launched and not self.done:
                 self.cond.wait(1.0)
 
     def _launch_prefill(self):
-        held = self._held_back()
-        for job in [j for j in self.prefilling if j not in held]:
-            if not job.sent:
-                self._refresh(job)
+        """A prefill forward over the next pieces of the prompts waiting for it (their KV blocks
+        taken first), in the shape that does the most for its cost; the prompts it ends start
+        decoding, and their requests' other answers fork them."""
+        seats = self.seats
+        held = seats.held_back()
+        for job in [j for j in seats.prefilling if j not in held]:
+            if not job.sent and seats.refresh(job):  # its first lookup in the prefix cache
+                self.observer.prefix(len(job.prompt), job.start_at)
             hi = job.prefilled + min(len(job.prompt) - job.prefilled, self.shapes.max_piece)
-            if not self._take_blocks(job, job.prefilled, hi):  # blocks for its next piece at most
-                self._unseat(job)
-        ready = [j for j in self.prefilling if j not in held]
+            if not seats.take_blocks(job, job.prefilled, hi):  # blocks for its next piece at most
+                seats.unseat(job)
+        ready = [j for j in seats.prefilling if j not in held]
         if ready and self.deterministic:  # a forward scores every prompt it holds or none
-            ready = [j for j in ready if self._scored(j) == self._scored(ready[0])]
+            ready = [j for j in ready if j.prefill_scores == ready[0].prefill_scores]
         if not ready:
             return
         P, C, lengths = self.shapes.choose(
-            [len(j.prompt) - j.prefilled for j in ready], self._prefill_shapes([self._scored(j) for j in ready])
+            [len(j.prompt) - j.prefilled for j in ready], self.warmup.prefill_shapes([j.prefill_scores for j in ready])
         )
         jobs = ready[: len(lengths)]
-        B = self.core.num_slots
-        tokens = np.full((P, C), self.engine.cfg.pad_id, np.int32)
-        start, length, rows = np.zeros(P, np.int32), np.zeros(P, np.int32), np.full(P, B, np.int32)
-        final, max_new, ignore = np.zeros(P, bool), np.ones(P, np.int32), np.zeros(P, bool)
-        temp, top_k, top_p, seed = (
-            np.zeros(P, np.float32),
-            np.zeros(P, np.int32),
-            np.ones(P, np.float32),
-            np.zeros(P, np.uint32),
-        )
-        min_p = np.zeros(P, np.float32)
-        first, step0, out_start = np.zeros(P, bool), np.zeros(P, np.int32), np.full(P, np.iinfo(np.int32).max, np.int32)
-        for i, (job, n) in enumerate(zip(jobs, lengths)):
-            r, prompt = job.req, job.prompt
-            tokens[i, :n] = prompt[job.prefilled : job.prefilled + n]
-            start[i], length[i], rows[i] = job.prefilled, n, job.slot
-            first[i] = job.prefilled == job.start_at
-            job.prefilled += n
-            final[i] = job.prefilled == len(prompt)
-            max_new[i], ignore[i] = max(r.max_tokens - job.resumed, 1), r.ignore_eos
-            step0[i], out_start[i] = job.resumed, len(r.prompt_ids)
-            temp[i], top_k[i], seed[i] = r.temperature, r.top_k or 0, r.choice_seed(job.index)
-            top_p[i], min_p[i] = 1.0 if r.top_p is None else r.top_p, r.min_p
-            self.core.blocks.commit(job.slot, prompt, job.prefilled)
-        params = SamplingParams(temp, top_k, top_p, seed, min_p)
-        pen = Penalties(
-            *(
-                np.asarray([getattr(j.req, k) for j in jobs] + [d] * (P - len(jobs)), np.float32)
-                for k, d in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))
-            )
-        )
-        rules = TokenRules.make(
-            P,
-            [j.req.logit_bias for j in jobs],
-            [j.req.stop_token_ids for j in jobs],
-            [j.req.min_tokens for j in jobs] + [0] * (P - len(jobs)),
-        )
-        scored = [(int(s), int(n)) if self._scored(j) else None for j, s, n in zip(jobs, start, length)]
-        targets = self._prompt_targets(jobs, scored, P, C) if any(scored) else None
-        masked = [j.matcher if f else None for j, f in zip(jobs, final)]
-        # A server that constrains passes masks with every prefill (all ones for the free rows): one
-        # compiled variant of each prefill shape, compiled before ready, whichever requests come.
-        allowed = masks(masked + [None] * (P - len(jobs)), self.mask_words) if self.structured else None
-        with self._device_call("prefill"):
-            drawn = self.core.prefill(
-                Pieces.make(
-                    tokens,
-                    start,
-                    length,
-                    final,
-                    rows,
-                    params,
-                    max_new,
-                    ignore,
-                    pen,
-                    rules,
-                    allowed,
-                    first,
-                    step0,
-                    out_start,
-                ),
-                targets=targets,
-                logprobs=LOGPROBS,
-            )
-        self.prefilling = [j for j in self.prefilling if j.prefilled < len(j.prompt)]
-        self.record.append(
-            {"kind": "prefill", "pieces": [(j.id, int(s), int(n)) for j, s, n in zip(jobs, start, length)]}
-        )
-        self._put(Launched("prefill", drawn, jobs, finals=list(final[: len(jobs)]), scored=scored))
-        started = [j for j, f in zip(jobs, final) if f]
+        finals = self.launcher.prefill(jobs, lengths, P, C)
+        seats.prefilling = [j for j in seats.prefilling if j.prefilled < len(j.prompt)]
+        started = [j for j, f in zip(jobs, finals) if f]
         for job in started:
-            self._start(job)
+            seats.start(job)
         self._launch_forks([c for j in started if not j.resumed for c in j.children])
-
-    def _start(self, job: Job):
-        """`job`'s first token is drawn by a call just launched: its slot decodes from now on."""
-        job.started = True
-        job.launched = 1
-        self.to_stop[job.slot] = False
 
     def _launch_forks(self, children: list[Job]):
         """Fork each child's parent slot (which has just ended its prompt) into the child's: the
@@ -665,74 +518,38 @@ class Scheduler(Results, Warmup, Memory):
         that prefills the prompt as a request of its own."""
         copies = {}
         for c in list(children):
-            got = self._fork_blocks(c)
+            got = self.seats.fork_blocks(c)
             if got is None:
                 children.remove(c)
-                self._unseat(c)
+                self.seats.unseat(c)
                 continue
             for n, pairs in got.items():
                 copies.setdefault(n, []).extend(pairs)
         if not children:
             return
-        F = self.core.num_slots
-        allowed = (
-            masks([c.matcher for c in children] + [None] * (F - len(children)), self.mask_words)
-            if self.structured
-            else None
-        )  # a constrained answer's first token too
-        forks = Forks.make(
-            F,
-            [c.parent.slot for c in children],
-            [c.slot for c in children],
-            [c.req.choice_seed(c.index) for c in children],
-            allowed,
-        )
-        with self._device_call("fork"):
-            first = self.core.fork(forks, copies, logprobs=LOGPROBS)
+        self.launcher.fork(children, copies)
         for c in children:
-            c.prefilled = len(c.req.prompt_ids)
-            self._start(c)
-        self.record.append({"kind": "fork", "forks": [(c.id, c.slot, c.parent.slot) for c in children]})
-        self._put(Launched("fork", first, children))
+            self.seats.start(c)
 
-    @staticmethod
-    def _scored(job: Job) -> bool:
-        """Whether `job`'s prefill scores its prompt's tokens (a preempted answer's were already)."""
-        return job.req.scores_prompt and not job.resumed
-
-    @staticmethod
-    def _prompt_targets(jobs, scored, P: int, C: int):
-        """Every token of the forward scored against the prompt's next token (-1 where there is
-        none to score: other requests' pieces, padding, a prompt's last token, whose next token is
-        the first sampled one) -> (flat index [P * C], target [P * C])."""
-        target = np.full((P, C), -1, np.int32)
-        for i, (job, sc) in enumerate(zip(jobs, scored)):
-            if sc is not None:
-                s, n = sc
-                nxt = job.req.prompt_ids[s + 1 : s + n + 1]
-                target[i, : len(nxt)] = nxt
-        return np.arange(P * C, dtype=np.int32), target.reshape(-1)
+    def _spec_unread(self) -> bool:
+        """Whether slots were given back since the slots' speculation counts were last read."""
+        return self.engine.spec is not None and self.seats.freed > self.spec_read
 
     def _read_spec(self):
         stats = self.core.spec_stats()
-        self.spec_unread = False
+        self.spec_read = self.seats.freed
         if stats is not None:
             self.observer.spec({k: v - self.spec_reported[k] for k, v in stats.items()})
             self.spec_reported = stats
 
-    def _free(self, job: Job, keep: bool = False):
-        """Give a request's slot and KV blocks back (the engine thread only); `keep`: its grammar
-        too, as it goes on later (preempted)."""
-        if job.slot >= 0 and self.slots[job.slot] is job:
-            self._release(job)
-            with self.cond:
-                self.slots[job.slot] = None
-            self.to_stop[job.slot] = True
-            self.spec_unread = self.engine.spec is not None
-        if not keep:
-            job.matcher = None
-        if job in self.prefilling:
-            self.prefilling.remove(job)
+    def _ended(self, job: Job, complete: bool = False):
+        """The output thread sent `job`'s last events: its slot is given back at the engine thread's
+        next turn. `complete`: the request's last answer ended, so its client may send again."""
+        with self.cond:
+            self.ended.append(job)
+            self.last_end = time.monotonic()
+            self.returning += complete
+            self.cond.notify()
 
     def _free_ended(self):
         while True:
@@ -740,15 +557,15 @@ class Scheduler(Results, Warmup, Memory):
                 if not self.ended:
                     return
                 job = self.ended.popleft()
-            self._free(job)
+            self.seats.free(job)
 
     def _reap(self):
         """Free the slots of requests whose client went away or timed out."""
-        for job in [j for j in self.slots if j is not None and j.cancelled.is_set()]:
-            self._end(job, None)
-            self._free(job)
+        for job in [j for j in self.seats.slots if j is not None and j.cancelled.is_set()]:
+            job.end(None)
+            self.seats.free(job)
 
     def _fail_running(self, status: int, message: str):
-        for job in [j for j in self.slots if j is not None]:
-            self._end(job, Failed(status, message))
-            self._free(job)
+        for job in [j for j in self.seats.slots if j is not None]:
+            job.end(Failed(status, message))
+            self.seats.free(job)

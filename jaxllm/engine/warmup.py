@@ -1,7 +1,6 @@
 """The server's compiled calls: the shapes a request can wait on, the largest of each kind compiled
-before serving and the others on a thread of their own, and which compiled shape a call takes
-meanwhile. `Warmup` is the half of `Scheduler` that does this (the scheduler holds the state it
-uses: the engine and its core, the shapes, `ready` under the scheduler's condition)."""
+before serving and the others on a thread of their own, each run once before a request waits on
+it where first runs cost more, and which compiled shape a call takes meanwhile (`Warmup`)."""
 
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ import numpy as np
 
 from jaxllm.engine.jobs import Job
 from jaxllm.engine.request import MAX_LOGPROBS
+from jaxllm.engine.shapes import Shapes
 from jaxllm.engine.slots import Forks, Pieces
 
 log = logging.getLogger("jaxllm.engine")
@@ -30,12 +30,49 @@ log = logging.getLogger("jaxllm.engine")
 # throughput. They are read back only for a call that holds a request asking for them. A prefill
 # that also scores its prompts' own tokens (a request's `echo` with log-probabilities) is a shape of
 # its own, as costly to compile as the plain one: one of them is compiled before serving and the
-# others in the background (`Warmup._prefill_shapes`).
+# others in the background (`Warmup.prefill_shapes`).
 LOGPROBS = MAX_LOGPROBS
 
 
 class Warmup:
-    def warmup_calls(self) -> dict:
+    """The scheduler's compiled shapes: which are compiled (`ready`, under the scheduler's `cond`;
+    None once all are), compiling in the background (`compiling`), and compiled but not yet run once
+    (`unprimed`); the calls of each (`groups`).
+
+    `engine`, `core`: the engine and the scheduler's core; `shapes`: the shapes of its calls;
+    `decode_steps`, `out_size`: a decode block's steps and the tokens a call returns a row;
+    `mask_words`: a grammar mask's row; `structured`: requests may be constrained, so the calls of
+    constrained steps are compiled too; `deterministic`: one decode call whatever runs beside a
+    request; `first_runs`: run each compiled call once before a request can wait on it (`prime`;
+    None: where the backend's first runs cost more, `first_run_costs`); `freeze_heap`:
+    `settle_heap`."""
+
+    def __init__(
+        self,
+        engine,
+        core,
+        shapes: Shapes,
+        cond: threading.Condition,
+        *,
+        decode_steps: int,
+        out_size: int,
+        mask_words: int,
+        structured: bool = False,
+        deterministic: bool = False,
+        first_runs: bool | None = None,
+        freeze_heap: bool = False,
+    ):
+        self.engine, self.core, self.shapes, self.cond = engine, core, shapes, cond
+        self.decode_steps, self.out_size, self.mask_words = decode_steps, out_size, mask_words
+        self.structured, self.deterministic = structured, deterministic
+        self.first_runs = engine.ops.first_run_costs if first_runs is None else first_runs
+        self.freeze_heap = freeze_heap
+        self.ready: set | None = None  # shapes compiled while the others compile (None: any shape)
+        self.compiling = 0  # shapes still compiling in the background
+        self.groups: dict = {}  # the calls of each shape (`calls`), once warmed up
+        self.unprimed: list = []  # shapes compiled, not yet run once (`prime`)
+
+    def calls(self) -> dict:
         """Every call a request can wait on, by the shape that picks it: {("prefill", P, C) or
         ("score", P, C) (the prefill that also scores its prompts' tokens) or ("decode", rows) or
         ("fixed", rows) or ("fork",): [(name, args, static), ...]}."""
@@ -47,7 +84,7 @@ class Warmup:
         def pieces(P, C):
             return e.row_shapes(Pieces.shapes(P, C, rows=True, mask_words=words))
 
-        def scored(P, C):  # `Scheduler._prompt_targets`: every token's flat index and target
+        def scored(P, C):  # `launch.prompt_targets`: every token's flat index and target
             return e.row_shapes((np.zeros(P * C, np.int32), np.zeros(P * C, np.int32)))
 
         groups = {
@@ -131,7 +168,7 @@ class Warmup:
             groups[("fork",)] = [("fork", (state, e.row_shapes(forks), e.row_shapes(copies)), lp)]
         return groups
 
-    def warmup(self, background: bool = True) -> float:
+    def compile(self, background: bool = True) -> float:
         """Compile what a request can wait on before serving: with `background`, the largest shape
         of each kind first (the largest prefill rows of each piece length, the decode blocks over
         every slot, the fork, and the scoring variant of the prefill shape of fewest tokens among
@@ -139,7 +176,7 @@ class Warmup:
         more rows, a prefill forward of those shapes); the others compile on a thread of their own
         while the server serves, each taken up as soon as it is compiled. Without, everything
         before. -> seconds taken before serving."""
-        groups = self.warmup_calls()
+        groups = self.calls()
         if self.engine.steps_cache is not None:  # what an earlier process kept: every shape at once
             self.engine.read_back([c for calls in groups.values() for c in calls])
         largest = {k for k in groups if k[0] in ("fork", "history")} | {("decode", self.shapes.decodes()[-1])}
@@ -270,22 +307,21 @@ class Warmup:
             time.perf_counter() - t,
         )
 
-    def _prime_idle(self) -> bool:
-        """With no slot in use and no request waiting, run the next shape compiled in the background
-        once (`prime`): one at a time, so that a request arriving meanwhile waits for one shape's
-        calls at most. -> whether it did."""
+    def prime_next(self) -> bool:
+        """Run the next shape compiled in the background once (`prime`; the engine thread's, with no
+        slot in use and no request waiting): one at a time, so that a request arriving meanwhile
+        waits for one shape's calls at most. -> whether there was one."""
         with self.cond:
-            if not self.unprimed or self.waiting or any(j is not None for j in self.slots):
+            if not self.unprimed:
                 return False
             key = self.unprimed.pop(0)
-        self.ahead = None  # a forward launched ahead no longer matches the slot table
         log.debug("ran the calls of %s, compiled in the background, once in %.3f s", key, self.prime([key]))
         if not self.unprimed and not self.compiling:
             log.info("every shape has run once")
             self.settle_heap("every shape run once")
         return True
 
-    def _decode_rows(self, live: int) -> int:
+    def decode_rows(self, live: int) -> int:
         """The leading slots a decode block covers for `live`: the shape's, or while that shape
         compiles, the next larger compiled one."""
         n = self.shapes.decode_rows(live)
@@ -294,7 +330,7 @@ class Warmup:
             return n
         return next(m for m in self.shapes.decodes() if m >= n and ("decode", m) in ready)
 
-    def _fixed(self, rows: int, decoding: list[Job]) -> bool:
+    def fixed(self, rows: int, decoding: list[Job]) -> bool:
         """Whether the next block of `rows` slots can be a fixed one (`core.decode`'s `fixed`):
         every decoding request greedy and its variant compiled (until then, the other one runs)."""
         if self.engine.spec is not None or self.deterministic or any(j.req.temperature != 0 for j in decoding):
@@ -302,7 +338,7 @@ class Warmup:
         ready = self.ready
         return ready is None or ("fixed", rows) in ready
 
-    def _prefill_shapes(self, scored: list[bool]):
+    def prefill_shapes(self, scored: list[bool]):
         """Which prefill shapes a forward may take now, for the prompts waiting in order, `scored`
         where their own tokens are scored: any, or while some compile, the compiled ones (the most
         rows of each piece length are compiled before serving); a forward that holds a scored

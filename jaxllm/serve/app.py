@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import hmac
 import json
 import logging
 import re
@@ -24,7 +23,7 @@ from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -32,13 +31,14 @@ from jaxllm.engine.jobs import Delta, Failed, Finished, Job, Prompt, QueueFull
 from jaxllm.engine.memory import KVMemory
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.serve.answers import AnswerStream, LogprobWriter, choice, full_response, prompt_logprobs_json, usage_chunk
-from jaxllm.serve.fields import MAX_DEPTH, short, too_deep
+from jaxllm.serve.body import ClientGone, check_key, json_body
 from jaxllm.serve.grammar import Grammars
 from jaxllm.serve.inbox import Inbox, Wakeups
 from jaxllm.serve.metrics import CONTENT_TYPE, Metrics
 from jaxllm.serve.output import chat_features
 from jaxllm.serve.protocol import ApiError, GenRequest, bad, detokenize, parse_request, tokenize
-from jaxllm.serve.responses import ResponseStore, Turn, sse
+from jaxllm.serve.response_output import sse
+from jaxllm.serve.responses import ResponseStore, Turn
 
 log = logging.getLogger("jaxllm.serve")
 
@@ -67,16 +67,11 @@ class ServeOptions:
 
 
 SHUTDOWN_JOIN_S = 2.0  # seconds the engine's threads get to stop (a device call may run longer)
-DISCARD_LIMIT = 64 << 20  # bytes of a refused request's body read and thrown away, so the client reads the refusal
 BIG_BODY = 64 << 10  # bytes of a request body from which it is parsed on the big bodies' thread
 DISCONNECT_CHECK = 0.5  # seconds between two looks at whether a non-streaming client is still there
 
 
 class TimedOut(Exception):
-    pass
-
-
-class ClientGone(Exception):
     pass
 
 
@@ -130,94 +125,11 @@ class Server:
 
     # -- plumbing --------------------------------------------------------------------------------
     def check_auth(self, request: Request):
-        key = self.opts.api_key
-        if key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise ApiError(
-                401,
-                "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+        check_key(request, self.opts.api_key)
 
     async def read_json(self, request: Request):
-        """The request's JSON body, after its API key is checked. A request refused before its body
-        is read (a wrong key, a body over the size limit) still has its body read, up to
-        DISCARD_LIMIT bytes, and thrown away: the client then reads the 401 or 413 rather than a
-        connection reset. A body must arrive within `body_timeout` seconds of each read and
-        `body_deadline` seconds in all (408); a client that leaves mid-upload ends the request
-        quietly (`ClientGone`)."""
-        refused = None
-        try:
-            self.check_auth(request)
-        except ApiError as e:
-            refused = e
-        limit = self.opts.max_request_bytes
-        too_big = ApiError(413, f"request body is larger than the limit of {limit} bytes", code="request_too_large")
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > limit:
-            if int(length) > DISCARD_LIMIT:
-                raise refused or too_big  # too much to read for nothing: the client sees a reset
-            refused = refused or too_big
-        # JSON only: a browser's cross-origin POST that needs no preflight can only send text/plain,
-        # a form or multipart, so another site's page cannot make a keyless server generate
-        media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-        if media != "application/json":
-            refused = refused or ApiError(
-                415,
-                f"the request body must be sent with 'Content-Type: application/json', not {short(media or 'none')}",
-                code="unsupported_media_type",
-            )
-        chunks, size = [], 0
-        gap, whole = self.opts.body_timeout, self.opts.body_deadline
-        loop = asyncio.get_running_loop()
-        end = loop.time() + whole
-        try:  # a deadline on this task, moved at each read (`wait_for` would start a task a read)
-            async with asyncio.timeout(min(gap, whole)) as stalled:
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if refused is None and size > limit:
-                        refused = too_big
-                    if refused is None:
-                        chunks.append(chunk)
-                    elif size > DISCARD_LIMIT:
-                        break
-                    stalled.reschedule(min(loop.time() + gap, end))
-        except TimeoutError:
-            if refused is not None:
-                raise refused from None
-            why = f"took more than {whole:g} s" if loop.time() >= end - 0.01 else f"stalled for more than {gap:g} s"
-            raise ApiError(
-                408,
-                f"the request body {why}",
-                type="timeout_error",
-                code="request_timeout",
-                headers={"Connection": "close"},
-            ) from None  # the rest of it is not read
-        except ClientDisconnect:
-            raise ClientGone from None
-        if refused is not None:
-            raise refused
-        raw = b"".join(chunks)
-        request.state.body_bytes = len(raw)
-        if not raw.strip():
-            raise bad("the request body is empty; send a JSON object")
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise bad(f"the request body is not valid JSON ({e})") from None
-        except RecursionError:
-            raise bad("the request body is nested too deeply") from None
-        if isinstance(body, (dict, list)) and too_deep(body):
-            raise bad(f"the request body is nested too deeply (more than {MAX_DEPTH} levels)")
-        try:  # "\ud800" escapes parse, but no tokenizer can take them
-            json.dumps(body, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise bad("the request body holds an unpaired UTF-16 surrogate escape") from None
-        return body
+        o = self.opts
+        return await json_body(request, o.api_key, o.max_request_bytes, o.body_timeout, o.body_deadline)
 
     def parse_and_submit(self, parse, inbox: Inbox) -> tuple[GenRequest, Job | None]:
         """On the parse thread: the request parsed (`parse()`) and, unless it is constrained (its

@@ -142,7 +142,7 @@ class Metrics(Observer):
         gauge(
             "jaxllm:slot_usage_perc",
             "Fraction of the slots (--max-num-seqs) in use",
-            lambda: scheduler.load()["running"] / len(scheduler.slots),
+            lambda: scheduler.load()["running"] / scheduler.core.num_slots,
         )
         # The load a router reads to pick a replica (the Gateway API Inference Extension reads vLLM's
         # names), under vLLM's names and ours.

@@ -91,10 +91,10 @@ def test_shapes():
     small = Shapes(budget=64, slots=4, max_piece=32)
     plain = SimpleNamespace(ready={("prefill", 1, 32), ("prefill", 2, 32)})
     both = SimpleNamespace(ready=plain.ready | {("score", 2, 32)})
-    assert small.choose([7], Warmup._prefill_shapes(both, [False]))[:2] == (1, 32)
-    assert small.choose([7], Warmup._prefill_shapes(both, [True]))[:2] == (2, 32)
-    assert small.choose([7, 5], Warmup._prefill_shapes(both, [False, True]))[:2] == (2, 32)
-    assert small.choose([7, 5], Warmup._prefill_shapes(plain, [False, True]))[:2] == (1, 32)
+    assert small.choose([7], Warmup.prefill_shapes(both, [False]))[:2] == (1, 32)
+    assert small.choose([7], Warmup.prefill_shapes(both, [True]))[:2] == (2, 32)
+    assert small.choose([7, 5], Warmup.prefill_shapes(both, [False, True]))[:2] == (2, 32)
+    assert small.choose([7, 5], Warmup.prefill_shapes(plain, [False, True]))[:2] == (1, 32)
 
 
 def test_the_backend_picks_the_prefill_budget(monkeypatch):
@@ -146,7 +146,7 @@ def test_long_prompt_runs_one_chunk_between_tokens(engine):
         for c in running:
             sched.submit(c.job)
         t0 = time.time()
-        while sched.load()["running"] < 8 or sched.generated < 8 * 8:
+        while sched.load()["running"] < 8 or sched.results.generated < 8 * 8:
             assert time.time() - t0 < 300
             time.sleep(0.01)
         long = Client(rng.integers(3, 150, 160).tolist(), 8)
@@ -214,7 +214,7 @@ def test_a_burst_gathers_while_the_device_has_nothing_left_to_run(engine, monkey
     sched = Scheduler(engine, max_num_seqs=4, max_model_len=32, max_queue=8)
     ending = Client([5, 6, 7], 4).job
     ending.slot, ending.started, ending.launched = 0, True, 4   # its last block launched, not read back yet
-    sched.slots[0] = ending
+    sched.seats.slots[0] = ending
 
     def read_back():
         ending.done = True
@@ -225,11 +225,11 @@ def test_a_burst_gathers_while_the_device_has_nothing_left_to_run(engine, monkey
     for t in timers:
         t.start()
     assert sched._gather_arrivals()
-    assert time.monotonic() - t0 >= 1.0 and len(sched.waiting) == 2 and list(sched.ended) == [ending]
+    assert time.monotonic() - t0 >= 1.0 and len(sched.seats.waiting) == 2 and list(sched.ended) == [ending]
     sched._free_ended()
     ending = Client([5, 6, 7], 4).job
     ending.slot, ending.started, ending.launched = 1, True, 3   # a step left to launch: no wait
-    sched.slots[1] = ending
+    sched.seats.slots[1] = ending
     t0 = time.monotonic()
     assert not sched._gather_arrivals() and time.monotonic() - t0 < 0.2
 
@@ -254,16 +254,16 @@ def test_clients_whose_answers_ended_are_waited_for(engine, monkeypatch):
     later.start()
     assert sched._gather_arrivals()
     took = time.monotonic() - t0
-    assert 0.3 <= took < 0.6 and len(sched.waiting) == 2 and sched.returning == 0
+    assert 0.3 <= took < 0.6 and len(sched.seats.waiting) == 2 and sched.returning == 0
 
-    sched.waiting.clear()
+    sched.seats.waiting.clear()
     for _ in range(2):                     # two complete, one comes back
         sched._ended(Client([5, 6], 4).job, True)
     sched.submit(Client([5, 6], 4).job)
     t0 = time.monotonic()
     assert sched._gather_arrivals()
     took = time.monotonic() - t0
-    assert 0.5 <= took < 3.0 and len(sched.waiting) == 1 and sched.returning == 0
+    assert 0.5 <= took < 3.0 and len(sched.seats.waiting) == 1 and sched.returning == 0
     sched.submit(Client([7, 8], 4).job)    # the next burst: no one owed, ARRIVAL_GAP alone
     t0 = time.monotonic()
     assert sched._gather_arrivals() and time.monotonic() - t0 < 0.4
@@ -298,14 +298,14 @@ def test_no_request_waits_for_a_compile(engine, monkeypatch):
         assert c.done.wait(300) and isinstance(c.events[-1], Finished)
         rows = {(r["rows"], r["fixed"]) for r in sched.record if r["kind"] == "decode" and c.job.id in r["tokens"]}
         return "".join(e.text for e in c.events if isinstance(e, Delta)), rows
-    primed, prime = [], sched.prime
-    sched.prime = lambda keys: primed.extend(keys) or prime(keys)
+    primed, prime = [], sched.warmup.prime
+    sched.warmup.prime = lambda keys: primed.extend(keys) or prime(keys)
     sched.start(warmup=True)
     try:
         assert sched.load()["compiling"] == 5        # the fixed blocks over 1 and 4 slots, the scoring prefill of 1
-        assert set(primed) == sched.ready            # what serves first has run once
-        assert sched.ready == {("prefill", 2, 32), ("score", 2, 32), ("decode", 4), ("fork",)}
-        assert (sched.shapes.choose([7], sched._prefill_shapes([False]))[:2], sched._decode_rows(1)) == ((2, 32), 4)
+        assert set(primed) == sched.warmup.ready            # what serves first has run once
+        assert sched.warmup.ready == {("prefill", 2, 32), ("score", 2, 32), ("decode", 4), ("fork",)}
+        assert (sched.shapes.choose([7], sched.warmup.prefill_shapes([False]))[:2], sched.warmup.decode_rows(1)) == ((2, 32), 4)
         early, early_rows = answer()
         echo = Client(prompt, 3, echo=True, logprobs=1)
         sched.submit(echo.job)
@@ -315,11 +315,11 @@ def test_no_request_waits_for_a_compile(engine, monkeypatch):
         while sched.load()["compiling"]:
             assert time.time() - t0 < 300
             time.sleep(0.05)
-        assert sched.ready is None and sched._prefill_shapes([True]) is None and sched._decode_rows(1) == 1
-        while set(primed) != set(sched.groups):      # the others run once as the engine thread idles
+        assert sched.warmup.ready is None and sched.warmup.prefill_shapes([True]) is None and sched.warmup.decode_rows(1) == 1
+        while set(primed) != set(sched.warmup.groups):      # the others run once as the engine thread idles
             assert time.time() - t0 < 300
             time.sleep(0.05)
-        assert len(primed) == len(sched.groups)
+        assert len(primed) == len(sched.warmup.groups)
         late, late_rows = answer()
         made, rng = engine.compiles.programs, np.random.default_rng(5)
         varied = [Client(rng.integers(3, 150, 12).tolist(), 6, logprobs=2),
@@ -351,27 +351,27 @@ def test_a_warm_start_runs_the_largest_shapes_before_serving(engine):
     kw = dict(max_num_seqs=4, max_model_len=32, max_queue=8, decode_steps=4, max_num_batched_tokens=64,
               first_runs=True, freeze_heap=True)
     sched = Scheduler(engine, **kw)
-    engine.precompile([c for calls in sched.warmup_calls().values() for c in calls])
-    primed, prime = [], sched.prime
-    sched.prime = lambda keys: primed.extend(keys) or prime(keys)
-    settled, settle = [], sched.settle_heap
-    sched.settle_heap = lambda what: settled.append((what, len(primed), gc.get_freeze_count())) or settle(what)
+    engine.precompile([c for calls in sched.warmup.calls().values() for c in calls])
+    primed, prime = [], sched.warmup.prime
+    sched.warmup.prime = lambda keys: primed.extend(keys) or prime(keys)
+    settled, settle = [], sched.warmup.settle_heap
+    sched.warmup.settle_heap = lambda what: settled.append((what, len(primed), gc.get_freeze_count())) or settle(what)
     sched.start(warmup=True)
     try:
         assert settled == [("warm", 4, 0)] and gc.get_freeze_count() > 0
         load = sched.load()
-        assert sched.ready is None and load["compiling"] == 0 and load["warming"] <= len(sched.groups) - 4
+        assert sched.warmup.ready is None and load["compiling"] == 0 and load["warming"] <= len(sched.warmup.groups) - 4
         assert set(primed[:4]) == {("decode", 4), ("prefill", 2, 32), ("score", 2, 32), ("fork",)}
         t0 = time.time()
-        while len(primed) < len(sched.groups):
+        while len(primed) < len(sched.warmup.groups):
             assert time.time() - t0 < 300
             time.sleep(0.05)
-        assert sorted(primed) == sorted(sched.groups) and sched.load()["warming"] == 0
+        assert sorted(primed) == sorted(sched.warmup.groups) and sched.load()["warming"] == 0
         t0 = time.time()
         while len(settled) < 2:
             assert time.time() - t0 < 60
             time.sleep(0.05)
-        assert settled[1][:2] == ("every shape run once", len(sched.groups)) and settled[1][2] > 0
+        assert settled[1][:2] == ("every shape run once", len(sched.warmup.groups)) and settled[1][2] > 0
     finally:
         sched.shutdown()
         gc.unfreeze()
@@ -388,12 +388,12 @@ def test_warmup_runs_each_call_once_and_changes_nothing(engine, monkeypatch):
     from jaxllm.engine.slots import Pieces
     sched = Scheduler(engine, max_num_seqs=4, max_model_len=32, max_queue=8, decode_steps=4,
                       max_num_batched_tokens=64, first_runs=True)
-    assert not Scheduler(engine, 4, 32, 8).first_runs       # a CPU's first runs cost no more
+    assert not Scheduler(engine, 4, 32, 8).warmup.first_runs       # a CPU's first runs cost no more
     ran, run = [], engine.run
     monkeypatch.setattr(engine, "run", lambda name, *args, **static: ran.append(_signature(name, args, static))
                         or run(name, *args, **static))
-    sched.warmup(background=False)
-    calls = [c for cs in sched.groups.values() for c in cs]
+    sched.warmup.compile(background=False)
+    calls = [c for cs in sched.warmup.groups.values() for c in cs]
     assert len(calls) == 13 and Counter(ran) == Counter(_signature(*c) for c in calls)
     core = sched.core
     tokens = np.zeros((1, 32), np.int32)
@@ -402,7 +402,7 @@ def test_warmup_runs_each_call_once_and_changes_nothing(engine, monkeypatch):
     toks, count, _ = core.decode(8, sched.out_size, np.zeros(4, bool), 4)
     assert np.asarray(count)[2] == 2                  # its 2 tokens after the first: the slot has ended
     before = [np.asarray(x) for x in jax.tree_util.tree_leaves(core.state)]
-    sched.prime(list(sched.groups))
+    sched.warmup.prime(list(sched.warmup.groups))
     after = [np.asarray(x) for x in jax.tree_util.tree_leaves(core.state)]
     assert len(before) == len(after) and all(np.array_equal(a, b) for a, b in zip(before, after))
 

@@ -157,13 +157,13 @@ def test_sampled_distribution_is_unchanged(tmp_path_factory, monkeypatch):
     assert stats["drafted"] > 1000 and 0 < stats["accepted"] < stats["drafted"]
     assert p > 1e-3
 
-    from jaxllm.engine import core
+    from jaxllm.engine import step
 
-    def always_accept(logits, drafts, n_draft, params, step, by="bisection"):    # a wrong rule: a test double
-        a, nxt = real(logits, drafts, n_draft, params, step, by)
+    def always_accept(logits, drafts, n_draft, params, step_, by="bisection"):    # a wrong rule: a test double
+        a, nxt = real(logits, drafts, n_draft, params, step_, by)
         return n_draft, nxt
-    real = core.accept
-    monkeypatch.setattr(core, "accept", always_accept)
+    real = step.accept
+    monkeypatch.setattr(step, "accept", always_accept)
     wrong = Engine(base.cfg, base.weights, None, dtype="float32", max_ctx=32, speculation=Speculation("ngram", 2, min_accept=0.0, max_batch=None))
     assert chi2_same(plain, sampled(wrong)) < 1e-6
 

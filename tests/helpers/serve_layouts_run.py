@@ -196,7 +196,7 @@ def run_case(tmp, name, ckpt, kv_quant, rings, tp):
     sched = app.state.server.scheduler
     # every call compiled ahead, as a server starts, where the cache is sharded; elsewhere each call
     # compiles when first needed (the same executables, fewer of them)
-    sched.first_runs = tp > 1      # there, each call also runs once first as on GPUs, under the mesh
+    sched.warmup.first_runs = tp > 1      # there, each call also runs once first as on GPUs, under the mesh
     sched.start(warmup=tp > 1)
     try:
         out = asyncio.run(serve(app, REFERENCES[(ckpt, kv_quant, rings, tp)][0], ps, want,

@@ -80,7 +80,7 @@ def test_a_thread_that_stops_fails_every_request_at_once_and_health_says_503(eng
                 with sched.cond:
                     sched.cond.notify()
             else:
-                sched._collect = lambda call: (_ for _ in ()).throw(Fault("output loop broken"))
+                sched.results._collect = lambda call: (_ for _ in ()).throw(Fault("output loop broken"))
             results = [f.result() for f in first]
         assert all(status == 503 for status, _, _ in results), results
         assert time.monotonic() - t0 < 5          # at once, not at the request timeout

@@ -76,4 +76,4 @@ def test_a_pool_of_four_requests_serves_sixteen_clients(eng):
     assert got == want, [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
     preempted = sum(float(line.split()[-1]) for line in metrics.splitlines()
                     if line.startswith("vllm:num_preemptions_total"))
-    assert preempted >= 1 and preempted == sched.preemptions, (preempted, sched.preemptions)
+    assert preempted >= 1 and preempted == sched.seats.preemptions, (preempted, sched.seats.preemptions)
