@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-from gguf import quants
 from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
@@ -233,6 +232,7 @@ def _dequantize(data: np.ndarray, qtype) -> np.ndarray:
     """`gguf.quants.dequantize`, in chunks of rows a few MB each. gguf's own splits every tensor
     into groups of 16 rows, and that per-group overhead was most of a load's dequantization time;
     the values are the same (each block is dequantized on its own either way)."""
+    from gguf import quants  # half a second: loaded only where a GGUF file is read
 
     kind = getattr(quants, "_type_traits", {}).get(qtype)
     if kind is None or data.ndim < 1 or data.dtype != np.uint8:
@@ -330,7 +330,6 @@ def load_gguf_tokenizer(path) -> GGUFTokenizerInfo:
     """Rebuild the file's SentencePiece-style vocabulary as a `tokenizers` BPE tokenizer, the way
     transformers' `gemma_tokenizer` + `GemmaTokenizer` do for a GGUF (`tokenizer.ggml.model` =
     "llama"), so ids match `AutoTokenizer.from_pretrained(dir, gguf_file=...)` exactly."""
-
     reader, meta = _checked_metadata(path)
     model = meta.get("tokenizer.ggml.model")
     if model != "llama":

@@ -15,7 +15,6 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import gguf
 import numpy as np
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -91,6 +90,7 @@ class TensorInfo:
 
 class GGUFFile:
     def __init__(self, path: Path | SplitFile):
+        import gguf  # half a second: loaded only where a GGUF file is read
 
         self.path = path if isinstance(path, SplitFile) else Path(path)
         parts = self.path.parts if isinstance(path, SplitFile) else (self.path,)
@@ -126,6 +126,7 @@ class GGUFFile:
             self.tensors.append(TensorInfo(name, dims, qt, begin, n_bytes, self))
 
     def tensor_data(self, t: TensorInfo) -> np.ndarray:
+        import gguf
 
         raw = self.buf.read(t.data_offset, t.data_offset + t.n_bytes)
         shape = tuple(reversed(t.shape))
