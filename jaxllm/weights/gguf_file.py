@@ -33,6 +33,7 @@ _NP = {
     12: np.float64,
 }
 STRING, ARRAY = 8, 9
+_GGML_TYPES = {int(t) for t in gguf.GGMLQuantizationType}
 
 
 class GGUFFormatError(ValueError):
@@ -116,6 +117,8 @@ class GGUFFile:
         start = -(-self.pos // align) * align
         self.tensors = []
         for name, dims, ttype, off in infos:
+            if ttype not in _GGML_TYPES:
+                raise GGUFFormatError(f"tensor {name!r} has ggml type {ttype}, which the gguf package does not know")
             qt = gguf.GGMLQuantizationType(ttype)
             block, size = gguf.GGML_QUANT_SIZES[qt]
             n_elem = int(np.prod(dims)) if dims else 1

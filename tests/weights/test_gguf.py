@@ -9,8 +9,9 @@ import pytest
 
 from jaxllm.errors import ModelError
 from jaxllm.weights.default import DEFAULT_MODEL_NAME, default_model_file
-from jaxllm.weights.gguf import _chat_tuned, iter_gguf_tensors, load_gguf_tokenizer, read_gguf_config
 from jaxllm.weights.gguf import _reader as _cached_reader  # the same GGUFReader, parsed once
+from jaxllm.weights.gguf import iter_gguf_tensors, load_gguf_tokenizer, read_gguf_config
+from jaxllm.weights.gguf_tokenizer import chat_tuned as _chat_tuned
 
 # Fields of Gemma3TextConfig that change what the model computes (or which ids it uses).
 MATH_FIELDS = [
@@ -177,7 +178,7 @@ def test_dequantize_types(tmp_path, gguf_path):
         raw[t] = np.array(real[t].data[:8])
     path = tmp_path / "types.gguf"
     w = gguf.GGUFWriter(str(path), "gemma3")
-    _gemma3_metadata(w)
+    _gemma3_metadata(w, n_layers=len(raw))
     for i, (t, data) in enumerate(raw.items()):
         w.add_tensor(f"blk.{i}.ffn_up.weight", data, raw_dtype=gguf.GGMLQuantizationType[t])
     w.add_tensor("output_norm.weight", np.full(256, 1.25, np.float32))
