@@ -144,38 +144,51 @@ def _checked_names(path) -> tuple[object, str, dict]:
     return reader, arch, names
 
 
-def iter_gguf_tensors(path) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield `(hf_name, float32 array)` for every weight, one at a time, in file order (a tensor
-    the converter wrote in pieces once its last piece is read).
+class GGUFSource:
+    """A GGUF file's weights under HF names, each dequantized when asked for: a load holds one
+    float32 tensor at a time, not the model (Qwen3-30B-A3B's would be 122 GB). Shapes are HF's:
+    numpy's shape of a ggml tensor is its `ne` reversed, which for linears is already [out, in], so
+    nothing is transposed; a tensor the converter wrote in pieces is joined along its rows."""
 
-    Shapes are HF's: `dequantize` returns numpy shape = reversed ggml `ne`, which for linears is
-    already [out_features, in_features], so nothing is transposed.
-    """
-    reader, arch, names = _checked_names(path)
-    shift = ARCHS[arch].norm_shift
-    pieces: dict[str, dict[int, np.ndarray]] = {}
-    for tensor in reader.tensors:
-        if tensor.name not in names:  # read into the config
-            continue
-        name, k, n = names[tensor.name]
+    def __init__(self, path):
+        reader, arch, names = _checked_names(path)
+        self.shown, self.shift = _name(path), ARCHS[arch].norm_shift
+        tensors = {t.name: t for t in reader.tensors}
+        self.pieces: dict[str, list] = {}
+        for name, (hf, k, n) in names.items():
+            if name in tensors:
+                self.pieces.setdefault(hf, [None] * n)[k] = tensors[name]
+        for name, (hf, k, _) in names.items():
+            if hf in self.pieces and self.pieces[hf][k] is None:
+                raise ModelError(f"{self.shown}: tensor {name!r} is missing")
+
+    def names(self):
+        return self.pieces.keys()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        shapes = [tuple(int(d) for d in reversed(t.shape)) for t in self.pieces[name]]
+        return (*shapes[0][:-2], sum(s[-2] for s in shapes), shapes[0][-1]) if len(shapes) > 1 else shapes[0]
+
+    def get(self, name: str) -> np.ndarray:
+        arrays = [self._read(t) for t in self.pieces[name]]
+        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=-2)
+
+    def _read(self, tensor) -> np.ndarray:
         weights = _dequantize(tensor.data, tensor.tensor_type)
         # copy: F32 comes back as a view of the read-only memmap
         weights = np.array(weights, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
-        if shift and tensor.name.endswith("norm.weight"):
+        if self.shift and tensor.name.endswith("norm.weight"):
             # transformers' Gemma2TensorProcessor takes the 1 off too; it subtracts in the stored
             # dtype, we in float32 -- equal for the F32 norms llama.cpp writes
-            weights -= shift
-        if n == 1:
-            yield name, weights
-            continue
-        got = pieces.setdefault(name, {})
-        got[k] = weights
-        if len(got) == n:
-            del pieces[name]
-            yield name, np.concatenate([got[i] for i in range(n)], axis=-2)
-    if pieces:
-        missing = next(g for g, (hf, k, _) in names.items() if hf in pieces and k not in pieces[hf])
-        raise ModelError(f"{_name(path)}: tensor {missing!r} is missing")
+            weights -= self.shift
+        return weights
+
+
+def iter_gguf_tensors(path) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield `(hf_name, float32 array)` for every weight, one at a time."""
+    source = GGUFSource(path)
+    for name in source.names():
+        yield name, source.get(name)
 
 
 # ----------------------------------------------------------------------------------------------

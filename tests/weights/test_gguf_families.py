@@ -21,7 +21,7 @@ from jaxllm.errors import ModelError
 from jaxllm.model.families import family_for
 from jaxllm.weights import gguf as gguf_mod
 from jaxllm.weights import read_config
-from jaxllm.weights.gguf import iter_gguf_tensors, load_gguf_tokenizer, read_gguf_config
+from jaxllm.weights.gguf import GGUFSource, iter_gguf_tensors, load_gguf_tokenizer, read_gguf_config
 from jaxllm.weights.loader import load_model
 
 Q = to_gguf.Q
@@ -176,6 +176,20 @@ def test_tensors_are_the_gguf_packages_dequantization(case):
         for name, w in ours.items():
             assert w.dtype == np.float32 and w.shape == tuple(case.model.state_dict()[name].shape), name
             np.testing.assert_array_equal(w, ref[name], err_msg=f"{kind} {name}")
+
+
+def test_source_dequantizes_only_what_is_asked_for(case, monkeypatch):
+    """The loader's source gives every shape from the tensor table, and reads a tensor (all its
+    pieces, Qwen3-MoE's gate and up stacks) only when asked for it."""
+    sd = case.model.state_dict()
+    source = GGUFSource(case.files["Q8_0"])
+    read = []
+    dequantize = gguf_mod._dequantize
+    monkeypatch.setattr(gguf_mod, "_dequantize", lambda data, qtype: read.append(qtype) or dequantize(data, qtype))
+    assert {n: source.shape(n) for n in source.names()} == {n: tuple(sd[n].shape) for n in source.names()}
+    assert read == []
+    name = "model.layers.1.mlp.experts.gate_up_proj" if case.arch == "qwen3moe" else "model.layers.1.self_attn.q_proj.weight"
+    assert source.get(name).shape == tuple(sd[name].shape) and len(read) == (2 if case.arch == "qwen3moe" else 1)
 
 
 def test_file_types_as_the_converter_writes_them(case):
