@@ -162,7 +162,8 @@ def qwen3_config(m: Meta) -> dict:
         {
             "model_type": "qwen3_moe" if moe else "qwen3",
             "architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
-            "intermediate_size": int(m.get("feed_forward_length") or m.need("expert_feed_forward_length")),
+            # the dense MLP's width; llama.cpp's Qwen3-MoE has none, and may not state it
+            "intermediate_size": int(m.get("feed_forward_length") or 0 if moe else m.need("feed_forward_length")),
             "num_key_value_heads": int(m.get("attention.head_count_kv", heads)),
             "head_dim": int(m.get("attention.key_length") or hidden // heads),
             "rope_parameters": rope,
@@ -177,8 +178,8 @@ def qwen3_config(m: Meta) -> dict:
                 "num_experts": int(m.need("expert_count")),
                 "num_experts_per_tok": int(m.need("expert_used_count")),
                 "moe_intermediate_size": int(m.need("expert_feed_forward_length")),
-                # llama.cpp renormalizes Qwen3-MoE's top-k weights unless the file says otherwise
-                "norm_topk_prob": bool(m.get("expert_weights_norm", True)),
+                # llama.cpp always renormalizes Qwen3-MoE's top-k weights, as every released config does
+                "norm_topk_prob": True,
             }
         )
     return config
