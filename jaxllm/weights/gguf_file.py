@@ -116,6 +116,8 @@ class GGUFFile:
         start = -(-self.pos // align) * align
         self.tensors = []
         for name, dims, ttype, off in infos:
+            if ttype not in {int(t) for t in gguf.GGMLQuantizationType}:
+                raise GGUFFormatError(f"tensor {name!r} has ggml type {ttype}, which the gguf package does not know")
             qt = gguf.GGMLQuantizationType(ttype)
             block, size = gguf.GGML_QUANT_SIZES[qt]
             n_elem = int(np.prod(dims)) if dims else 1

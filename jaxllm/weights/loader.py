@@ -10,9 +10,8 @@ from jaxllm.model.families import family_for
 from jaxllm.tokenizer import Tokenizer
 from jaxllm.weights import weight_cache as wcache
 from jaxllm.weights.files import locate, read_dir
-from jaxllm.weights.gguf import iter_gguf_tensors, load_gguf_tokenizer, read_gguf_config
 from jaxllm.weights.gguf_file import SplitFile
-from jaxllm.weights.safetensors_source import DictSource, SafetensorsSource
+from jaxllm.weights.safetensors_source import SafetensorsSource
 from jaxllm.weights.saved import load_saved
 from jaxllm.weights.weights import build_weights
 
@@ -38,12 +37,15 @@ def load_model(model_dir, dtype, quant: str, progress=None, layout=None, caches:
 
 
 def read_gguf(path: Path | SplitFile):
-    """(config, family, dequantized tensors, tokenizer) of a GGUF file."""
+    """(config, family, tensor source (dequantized as read), tokenizer) of a GGUF file."""
+    # the gguf package (half a second to import) only where a GGUF file is read
+    from jaxllm.weights.gguf import GGUFSource, load_gguf_tokenizer, read_gguf_config
+
     hf = read_gguf_config(path)
     fam = family_for(hf)
     info = load_gguf_tokenizer(path)
     cfg = fam.config_from_hf(hf, {"eos_token_id": list(info.eos_ids)})
-    source = DictSource(dict(iter_gguf_tensors(path)))
+    source = GGUFSource(path)
     tok = Tokenizer(
         info.tokenizer,
         bos_id=info.bos_id,

@@ -97,22 +97,6 @@ def _read_bf16(path: Path, name: str) -> np.ndarray:
     return mm.view(ml_dtypes.bfloat16).reshape(info["shape"])
 
 
-class DictSource:
-    """Tensors already in memory (GGUF after dequantization, tests)."""
-
-    def __init__(self, tensors: dict[str, np.ndarray]):
-        self.tensors = tensors
-
-    def names(self):
-        return self.tensors.keys()
-
-    def shape(self, name):
-        return tuple(self.tensors[name].shape)
-
-    def get(self, name):
-        return self.tensors[name]
-
-
 PER_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
 
 

@@ -28,7 +28,6 @@ from jaxllm.model.sharding import check_divisible, scale_shape_axes, single_devi
 from jaxllm.quant import QuantArray
 from jaxllm.weights.files import SAVED_META as META
 from jaxllm.weights.files import read_dir
-from jaxllm.weights.gguf import read_gguf_config
 from jaxllm.weights.weights import is_quantized
 
 WEIGHTS = "weights"
@@ -206,6 +205,8 @@ def write_source_files(files, dst: Path, tok) -> None:
             if (files.path / name).exists():
                 shutil.copy2(files.path / name, dst / name)
         return
+
+    from jaxllm.weights.gguf import read_gguf_config  # the gguf package only where a GGUF file is read
 
     (dst / "config.json").write_text(json.dumps(read_gguf_config(files.path), indent=1, default=str))
     tok.tok.save(str(dst / "tokenizer.json"))

@@ -56,7 +56,9 @@ FORMAT = 1
 # and the config/tokenizer files; plus every family module (jaxllm/models/*.py).
 CODE_MODULES = (
     "jaxllm.weights.gguf",
+    "jaxllm.weights.gguf_archs",
     "jaxllm.weights.gguf_file",
+    "jaxllm.weights.gguf_tokenizer",
     "jaxllm.weights.place",
     "jaxllm.weights.saved",
     "jaxllm.weights.weights",

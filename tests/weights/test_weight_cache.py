@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from test_gguf import _gemma3_metadata, _write
 
-import jaxllm.weights.loader as loader_module
+import jaxllm.weights.gguf as gguf_module
 from jaxllm.config.runtime import Caches
 from jaxllm.errors import ModelError
 from jaxllm.weights import locate
@@ -61,14 +61,14 @@ def cache(tmp_path, monkeypatch):
 
 @pytest.fixture
 def builds(monkeypatch):
-    """How many times a load dequantized a GGUF file."""
+    """How many times a load read a GGUF file's tensors to dequantize them."""
     calls = []
-    real = loader_module.iter_gguf_tensors
+    real = gguf_module.GGUFSource
 
     def counted(path):
         calls.append(path)
         return real(path)
-    monkeypatch.setattr(loader_module, "iter_gguf_tensors", counted)
+    monkeypatch.setattr(gguf_module, "GGUFSource", counted)
     return calls
 
 
