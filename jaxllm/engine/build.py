@@ -13,7 +13,7 @@ from jaxllm.model.families import abstract
 from jaxllm.model.presets import load_preset
 from jaxllm.model.sharding import check_divisible, layout_for
 from jaxllm.tokenizer import IdsTokenizer, shape_tokenizer
-from jaxllm.weights import loader
+from jaxllm.weights import loader, locate
 from jaxllm.weights.random import random_weights
 from jaxllm.weights.weights import is_quantized
 
@@ -22,6 +22,8 @@ def build_engine(config: EngineConfig, progress=None) -> Engine:
     """The engine `config` describes. `progress(n, total)` is called as a model's tensors load."""
 
     c = config
+    if c.shape is None:
+        locate(c.model_dir)  # a missing model, or one stored in a format that cannot load, refused before the mesh
     enable(c.caches.compilation)  # before the weights' conversions compile (the engine keeps its calls there)
     layout = layout_for(c.tp, c.dp)
     prepare = ops.select(c.runtime, layout).prepare_weights

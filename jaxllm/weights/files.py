@@ -11,6 +11,7 @@ from jaxllm.errors import ModelError
 from jaxllm.tokenizer import Tokenizer, read_json
 from jaxllm.weights.default import DEFAULT_MODEL_NAME, default_model_file
 from jaxllm.weights.gguf_file import SplitFile
+from jaxllm.weights.stored_quant import Fp8Blocks, stored_format
 
 SAVED_META = "jaxllm.json"  # marks a directory written by jaxllm.convert (see `saved`)
 
@@ -20,6 +21,7 @@ class ModelFiles:
     name: str
     path: Path | SplitFile
     kind: str  # "hf" | "gguf" | "saved" (written by jaxllm.convert)
+    stored: Fp8Blocks | None = None  # an HF directory's weights stored quantized (`stored_quant`)
 
 
 def locate(model_dir: str | os.PathLike | None) -> ModelFiles:
@@ -31,15 +33,23 @@ def locate(model_dir: str | os.PathLike | None) -> ModelFiles:
     if p.is_dir():
         if not (p / "config.json").exists():
             raise ModelError(f"{p}: no config.json (not a Hugging Face model directory)")
-        return ModelFiles(p.name, p, "saved" if (p / SAVED_META).exists() else "hf")
+        if (p / SAVED_META).exists():
+            return ModelFiles(p.name, p, "saved")
+        return hf_files(p.name, p)
     if p.exists():
         raise ModelError(f"{p}: neither a model directory nor a .gguf file")
     s = str(model_dir)
     if s.count("/") == 1 and not s.startswith((".", "/", "~")):
         from jaxllm.weights.hub import resolve_hub_id
 
-        return ModelFiles(s, resolve_hub_id(s), "hf")
+        return hf_files(s, resolve_hub_id(s))
     raise ModelError(f"model path {s} does not exist")
+
+
+def hf_files(name: str, path: Path) -> ModelFiles:
+    """An HF directory, a quantization its config.json names that cannot load refused by name here,
+    before anything loads."""
+    return ModelFiles(name, path, "hf", stored_format(read_json(path / "config.json"), str(path / "config.json")))
 
 
 def read_hf_config(d: Path) -> tuple[dict, dict]:

@@ -9,7 +9,8 @@ from jaxllm.config.runtime import Caches
 from jaxllm.model.families import family_for
 from jaxllm.tokenizer import Tokenizer
 from jaxllm.weights import weight_cache as wcache
-from jaxllm.weights.files import locate, read_dir
+from jaxllm.weights.files import ModelFiles, locate, read_dir
+from jaxllm.weights.fp8 import Fp8Source
 from jaxllm.weights.gguf_file import SplitFile
 from jaxllm.weights.safetensors_source import SafetensorsSource
 from jaxllm.weights.saved import load_saved
@@ -29,7 +30,7 @@ def load_model(model_dir, dtype, quant: str, progress=None, layout=None, caches:
     files = locate(model_dir)
     if files.kind == "saved":
         return (*load_saved(files.path, dtype, quant, layout), files.name)
-    cfg, fam, source, tok = (read_gguf if files.kind == "gguf" else read_hf)(files.path)
+    cfg, fam, source, tok = read_gguf(files.path) if files.kind == "gguf" else read_hf(files)
     weights = build_weights(cfg, fam, source, dtype, quant, progress, layout)
     if entry is not None:
         wcache.write(entry, files, cfg, weights, tok)
@@ -58,7 +59,9 @@ def read_gguf(path: Path | SplitFile):
     return cfg, fam, source, tok
 
 
-def read_hf(path: Path):
-    """(config, family, tensor source, tokenizer) of a Hugging Face directory."""
-    cfg, fam, tok = read_dir(path)
-    return cfg, fam, SafetensorsSource(path), tok
+def read_hf(files: ModelFiles):
+    """(config, family, tensor source, tokenizer) of a Hugging Face directory; an FP8 checkpoint's
+    source dequantizes its weights as read."""
+    cfg, fam, tok = read_dir(files.path)
+    source = SafetensorsSource(files.path)
+    return cfg, fam, source if files.stored is None else Fp8Source(source, files.stored), tok

@@ -59,8 +59,9 @@ class SafetensorsSource:
 
     def get(self, name: str) -> np.ndarray:
         h = self._handle(self.files[name])
-        if h.get_slice(name).get_dtype() == "BF16":
-            return _read_bf16(self.files[name], name)
+        viewed = VIEWED.get(h.get_slice(name).get_dtype())
+        if viewed is not None:
+            return _read_viewed(self.files[name], name, viewed)
         return h.get_tensor(name)
 
 
@@ -87,14 +88,17 @@ def _header(path: Path) -> tuple[int, dict]:
     return _HEADERS[path]
 
 
-def _read_bf16(path: Path, name: str) -> np.ndarray:
-    """numpy has no bfloat16, so view the mapped bytes through ml_dtypes (a jax dependency)."""
+# numpy has neither bfloat16 nor float8 (FP8 checkpoints' weights), so the mapped bytes of these are
+# viewed through ml_dtypes (a jax dependency).
+VIEWED = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn}
 
+
+def _read_viewed(path: Path, name: str, dtype) -> np.ndarray:
     n, header = _header(path)
     info = header[name]
     begin, end = info["data_offsets"]
     mm = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n + begin, shape=(end - begin,))
-    return mm.view(ml_dtypes.bfloat16).reshape(info["shape"])
+    return mm.view(dtype).reshape(info["shape"])
 
 
 PER_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")

@@ -204,6 +204,10 @@ def write_source_files(files, dst: Path, tok) -> None:
         for name in ("config.json",) + TOKENIZER_FILES:
             if (files.path / name).exists():
                 shutil.copy2(files.path / name, dst / name)
+        if files.stored is not None:  # the saved weights are no longer in the checkpoint's format
+            hf = json.loads((dst / "config.json").read_text())
+            del hf["quantization_config"]
+            (dst / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         return
 
     from jaxllm.weights.gguf import read_gguf_config  # the gguf package only where a GGUF file is read

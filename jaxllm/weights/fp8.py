@@ -1,0 +1,75 @@
+"""FP8 checkpoints (`stored_quant.Fp8Blocks`): their tensors read one at a time, each quantized
+weight dequantized on the host as the loader asks for it, so that no float copy of more than one
+tensor exists."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+
+from jaxllm.errors import ModelError
+from jaxllm.weights.stored_quant import Fp8Blocks
+
+SCALE = "_scale_inv"  # `<weight name>_scale_inv`: a quantized weight's block scales
+SCALE_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
+
+
+def dequantize_blocks(q: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """float32 values of an FP8 weight [..., out, in]: each value times the scale of its block,
+    `scale_inv[..., o // block[0], i // block[1]]` (the last blocks of a dim not a multiple of the
+    block are partial), as transformers dequantizes them; one block row at a time, in place."""
+    bo, bi = block
+    O, I = q.shape[-2:]
+    w = q.astype(np.float32)
+    s = np.asarray(scale_inv, np.float32)
+    for g in range(s.shape[-2]):
+        w[..., g * bo : (g + 1) * bo, :] *= np.repeat(s[..., g : g + 1, :], bi, axis=-1)[..., :I]
+    return w
+
+
+class Fp8Source:
+    """A tensor source (`SafetensorsSource`) of an FP8 checkpoint: the names without the scales;
+    `get` dequantizes a quantized weight to float32, `stored` gives its values and block scales as
+    the checkpoint holds them."""
+
+    def __init__(self, source, fmt: Fp8Blocks):
+        self.source, self.block = source, fmt.block
+        names = source.names()
+        self.scaled = {n[: -len(SCALE)] for n in names if n.endswith(SCALE)}
+        for n in sorted(self.scaled):
+            if n not in names:
+                raise ModelError(f"checkpoint has '{n}{SCALE}' but no '{n}'")
+        self._names = dict.fromkeys(n for n in names if not n.endswith(SCALE)).keys()
+
+    def names(self):
+        return self._names
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.source.shape(name)
+
+    def get(self, name: str) -> np.ndarray:
+        stored = self.stored(name)
+        if stored is None:
+            return self.source.get(name)
+        return dequantize_blocks(*stored, self.block)
+
+    def stored(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """(float8_e4m3fn values [..., out, in], float32 block scales) of a quantized weight, None
+        for a tensor stored unquantized."""
+        if name not in self.scaled:
+            if self.source.get(name).dtype == ml_dtypes.float8_e4m3fn:  # mapped, not read
+                raise ModelError(f"tensor '{name}' is FP8 but the checkpoint has no '{name}{SCALE}'")
+            return None
+        q = self.source.get(name)
+        if q.dtype != ml_dtypes.float8_e4m3fn or q.ndim < 2:
+            raise ModelError(f"tensor '{name}' has block scales but is {q.dtype} {list(q.shape)}, not FP8 (e4m3)")
+        s = self.source.get(name + SCALE)
+        want = (*q.shape[:-2], *(math.ceil(d / b) for d, b in zip(q.shape[-2:], self.block)))
+        if tuple(s.shape) != want or s.dtype not in SCALE_DTYPES:
+            raise ModelError(
+                f"tensor '{name}{SCALE}' is {s.dtype} {list(s.shape)}; {list(q.shape)} weights in "
+                f"{self.block[0]}x{self.block[1]} blocks have float scales {list(want)}"
+            )
+        return q, s
