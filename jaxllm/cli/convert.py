@@ -1,4 +1,4 @@
-"""`python -m jaxllm.convert --model-dir SRC --out DST [--quant int8|none] [--dtype ...]`
+"""`python -m jaxllm.convert --model-dir SRC --out DST [--quant int8|fp8|none] [--dtype ...]`
 
 Converts a checkpoint (HF directory, .gguf file, or the embedded default) once into a saved jaxllm
 directory: the weights already in the engine's layout and format, as an orbax checkpoint, beside
@@ -20,7 +20,7 @@ from jaxllm.weights import locate
 def check(model_dir, out, quant: str, dtype: str):
     """-> (the model's files, the new directory): refused before JAX loads where they cannot be."""
     if quant not in QUANTS:
-        raise ModelError(f"quant must be 'int8' or 'none', got {quant!r}")
+        raise ModelError(f"quant must be one of {', '.join(QUANTS)}, got {quant!r}")
     if dtype not in DTYPES:
         raise ModelError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     dst = Path(out).expanduser()

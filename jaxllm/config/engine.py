@@ -24,7 +24,7 @@ from jaxllm.config.runtime import KERNELS, LAYER_SCANS, SWITCH, WIDEN_ONCE, WIDE
 from jaxllm.errors import ModelError
 
 DTYPES = ("bfloat16", "float32")
-QUANTS = ("int8", "none")
+QUANTS = ("int8", "fp8", "none")
 SPECULATIVE_METHODS = ("ngram", "draft")
 
 
@@ -60,7 +60,9 @@ class EngineConfig:
       a config.json path; `shape_overrides` replace some of its fields), for benchmarks: prompts are
       token ids unless `tokenizer` names a directory with a tokenizer.json; `seed` draws the weights.
     dtype, quant: the compute dtype and the weights' format on the device (bfloat16 with int8
-      weights is the fastest of the four on GPUs and on a CPU alike).
+      weights is the fastest of the four on GPUs and on a CPU alike); "fp8" keeps the layers'
+      matmul weights float8_e4m3fn with a scale per 128 x 128 block, as FP8 checkpoints store them
+      (others are quantized so at load), and XLA scales them as each matmul reads them.
     kv_quant: "auto" keeps KV in the compute dtype up to `kv_options.threshold` (32768) positions
       and global layers' KV in int8 above; "int8" always; "none" never.
     max_ctx: the longest sequence (prompt and new tokens); None: the model's trained length, at
@@ -108,7 +110,7 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ModelError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quant not in QUANTS:
-            raise ModelError(f"quant must be 'int8' or 'none', got {self.quant!r}")
+            raise ModelError(f"quant must be one of {', '.join(QUANTS)}, got {self.quant!r}")
         if self.kv_quant not in KV_QUANT_MODES:
             raise ModelError(f"kv_quant must be one of {', '.join(KV_QUANT_MODES)}, got {self.kv_quant!r}")
         if self.max_ctx is not None and (not _positive_integer(self.max_ctx) or self.max_ctx < 2):
@@ -210,7 +212,9 @@ FLAGS: dict[str, Flag] = {
         ("--tokenizer",), "with --shape: a directory whose tokenizer.json gives the model text", metavar="DIR"
     ),
     "dtype": Flag(("--dtype",), "activation and compute dtype", choices=DTYPES),
-    "quant": Flag(("--quant",), "weight format on the device", choices=QUANTS),
+    "quant": Flag(
+        ("--quant",), "weight format on the device (fp8: the layers' weights in 128x128 blocks)", choices=QUANTS
+    ),
     "kv_quant": Flag(
         ("--kv-quant",),
         "KV format: auto = the compute dtype up to 32,768 positions, int8 global layers above",

@@ -15,7 +15,7 @@ from jaxllm.model.sharding import check_divisible, layout_for
 from jaxllm.tokenizer import IdsTokenizer, shape_tokenizer
 from jaxllm.weights import loader, locate
 from jaxllm.weights.random import random_weights
-from jaxllm.weights.weights import is_quantized
+from jaxllm.weights.weights import weight_format
 
 
 def build_engine(config: EngineConfig, progress=None) -> Engine:
@@ -70,5 +70,5 @@ def _random(shape: str, c: EngineConfig, layout, seed: int, overrides: dict):
     cfg, fam = load_preset(shape, **overrides)
     specs = fam.abstract(cfg)
     check_divisible(layout, specs)
-    shardings = layout.weight_shardings(specs, lambda s: is_quantized(s, c.quant))
+    shardings = layout.weight_shardings(specs, lambda s: weight_format(s, c.quant))
     return cfg, random_weights(specs, c.quant, DTYPES[c.dtype], seed, shardings)

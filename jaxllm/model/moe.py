@@ -5,11 +5,12 @@ One router serves every family (`route`): softmax over all experts, the top k, t
 normed and scaled router input, always renormalized, a learned factor per expert).
 
 Expert weights are stacked on a leading "expert" axis: gate and up together as [E, D, 2, F], down
-as [E, F, D] (plain arrays, or int8 `QuantArray`s whose scale is per expert and output channel,
-[E, 2, F] and [E, D]). The (token, expert) pairs the router picked are sorted by expert and fed to
-`lax.ragged_dot`, a grouped matmul: only the chosen experts run for each token, and no [tokens, E, F]
-activation is ever built. At decode (few tokens) each token instead gathers its k experts' weights,
-so memory traffic is k experts per token, not the whole stack.
+as [E, F, D] (plain arrays, int8 `QuantArray`s whose scale is per expert and output channel,
+[E, 2, F] and [E, D], or FP8 ones with a scale per block). The (token, expert) pairs the router
+picked are sorted by expert and fed to `lax.ragged_dot`, a grouped matmul: only the chosen experts
+run for each token, and no [tokens, E, F] activation is ever built. At decode (few tokens) each
+token instead gathers its k experts' weights, so memory traffic is k experts per token, not the
+whole stack.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 
 from jaxllm.config.model import MoeSpec
 from jaxllm.ops.xla import activation, rms_norm
-from jaxllm.quant import QuantArray
+from jaxllm.quant import operand
 
 # A routed layer's weights (those of them its `MoeSpec` asks for).
 MOE_WEIGHTS = ("router", "router_scale", "expert_scale", "experts_gate_up", "experts_down")
@@ -54,10 +55,10 @@ def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, expert: jax.Array) -
     """x [M, K] with rows sorted by expert (group_sizes[e] rows for expert e), w [E, K, *out]
     -> float32 [M, *out]; `expert` [M] names each row's expert, for the int8 scales."""
     E, K, out = w.shape[0], w.shape[1], w.shape[2:]
-    q = w.q if isinstance(w, QuantArray) else w
-    y = jax.lax.ragged_dot(x, q.reshape(E, K, -1).astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
-    if isinstance(w, QuantArray):
-        y = y * w.scale.reshape(E, -1)[expert]
+    q, scale = operand(w, x.dtype)
+    y = jax.lax.ragged_dot(x, q.reshape(E, K, -1), group_sizes, preferred_element_type=jnp.float32)
+    if scale is not None:
+        y = y * scale.reshape(E, -1)[expert]
     return y.reshape(x.shape[0], *out)
 
 
@@ -89,10 +90,8 @@ def _grouped(x, top_idx, top_w, gate_up, down, act):
 
 
 def _take(w, idx, dtype):
-    """The chosen experts' weights [N, k, ...] (int8 stays int8 until here) and their scales."""
-    if isinstance(w, QuantArray):
-        return w.q[idx].astype(dtype), w.scale[idx]
-    return w[idx].astype(dtype), None
+    """The chosen experts' weights [N, k, ...] (quantized until here) and any per-channel scales."""
+    return operand(jax.tree_util.tree_map(lambda a: a[idx], w), dtype)
 
 
 def _gathered(x, top_idx, top_w, gate_up, down, act):

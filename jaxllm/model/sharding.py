@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.config.axes import cache_leaf_axes
 from jaxllm.errors import ModelError
 from jaxllm.model.params import ParamSpec, is_spec, map_specs
-from jaxllm.quant import QuantArray
+from jaxllm.quant import QuantArray, fp8_ratios
 
 RULES: dict[str, str | None] = {
     "batch": "data",
@@ -105,15 +105,18 @@ class Layout:
         return NamedSharding(self.mesh, P())
 
     # -- weights --------------------------------------------------------------------------------
-    def param_sharding(self, spec: ParamSpec, quantized: bool):
-        """NamedSharding of a weight, or a QuantArray of shardings (values, scales)."""
+    def param_sharding(self, spec: ParamSpec, quantized: bool | str):
+        """NamedSharding of a weight, or a QuantArray of shardings (values, scales). `quantized`:
+        the weight's format on the device (`weights.weight_format`: "int8", "fp8" for block scales,
+        None or False for the compute dtype; True is "int8")."""
         q = self.sharding(spec.shape, spec.axes)
         if not quantized:
             return q
-        return QuantArray(q, self.sharding(*scale_shape_axes(spec)), spec.n_contract)
+        blockwise = quantized == "fp8"
+        return QuantArray(q, self.sharding(*scale_shape_axes(spec, blockwise)), spec.n_contract, blockwise)
 
     def weight_shardings(self, tree: dict, quantized) -> dict:
-        """`quantized(spec) -> bool` says which weights are int8 (see loading.weights.is_quantized)."""
+        """`quantized(spec)` says each weight's format (`param_sharding`)."""
         return map_specs(lambda s: self.param_sharding(s, quantized(s)), tree)
 
     # -- caches and activations -----------------------------------------------------------------
@@ -140,9 +143,14 @@ class Layout:
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def scale_shape_axes(spec: ParamSpec) -> tuple[tuple[int, ...], tuple]:
-    """Shape and axes of a weight's int8 scales: the output dims, after any stacked layer axis."""
+def scale_shape_axes(spec: ParamSpec, blockwise: bool = False) -> tuple[tuple[int, ...], tuple]:
+    """Shape and axes of a weight's int8 scales: the output dims, after any stacked layer axis.
+    `blockwise`: its FP8 block scales (`quant.fp8_ratios`), a dim divided into blocks unsharded."""
     lead = 1 if spec.axes and spec.axes[0] == "layers" else 0
+    if blockwise:
+        ratios = fp8_ratios(spec.shape, lead + spec.n_batch, spec.n_contract)
+        shape = tuple(d // r for d, r in zip(spec.shape, ratios))
+        return shape, tuple(a if r == 1 else None for a, r in zip(spec.axes, ratios))
     if spec.n_contract == 0:  # an embedding table: one scale per row, [V, 1]
         return spec.shape[: lead + 1] + (1,), spec.axes[: lead + 1] + (None,)
     lead += getattr(spec, "n_batch", 0)  # independent matrices (experts) keep their own scales

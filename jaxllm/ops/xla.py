@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.config.model import RopeSpec
 from jaxllm.config.runtime import RuntimeConfig
 from jaxllm.errors import ModelError
-from jaxllm.quant import QuantArray
+from jaxllm.quant import QuantArray, operand
 
 NEG_INF = -1e30
 # A bfloat16 KV cache held as its bits (`XlaOps.kv_dtype`; `kv.blockwise.to_store` and `from_store`
@@ -96,17 +96,17 @@ def matmul(x: jax.Array, w, n_contract: int = 1, out_major: bool = False, out_dt
     """Contract the last `n_contract` dims of x with the first `n_contract` dims of w (its last
     ones where `out_major`), w an array or a QuantArray. The output is x's leading dims followed by
     w's output dims, so a per-output-channel scale broadcasts on the trailing dims and XLA fuses
-    the dequantization into the dot's epilogue. A plain w's product is written as `out_dtype`
-    (the sums are float32 either way) and returned as x's dtype."""
+    the dequantization into the dot's epilogue; block scales (FP8) scale the values as the dot
+    reads them (`quant.operand`). A product without a scale left is written as `out_dtype` (the
+    sums are float32 either way) and returned as x's dtype."""
     xa = tuple(range(x.ndim - n_contract, x.ndim))
     nd = len(w.shape)
     wa = tuple(range(nd - n_contract, nd)) if out_major else tuple(range(n_contract))
-    if isinstance(w, QuantArray):
-        y = jax.lax.dot_general(x, w.q.astype(x.dtype), ((xa, wa), ((), ())), preferred_element_type=jnp.float32)
-        return (y * w.scale).astype(x.dtype)
-    return jax.lax.dot_general(x, w.astype(x.dtype), ((xa, wa), ((), ())), preferred_element_type=out_dtype).astype(
-        x.dtype
-    )
+    w, scale = operand(w, x.dtype)
+    if scale is not None:
+        y = jax.lax.dot_general(x, w, ((xa, wa), ((), ())), preferred_element_type=jnp.float32)
+        return (y * scale).astype(x.dtype)
+    return jax.lax.dot_general(x, w, ((xa, wa), ((), ())), preferred_element_type=out_dtype).astype(x.dtype)
 
 
 def memory_limit(device) -> int | None:

@@ -41,8 +41,8 @@ from jaxllm.kv.plan import PoolPlan
 from jaxllm.model.params import map_specs
 from jaxllm.model.presets import load_preset
 from jaxllm.model.sharding import Layout, check_divisible, scale_shape_axes
-from jaxllm.quant import QuantArray
-from jaxllm.weights.weights import is_quantized
+from jaxllm.quant import VALUE_DTYPES, QuantArray
+from jaxllm.weights.weights import weight_format
 
 # HBM bandwidth per chip, bytes/s, and memory per chip, by topology generation.
 CHIPS = {
@@ -79,17 +79,18 @@ def topology_mesh(topology: str, tp: int | None, dp: int = 1) -> Layout:
 
 
 def abstract_weights(cfg, family, layout: Layout, quant: str, dtype) -> dict:
-    """The weights as ShapeDtypeStructs with their shardings (QuantArray for int8 ones)."""
+    """The weights as ShapeDtypeStructs with their shardings (QuantArray for int8 and FP8 ones)."""
 
     def one(spec):
-        int8 = is_quantized(spec, quant)
-        sh = layout.param_sharding(spec, int8)
-        if not int8:
+        fmt = weight_format(spec, quant)
+        sh = layout.param_sharding(spec, fmt)
+        if not fmt:
             return jax.ShapeDtypeStruct(spec.shape, dtype, sharding=sh)
         return QuantArray(
-            jax.ShapeDtypeStruct(spec.shape, jnp.int8, sharding=sh.q),
-            jax.ShapeDtypeStruct(scale_shape_axes(spec)[0], jnp.float32, sharding=sh.scale),
+            jax.ShapeDtypeStruct(spec.shape, VALUE_DTYPES[fmt], sharding=sh.q),
+            jax.ShapeDtypeStruct(scale_shape_axes(spec, sh.blockwise)[0], jnp.float32, sharding=sh.scale),
             spec.n_contract,
+            sh.blockwise,
         )
 
     tree = family.abstract(cfg)

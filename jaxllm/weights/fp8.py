@@ -1,15 +1,18 @@
 """FP8 checkpoints (`stored_quant.Fp8Blocks`): their tensors read one at a time, each quantized
 weight dequantized on the host as the loader asks for it, so that no float copy of more than one
-tensor exists."""
+tensor exists; or, for FP8 weights on the device (--quant fp8), its values kept as stored and its
+block scales laid out as the model's weight is."""
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
 
 from jaxllm.errors import ModelError
+from jaxllm.quant import block_ratios
 from jaxllm.weights.stored_quant import Fp8Blocks
 
 SCALE = "_scale_inv"  # `<weight name>_scale_inv`: a quantized weight's block scales
@@ -27,6 +30,32 @@ def dequantize_blocks(q: np.ndarray, scale_inv: np.ndarray, block: tuple[int, in
     for g in range(s.shape[-2]):
         w[..., g * bo : (g + 1) * bo, :] *= np.repeat(s[..., g : g + 1, :], bi, axis=-1)[..., :I]
     return w
+
+
+class Stored(NamedTuple):
+    """A weight as an FP8 checkpoint stores it."""
+
+    values: np.ndarray  # float8_e4m3fn [..., out, in]
+    scale_inv: np.ndarray  # float [..., ceil(out / block[0]), ceil(in / block[1])]
+    block: tuple[int, int]
+
+
+def layout_scales(stored: Stored, contract: tuple, out: tuple) -> np.ndarray:
+    """The block scales of a stored weight [out, in] (`out` and `contract` its dims, each group
+    flattened) for its values in the model's layout [*contract, *out], in boxes of
+    `quant.block_ratios` along each group: each box's scale that of the stored block holding it."""
+    block = stored.block
+    rows = _box_starts(out, block_ratios(out, block[0])) // block[0]
+    cols = _box_starts(contract, block_ratios(contract, block[1])) // block[1]
+    s = np.asarray(stored.scale_inv, np.float32)[rows[None, :], cols[:, None]]
+    shape = [d // r for dims, b in ((contract, block[1]), (out, block[0])) for d, r in zip(dims, block_ratios(dims, b))]
+    return s.reshape(shape)
+
+
+def _box_starts(dims: tuple, ratios: tuple) -> np.ndarray:
+    """The flat (row-major) index of each box's first entry, the boxes in row-major order."""
+    grid = np.indices([d // r for d, r in zip(dims, ratios)]).reshape(len(dims), -1)
+    return np.ravel_multi_index(tuple(grid * np.array(ratios)[:, None]), dims)
 
 
 class Fp8Source:
@@ -53,11 +82,10 @@ class Fp8Source:
         stored = self.stored(name)
         if stored is None:
             return self.source.get(name)
-        return dequantize_blocks(*stored, self.block)
+        return dequantize_blocks(*stored)
 
-    def stored(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
-        """(float8_e4m3fn values [..., out, in], float32 block scales) of a quantized weight, None
-        for a tensor stored unquantized."""
+    def stored(self, name: str) -> Stored | None:
+        """A quantized weight's values and block scales; None for a tensor stored unquantized."""
         if name not in self.scaled:
             if self.source.get(name).dtype == ml_dtypes.float8_e4m3fn:  # mapped, not read
                 raise ModelError(f"tensor '{name}' is FP8 but the checkpoint has no '{name}{SCALE}'")
@@ -72,4 +100,4 @@ class Fp8Source:
                 f"tensor '{name}{SCALE}' is {s.dtype} {list(s.shape)}; {list(q.shape)} weights in "
                 f"{self.block[0]}x{self.block[1]} blocks have float scales {list(want)}"
             )
-        return q, s
+        return Stored(q, s, self.block)

@@ -16,8 +16,9 @@ import numpy as np
 
 from jaxllm.compiling import compile_all
 from jaxllm.model.params import ParamSpec, is_spec
+from jaxllm.model.sharding import scale_shape_axes
 from jaxllm.quant import QuantArray
-from jaxllm.weights.weights import is_quantized
+from jaxllm.weights.weights import is_quantized, weight_format
 
 
 def _divisor(n: int, most: int) -> int:
@@ -49,6 +50,12 @@ def random_leaf(spec: ParamSpec, quant: str, dtype, key):
     if spec.init in ("zeros", "ones"):
         return (jnp.zeros if spec.init == "zeros" else jnp.ones)(spec.shape, dtype)
     std = _fan_in(spec, stacked) ** -0.5
+    if weight_format(spec, quant) == "fp8":  # standard normal values, each block's scale the std
+        q = sliced(
+            lambda k, s: jax.random.normal(k, s, jnp.float32).astype(jnp.float8_e4m3fn), key, spec.shape, stacked
+        )
+        scale = jnp.full(scale_shape_axes(spec, True)[0], std, jnp.float32)
+        return QuantArray(q, scale, spec.n_contract, True)
     if is_quantized(spec, quant):  # int8 exactly where the checkpoint loader makes it int8
         q = sliced(lambda k, s: jax.random.randint(k, s, -127, 128, jnp.int8), key, spec.shape, stacked)
         lead = _lead(spec, stacked)
@@ -63,8 +70,8 @@ def random_leaf(spec: ParamSpec, quant: str, dtype, key):
 
 
 def random_weights(specs, quant: str, dtype, seed: int = 0, shardings=None):
-    """A weights pytree of the abstract `specs`, with int8 QuantArrays under quant='int8' where a
-    loaded checkpoint has them (matmul weights and the token embedding), each leaf moved to its
+    """A weights pytree of the abstract `specs`, with int8 or FP8 QuantArrays under quant='int8' or
+    'fp8' where a loaded checkpoint has them (`weights.weight_format`), each leaf moved to its
     sharding (if given) as soon as it is made."""
     leaves, treedef = jax.tree_util.tree_flatten(specs, is_leaf=is_spec)
     shards = treedef.flatten_up_to(shardings) if shardings is not None else [None] * len(leaves)

@@ -148,6 +148,12 @@ class ExpertsStacked:
             return self.source.get(name)
         return np.stack([np.concatenate([self.source.get(n) for n in p]) for p in parts])
 
+    def stored(self, name):
+        """A tensor's FP8 values and block scales as stored (`fp8.Fp8Source.stored`); None for the
+        stacked experts and where the source has none."""
+        stored = getattr(self.source, "stored", None)
+        return None if stored is None or name in self.stacked else stored(name)
+
 
 def _one_line(e: Exception) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -25,10 +25,10 @@ import jax.numpy as jnp
 from jaxllm.errors import ModelError
 from jaxllm.model.params import map_specs
 from jaxllm.model.sharding import check_divisible, scale_shape_axes, single_device_layout
-from jaxllm.quant import QuantArray
+from jaxllm.quant import VALUE_DTYPES, QuantArray
 from jaxllm.weights.files import SAVED_META as META
 from jaxllm.weights.files import read_dir
-from jaxllm.weights.weights import is_quantized
+from jaxllm.weights.weights import weight_format
 
 WEIGHTS = "weights"
 VERSION = 1
@@ -148,11 +148,12 @@ def restore_weights(d: Path, cfg, family, quant: str, dtype, layout):
     check_divisible(layout, tree)
 
     def target(spec):
-        sh = layout.param_sharding(spec, is_quantized(spec, quant))
+        fmt = weight_format(spec, quant)
+        sh = layout.param_sharding(spec, fmt)
         if isinstance(sh, QuantArray):
             return {
-                "q": jax.ShapeDtypeStruct(spec.shape, jnp.int8, sharding=sh.q),
-                "scale": jax.ShapeDtypeStruct(scale_shape_axes(spec)[0], jnp.float32, sharding=sh.scale),
+                "q": jax.ShapeDtypeStruct(spec.shape, VALUE_DTYPES[fmt], sharding=sh.q),
+                "scale": jax.ShapeDtypeStruct(scale_shape_axes(spec, sh.blockwise)[0], jnp.float32, sharding=sh.scale),
             }
         return jax.ShapeDtypeStruct(spec.shape, dtype, sharding=sh)
 
@@ -180,7 +181,9 @@ def restore_weights(d: Path, cfg, family, quant: str, dtype, layout):
         sys.unraisablehook = hook
 
     def rebuild(spec, x):
-        return QuantArray(x["q"], x["scale"], spec.n_contract) if isinstance(x, dict) else x
+        if not isinstance(x, dict):
+            return x
+        return QuantArray(x["q"], x["scale"], spec.n_contract, weight_format(spec, quant) == "fp8")
 
     specs, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda s: hasattr(s, "n_contract"))
     return jax.tree_util.tree_unflatten(

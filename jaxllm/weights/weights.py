@@ -7,6 +7,7 @@ never outlives its own conversion.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import jax
@@ -18,7 +19,8 @@ from jaxllm.config.model import ModelConfig
 from jaxllm.errors import ModelError
 from jaxllm.model.params import ParamSpec, is_spec
 from jaxllm.model.sharding import check_divisible, scale_shape_axes, single_device_layout
-from jaxllm.quant import QuantArray, quantize_np, quantize_rows_np
+from jaxllm.quant import VALUE_DTYPES, QuantArray, fp8_ratios, quantize_blocks_np, quantize_np, quantize_rows_np
+from jaxllm.weights.fp8 import layout_scales
 from jaxllm.weights.place import convert_layer, from_host, place_stacked, rows_to_host
 from jaxllm.weights.safetensors_source import ExpertsStacked
 
@@ -86,6 +88,29 @@ def is_quantized(spec: ParamSpec, quant: str) -> bool:
     return bool(spec.n_contract) or (QUANTIZE_EMBEDDINGS and tuple(spec.axes) == ("vocab", "embed"))
 
 
+def weight_format(spec: ParamSpec, quant: str) -> str | None:
+    """A weight's format on the device under `quant`: "int8" (`is_quantized`); "fp8", float8_e4m3fn
+    values with a scale per 128 x 128 block (`quant.fp8_ratios`), for the layers' matmul weights
+    (the embedding and output head keep the compute dtype, as FP8 checkpoints keep them in bf16);
+    None, the compute dtype."""
+    if quant == "fp8":
+        return "fp8" if spec.n_contract and spec.axes[0] == "layers" else None
+    return "int8" if is_quantized(spec, quant) else None
+
+
+def fp8_layer(source, name: str, spec: ParamSpec, convert) -> tuple[np.ndarray, np.ndarray]:
+    """One layer of an FP8 weight (values, block scales): as the checkpoint stores it where it does
+    (`fp8.Fp8Source.stored`), else quantized from its float values."""
+    fetch_check(source, name, spec, True)
+    layer = spec.shape[1:]
+    stored = source.stored(name) if convert is None and not spec.n_batch else None
+    if stored is None:
+        a = fetch(source, name, spec, True, convert)
+        return quantize_blocks_np(a, fp8_ratios(layer, spec.n_batch, spec.n_contract))
+    n = spec.n_contract
+    return to_layout(stored.values, spec, True), layout_scales(stored, layer[:n], layer[n:])
+
+
 def finish(arrays: list[np.ndarray], spec: ParamSpec, stacked: bool, dtype, quant: str):
     """Quantize (matmul weights under int8) or cast each piece, then stack the layers (host arrays,
     for callers that already hold every layer in memory)."""
@@ -104,17 +129,18 @@ def finish(arrays: list[np.ndarray], spec: ParamSpec, stacked: bool, dtype, quan
 
 def place_weight(source, names, spec: ParamSpec, stacked: bool, dtype, quant: str, convert, sharding):
     """One weight of the tree, straight into its device shards (see loading.place)."""
-    int8 = is_quantized(spec, quant)
-    shardings = (sharding.q, sharding.scale) if int8 else (sharding,)
+    fmt = weight_format(spec, quant)
+    int8 = fmt == "int8"
+    shardings = (sharding.q, sharding.scale) if fmt else (sharding,)
     if stacked:
-        shapes = [spec.shape] + ([scale_shape_axes(spec)[0]] if int8 else [])
-        dtypes = [jnp.int8, jnp.float32] if int8 else [dtype]
+        shapes = [spec.shape] + ([scale_shape_axes(spec, fmt == "fp8")[0]] if fmt else [])
+        dtypes = [VALUE_DTYPES[fmt], jnp.float32] if fmt else [dtype]
         nb = getattr(spec, "n_batch", 0)
-        pieces = [
-            lambda nm=nm: convert_layer(fetch(source, nm, spec, True, convert), spec.n_contract, dtype, int8, nb)
-            for nm in names
-        ]
-        arrays = place_stacked(pieces, shapes, dtypes, shardings)
+        if fmt == "fp8":
+            layer = lambda nm: fp8_layer(source, nm, spec, convert)
+        else:
+            layer = lambda nm: convert_layer(fetch(source, nm, spec, True, convert), spec.n_contract, dtype, int8, nb)
+        arrays = place_stacked([partial(layer, nm) for nm in names], shapes, dtypes, shardings)
     elif len(spec.shape) == 2 and "vocab" in spec.axes and convert is None:
         fetch_check(source, names[0], spec, False)
         transpose = bool(spec.n_contract)
@@ -125,7 +151,7 @@ def place_weight(source, names, spec: ParamSpec, stacked: bool, dtype, quant: st
         a = fetch(source, names[0], spec, False, convert)
         host = convert_layer(a, spec.n_contract, dtype, int8) if spec.n_contract or not int8 else quantize_rows_np(a)
         arrays = [from_host(h, sh) for h, sh in zip(host, shardings)]
-    return QuantArray(arrays[0], arrays[1], spec.n_contract) if int8 else arrays[0]
+    return QuantArray(arrays[0], arrays[1], spec.n_contract, fmt == "fp8") if fmt else arrays[0]
 
 
 def build_weights(
@@ -145,7 +171,7 @@ def build_weights(
     check_divisible(layout, tree)
     source = ExpertsStacked(source)
     prefix = detect_prefix(source)
-    shardings = layout.weight_shardings(tree, lambda s: is_quantized(s, quant))
+    shardings = layout.weight_shardings(tree, lambda s: weight_format(s, quant))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_spec)
     sh_leaves = treedef.flatten_up_to(shardings)
     convert = getattr(family, "convert_tensor", None)

@@ -106,7 +106,7 @@ class PallasOps(XlaOps):
         def one(w, spec):
             if isinstance(w, OutMajor):
                 return Stacked(w.w, idx, kernel_axes(spec), out_major=True)
-            if spec.role in IN_PLACE:
+            if spec.role in IN_PLACE and not (_is_quant(w) and w.blockwise):  # FP8 blocks: XLA's matmuls
                 return Stacked(w, idx, kernel_axes(spec))
             return jax.tree_util.tree_map(lambda a: a[idx], w)
 

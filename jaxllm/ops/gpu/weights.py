@@ -50,8 +50,8 @@ def _stack(w, spec):
     if isinstance(w, OutMajor) or kernel_axes(spec) is None:
         return None
     n = spec.n_contract
-    if isinstance(w, QuantArray):
-        return (w.q, n) if w.n_contract == n else None
+    if isinstance(w, QuantArray):  # not FP8 blocks: the kernels take int8 per channel (XLA the rest)
+        return (w.q, n) if w.n_contract == n and not w.blockwise else None
     return w, n
 
 
