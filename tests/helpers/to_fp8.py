@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import ml_dtypes
@@ -36,27 +37,28 @@ def dequantize(q: np.ndarray, scale_inv: np.ndarray, block=(128, 128)) -> np.nda
     return q.astype(np.float32) * s[: q.shape[0], : q.shape[1]]
 
 
-def write(model: torch.nn.Module, path: Path, block=(128, 128), skip=("lm_head",)) -> dict[str, torch.Tensor]:
-    """`model` (float32) saved under `path` in the FP8 format; returns the float32 state dict the file
-    holds (FP8 weights dequantized by the format's formula, the rest rounded to bfloat16), which
-    transformers loads to run the checkpoint as stored."""
+EXPERT = re.compile(r".*\.experts\.\d+\.(gate|up|down)_proj\.weight")   # stored one expert at a time
+
+
+def write(model: torch.nn.Module, path: Path, block=(128, 128), skip=("lm_head",)) -> dict[str, np.ndarray]:
+    """`model` (float32) saved under `path` in the FP8 format: the weights of its nn.Linear modules
+    and of its experts quantized; returns the float32 tensors the file holds, by name (FP8 weights
+    dequantized by the format's formula, the rest rounded to bfloat16)."""
     model.save_pretrained(path)
     linear = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in skip}
-    saved = set(_saved_names(path))                   # without the tied weights save_pretrained leaves out
     tensors, held = {}, {}
-    for name, t in model.state_dict().items():
-        if name not in saved:
-            continue
-        w = t.detach().float().numpy()
-        if name in linear:
-            q, s = quantize(w, block)
-            tensors[name], tensors[name + "_scale_inv"] = q, s
-            held[name] = torch.from_numpy(dequantize(q, s, block))
-        else:
-            tensors[name] = w.astype(ml_dtypes.bfloat16)
-            held[name] = torch.from_numpy(tensors[name].astype(np.float32))
-    for f in path.glob("*.safetensors"):
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="numpy") as h:
+            saved = {n: h.get_tensor(n).astype(np.float32) for n in h.keys()}
         f.unlink()
+        for name, w in saved.items():
+            if name in linear or EXPERT.fullmatch(name):
+                q, s = quantize(w, block)
+                tensors[name], tensors[name + "_scale_inv"] = q, s
+                held[name] = dequantize(q, s, block)
+            else:
+                tensors[name] = w.astype(ml_dtypes.bfloat16)
+                held[name] = tensors[name].astype(np.float32)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((path / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -65,7 +67,11 @@ def write(model: torch.nn.Module, path: Path, block=(128, 128), skip=("lm_head",
     return held
 
 
-def _saved_names(path: Path):
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), framework="numpy") as h:
-            yield from h.keys()
+def write_dequantized(held: dict[str, np.ndarray], fp8_dir: Path, path: Path) -> Path:
+    """The FP8 checkpoint's twin: the same config, unquantized, its tensors `held` in float32."""
+    path.mkdir(parents=True)
+    cfg = json.loads((fp8_dir / "config.json").read_text())
+    del cfg["quantization_config"]
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file(held, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path

@@ -18,6 +18,7 @@ import tiny
 import to_fp8
 import torch
 from safetensors.numpy import save_file
+from transformers import AutoModelForCausalLM
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
 import jaxllm
@@ -30,33 +31,37 @@ from jaxllm.weights.safetensors_source import SafetensorsSource
 ROOT = Path(__file__).resolve().parents[2]
 S, G = "sliding_attention", "full_attention"
 # hidden 128 so that whole 128x128 blocks exist; Gemma 3's MLP width 320 ends in half blocks, its
-# head_dim 64 puts two heads in a block of Q's rows
+# head_dim 64 puts two heads in a block of Q's rows; Qwen3-MoE's experts are stored one at a time
 CASES = {
     "qwen3": ("qwen3", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
                             num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
     "gemma3": ("gemma3", dict(hidden_size=128, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=64, layer_types=[S, G], final_logit_softcapping=30.0)),
+    "qwen3_moe": ("qwen3_moe", dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                                    head_dim=32, moe_intermediate_size=64, tie_word_embeddings=False)),
 }
 IDS = np.random.default_rng(1).integers(0, 160, (2, 13)).astype(np.int32)
 
 
 class Case:
-    """A tiny FP8 checkpoint, transformers' model on the weights it holds, and engines on it."""
+    """A tiny FP8 checkpoint, its twin holding its weights dequantized in float32, transformers'
+    logits of the twin, and engines on the checkpoint."""
 
     def __init__(self, name, d):
         family, over = CASES[name]
-        self.dir = d
-        self.model = tiny.make(family, d, seed=len(name), **over)
-        held = to_fp8.write(self.model, d)
-        missing, unexpected = self.model.load_state_dict(held, strict=False)
-        assert set(missing) <= {"lm_head.weight"} and not unexpected      # tied to the embedding
-        self.ref = tiny.hf_logits(self.model, IDS)
+        self.dir = d / "fp8"
+        held = to_fp8.write(tiny.make(family, self.dir, seed=len(name), **over), self.dir)
+        self.twin = to_fp8.write_dequantized(held, self.dir, d / "twin")
+        model = AutoModelForCausalLM.from_pretrained(self.twin, dtype=torch.float32).eval()
+        self.ref = tiny.hf_logits(model, IDS)
         self._engines = {}
 
-    def engine(self, quant, dtype="float32"):
-        if (quant, dtype) not in self._engines:
-            self._engines[quant, dtype] = jaxllm.load(str(self.dir), quant=quant, dtype=dtype, max_ctx=32)
-        return self._engines[quant, dtype]
+    def engine(self, quant, dtype="float32", kernels="auto"):
+        key = quant, dtype, kernels
+        if key not in self._engines:
+            self._engines[key] = jaxllm.load(str(self.dir), quant=quant, dtype=dtype, max_ctx=32,
+                                             runtime=jaxllm.RuntimeConfig(kernels=kernels))
+        return self._engines[key]
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -70,19 +75,28 @@ def stored(d) -> dict[str, tuple[np.ndarray, np.ndarray]]:
             for n in src.names() if n.endswith("_scale_inv")}
 
 
-def layer_weights_as_hf(eng) -> dict[str, np.ndarray]:
-    """The engine's layer matmul weights under their HF names, [out, in] float32."""
+def layer_weights_as_hf(eng, part=dequantize) -> dict[str, np.ndarray]:
+    """`part` of each of the engine's layer matmul weights (default: its float32 values) under the
+    HF names of a checkpoint that stores experts one at a time, [out, in]."""
     fam = family_named(eng.cfg.family)
     out = {}
     for g, group in fam.abstract(eng.cfg)["layers"].items():
         ids = [i for i in range(eng.cfg.num_layers) if eng.cfg.group_of(i) == g]
         for k, spec in group.items():
-            if spec.n_contract:
-                w = np.asarray(dequantize(eng.weights["layers"][g][k]), np.float32)
-                for j, i in enumerate(ids):
+            if not spec.n_contract:
+                continue
+            w = np.asarray(part(eng.weights["layers"][g][k]))
+            for j, i in enumerate(ids):
+                experts = f"model.layers.{i}.mlp.experts"
+                if k == "experts_gate_up":          # [E, D, 2, F]
+                    for e, x in enumerate(w[j]):
+                        out[f"{experts}.{e}.gate_proj.weight"], out[f"{experts}.{e}.up_proj.weight"] = x[:, 0].T, x[:, 1].T
+                elif k == "experts_down":           # [E, F, D]
+                    out.update({f"{experts}.{e}.down_proj.weight": x.T for e, x in enumerate(w[j])})
+                else:
                     n_in = math.prod(w.shape[1:1 + spec.n_contract])
                     out["model." + fam.hf_name(k, i)] = w[j].reshape(n_in, -1).T
-    return out
+    return {n: np.ascontiguousarray(a) for n, a in out.items()}
 
 
 def transformers_dequantized(q, s):
@@ -111,9 +125,64 @@ def test_logits_match_transformers(case):
 
 def test_int8_close_to_the_fp8_weights(case):
     eng = case.engine("int8")
-    down = eng.weights["layers"][next(iter(eng.weights["layers"]))]["down"]
-    assert isinstance(down, QuantArray) and down.q.dtype == np.int8
+    q = next(iter(eng.weights["layers"].values()))["q"]
+    assert isinstance(q, QuantArray) and q.q.dtype == np.int8
     assert tiny.rel_err(eng.logits(IDS), case.ref) < 5e-2
+
+
+def test_fp8_on_the_device_keeps_the_stored_values(case):
+    """--quant fp8: the layers' matmul weights as the checkpoint stores them, each value with the
+    scale of its block; the stacked experts quantized again from their values."""
+    eng = case.engine("fp8")
+    for group in eng.weights["layers"].values():
+        for k, w in group.items():
+            if k in ("q", "k", "v", "o", "gate", "up", "down", "experts_gate_up", "experts_down"):
+                assert isinstance(w, QuantArray) and w.blockwise and w.q.dtype == ml_dtypes.float8_e4m3fn, k
+    values, got = layer_weights_as_hf(eng, lambda w: w.q), layer_weights_as_hf(eng)
+    for name, (q, s) in stored(case.dir).items():
+        if to_fp8.EXPERT.fullmatch(name):
+            assert tiny.rel_err(got[name], to_fp8.dequantize(q, s)) < 2 ** -4, name
+        else:
+            np.testing.assert_array_equal(values[name].view(np.uint8), q.view(np.uint8), err_msg=name)
+            np.testing.assert_array_equal(got[name], to_fp8.dequantize(q, s), err_msg=name)
+
+
+def test_fp8_on_the_device_computes_the_dequantized_weights(case):
+    """Logits of --quant fp8 are those of --quant none, in float32 and in bfloat16: the matmuls
+    scale each block's values as the dequantization does (the requantized experts: close)."""
+    moe = bool(case.engine("fp8").cfg.moe)
+    for dtype in ("float32", "bfloat16"):
+        err = tiny.rel_err(case.engine("fp8", dtype).logits(IDS), case.engine("none", dtype).logits(IDS))
+        assert err < (5e-2 if moe else 1e-6), (dtype, err)
+
+
+def test_fp8_under_the_gpu_backend_takes_xla_matmuls(case):
+    """The GPU backend's kernels take int8 or float weights: FP8 blocks go to XLA's matmuls (here the
+    kernels run interpreted)."""
+    eng = case.engine("fp8", kernels="pallas")
+    assert eng.ops.name == "pallas"
+    assert tiny.rel_err(eng.logits(IDS), case.engine("fp8").logits(IDS)) < 1e-5
+
+
+def test_convert_keeps_fp8(case, tmp_path):
+    out = convert(case.dir, tmp_path / "fp8", quant="fp8", dtype="float32")
+    saved = jaxllm.load(str(out), quant="fp8", dtype="float32", max_ctx=32)
+    np.testing.assert_array_equal(saved.logits(IDS), case.engine("fp8").logits(IDS))
+
+
+def test_fp8_from_random_weights_and_a_bf16_checkpoint(tmp_path):
+    """--quant fp8 of weights not stored so: quantized in blocks as made or loaded."""
+    eng = jaxllm.load(shape="qwen3-4b", dtype="float32", quant="fp8", max_ctx=32,
+                      shape_overrides=dict(num_hidden_layers=2, hidden_size=128, intermediate_size=384,
+                                           num_attention_heads=2, num_key_value_heads=1, vocab_size=256))
+    down = eng.weights["layers"]["global"]["down"]
+    assert down.blockwise and down.q.shape == (2, 384, 128) and down.scale.shape == (2, 3, 1)
+    assert np.all(np.isfinite(eng.logits(IDS)))
+    _, over = CASES["gemma3"]
+    model = tiny.make("gemma3", tmp_path, seed=5, **over)
+    eng = jaxllm.load(str(tmp_path), quant="fp8", dtype="float32", max_ctx=32)
+    assert eng.weights["layers"]["sliding"]["gate"].blockwise
+    assert tiny.rel_err(eng.logits(IDS), tiny.hf_logits(model, IDS)) < 5e-2
 
 
 def test_convert_to_int8(case, tmp_path):
