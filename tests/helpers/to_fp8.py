@@ -75,3 +75,31 @@ def write_dequantized(held: dict[str, np.ndarray], fp8_dir: Path, path: Path) ->
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     save_file(held, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+def write_qwen3(path: Path, layers=8, hidden=1024, inter=3072, vocab=32000, heads=16, kv=8, hd=64) -> None:
+    """A few-hundred-MB FP8 Qwen3 checkpoint written tensor by tensor (no model is built): the
+    projections FP8, the embedding, output head and norms bfloat16."""
+    path.mkdir()
+    cfg = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=vocab, hidden_size=hidden,
+               intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+               head_dim=hd, tie_word_embeddings=False, max_position_embeddings=4096,
+               quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic",
+                                    "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]})
+    (path / "config.json").write_text(json.dumps(cfg))
+    rng = np.random.default_rng(0)
+    r = lambda *shape: (rng.standard_normal(shape, np.float32) * 0.02)
+    t = {"model.embed_tokens.weight": r(vocab, hidden), "lm_head.weight": r(vocab, hidden), "model.norm.weight": r(hidden)}
+    t = {n: a.astype(ml_dtypes.bfloat16) for n, a in t.items()}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            t[p + n + ".weight"] = r(hidden).astype(ml_dtypes.bfloat16)
+        for n in ("q_norm", "k_norm"):
+            t[p + "self_attn." + n + ".weight"] = r(hd).astype(ml_dtypes.bfloat16)
+        for n, shape in (("self_attn.q_proj", (heads * hd, hidden)), ("self_attn.k_proj", (kv * hd, hidden)),
+                         ("self_attn.v_proj", (kv * hd, hidden)), ("self_attn.o_proj", (hidden, heads * hd)),
+                         ("mlp.gate_proj", (inter, hidden)), ("mlp.up_proj", (inter, hidden)),
+                         ("mlp.down_proj", (hidden, inter))):
+            t[p + n + ".weight"], t[p + n + ".weight_scale_inv"] = quantize(r(*shape))
+    save_file(t, str(path / "model.safetensors"), metadata={"format": "pt"})

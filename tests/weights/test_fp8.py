@@ -235,3 +235,19 @@ def test_convert_cli_refuses_before_jax_loads(tmp_path):
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.stdout.split() == ["2", "False"], r.stderr
     assert r.stderr.strip().count("\n") == 0 and "AWQ checkpoints" in r.stderr
+
+
+@pytest.mark.slow
+def test_load_converts_one_tensor_at_a_time(tmp_path):
+    """Peak host memory growth while loading an FP8 checkpoint as int8, beyond the loaded weights
+    themselves (which the CPU backend keeps in host memory), stays below the checkpoint's own size
+    (its mapped pages count in it): a bf16 copy of the layers' weights (as large as their FP8 bytes
+    twice) or a float32 one would not fit beside them; one tensor is dequantized at a time."""
+    to_fp8.write_qwen3(tmp_path / "m")
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "rss_run.py"), str(tmp_path / "m"), "int8"],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = json.loads(r.stdout.strip().splitlines()[-1])
+    print(f"checkpoint {m['checkpoint_mb']:.0f} MB fp8 -> int8 weights {m['weights_mb']:.0f} MB; "
+          f"peak RSS growth while loading {m['growth_mb']:.0f} MB; load {m['load_s']:.1f} s")
+    assert m["growth_mb"] - m["weights_mb"] < m["checkpoint_mb"]
