@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-import ml_dtypes
 import numpy as np
 
 from jaxllm.errors import ModelError
@@ -16,7 +15,7 @@ from jaxllm.quant import block_ratios
 from jaxllm.weights.stored_quant import Fp8Blocks
 
 SCALE = "_scale_inv"  # `<weight name>_scale_inv`: a quantized weight's block scales
-SCALE_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
+SCALE_DTYPES = ("F32", "BF16", "F16")
 
 
 def dequantize_blocks(q: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
@@ -86,18 +85,20 @@ class Fp8Source:
 
     def stored(self, name: str) -> Stored | None:
         """A quantized weight's values and block scales; None for a tensor stored unquantized."""
+        dtype = self.source.dtype(name)
         if name not in self.scaled:
-            if self.source.get(name).dtype == ml_dtypes.float8_e4m3fn:  # mapped, not read
+            if dtype.startswith("F8"):
                 raise ModelError(f"tensor '{name}' is FP8 but the checkpoint has no '{name}{SCALE}'")
             return None
-        q = self.source.get(name)
-        if q.dtype != ml_dtypes.float8_e4m3fn or q.ndim < 2:
-            raise ModelError(f"tensor '{name}' has block scales but is {q.dtype} {list(q.shape)}, not FP8 (e4m3)")
-        s = self.source.get(name + SCALE)
-        want = (*q.shape[:-2], *(math.ceil(d / b) for d, b in zip(q.shape[-2:], self.block)))
-        if tuple(s.shape) != want or s.dtype not in SCALE_DTYPES:
+        shape = self.source.shape(name)
+        if dtype != "F8_E4M3" or len(shape) < 2:
+            raise ModelError(f"tensor '{name}' has block scales but is {dtype} {list(shape)}, not an F8_E4M3 matrix")
+        want = (*shape[:-2], *(math.ceil(d / b) for d, b in zip(shape[-2:], self.block)))
+        got = (self.source.dtype(name + SCALE), tuple(self.source.shape(name + SCALE)))
+        if got[0] not in SCALE_DTYPES or got[1] != want:
             raise ModelError(
-                f"tensor '{name}{SCALE}' is {s.dtype} {list(s.shape)}; {list(q.shape)} weights in "
+                f"tensor '{name}{SCALE}' is {got[0]} {list(got[1])}; {list(shape)} weights in "
                 f"{self.block[0]}x{self.block[1]} blocks have float scales {list(want)}"
             )
+        q, s = self.source.get(name), self.source.get(name + SCALE)
         return Stored(q, s, self.block)

@@ -57,6 +57,10 @@ class SafetensorsSource:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(self.files[name]).get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The stored dtype's safetensors name ("BF16", "F8_E4M3", ...), read from the header."""
+        return self._handle(self.files[name]).get_slice(name).get_dtype()
+
     def get(self, name: str) -> np.ndarray:
         h = self._handle(self.files[name])
         viewed = VIEWED.get(h.get_slice(name).get_dtype())
