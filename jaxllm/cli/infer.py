@@ -8,7 +8,7 @@ import sys
 from jaxllm.cli import distributed
 from jaxllm.cli.common import add_engine_args, add_sampling_args, load_engine, one_line_errors
 from jaxllm.cli.perplexity import add_perplexity_args, check_perplexity_args, run_perplexity
-from jaxllm.config.engine import Parser, add_flags, from_args, positive_int
+from jaxllm.config.engine import Parser, add_flags, from_args, positive_int, settle
 from jaxllm.engine.request import check_sampling
 from jaxllm.errors import RequestError
 
@@ -58,7 +58,7 @@ def prompts_from(args) -> list[str]:
 def check_args(args):
     """Every flag, and the files they name, before JAX loads."""
     distributed.check_args(args)
-    from_args(args)
+    settle(args, from_args(args))  # what was not given reads as its default from here on
     if args.perplexity:
         check_perplexity_args(args)
     else:

@@ -96,7 +96,9 @@ def test_cli_continuation_and_json():
 def infer_json(eng, capsys, *args):
     """`python -m jaxllm.infer --json ARGS` past loading, on a loaded engine -> (records, stderr)."""
     from jaxllm.cli import infer
-    infer.run_generate(infer.build_parser().parse_args(["--json", *args]), eng)
+    parsed = infer.build_parser().parse_args(["--json", *args])
+    infer.check_args(parsed)
+    infer.run_generate(parsed, eng)
     out = capsys.readouterr()
     return [json.loads(line) for line in out.out.splitlines()], out.err
 
