@@ -95,40 +95,12 @@ def table_entry(M: int, N: int, out_major: bool, gated: bool) -> Entry:
     )
 
 
-def choose_tiles(
-    M: int,
-    K: int,
-    N: int,
-    gated: bool = False,
-    w_bytes: int = 1,
-    *,
-    bn=None,
-    bk=None,
-    warps=None,
-    out_major: bool = False,
-    outputs: int = 1,
-    psum_after: bool = False,
-    widen: str | None = None,
-) -> Tiles:
-    """Blocks for an [M, K] x [K, N] product (N summed over the weights of a fused call, `outputs`
-    of them): the device kind's table entry for it (`table_entry`), as `tiles_of` completes it;
-    `bn`, `bk` and `warps` replace the entry's where given. With `psum_after` the product is a
-    row-parallel shard under tensor parallelism, all-reduced next."""
-    return tiles_of(
-        table_entry(M, N, out_major, gated),
-        M,
-        K,
-        N,
-        gated,
-        w_bytes,
-        bn=bn,
-        bk=bk,
-        warps=warps,
-        out_major=out_major,
-        outputs=outputs,
-        psum_after=psum_after,
-        widen=widen,
-    )
+def choose_tiles(M: int, K: int, N: int, gated: bool = False, w_bytes: int = 1, **kw) -> Tiles:
+    """Blocks for an [M, K] x [K, N] product (N summed over the weights of a fused call): the device
+    kind's table entry for it (`table_entry`), as `tiles_of` completes it with `kw` (its `bn`, `bk`
+    and `warps` replace the entry's where given; `psum_after`: a row-parallel shard under tensor
+    parallelism, all-reduced next)."""
+    return tiles_of(table_entry(M, N, kw.get("out_major", False), gated), M, K, N, gated, w_bytes, **kw)
 
 
 def tiles_of(
